@@ -1,0 +1,107 @@
+"""Paged attention registered through transformers' ``AttentionInterface``.
+
+The model's own attention modules compute q/k/v and RoPE; this function then
+  1. writes the step's new K/V into the pool at ``slot_mapping`` (slot = block * block_size
+     + offset), and
+  2. attends each sequence's queries over its own context, read back through its block
+     table.
+
+Token layout of one step (one packed row, no padding)::
+
+    [ d0 d1 ... d(n-1) | p0 p0 p0 p0 | p1 p1 | ... ]
+      decode tokens,     prefill segments (whole prompts or chunks)
+      one per sequence
+
+Decode tokens run as one batched SDPA over a ``[num_decode, max_context]`` slot gather
+(masked past each sequence's length). A prefill segment whose whole context is in this
+step (a fresh prompt) attends causally over its own new K/V; a chunk that continues a
+prompt gathers its earlier context from the pool with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.kv_pool import KVPool
+
+PAGED_ATTENTION = "tandem_paged"
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """Queries ``[q_start, q_end)`` of the packed row; ``context_slots`` is None for a fresh prompt."""
+
+    q_start: int
+    q_end: int
+    context_slots: torch.Tensor | None = None  # [context_len] slots incl. this chunk
+    mask: torch.Tensor | None = None  # [1, 1, q_len, context_len] bool
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    pool: KVPool
+    slot_mapping: torch.Tensor  # [num_tokens]
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode, max_context]
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] bool, None if all full
+    prefill_segments: tuple[PrefillSegment, ...]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_metadata: PagedAttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """query ``[1, H, T, D]``, key/value ``[1, KVH, T, D]`` -> output ``[1, T, H, D]``."""
+    meta = paged_metadata
+    if meta is None:
+        raise RuntimeError("paged attention called without paged_metadata (use engine.model_runner)")
+    layer = module.layer_idx
+    k_slots = meta.pool.key_slots(layer)
+    v_slots = meta.pool.value_slots(layer)
+    k_slots.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_slots.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    num_tokens = query.shape[2]
+    out = query.new_empty(num_tokens, query.shape[1], query.shape[3])
+    nd = meta.num_decode
+    if nd:
+        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
+        k = k_slots[meta.decode_slots].transpose(1, 2)  # [nd, KVH, ctx, D]
+        v = v_slots[meta.decode_slots].transpose(1, 2)
+        o, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling)
+        out[:nd] = o[:, 0]
+    for seg in meta.prefill_segments:
+        q = query[:, :, seg.q_start : seg.q_end]
+        if seg.context_slots is None:
+            k = key[:, :, seg.q_start : seg.q_end]
+            v = value[:, :, seg.q_start : seg.q_end]
+        else:
+            k = k_slots[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            v = v_slots[seg.context_slots].transpose(0, 1).unsqueeze(0)
+        o, _ = sdpa_attention_forward(module, q, k, v, seg.mask, scaling=scaling)
+        out[seg.q_start : seg.q_end] = o[0]
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """The model must not build a dense mask: paged attention masks per sequence itself."""
+    return None
+
+
+def register_paged_attention() -> str:
+    """Register the function and its (empty) mask builder; returns the implementation name."""
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+    AttentionMaskInterface.register(PAGED_ATTENTION, _no_mask)
+    return PAGED_ATTENTION

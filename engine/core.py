@@ -1,0 +1,281 @@
+"""EngineCore: the synchronous engine. One ``step()`` = schedule, run the model, sample.
+
+Entry points by role (``engine.params.Role``):
+  * ``add_request``  (roles decode, both): the whole request here;
+  * ``add_prefill``  (roles prefill, both): stop after the first token; the prompt's blocks
+    stay pinned until ``release`` (the KV transport reads them from there);
+  * ``reserve`` then ``add_decode`` (roles decode, both): hold blocks while KV arrives from
+    elsewhere, then continue from that KV and the first token.
+The role only gates new admissions; work already admitted finishes when it changes.
+
+Preemption of a request whose KV came from elsewhere: see ``engine.scheduler`` (never
+recomputed here unless ``EngineConfig.recompute_remote_kv``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig, resolve_limits
+from engine.detokenizer import TextStream
+from engine.kv_pool import KVPool, layout_for
+from engine.loader import LoadedModel, ModelSpec, load_model
+from engine.model_runner import ModelRunner
+from engine.params import (
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    Role,
+    SamplingParams,
+    TokenLogprobs,
+)
+from engine.sampling import sample_batch, token_logprobs
+from engine.scheduler import Scheduler, Sequence
+from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
+
+
+class RoleError(RuntimeError):
+    """The engine's current role does not accept this kind of request."""
+
+
+@dataclass(eq=False)
+class _Request:
+    request: GenerationRequest
+    seq: Sequence
+    stream: TextStream
+    generator: torch.Generator | None
+    prefill_only: bool
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.config = config
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        model = loaded.model
+        self.device = model.device
+        self.layout = layout_for(model.config, config.block_size, model.dtype)
+        self.limits = resolve_limits(config, model.config.max_position_embeddings, self.layout.bytes_per_block)
+        self.pool = KVPool(self.layout, self.limits.num_blocks, self.device)
+        self.allocator = BlockAllocator(self.limits.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            self.limits.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.recompute_remote_kv,
+        )
+        self.runner = ModelRunner(model, self.pool)
+        self.role = config.role
+        self._eos_ids = eos_token_ids(model, self.tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._pinned: dict[str, list[int]] = {}
+        self._reserved: dict[str, list[int]] = {}
+        self._pending: list[RequestOutput] = []
+        self._default_generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec | None = None, config: EngineConfig | None = None) -> EngineCore:
+        return cls(load_model(spec or ModelSpec()), config)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt: str | list[ChatMessage] | list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> GenerationRequest:
+        """Tokenize a text prompt, or a chat (list of messages) through the chat template."""
+        ids = encode_prompt(self.tokenizer, prompt)
+        return GenerationRequest(request_id or f"req-{next(self._ids)}", tuple(ids), sampling or SamplingParams())
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self._require_role(Role.DECODE, "generate")
+        self._admit(request, prefill_only=False, remote_blocks=None)
+
+    def add_prefill(self, request: GenerationRequest) -> None:
+        self._require_role(Role.PREFILL, "prefill")
+        self._admit(request, prefill_only=True, remote_blocks=None)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Hold blocks for ``num_tokens`` tokens of a request whose KV will arrive; None if full."""
+        self._require_role(Role.DECODE, "reserve")
+        if request_id in self._reserved or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} already exists on this engine")
+        if not 1 <= num_tokens <= self.limits.max_model_len:
+            raise ValueError(f"num_tokens must be in [1, {self.limits.max_model_len}], got {num_tokens}")
+        needed = self.allocator.blocks_needed(num_tokens)
+        if not self.allocator.can_allocate(needed):
+            return None
+        self._reserved[request_id] = self.allocator.allocate(needed)
+        return list(self._reserved[request_id])
+
+    def add_decode(self, request: GenerationRequest, block_ids: list[int], first_token: int) -> None:
+        """Continue ``request`` from KV already written into ``block_ids`` (from ``reserve``)."""
+        self._require_role(Role.DECODE, "decode")
+        held = self._reserved.get(request.request_id)
+        if held is None or list(block_ids) != held:
+            raise ValueError(f"block_ids {list(block_ids)} were not reserved for {request.request_id!r}")
+        self._admit(request, prefill_only=False, remote_blocks=held)
+        del self._reserved[request.request_id]
+        self._pending.append(self._append_token(self._requests[request.request_id], first_token, None))
+
+    def release(self, request_id: str) -> bool:
+        """Free the pinned blocks of a finished prefill, or reserved blocks never used."""
+        blocks = self._pinned.pop(request_id, None) or self._reserved.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.allocator.free(blocks)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Drop everything the request holds (running, waiting, pinned or reserved)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._pending.append(self._finish(state, FinishReason.ABORT, "", ()))
+            return True
+        return self.release(request_id)
+
+    def set_role(self, role: Role | str) -> None:
+        self.role = Role(role)
+
+    def _require_role(self, accepted: Role, what: str) -> None:
+        if self.role not in (accepted, Role.BOTH):
+            raise RoleError(f"engine in role {self.role.value!r} does not accept {what} requests")
+
+    def _admit(self, request: GenerationRequest, prefill_only: bool, remote_blocks: list[int] | None) -> None:
+        rid = request.request_id
+        if rid in self._requests or rid in self._pinned:
+            raise ValueError(f"request_id {rid!r} already exists on this engine")
+        self._validate_length(request)
+        prompt = list(request.prompt_token_ids)
+        seq = Sequence(rid, prompt, len(prompt), remote_kv=remote_blocks is not None)
+        if remote_blocks is not None:
+            seq.block_ids = list(remote_blocks)
+            seq.num_computed_tokens = len(prompt)
+        sp = request.sampling
+        generator = None
+        if sp.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(sp.seed)
+        elif not sp.greedy:
+            generator = self._default_generator
+        stream = TextStream(self.tokenizer, prompt, sp.stop)
+        self._requests[rid] = _Request(request, seq, stream, generator, prefill_only)
+        self.scheduler.add(seq)
+
+    def _validate_length(self, request: GenerationRequest) -> None:
+        limit = self.limits.max_model_len
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt >= limit:
+            raise ValueError(f"prompt is {num_prompt} tokens, the context (max_model_len) is {limit} tokens")
+        if num_prompt + request.sampling.max_tokens > limit:
+            raise ValueError(
+                f"max_tokens={request.sampling.max_tokens} is beyond the context: prompt {num_prompt} tokens + "
+                f"max_tokens > max_model_len {limit}"
+            )
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, sample; returns what each touched request produced."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        for seq, message in plan.failed:
+            outputs.append(self._finish(self._requests[seq.request_id], FinishReason.ERROR, "", (), message))
+        if not plan.chunks:
+            return outputs
+        logits = self.runner.execute(plan.chunks)
+        for seq, chunk in zip(plan.scheduled, plan.chunks):
+            seq.num_computed_tokens += len(chunk.token_ids)
+        sampled = [self._requests[c.request_id] for c in plan.chunks if c.sample]
+        params = [s.request.sampling for s in sampled]
+        tokens = sample_batch(logits, params, [s.generator for s in sampled])
+        for row, (state, token) in enumerate(zip(sampled, tokens)):
+            num_top = state.request.sampling.logprobs
+            logprobs = token_logprobs(logits[row], token, num_top) if num_top is not None else None
+            outputs.append(self._append_token(state, token, logprobs))
+        return outputs
+
+    def _append_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq, sp = state.seq, state.request.sampling
+        seq.token_ids.append(token)
+        text, hit_stop = state.stream.push(token)
+        lps = (logprobs,) if logprobs is not None else ()
+        if hit_stop or token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos):
+            return self._finish(state, FinishReason.STOP, text, (token,), logprobs=lps)
+        if seq.num_output_tokens >= sp.max_tokens:
+            return self._finish(state, FinishReason.LENGTH, text + state.stream.flush(), (token,), logprobs=lps)
+        if state.prefill_only:
+            return self._pin(state, text, token, lps)
+        return self._output(state, (token,), text, False, None, lps)
+
+    def _pin(self, state: _Request, text: str, token: int, lps: tuple[TokenLogprobs, ...]) -> RequestOutput:
+        """End the prefill phase: the blocks move from the request to the pinned set."""
+        rid = state.request.request_id
+        self._pinned[rid] = self.scheduler.remove(state.seq, free_blocks=False)
+        del self._requests[rid]
+        return self._output(state, (token,), text, True, None, lps, pinned=tuple(self._pinned[rid]))
+
+    def _finish(
+        self,
+        state: _Request,
+        reason: FinishReason,
+        text: str,
+        tokens: tuple[int, ...],
+        error: str | None = None,
+        logprobs: tuple[TokenLogprobs, ...] = (),
+    ) -> RequestOutput:
+        self.scheduler.remove(state.seq)
+        del self._requests[state.request.request_id]
+        return self._output(state, tokens, text, True, reason, logprobs, error=error)
+
+    def _output(
+        self,
+        state: _Request,
+        tokens: tuple[int, ...],
+        text: str,
+        finished: bool,
+        reason: FinishReason | None,
+        logprobs: tuple[TokenLogprobs, ...],
+        error: str | None = None,
+        pinned: tuple[int, ...] = (),
+    ) -> RequestOutput:
+        seq = state.seq
+        return RequestOutput(
+            request_id=state.request.request_id,
+            token_ids=tokens,
+            text=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            logprobs=logprobs,
+            error=error,
+            pinned_block_ids=pinned,
+        )
+
+    # ---- introspection ----------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            role=self.role,
+            num_total_blocks=self.allocator.num_blocks,
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_pinned_blocks=sum(len(b) for b in list(self._pinned.values())),
+            num_reserved_blocks=sum(len(b) for b in list(self._reserved.values())),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            block_size=self.config.block_size,
+        )

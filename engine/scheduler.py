@@ -1,0 +1,219 @@
+"""Continuous-batching scheduler: decides which tokens run this step. No torch.
+
+Every step, running sequences go first (one decode token each, or the next prompt chunk),
+then waiting sequences are admitted in FIFO order while the token budget
+(``max_num_batched_tokens``), ``max_num_seqs`` and free blocks allow. Requests join and
+leave the batch at every step.
+
+Preemption (blocks ran out while a running sequence needs one more):
+  * the victim is the most recently admitted running sequence not yet scheduled this step;
+    it loses its blocks and goes back to the head of the waiting queue, to be recomputed
+    (prompt + tokens generated so far) when blocks free up;
+  * a sequence whose KV came from another replica (``remote_kv``) is never a victim, and is
+    never recomputed here, unless ``recompute_remote_kv`` is set: re-running a long prefill
+    on a decode replica is what disaggregation exists to avoid. Such a sequence that cannot
+    grow *stalls* (keeps its blocks, skips the step) until others finish;
+  * if a step would schedule nothing while sequences are stalled, the newest stalled
+    sequence fails with an error (its blocks are freed), so the engine never deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.block_allocator import BlockAllocator
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Scheduling state of one request. ``token_ids`` is prompt + generated tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    remote_kv: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's work in one step (the scheduler's plan, the runner's input).
+
+    ``token_ids`` run at positions ``start_pos ..``; ``block_ids`` is the sequence's block
+    table and covers at least ``start_pos + len(token_ids)`` tokens. ``sample`` is set
+    when the chunk reaches the sequence's last known token, so its logits pick the next::
+
+        token_ids of the sequence:  [p0 p1 p2 p3 p4 | g0 g1]   (prompt | generated)
+        num_computed_tokens = 6                 ^ start_pos = 6, chunk = (g1,), sample
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start_pos > 0
+
+
+@dataclass(frozen=True)
+class SchedulerPlan:
+    chunks: tuple[ScheduledChunk, ...]
+    scheduled: tuple[Sequence, ...]
+    preempted: tuple[str, ...]
+    failed: tuple[tuple[Sequence, str], ...]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        recompute_remote_kv: bool = False,
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.recompute_remote_kv = recompute_remote_kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence, free_blocks: bool = True) -> list[int]:
+        """Take a sequence out of the queues; returns its blocks (freed unless told not to)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        block_ids, seq.block_ids = seq.block_ids, []
+        if free_blocks:
+            self.allocator.free(block_ids)
+        return block_ids
+
+    def schedule(self) -> SchedulerPlan:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: list[Sequence] = []
+        preempted: list[str] = []
+        stalled: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow(seq, seq.num_computed_tokens + n, scheduled, preempted):
+                chunks.append(self._chunk(seq, n))
+                scheduled.append(seq)
+                budget -= n
+            elif seq.status is SeqStatus.RUNNING:
+                stalled.append(seq)
+            else:
+                continue  # seq preempted itself: running[i] is now the next one
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, chunks, scheduled)
+        failed: list[tuple[Sequence, str]] = []
+        if not chunks and stalled:
+            victim = stalled[-1]
+            failed.append((victim, self._exhausted_message(victim)))
+        return SchedulerPlan(tuple(chunks), tuple(scheduled), tuple(preempted), tuple(failed))
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: list[Sequence]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            needed = self.allocator.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
+            if not self.allocator.can_allocate(needed):
+                break
+            seq.block_ids.extend(self.allocator.allocate(needed))
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            scheduled.append(seq)
+            budget -= n
+        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int, scheduled: list[Sequence], preempted: list[str]) -> bool:
+        """Make ``seq``'s blocks cover ``num_tokens``, preempting newer sequences if needed."""
+        needed = self.allocator.blocks_needed(num_tokens) - len(seq.block_ids)
+        while not self.allocator.can_allocate(needed):
+            victim = self._pick_victim(seq, scheduled)
+            if victim is None:
+                if self._preemptible(seq):
+                    self._preempt(seq)
+                    preempted.append(seq.request_id)
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        seq.block_ids.extend(self.allocator.allocate(needed))
+        return True
+
+    def _preemptible(self, seq: Sequence) -> bool:
+        return not seq.remote_kv or self.recompute_remote_kv
+
+    def _pick_victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence | None:
+        for candidate in reversed(self.running):
+            if candidate is not seq and candidate not in scheduled and self._preemptible(candidate):
+                return candidate
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            request_id=seq.request_id,
+            token_ids=tuple(seq.token_ids[start : start + n]),
+            start_pos=start,
+            block_ids=tuple(seq.block_ids),
+            sample=start + n == seq.num_tokens,
+        )
+
+    def _exhausted_message(self, seq: Sequence) -> str:
+        return (
+            f"KV cache exhausted: request {seq.request_id} needs a block for token {seq.num_tokens} but all "
+            f"{self.allocator.num_blocks} blocks are held by requests whose KV came from another replica "
+            "(recompute_remote_kv is off)"
+        )

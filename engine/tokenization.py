@@ -1,0 +1,48 @@
+"""Prompts to token ids: plain text, token ids, or a chat through the model's template."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+ChatMessage = Mapping[str, str]
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase | None, prompt: str | Sequence[ChatMessage] | Sequence[int]
+) -> list[int]:
+    """Token ids of a prompt. A list of ``{"role", "content"}`` dicts uses the chat template."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer (dummy weights); pass token ids")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    items = list(prompt)
+    if not items:
+        raise ValueError("prompt must not be empty")
+    if all(isinstance(m, Mapping) for m in items):
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ValueError("messages: this model has no chat template")
+        for i, m in enumerate(items):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        encoded = tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+        return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
+    if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+        return items
+    raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    ids: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
