@@ -145,6 +145,12 @@ class EngineCore:
             return True
         return self.release(request_id)
 
+    def abort_all(self) -> None:
+        """Abort every request and drop pinned and reserved blocks (after a failed step)."""
+        for request_id in [*self._requests, *self._pinned, *self._reserved]:
+            self.abort(request_id)
+        self._pending.clear()
+
     def set_role(self, role: Role | str) -> None:
         self.role = Role(role)
 
@@ -278,4 +284,5 @@ class EngineCore:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             block_size=self.config.block_size,
+            num_preemptions=self.scheduler.num_preemptions,
         )

@@ -177,3 +177,4 @@ class EngineStats:
     num_running: int
     num_waiting: int
     block_size: int
+    num_preemptions: int  # since start

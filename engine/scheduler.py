@@ -101,6 +101,7 @@ class Scheduler:
         self.recompute_remote_kv = recompute_remote_kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -198,6 +199,7 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

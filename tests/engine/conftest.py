@@ -1,0 +1,115 @@
+"""Engine test helpers: engines that check their pool on teardown, HF references, prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loader import LoadedModel
+from engine.params import GenerationRequest, RequestOutput, SamplingParams
+from tests.corpus import CHAT_QUESTIONS, prompt_of_length
+from tests.same_output import GreedyTrace, trace_from_logits
+
+NUM_COMPARED = 32
+PROMPT_LENGTHS = (1, 9, 120, 300, 640, 1000, 1500)
+
+
+def greedy(max_tokens: int = NUM_COMPARED) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+
+
+def assert_pool_idle(core: EngineCore) -> None:
+    stats = core.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
+    assert (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., EngineCore]]:
+    """Build engines; after the test every engine must have all its blocks free again."""
+    made: list[EngineCore] = []
+
+    def build(loaded: LoadedModel, **config: object) -> EngineCore:
+        config.setdefault("max_model_len", 2048)
+        config.setdefault("kv_cache_bytes", 160 << 20)
+        core = EngineCore(loaded, EngineConfig(**config))
+        made.append(core)
+        return core
+
+    yield build
+    for core in made:
+        assert_pool_idle(core)
+
+
+def run_to_completion(
+    core: EngineCore, arrivals: dict[int, list[GenerationRequest]]
+) -> dict[str, list[RequestOutput]]:
+    """Step until idle, adding ``arrivals[k]`` before step k; returns outputs per request."""
+    outputs: dict[str, list[RequestOutput]] = {}
+    step = 0
+    while core.has_work() or any(k >= step for k in arrivals):
+        for request in arrivals.get(step, []):
+            core.add_request(request)
+            outputs[request.request_id] = []
+        for out in core.step():
+            outputs[out.request_id].append(out)
+        step += 1
+    return outputs
+
+
+def hf_greedy(loaded: LoadedModel, prompt: list[int], num_tokens: int = NUM_COMPARED) -> GreedyTrace:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return trace_from_logits(out.sequences[0, len(prompt) :].tolist(), out.scores)
+
+
+@pytest.fixture(scope="session")
+def smol_prompts(smol: LoadedModel) -> list[list[int]]:
+    """8 prompts of 1 to 1,500 tokens: corpus slices and a chat-templated question."""
+    tok = smol.tokenizer
+    prompts = [prompt_of_length(tok, n, offset=17 * i) for i, n in enumerate(PROMPT_LENGTHS)]
+    chat = tok.apply_chat_template([{"role": "user", "content": CHAT_QUESTIONS[0]}], add_generation_prompt=True)
+    prompts.insert(2, list(chat["input_ids"] if hasattr(chat, "keys") else chat))
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def smol_hf_traces(smol_reference: LoadedModel, smol_prompts: list[list[int]]) -> list[GreedyTrace]:
+    return [hf_greedy(smol_reference, p) for p in smol_prompts]
+
+
+def tiny_loaded(family: str, seed: int = 0) -> tuple[LoadedModel, LoadedModel]:
+    """A random-weight model of a real family, twice (engine copy, reference copy)."""
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    config = LlamaConfig(**common) if family == "llama" else Qwen2Config(**common)
+    config.eos_token_id = None
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        pair.append(LoadedModel(model=model, tokenizer=None, name=f"tiny-{family}"))
+    return pair[0], pair[1]

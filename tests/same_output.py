@@ -1,0 +1,59 @@
+"""The one definition of "same output" every test uses.
+
+Requests run one at a time must match transformers' greedy ``generate`` token for token.
+Batched, chunked or packed runs must match up to the first divergence, and at that
+divergence each side's token must be among the other side's top-5 tokens (float32
+kernels differ slightly between batch shapes; vLLM's tests use the same rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MIN_COMPARED_TOKENS = 32
+TOP_N = 5
+
+
+@dataclass(frozen=True)
+class GreedyTrace:
+    """Generated tokens and, per position, the top-5 token ids of the distribution."""
+
+    tokens: tuple[int, ...]
+    top: tuple[tuple[int, ...], ...]
+
+
+def trace_from_logits(tokens: Sequence[int], logits: Sequence[torch.Tensor]) -> GreedyTrace:
+    top = tuple(tuple(torch.topk(row.float(), TOP_N).indices.tolist()) for row in logits)
+    return GreedyTrace(tuple(tokens), top)
+
+
+def trace_from_outputs(outputs: Sequence) -> GreedyTrace:
+    """From engine ``RequestOutput``s of a request run with ``logprobs=5``."""
+    tokens = [t for o in outputs for t in o.token_ids]
+    top = [tuple(t for t, _ in lp.top) for o in outputs for lp in o.logprobs]
+    return GreedyTrace(tuple(tokens), tuple(top))
+
+
+def first_divergence(expected: GreedyTrace, actual: GreedyTrace) -> int | None:
+    for i, (a, b) in enumerate(zip(expected.tokens, actual.tokens)):
+        if a != b:
+            return i
+    return None
+
+
+def assert_same_output(expected: GreedyTrace, actual: GreedyTrace, exact: bool, label: str = "") -> None:
+    assert len(expected.tokens) >= MIN_COMPARED_TOKENS, f"{label}: only {len(expected.tokens)} reference tokens"
+    assert len(actual.tokens) == len(expected.tokens), (
+        f"{label}: {len(actual.tokens)} tokens, expected {len(expected.tokens)}"
+    )
+    i = first_divergence(expected, actual)
+    if i is None:
+        return
+    assert not exact, f"{label}: token {i} differs: {actual.tokens[i]} != {expected.tokens[i]} (exact run)"
+    assert actual.tokens[i] in expected.top[i] and expected.tokens[i] in actual.top[i], (
+        f"{label}: token {i} differs ({actual.tokens[i]} vs {expected.tokens[i]}) and is not in the other's "
+        f"top-{TOP_N}: expected top {expected.top[i]}, actual top {actual.top[i]}"
+    )
