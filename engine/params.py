@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """What an engine replica does with the requests it admits.
 
     ``prefill``: run the prompt, sample the first token, keep the blocks pinned until
@@ -23,7 +23,7 @@ class Role(str, Enum):
     BOTH = "both"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # aborted by the caller

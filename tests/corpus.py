@@ -37,7 +37,9 @@ PARAGRAPHS = (
     "months to appear in the data.",
 )
 
-CORPUS = "\n\n".join(PARAGRAPHS[i % len(PARAGRAPHS)] for i in (0, 1, 2, 3, 4, 5, 6, 7, 3, 0, 6, 1, 7, 2, 5, 4, 5, 2, 7, 0, 4, 1, 6, 3))
+CORPUS = "\n\n".join(
+    PARAGRAPHS[i % len(PARAGRAPHS)] for i in (0, 1, 2, 3, 4, 5, 6, 7, 3, 0, 6, 1, 7, 2, 5, 4, 5, 2, 7, 0, 4, 1, 6, 3)
+)
 
 CHAT_QUESTIONS = (
     "What is the capital of France?",

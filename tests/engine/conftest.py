@@ -46,9 +46,7 @@ def make_engine() -> Iterator[Callable[..., EngineCore]]:
         assert_pool_idle(core)
 
 
-def run_to_completion(
-    core: EngineCore, arrivals: dict[int, list[GenerationRequest]]
-) -> dict[str, list[RequestOutput]]:
+def run_to_completion(core: EngineCore, arrivals: dict[int, list[GenerationRequest]]) -> dict[str, list[RequestOutput]]:
     """Step until idle, adding ``arrivals[k]`` before step k; returns outputs per request."""
     outputs: dict[str, list[RequestOutput]] = {}
     step = 0

@@ -1,0 +1,103 @@
+"""Detokenization, stop strings, stop tokens, EOS, seeded sampling (default model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.detokenizer import TextStream
+from engine.params import FinishReason, GenerationRequest, SamplingParams
+from engine.sampling import apply_top_k, apply_top_p
+from tests.engine.conftest import run_to_completion
+
+
+def _run(core, prompt, **sampling):
+    request = core.make_request(prompt, SamplingParams(**sampling))
+    return run_to_completion(core, {0: [request]})[request.request_id]
+
+
+def test_deltas_never_split_multibyte_characters(smol):
+    tok = smol.tokenizer
+    text = "Café ☕ naïve 日本語 🚀🚀 done"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    stream = TextStream(tok, [1], ())
+    deltas = [stream.push(t)[0] for t in ids] + [stream.flush()]
+    assert "".join(deltas) == tok.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert len(ids) > len([d for d in deltas if d])  # some tokens were partial characters
+
+
+def test_stop_string_split_across_tokens_is_cut_exactly(smol):
+    tok = smol.tokenizer
+    ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tok, [1], ("ta gam",))
+    emitted, hit = "", False
+    for t in ids:
+        delta, hit = stream.push(t)
+        emitted += delta
+        if hit:
+            break
+    assert hit and emitted == " alpha be"
+
+
+def test_stop_string_in_generation(smol, make_engine):
+    core = make_engine(smol)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    full = _run(core, chat, max_tokens=20, temperature=0)
+    full_text = "".join(o.text for o in full)
+    assert full_text == "The capital of France is Paris."
+    assert full[-1].finish_reason is FinishReason.STOP  # EOS
+    cut = _run(core, chat, max_tokens=20, temperature=0, stop=["France"])
+    assert "".join(o.text for o in cut) == "The capital of "
+    assert cut[-1].finish_reason is FinishReason.STOP
+    assert cut[-1].num_output_tokens < full[-1].num_output_tokens
+
+
+def test_stop_token_ids_and_max_tokens(smol, make_engine):
+    core = make_engine(smol)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    full = [t for o in _run(core, chat, max_tokens=20, temperature=0) for t in o.token_ids]
+    outs = _run(core, chat, max_tokens=20, temperature=0, stop_token_ids=[full[3]])
+    assert [t for o in outs for t in o.token_ids] == full[:4]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    outs = _run(core, chat, max_tokens=3, temperature=0)
+    assert [t for o in outs for t in o.token_ids] == full[:3]
+    assert (outs[-1].finish_reason, outs[-1].num_output_tokens) == (FinishReason.LENGTH, 3)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(smol, make_engine):
+    core = make_engine(smol)
+    sp = dict(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True)
+    a = _run(core, "Once upon a time", seed=1234, **sp)
+    b = _run(core, "Once upon a time", seed=1234, **sp)
+    c = _run(core, "Once upon a time", seed=99, **sp)
+    tokens = [[t for o in run for t in o.token_ids] for run in (a, b, c)]
+    assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
+    # the same seeded request next to other traffic: same tokens
+    requests = [
+        GenerationRequest(
+            "seeded", tuple(core.make_request("Once upon a time").prompt_token_ids), SamplingParams(seed=1234, **sp)
+        ),
+        core.make_request("The weather today", SamplingParams(max_tokens=24, temperature=1.0)),
+    ]
+    batch = run_to_completion(core, {0: requests})
+    assert [t for o in batch["seeded"] for t in o.token_ids] == tokens[0]
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    assert torch.isinf(apply_top_k(logits, 2)).tolist() == [True, False, False, True]
+    probs = torch.softmax(logits, -1)  # [0.087, 0.644, 0.237, 0.032]
+    kept = ~torch.isinf(apply_top_p(logits, 0.7))
+    assert kept.tolist() == [False, True, True, False]
+    assert (~torch.isinf(apply_top_p(logits, 0.5))).tolist() == [False, True, False, False]
+    assert probs.argmax() == 1
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_logprobs_are_returned(smol, make_engine, n):
+    core = make_engine(smol)
+    outs = _run(core, "Hello", max_tokens=2, temperature=0, logprobs=n)
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert len(lps) == 2 and all(len(lp.top) == n for lp in lps)
+    assert lps[0].token_id == lps[0].top[0][0] and lps[0].logprob == pytest.approx(lps[0].top[0][1])
