@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from engine.attention import PagedAttentionMetadata, PrefillSegment, register_paged_attention
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledChunk
+from engine.weights import optimize_cpu_layout
 
 LayerHook = Callable[[int], None]
 
@@ -27,6 +28,8 @@ class ModelRunner:
         self.device = pool.tensor.device
         self.block_size = pool.layout.block_size
         model.set_attn_implementation(register_paged_attention())
+        if self.device.type == "cpu":
+            optimize_cpu_layout(model)
         self._decoder = getattr(model, model.base_model_prefix)
         self._lm_head = model.get_output_embeddings()
         self._layer_hooks: list[LayerHook] = []

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
-from tests.corpus import CHAT_QUESTIONS, prompt_of_length
+from bench.corpus import CHAT_QUESTIONS, prompt_of_length
 from tests.same_output import GreedyTrace, trace_from_logits
 
 NUM_COMPARED = 32

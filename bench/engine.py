@@ -1,0 +1,264 @@
+"""Engine benchmark: ``python -m bench.engine`` (summary in docs/benchmarks/engine.md).
+
+For each torch thread count (1 and 2), in a fresh subprocess so peak RSS is per run:
+  * memory-bandwidth floor of one decode step: float32 weight bytes / ``torch.mv``
+    bandwidth over a 512 MB matrix at the same thread count;
+  * batch-1 decode step at a 128-token context (median of 60 steps): ours, and one bare
+    transformers forward step with its own cache (sdpa); transformers ``generate`` end to end;
+  * 32 concurrent requests (128 prompt + 64 new tokens): our aggregate tokens/s and
+    transformers' ``generate_batch`` (its continuous batching) on the same requests;
+  * one 2,048-token prefill: ours and one transformers forward pass (last-token logits);
+  * peak RSS of the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.corpus import CORPUS
+
+NUM_STEPS = 60
+CONTEXT = 128
+NUM_CONCURRENT = 32
+NEW_TOKENS = 64
+PREFILL_LEN = 2048
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def mv_bandwidth_bytes_per_s() -> float:
+    matrix = torch.randn(16384, 8192)  # 512 MiB float32
+    vector = torch.randn(8192)
+    torch.mv(matrix, vector)
+    seconds = _median_time(lambda: torch.mv(matrix, vector), 15)
+    return matrix.numel() * matrix.element_size() / seconds
+
+
+def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
+    ids = tokenizer(CORPUS + "\n\n" + CORPUS, add_special_tokens=False)["input_ids"]
+    return list(ids[offset : offset + num_tokens])
+
+
+def our_decode_step_s(core, prompt: list[int]) -> float:
+    from engine.params import GenerationRequest, SamplingParams
+
+    core.add_request(GenerationRequest("b1", tuple(prompt), SamplingParams(max_tokens=NUM_STEPS + 1, temperature=0, ignore_eos=True)))
+    core.step()  # prefill
+    times = []
+    while core.has_work():
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def hf_decode_step_s(model, prompt: list[int]) -> float:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(NUM_STEPS):
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def hf_generate_tokens_per_s(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    seconds = _median_time(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs), 2)
+    return NEW_TOKENS / seconds
+
+
+def our_concurrent(core, prompts: list[list[int]]) -> dict[str, float]:
+    from engine.params import GenerationRequest, SamplingParams
+
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(GenerationRequest(f"c{i}", tuple(p), sp))
+    decode_tokens, decode_s, total_tokens = 0, 0.0, 0
+    start = time.perf_counter()
+    while core.has_work():
+        step_start = time.perf_counter()
+        outputs = core.step()
+        elapsed = time.perf_counter() - step_start
+        total_tokens += len(outputs)
+        if core.stats().num_running == len(prompts) and all(o.num_output_tokens > 1 for o in outputs):
+            decode_tokens += len(outputs)
+            decode_s += elapsed
+    wall = time.perf_counter() - start
+    return {"end_to_end_tokens_per_s": total_tokens / wall, "decode_tokens_per_s": decode_tokens / decode_s}
+
+
+@torch.inference_mode()
+def hf_generate_batch_tokens_per_s(model, prompts: list[list[int]]) -> float:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config)
+    wall = time.perf_counter() - start
+    return sum(len(r.generated_tokens) for r in results.values()) / wall
+
+
+def our_prefill_s(core, prompt: list[int]) -> float:
+    from engine.params import GenerationRequest, SamplingParams
+
+    def once(i=[0]):  # noqa: B006 - a counter for unique request ids
+        i[0] += 1
+        core.add_request(GenerationRequest(f"p{i[0]}", tuple(prompt), SamplingParams(max_tokens=1, temperature=0)))
+        core.step()
+
+    once()
+    return _median_time(once, 3)
+
+
+@torch.inference_mode()
+def hf_prefill_s(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt])
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return _median_time(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), 3)
+
+
+def worker(threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.loader import ModelSpec, load_model
+
+    bandwidth = mv_bandwidth_bytes_per_s()
+    ours = load_model(ModelSpec())
+    reference = load_model(ModelSpec())
+    reference.model.generation_config.eos_token_id = None
+    weight_bytes = sum(p.numel() * p.element_size() for p in reference.model.parameters())
+    tok = ours.tokenizer
+    core = EngineCore(ours, EngineConfig(max_model_len=4096, kv_cache_bytes=1 << 30, max_num_batched_tokens=4096))
+    prompt = corpus_ids(tok, CONTEXT)
+    result = {
+        "threads": threads,
+        "weight_bytes": weight_bytes,
+        "mv_bandwidth_gb_per_s": bandwidth / 1e9,
+        "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3,
+        "our_decode_step_ms": our_decode_step_s(core, prompt) * 1e3,
+        "hf_decode_step_ms": hf_decode_step_s(reference.model, prompt) * 1e3,
+        "hf_generate_tokens_per_s": hf_generate_tokens_per_s(reference.model, prompt),
+    }
+    prompts = [corpus_ids(tok, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
+    concurrent = our_concurrent(core, prompts)
+    result["our_32_end_to_end_tokens_per_s"] = concurrent["end_to_end_tokens_per_s"]
+    result["our_32_decode_tokens_per_s"] = concurrent["decode_tokens_per_s"]
+    result["hf_generate_batch_32_tokens_per_s"] = hf_generate_batch_tokens_per_s(reference.model, prompts)
+    long_prompt = corpus_ids(tok, PREFILL_LEN)
+    result["our_prefill_2048_s"] = our_prefill_s(core, long_prompt)
+    result["hf_prefill_2048_s"] = hf_prefill_s(reference.model, long_prompt)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def ratios(r: dict[str, float]) -> dict[str, float]:
+    batch1_tokens_per_s = 1e3 / r["our_decode_step_ms"]
+    return {
+        "step_vs_bandwidth_floor": r["our_decode_step_ms"] / r["bandwidth_floor_step_ms"],
+        "step_vs_hf_step": r["our_decode_step_ms"] / r["hf_decode_step_ms"],
+        "batch32_vs_batch1": r["our_32_end_to_end_tokens_per_s"] / batch1_tokens_per_s,
+        "batch32_vs_hf_generate_batch": r["our_32_end_to_end_tokens_per_s"] / r["hf_generate_batch_32_tokens_per_s"],
+        "prefill_vs_hf_forward": r["our_prefill_2048_s"] / r["hf_prefill_2048_s"],
+    }
+
+
+TARGETS = {
+    "step_vs_bandwidth_floor": ("<=", 1.3),
+    "step_vs_hf_step": ("<=", 1.1),
+    "batch32_vs_batch1": (">=", 6.0),
+    "batch32_vs_hf_generate_batch": (">=", 1.5),
+    "prefill_vs_hf_forward": ("<=", 1.1),
+}
+
+
+def report(runs: list[dict[str, float]], command: str) -> str:
+    lines = [
+        "# Engine benchmark",
+        "",
+        f"Command: `{command}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process).",
+        "",
+        "| metric | " + " | ".join(f"{r['threads']} thread(s)" for r in runs) + " |",
+        "|---|" + "---|" * len(runs),
+    ]
+    rows = [
+        ("mv bandwidth (GB/s, 512 MB matrix)", "mv_bandwidth_gb_per_s", "{:.1f}"),
+        ("bandwidth floor of one step (ms)", "bandwidth_floor_step_ms", "{:.1f}"),
+        ("our batch-1 decode step, 128 ctx (ms, median of 60)", "our_decode_step_ms", "{:.1f}"),
+        ("transformers forward step with cache (ms)", "hf_decode_step_ms", "{:.1f}"),
+        ("transformers generate, batch 1 (tokens/s)", "hf_generate_tokens_per_s", "{:.1f}"),
+        ("ours, 32 concurrent, end to end (tokens/s)", "our_32_end_to_end_tokens_per_s", "{:.1f}"),
+        ("ours, 32 concurrent, decode steps only (tokens/s)", "our_32_decode_tokens_per_s", "{:.1f}"),
+        ("transformers generate_batch, same 32 (tokens/s)", "hf_generate_batch_32_tokens_per_s", "{:.1f}"),
+        ("our 2,048-token prefill (s)", "our_prefill_2048_s", "{:.2f}"),
+        ("transformers forward, 2,048 tokens (s)", "hf_prefill_2048_s", "{:.2f}"),
+        ("peak RSS (MB, both models loaded)", "peak_rss_mb", "{:.0f}"),
+    ]
+    for label, key, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(fmt.format(r[key]) for r in runs) + " |")
+    lines += ["", "| ratio | target | " + " | ".join(f"{r['threads']} thread(s)" for r in runs) + " |"]
+    lines.append("|---|---|" + "---|" * len(runs))
+    for name, (op, bound) in TARGETS.items():
+        cells = []
+        for r in runs:
+            value = ratios(r)[name]
+            ok = value <= bound if op == "<=" else value >= bound
+            cells.append(f"{value:.2f} {'ok' if ok else 'MISSED'}")
+        lines.append(f"| {name} | {op} {bound} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="docs/benchmarks", help="folder for engine.json and engine.md")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return
+    runs = []
+    for threads in args.threads:
+        print(f"running with {threads} torch thread(s)...", file=sys.stderr, flush=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.engine", "--worker", str(threads)], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            sys.exit(proc.stderr)
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = [{**r, "ratios": ratios(r)} for r in runs]
+    (out / "engine.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = report(runs, "python -m bench.engine " + " ".join(sys.argv[1:]))
+    (out / "engine.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
