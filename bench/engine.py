@@ -8,7 +8,11 @@ For each torch thread count (1 and 2), in a fresh subprocess so peak RSS is per 
   * 32 concurrent requests (128 prompt + 64 new tokens): our aggregate tokens/s and
     transformers' ``generate_batch`` (its continuous batching) on the same requests;
   * one 2,048-token prefill: ours and one transformers forward pass (last-token logits);
-  * peak RSS of the process.
+  * peak RSS of our part (model, 512 MB KV pool, the runs above), before transformers loads.
+
+Ratios: decode step vs the floor and vs transformers; 32-concurrent decode-phase tokens/s
+vs our batch-1 tokens/s; 32-concurrent end-to-end tokens/s vs ``generate_batch`` end to
+end; prefill vs the forward pass (interleaved runs, medians).
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
 def our_decode_step_s(core, prompt: list[int]) -> float:
     from engine.params import GenerationRequest, SamplingParams
 
-    core.add_request(GenerationRequest("b1", tuple(prompt), SamplingParams(max_tokens=NUM_STEPS + 1, temperature=0, ignore_eos=True)))
+    core.add_request(
+        GenerationRequest("b1", tuple(prompt), SamplingParams(max_tokens=NUM_STEPS + 1, temperature=0, ignore_eos=True))
+    )
     core.step()  # prefill
     times = []
     while core.has_work():
@@ -123,23 +129,22 @@ def hf_generate_batch_tokens_per_s(model, prompts: list[list[int]]) -> float:
     return sum(len(r.generated_tokens) for r in results.values()) / wall
 
 
-def our_prefill_s(core, prompt: list[int]) -> float:
+def prefill_pair_s(core, model, prompt: list[int], repeats: int = 3) -> tuple[float, float]:
+    """Our prefill and one transformers forward over the same tokens, interleaved (ABAB)."""
     from engine.params import GenerationRequest, SamplingParams
 
-    def once(i=[0]):  # noqa: B006 - a counter for unique request ids
-        i[0] += 1
-        core.add_request(GenerationRequest(f"p{i[0]}", tuple(prompt), SamplingParams(max_tokens=1, temperature=0)))
-        core.step()
-
-    once()
-    return _median_time(once, 3)
-
-
-@torch.inference_mode()
-def hf_prefill_s(model, prompt: list[int]) -> float:
     ids = torch.tensor([prompt])
-    model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    return _median_time(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), 3)
+    ours, theirs = [], []
+    for i in range(repeats + 1):
+        core.add_request(GenerationRequest(f"p{i}", tuple(prompt), SamplingParams(max_tokens=1, temperature=0)))
+        start = time.perf_counter()
+        core.step()
+        ours.append(time.perf_counter() - start)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            theirs.append(time.perf_counter() - start)
+    return statistics.median(ours[1:]), statistics.median(theirs[1:])  # the first pair warms up
 
 
 def worker(threads: int) -> dict[str, float]:
@@ -148,32 +153,32 @@ def worker(threads: int) -> dict[str, float]:
     from engine.core import EngineCore
     from engine.loader import ModelSpec, load_model
 
-    bandwidth = mv_bandwidth_bytes_per_s()
     ours = load_model(ModelSpec())
-    reference = load_model(ModelSpec())
-    reference.model.generation_config.eos_token_id = None
-    weight_bytes = sum(p.numel() * p.element_size() for p in reference.model.parameters())
     tok = ours.tokenizer
-    core = EngineCore(ours, EngineConfig(max_model_len=4096, kv_cache_bytes=1 << 30, max_num_batched_tokens=4096))
+    core = EngineCore(ours, EngineConfig(max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096))
     prompt = corpus_ids(tok, CONTEXT)
-    result = {
-        "threads": threads,
-        "weight_bytes": weight_bytes,
-        "mv_bandwidth_gb_per_s": bandwidth / 1e9,
-        "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3,
-        "our_decode_step_ms": our_decode_step_s(core, prompt) * 1e3,
-        "hf_decode_step_ms": hf_decode_step_s(reference.model, prompt) * 1e3,
-        "hf_generate_tokens_per_s": hf_generate_tokens_per_s(reference.model, prompt),
-    }
     prompts = [corpus_ids(tok, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
+    result: dict[str, float] = {"threads": threads, "our_decode_step_ms": our_decode_step_s(core, prompt) * 1e3}
     concurrent = our_concurrent(core, prompts)
     result["our_32_end_to_end_tokens_per_s"] = concurrent["end_to_end_tokens_per_s"]
     result["our_32_decode_tokens_per_s"] = concurrent["decode_tokens_per_s"]
+    result["our_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    reference = load_model(ModelSpec())
+    reference.model.generation_config.eos_token_id = None
+    # the tied embedding / LM head counted once: the bytes one decode step must read
+    weight_bytes = sum(p.numel() * p.element_size() for p in reference.model.parameters())
+    result["hf_decode_step_ms"] = hf_decode_step_s(reference.model, prompt) * 1e3
+    result["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(reference.model, prompt)
     result["hf_generate_batch_32_tokens_per_s"] = hf_generate_batch_tokens_per_s(reference.model, prompts)
-    long_prompt = corpus_ids(tok, PREFILL_LEN)
-    result["our_prefill_2048_s"] = our_prefill_s(core, long_prompt)
-    result["hf_prefill_2048_s"] = hf_prefill_s(reference.model, long_prompt)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    ours_s, hf_s = prefill_pair_s(core, reference.model, corpus_ids(tok, PREFILL_LEN))
+    result["our_prefill_2048_s"], result["hf_prefill_2048_s"] = ours_s, hf_s
+
+    del reference, core
+    bandwidth = mv_bandwidth_bytes_per_s()
+    result["weight_bytes"] = weight_bytes
+    result["mv_bandwidth_gb_per_s"] = bandwidth / 1e9
+    result["bandwidth_floor_step_ms"] = weight_bytes / bandwidth * 1e3
     return result
 
 
@@ -182,7 +187,7 @@ def ratios(r: dict[str, float]) -> dict[str, float]:
     return {
         "step_vs_bandwidth_floor": r["our_decode_step_ms"] / r["bandwidth_floor_step_ms"],
         "step_vs_hf_step": r["our_decode_step_ms"] / r["hf_decode_step_ms"],
-        "batch32_vs_batch1": r["our_32_end_to_end_tokens_per_s"] / batch1_tokens_per_s,
+        "batch32_vs_batch1": r["our_32_decode_tokens_per_s"] / batch1_tokens_per_s,
         "batch32_vs_hf_generate_batch": r["our_32_end_to_end_tokens_per_s"] / r["hf_generate_batch_32_tokens_per_s"],
         "prefill_vs_hf_forward": r["our_prefill_2048_s"] / r["hf_prefill_2048_s"],
     }
@@ -217,7 +222,7 @@ def report(runs: list[dict[str, float]], command: str) -> str:
         ("transformers generate_batch, same 32 (tokens/s)", "hf_generate_batch_32_tokens_per_s", "{:.1f}"),
         ("our 2,048-token prefill (s)", "our_prefill_2048_s", "{:.2f}"),
         ("transformers forward, 2,048 tokens (s)", "hf_prefill_2048_s", "{:.2f}"),
-        ("peak RSS (MB, both models loaded)", "peak_rss_mb", "{:.0f}"),
+        ("peak RSS of our engine (MB, 512 MB KV pool, before transformers runs)", "our_peak_rss_mb", "{:.0f}"),
     ]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(r[key]) for r in runs) + " |")
@@ -230,7 +235,28 @@ def report(runs: list[dict[str, float]], command: str) -> str:
             ok = value <= bound if op == "<=" else value >= bound
             cells.append(f"{value:.2f} {'ok' if ok else 'MISSED'}")
         lines.append(f"| {name} | {op} {bound} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + NOTES
+
+
+NOTES = """
+## Reading the numbers
+
+* **The bandwidth-floor target is missed.** The floor divides the weight bytes by the
+  bandwidth of `torch.mv` over one 512 MB matrix, but a decode step is ~210 matrix-vector
+  products over matrices of 0.4 to 7 MB (and a 113 MB LM head), which this machine's BLAS
+  streams at 7 to 23 GB/s depending on shape and memory layout (table in
+  `engine/weights.py`). transformers' own forward step is further from the floor than
+  ours. Choosing the faster layout per matrix (`engine/weights.py`) took our step from
+  about 60 ms to about 48 ms at 2 threads; the rest is the 30 decoder layers' own
+  operator overhead in eager PyTorch (norms, RoPE, attention), about 10 ms.
+* "32 concurrent, decode steps only" counts the steps in which all 32 requests decode
+  (the aggregate decode rate); "end to end" includes the 32 prompts' prefill and is the
+  figure compared with `generate_batch`, which is timed end to end too.
+* The 2,048-token prefill and the transformers forward run interleaved (ABAB, first pair
+  dropped), so machine noise hits both alike.
+* The machine is shared: the `torch.mv` bandwidth itself moved between 17 and 23 GB/s
+  across runs on the same day, which moves the floor with it.
+"""
 
 
 def main() -> None:

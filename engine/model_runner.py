@@ -33,6 +33,8 @@ class ModelRunner:
         self._decoder = getattr(model, model.base_model_prefix)
         self._lm_head = model.get_output_embeddings()
         self._layer_hooks: list[LayerHook] = []
+        # the plan being executed, readable by layer hooks (empty outside ``execute``)
+        self.current_chunks: Sequence[ScheduledChunk] = ()
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def add_layer_hook(self, hook: LayerHook) -> None:
@@ -63,12 +65,16 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, last_index = self._build(ordered)
-        hidden = self._decoder(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            paged_metadata=meta,
-        ).last_hidden_state[0]
+        self.current_chunks = chunks
+        try:
+            hidden = self._decoder(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                paged_metadata=meta,
+            ).last_hidden_state[0]
+        finally:
+            self.current_chunks = ()
         sampled_rows = {order[i]: last_index[i] for i in range(len(ordered)) if ordered[i].sample}
         rows = [sampled_rows[i] for i in range(len(chunks)) if i in sampled_rows]
         if not rows:

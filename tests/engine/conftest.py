@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from bench.corpus import CHAT_QUESTIONS, prompt_of_length
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
-from bench.corpus import CHAT_QUESTIONS, prompt_of_length
 from tests.same_output import GreedyTrace, trace_from_logits
 
 NUM_COMPARED = 32

@@ -1,0 +1,127 @@
+"""The KV transport contract and its typed errors.
+
+A transport moves the KV of one request from a producer engine's pool (prefill) into a
+consumer engine's pool (decode). Ray carries only ``KVHandle`` / ``KVDestination``; the
+bytes go over the transport. Two modes:
+
+* **pull**: the producer ``export``s pinned blocks as a handle; the consumer ``fetch``es
+  them into blocks it allocated, then the producer is told to ``release`` them.
+* **push**: the consumer reserves blocks and publishes a ``destination``; the producer
+  calls ``push_layer`` after each layer's forward (writes overlap the next layer's
+  compute), then ``finish_push``; the consumer ``wait_push``es for completion.
+
+Who frees what: the producer's blocks are the producer engine's; the transport calls the
+``release_blocks`` callback given to ``register_pool`` exactly once per exported request
+(on the consumer's release notice, on abort, or when ``kv_transfer_timeout_s`` passes
+unclaimed). The consumer's blocks are the consumer's: on any error raised here the caller
+still owns them and must free them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_transport.handle import KVDestination, KVHandle
+
+ReleaseBlocks = Callable[[str], None]
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed; names the request and the peer engine."""
+
+    def __init__(self, message: str, request_id: str, peer: str) -> None:
+        super().__init__(f"{message} (request {request_id}, peer {peer})")
+        self.request_id = request_id
+        self.peer = peer
+
+
+class KVTransferTimeout(KVTransferError):
+    """No completion within ``kv_transfer_timeout_s`` (peer dead, slow, or gone)."""
+
+
+class StalePeerError(KVTransferError):
+    """The handle names an engine incarnation the registry does not hold (restarted or stopped)."""
+
+
+class LayoutMismatchError(KVTransferError):
+    """The two pools differ in dtype, layers, block size, heads or head dim."""
+
+
+@dataclass
+class TransferStats:
+    """What one request's transfer cost; ``layer_times`` only for push."""
+
+    num_bytes: int
+    seconds: float
+    num_descriptors: int
+    layer_times: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PushCompletion:
+    """What the consumer learns when a push completes: the first token prefill sampled."""
+
+    first_token: int
+
+
+class BaseKVTransport(ABC):
+    """One per engine process. Methods are safe to call from the event loop; ``push_layer``
+    is called from the engine thread inside the forward pass and never blocks on I/O."""
+
+    supports_push: bool = True
+
+    @abstractmethod
+    def register_pool(self, pool: torch.Tensor, release_blocks: ReleaseBlocks) -> None:
+        """Register the engine's whole KV pool once and publish this engine to the peer registry."""
+
+    @abstractmethod
+    def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVHandle:
+        """Producer, pull: hand out pinned blocks; they are released via the callback later."""
+
+    @abstractmethod
+    async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
+        """Consumer, pull: copy the handle's blocks into ``local_block_ids``, then notify the producer.
+
+        Raises ``StalePeerError``, ``LayoutMismatchError``, ``KVTransferTimeout`` or
+        ``KVTransferError``; on error the local blocks hold no valid KV.
+        """
+
+    @abstractmethod
+    def destination(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDestination:
+        """Consumer, push: describe reserved blocks for a producer to write into."""
+
+    @abstractmethod
+    def begin_push(self, destination: KVDestination) -> None:
+        """Producer, push: resolve the peer and check the layout before the forward pass."""
+
+    @abstractmethod
+    def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
+        """Producer, push: post the write of one layer's K and V, non-blocking.
+
+        ``local_block_ids[k]`` goes to the destination's block number ``start_index + k``
+        (a prompt chunk writes the blocks it touched).
+        """
+
+    @abstractmethod
+    async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
+        """Producer, push: wait for every posted write, then send the consumer its completion notice."""
+
+    @abstractmethod
+    async def wait_push(self, destination: KVDestination) -> PushCompletion:
+        """Consumer, push: wait for the producer's completion notice (or ``KVTransferTimeout``)."""
+
+    @abstractmethod
+    def abort_push(self, request_id: str) -> None:
+        """Either side: forget a push (producer: tell the consumer it failed)."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Producer: the exported blocks are no longer needed (idempotent)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the registry and free transport resources."""

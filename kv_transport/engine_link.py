@@ -1,0 +1,149 @@
+"""KVEngineLink: one engine and its transport, in the engine's process.
+
+The prefill/decode halves of a disaggregated request, each a few lines over the engine
+and the transport; the Serve deployments call these. Block ownership:
+
+* pull: prefill pins its blocks and exports a handle; the transport releases them when
+  the consumer's notice arrives, on ``kv_transfer_timeout_s``, or on abort. Decode reserves
+  local blocks, fetches, then decodes; if the fetch fails, its reserved blocks are freed.
+* push: decode reserves blocks and returns a destination; prefill writes each layer into
+  them during its forward pass, then notifies, then frees its own blocks. Decode waits for
+  the notice (or times out and frees its reservation), then decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from engine.async_engine import AsyncEngine
+from engine.params import GenerationRequest, PrefillResult, RequestOutput
+from kv_transport.base import BaseKVTransport, KVTransferError, TransferStats
+from kv_transport.handle import KVDestination, KVHandle
+
+logger = logging.getLogger(__name__)
+
+
+class KVCapacityError(RuntimeError):
+    """This engine has no free blocks for the request's KV right now (retry elsewhere or later)."""
+
+
+class KVEngineLink:
+    def __init__(self, engine: AsyncEngine, transport: BaseKVTransport) -> None:
+        """Construct inside the engine's running event loop."""
+        self.engine = engine
+        self.transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._pushing: set[str] = set()
+        self._push_errors: dict[str, BaseException] = {}
+        transport.register_pool(engine.core.pool.tensor, self._release_from_transport)
+        if transport.supports_push:
+            engine.core.runner.add_layer_hook(self._after_layer)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # ---- pull -------------------------------------------------------------------------
+
+    async def prefill_pull(self, request: GenerationRequest) -> tuple[PrefillResult, KVHandle | None]:
+        """Prefill and export. No handle when the request already ended at its first token."""
+        result = await self.engine.prefill(request)
+        if result.finish_reason is not None:
+            return result, None
+        try:
+            handle = self.transport.export(
+                request.request_id, list(result.block_ids), result.num_tokens, result.first_token
+            )
+        except BaseException:
+            await self.engine.release(request.request_id)
+            raise
+        return result, handle
+
+    async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
+        blocks = await self._reserve(request, handle.num_tokens)
+        try:
+            await self.transport.fetch(handle, blocks)
+        except BaseException:
+            await self.engine.release(request.request_id)
+            raise
+        async for output in self.engine.decode(request, blocks, handle.first_token):
+            yield output
+
+    # ---- push -------------------------------------------------------------------------
+
+    async def reserve_push(self, request: GenerationRequest) -> KVDestination:
+        blocks = await self._reserve(request, len(request.prompt_token_ids))
+        return self.transport.destination(request.request_id, blocks, len(request.prompt_token_ids))
+
+    async def prefill_push(
+        self, request: GenerationRequest, destination: KVDestination
+    ) -> tuple[PrefillResult, TransferStats]:
+        rid = request.request_id
+        self.transport.begin_push(destination)
+        self._pushing.add(rid)
+        try:
+            result = await self.engine.prefill(request)
+        except BaseException:
+            self.transport.abort_push(rid)
+            raise
+        finally:
+            self._pushing.discard(rid)
+        try:
+            error = self._push_errors.pop(rid, None)
+            if error is not None:
+                self.transport.abort_push(rid)
+                raise error
+            stats = await self.transport.finish_push(rid, result.first_token)
+        finally:
+            await self.engine.release(rid)
+        return result, stats
+
+    async def decode_push(self, request: GenerationRequest, destination: KVDestination) -> AsyncIterator[RequestOutput]:
+        try:
+            completion = await self.transport.wait_push(destination)
+        except BaseException:
+            self.transport.abort_push(request.request_id)
+            await self.engine.release(request.request_id)
+            raise
+        async for output in self.engine.decode(request, destination.block_ids, completion.first_token):
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        """Drop the request on this engine: running, pinned for export, reserved, or pushing."""
+        self.transport.abort_push(request_id)
+        self.transport.release(request_id)
+        await self.engine.abort(request_id)
+
+    # ---- internals --------------------------------------------------------------------
+
+    async def _reserve(self, request: GenerationRequest, num_tokens: int) -> list[int]:
+        blocks = await self.engine.reserve(request.request_id, num_tokens)
+        if blocks is None:
+            stats = await self.engine.stats()
+            raise KVCapacityError(
+                f"no room for {num_tokens} tokens of KV for request {request.request_id}: "
+                f"{stats.num_free_blocks} of {stats.num_total_blocks} blocks free"
+            )
+        return blocks
+
+    def _release_from_transport(self, request_id: str) -> None:
+        """Called from the transport's thread: free the pinned blocks on the engine's loop."""
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.engine.release(request_id)))
+
+    def _after_layer(self, layer: int) -> None:
+        """Engine thread, inside the forward pass: post this layer's writes for pushing requests."""
+        if not self._pushing:
+            return
+        block_size = self.engine.core.config.block_size
+        for chunk in self.engine.core.runner.current_chunks:
+            rid = chunk.request_id
+            if rid not in self._pushing or chunk.is_decode:
+                continue
+            first = chunk.start_pos // block_size
+            last = -(-(chunk.start_pos + len(chunk.token_ids)) // block_size)
+            try:
+                self.transport.push_layer(rid, layer, chunk.block_ids[first:last], first)
+            except KVTransferError as exc:  # surfaced by prefill_push after the step
+                self._pushing.discard(rid)
+                self._push_errors[rid] = exc

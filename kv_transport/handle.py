@@ -1,0 +1,86 @@
+"""What Ray carries about KV: small, versioned handles (never the bytes themselves).
+
+``KVHandle`` (pull): the producer's engine id and incarnation, where the prompt's KV sits
+(block ranges), the token count, the first token, the layout and an expiry.
+``KVDestination`` (push): the same for blocks a consumer reserved for incoming KV.
+Block ids travel as ``(start, count)`` ranges: a fresh request's blocks are mostly
+contiguous, so a 4,096-token request is a few ranges, not 256 numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+HANDLE_VERSION = 1
+
+
+class KVLayoutSignature(BaseModel):
+    """KV pool facts that must match exactly on both sides (never converted)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dtype: str = Field(description="torch dtype name of the pool, e.g. float32")
+    num_layers: int = Field(description="decoder layers")
+    block_size: int = Field(description="tokens per block")
+    num_kv_heads: int = Field(description="key/value heads")
+    head_dim: int = Field(description="dimension of one head")
+
+    @classmethod
+    def of(cls, layout: object) -> KVLayoutSignature:
+        """From an ``engine.kv_pool.KVLayout``."""
+        return cls(
+            dtype=layout.dtype,
+            num_layers=layout.num_layers,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+        )
+
+
+def to_ranges(block_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``[4, 5, 6, 9, 10]`` -> ``((4, 3), (9, 2))``: (first block, count) runs, in order."""
+    ranges: list[list[int]] = []
+    for block in block_ids:
+        if ranges and ranges[-1][0] + ranges[-1][1] == block:
+            ranges[-1][1] += 1
+        else:
+            ranges.append([block, 1])
+    return tuple((start, count) for start, count in ranges)
+
+
+def from_ranges(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    return [start + i for start, count in ranges for i in range(count)]
+
+
+class _BlocksOf(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    version: Literal[1] = Field(default=HANDLE_VERSION, description="schema version of this handle")
+    request_id: str = Field(description="globally unique request id")
+    engine_id: str = Field(description="engine that owns the blocks")
+    incarnation: str = Field(description="start of that engine (a restarted engine has a new one)")
+    block_ranges: tuple[tuple[int, int], ...] = Field(description="(first block, count) runs of the blocks")
+    num_tokens: int = Field(description="tokens of KV the blocks hold (the prompt)")
+    layout: KVLayoutSignature = Field(description="layout of the owner's pool")
+    expires_at: float = Field(description="unix time after which the owner frees the blocks")
+
+    @property
+    def block_ids(self) -> list[int]:
+        return from_ranges(self.block_ranges)
+
+    def seconds_left(self) -> float:
+        return self.expires_at - time.time()
+
+
+class KVHandle(_BlocksOf):
+    """Pull: prefill's pinned blocks, readable by the consumer until ``expires_at``."""
+
+    first_token: int = Field(description="token sampled by prefill")
+
+
+class KVDestination(_BlocksOf):
+    """Push: blocks the consumer reserved; the producer writes the KV into them."""

@@ -1,0 +1,356 @@
+"""KV transport over NIXL (UCX backend): CPU memory here, GPU memory with the same code.
+
+One NIXL agent per engine process; the whole pool is registered once. Peers are
+handshaken on first contact from the registry's metadata and cached per (engine id,
+incarnation), so a restarted peer is re-handshaken and never reused stale.
+
+A progress thread owns all waiting: it polls posted transfers and NIXL notifications
+(0.5 ms apart while anything is in flight, 5 ms when idle) and completes futures that
+the event loop awaits, so nothing spins on the engine's event loop. All agent calls
+hold one lock. Notifications: ``R:<id>`` consumer -> producer (release the exported
+blocks), ``P:<id>:<first token>`` producer -> consumer (push complete), ``F:<id>``
+producer -> consumer (push failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kv_transport.base import (
+    BaseKVTransport,
+    KVTransferError,
+    KVTransferTimeout,
+    LayoutMismatchError,
+    PushCompletion,
+    ReleaseBlocks,
+    TransferStats,
+)
+from kv_transport.descriptors import block_descs, coalesce
+from kv_transport.faults import NO_FAULTS, FaultPoints
+from kv_transport.handle import KVDestination, KVHandle, KVLayoutSignature, to_ranges
+from kv_transport.registry import BasePeerRegistry, PeerInfo
+
+logger = logging.getLogger(__name__)
+
+BUSY_POLL_S = 0.0005
+IDLE_POLL_S = 0.005
+
+
+@dataclass
+class _Peer:
+    info: PeerInfo
+    agent_name: str
+
+
+@dataclass
+class _Xfer:
+    handle: object
+    future: concurrent.futures.Future  # -> (state, done_time)
+
+
+@dataclass
+class _PushOut:
+    destination: KVDestination
+    peer: _Peer
+    layers: list[dict[str, float]] = field(default_factory=list)
+    futures: list[concurrent.futures.Future] = field(default_factory=list)
+    num_bytes: int = 0
+    num_descriptors: int = 0
+
+
+class NixlTransport(BaseKVTransport):
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayoutSignature,
+        registry: BasePeerRegistry,
+        kv_transfer_timeout_s: float = 60.0,
+        faults: FaultPoints = NO_FAULTS,
+    ) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.layout = layout
+        self.timeout_s = kv_transfer_timeout_s
+        self.faults = faults
+        self._registry = registry
+        self._agent = nixl_agent(f"{engine_id}.{self.incarnation}", nixl_agent_config(backends=["UCX"]))
+        self._lock = threading.Lock()
+        self._peers: dict[tuple[str, str], _Peer] = {}
+        self._exports: dict[str, float] = {}  # request id -> expiry (unix time)
+        self._push_out: dict[str, _PushOut] = {}
+        self._push_in: dict[str, concurrent.futures.Future] = {}
+        self._xfers: list[_Xfer] = []
+        self._release_blocks: ReleaseBlocks | None = None
+        self._pool: torch.Tensor | None = None
+        self._reg_descs = None
+        self.num_handshakes = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._progress_loop, name=f"nixl-{engine_id}", daemon=True)
+
+    # ---- setup ------------------------------------------------------------------------
+
+    def register_pool(self, pool: torch.Tensor, release_blocks: ReleaseBlocks) -> None:
+        if not pool.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+        self._pool = pool
+        self._num_blocks = pool.shape[2]
+        self._block_bytes = pool[0, 0, 0].numel() * pool.element_size()
+        self._mem_type = "VRAM" if pool.is_cuda else "DRAM"
+        self._device_id = pool.get_device() if pool.is_cuda else 0
+        self._release_blocks = release_blocks
+        self._reg_descs = self._agent.register_memory(pool)
+        self._registry.publish(
+            PeerInfo(
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                agent_name=self._agent.name,
+                agent_metadata=self._agent.get_agent_metadata(),
+                layout=self.layout,
+                pool_address=pool.data_ptr(),
+                num_blocks=self._num_blocks,
+                device_id=self._device_id,
+                mem_type=self._mem_type,
+            )
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1)
+        self._registry.remove(self.engine_id, self.incarnation)
+        with self._lock:
+            if self._reg_descs is not None:
+                self._agent.deregister_memory(self._reg_descs)
+                self._reg_descs = None
+
+    # ---- pull -------------------------------------------------------------------------
+
+    def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVHandle:
+        self.faults.hit("export", request_id, self.engine_id)
+        expires_at = time.time() + self.timeout_s
+        self._exports[request_id] = expires_at
+        return KVHandle(
+            request_id=request_id,
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            block_ranges=to_ranges(block_ids),
+            num_tokens=num_tokens,
+            first_token=first_token,
+            layout=self.layout,
+            expires_at=expires_at,
+        )
+
+    async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
+        rid, peer_id = handle.request_id, handle.engine_id
+        peer = self._peer(peer_id, handle.incarnation, rid)
+        self._check_layout(handle.layout, rid, peer_id)
+        await self.faults.hit_async("fetch", rid, peer_id)
+        runs = coalesce(handle.block_ids, local_block_ids)
+        layers = range(self.layout.num_layers)
+        remote = self._descs(peer.info, layers, [(s, n) for s, _, n in runs])
+        local = self._local_descs(layers, [(d, n) for _, d, n in runs])
+        notif = b"" if self.faults.drop_release else b"R:" + rid.encode()
+        start = time.perf_counter()
+        future = self._post("READ", local, remote, peer, notif, rid)
+        timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
+        await self._await_xfer(future, timeout, rid, peer_id, "READ")
+        num_bytes = int(local[:, 1].sum())
+        return TransferStats(num_bytes, time.perf_counter() - start, len(local))
+
+    def release(self, request_id: str) -> None:
+        if self._exports.pop(request_id, None) is not None and self._release_blocks is not None:
+            self._release_blocks(request_id)
+
+    # ---- push -------------------------------------------------------------------------
+
+    def destination(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDestination:
+        self._push_in[request_id] = concurrent.futures.Future()
+        return KVDestination(
+            request_id=request_id,
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            block_ranges=to_ranges(block_ids),
+            num_tokens=num_tokens,
+            layout=self.layout,
+            expires_at=time.time() + self.timeout_s,
+        )
+
+    def begin_push(self, destination: KVDestination) -> None:
+        rid = destination.request_id
+        peer = self._peer(destination.engine_id, destination.incarnation, rid)
+        self._check_layout(destination.layout, rid, destination.engine_id)
+        self._push_out[rid] = _PushOut(destination, peer)
+
+    def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
+        push = self._push_out.get(request_id)
+        if push is None:
+            return
+        compute_end = time.time()
+        self.faults.hit("push_layer", request_id, push.destination.engine_id)
+        remote_ids = push.destination.block_ids[start_index : start_index + len(local_block_ids)]
+        runs = coalesce(local_block_ids, remote_ids)
+        local = self._local_descs([layer], [(s, n) for s, _, n in runs])
+        remote = self._descs(push.peer.info, [layer], [(d, n) for _, d, n in runs])
+        push.futures.append(self._post("WRITE", local, remote, push.peer, b"", request_id))
+        push.layers.append({"layer": layer, "compute_end": compute_end, "posted": time.time()})
+        push.num_bytes += int(local[:, 1].sum())
+        push.num_descriptors += len(local)
+
+    async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
+        push = self._push_out.pop(request_id)
+        peer_id = push.destination.engine_id
+        try:
+            await self.faults.hit_async("finish_push", request_id, peer_id)
+            timeout = max(0.0, min(self.timeout_s, push.destination.seconds_left()))
+            for record, future in zip(push.layers, push.futures):
+                record["done"] = await self._await_xfer(future, timeout, request_id, peer_id, "WRITE")
+        except BaseException:
+            self._notify(push.peer, b"F:" + request_id.encode())
+            raise
+        self._notify(push.peer, f"P:{request_id}:{first_token}".encode())
+        first = push.layers[0]["compute_end"] if push.layers else time.time()
+        last = max((r["done"] for r in push.layers), default=first)
+        return TransferStats(push.num_bytes, last - first, push.num_descriptors, push.layers)
+
+    async def wait_push(self, destination: KVDestination) -> PushCompletion:
+        rid = destination.request_id
+        future = self._push_in[rid]
+        try:
+            timeout = max(0.0, min(self.timeout_s, destination.seconds_left()))
+            first_token = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except TimeoutError:
+            raise KVTransferTimeout(
+                f"no push completion within {self.timeout_s:.1f} s", rid, "producer of push"
+            ) from None
+        finally:
+            self._push_in.pop(rid, None)
+        return PushCompletion(first_token)
+
+    def abort_push(self, request_id: str) -> None:
+        push = self._push_out.pop(request_id, None)
+        if push is not None:
+            self._notify(push.peer, b"F:" + request_id.encode())
+        waiter = self._push_in.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _peer(self, engine_id: str, incarnation: str, request_id: str) -> _Peer:
+        cached = self._peers.get((engine_id, incarnation))
+        if cached is not None:
+            return cached
+        info = self._registry.lookup(engine_id, incarnation, request_id)
+        with self._lock:
+            for key in [k for k in self._peers if k[0] == engine_id]:  # an older incarnation
+                self._agent.remove_remote_agent(self._peers.pop(key).agent_name)
+            name = self._agent.add_remote_agent(info.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        peer = _Peer(info, name)
+        self._peers[(engine_id, incarnation)] = peer
+        self.num_handshakes += 1
+        return peer
+
+    def _check_layout(self, theirs: KVLayoutSignature, request_id: str, peer: str) -> None:
+        if theirs != self.layout:
+            raise LayoutMismatchError(
+                f"KV layout mismatch: theirs {theirs.model_dump()} != ours {self.layout.model_dump()}",
+                request_id,
+                peer,
+            )
+
+    def _local_descs(self, layers: Sequence[int], runs: list[tuple[int, int]]) -> np.ndarray:
+        return block_descs(self._pool.data_ptr(), self._num_blocks, self._block_bytes, self._device_id, layers, runs)
+
+    def _descs(self, info: PeerInfo, layers: Sequence[int], runs: list[tuple[int, int]]) -> np.ndarray:
+        return block_descs(info.pool_address, info.num_blocks, self._block_bytes, info.device_id, layers, runs)
+
+    def _post(
+        self, op: str, local: np.ndarray, remote: np.ndarray, peer: _Peer, notif: bytes, request_id: str
+    ) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            local_descs = self._agent.get_xfer_descs(local, self._mem_type)
+            remote_descs = self._agent.get_xfer_descs(remote, peer.info.mem_type)
+            handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer.agent_name, notif)
+            state = self._agent.transfer(handle)
+            if state == "ERR":
+                self._agent.release_xfer_handle(handle)
+                raise KVTransferError(f"NIXL {op} could not be posted", request_id, peer.info.engine_id)
+            self._xfers.append(_Xfer(handle, future))
+        return future
+
+    async def _await_xfer(
+        self, future: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str
+    ) -> float:
+        try:
+            state, done_at = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except TimeoutError:
+            raise KVTransferTimeout(f"NIXL {op} not complete after {timeout:.1f} s", request_id, peer) from None
+        if state != "DONE":
+            raise KVTransferError(f"NIXL {op} ended in state {state}", request_id, peer)
+        return done_at
+
+    def _notify(self, peer: _Peer, message: bytes) -> None:
+        with self._lock:
+            self._agent.send_notif(peer.agent_name, message)
+
+    def _progress_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                busy = self._progress_once()
+            except Exception:  # keep the thread alive; each failure is logged
+                logger.exception("NIXL progress loop error")
+                busy = False
+            self._closed.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
+
+    def _progress_once(self) -> bool:
+        finished: list[tuple[_Xfer, str]] = []
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+            for xfer in list(self._xfers):
+                state = self._agent.check_xfer_state(xfer.handle)
+                if state != "PROC":
+                    self._agent.release_xfer_handle(xfer.handle)
+                    self._xfers.remove(xfer)
+                    finished.append((xfer, state))
+        now = time.time()
+        for xfer, state in finished:
+            if not xfer.future.done():
+                xfer.future.set_result((state, now))
+        for messages in notifs.values():
+            for message in messages:
+                self._on_notif(message.decode())
+        for request_id in [r for r, expiry in list(self._exports.items()) if expiry < now]:
+            logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
+            self.release(request_id)
+        return bool(self._xfers or self._push_in)
+
+    def _on_notif(self, message: str) -> None:
+        kind, _, rest = message.partition(":")
+        if kind == "R":
+            self.release(rest)
+        elif kind == "P":
+            request_id, _, token = rest.rpartition(":")
+            waiter = self._push_in.get(request_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(int(token))
+        elif kind == "F":
+            waiter = self._push_in.get(rest)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(KVTransferError("the producer's push failed", rest, "producer of push"))

@@ -1,0 +1,88 @@
+"""A Ray actor holding one engine and its KV link: the process boundary for transport tests."""
+
+from __future__ import annotations
+
+import ray
+
+
+@ray.remote(num_cpus=0.5)
+class EngineActor:
+    def __init__(
+        self,
+        engine_id: str,
+        role: str,
+        transport: str = "nixl",
+        timeout_s: float = 60.0,
+        faults: dict | None = None,
+        **engine_config,
+    ) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        from engine.config import EngineConfig
+        from engine.core import EngineCore
+        from engine.loader import ModelSpec, load_model
+
+        engine_config.setdefault("max_model_len", 2048)
+        engine_config.setdefault("kv_cache_bytes", 128 << 20)
+        self.core = EngineCore(load_model(ModelSpec()), EngineConfig(role=role, **engine_config))
+        self.engine_id, self.transport_kind, self.timeout_s = engine_id, transport, timeout_s
+        self.faults = faults or {}
+        self.link = None
+
+    async def start(self) -> str:
+        from engine.async_engine import AsyncEngine
+        from kv_transport.engine_link import KVEngineLink
+        from kv_transport.faults import FaultPoints
+        from kv_transport.handle import KVLayoutSignature
+        from kv_transport.nixl_transport import NixlTransport
+        from kv_transport.object_store import ObjectStoreTransport
+        from kv_transport.registry import RayPeerRegistry
+
+        layout = KVLayoutSignature.of(self.core.layout)
+        if self.transport_kind == "nixl":
+            faults = FaultPoints(
+                delay_s=self.faults.get("delay_s", {}),
+                fail=frozenset(self.faults.get("fail", ())),
+                drop_release=self.faults.get("drop_release", False),
+            )
+            transport = NixlTransport(self.engine_id, layout, RayPeerRegistry(), self.timeout_s, faults)
+        else:
+            transport = ObjectStoreTransport(self.engine_id, layout, self.timeout_s)
+        self.link = KVEngineLink(AsyncEngine(self.core), transport)
+        return transport.incarnation
+
+    async def prefill_pull(self, request):
+        return await self.link.prefill_pull(request)
+
+    async def decode_pull(self, request, handle):
+        return [o async for o in self.link.decode_pull(request, handle)]
+
+    async def reserve_push(self, request):
+        return await self.link.reserve_push(request)
+
+    async def prefill_push(self, request, destination):
+        return await self.link.prefill_push(request, destination)
+
+    async def decode_push(self, request, destination):
+        return [o async for o in self.link.decode_push(request, destination)]
+
+    async def generate(self, request):
+        return [o async for o in self.link.engine.generate(request)]
+
+    async def stats(self):
+        return await self.link.engine.stats()
+
+    async def abort(self, request_id):
+        await self.link.abort(request_id)
+
+    def set_faults(self, delay_s=None, fail=(), drop_release=False):
+        from kv_transport.faults import FaultPoints
+
+        self.link.transport.faults = FaultPoints(delay_s=delay_s or {}, fail=frozenset(fail), drop_release=drop_release)
+
+    def num_handshakes(self) -> int:
+        return self.link.transport.num_handshakes
+
+    def close(self) -> None:
+        self.link.close()

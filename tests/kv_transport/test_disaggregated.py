@@ -1,0 +1,182 @@
+"""Prefill and decode in two Ray actors (two processes), KV over real NIXL.
+
+One module-scoped local Ray cluster (own temp dir, 2 CPUs); a prefill actor and a
+decode actor (role ``both``, which also computes the single-engine reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from bench.corpus import prompt_of_length
+from engine.params import GenerationRequest, SamplingParams
+from kv_transport.base import KVTransferError, StalePeerError
+from tests.same_output import GreedyTrace, assert_same_output
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 5.0
+LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        object_store_memory=200 << 20,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def actors(cluster):
+    from tests.kv_transport.actors import EngineActor
+
+    prefill = EngineActor.remote("prefill-0", "prefill", timeout_s=TIMEOUT_S)
+    decode = EngineActor.remote("decode-0", "both", timeout_s=TIMEOUT_S)
+    ray.get([prefill.start.remote(), decode.start.remote()])
+    yield prefill, decode
+    ray.get([prefill.close.remote(), decode.close.remote()])
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    return [prompt_of_length(smol.tokenizer, n, offset=29 * i) for i, n in enumerate(LENGTHS)]
+
+
+def _request(prefix: str, i: int, prompt: list[int], max_tokens: int = 32) -> GenerationRequest:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    return GenerationRequest(f"{prefix}-{i}", tuple(prompt), sp)
+
+
+def _trace(outputs) -> GreedyTrace:
+    lps = [lp for o in outputs for lp in o.logprobs]
+    tokens = tuple(t for o in outputs for t in o.token_ids)
+    return GreedyTrace(tokens, tuple(tuple(t for t, _ in lp.top) for lp in lps))
+
+
+def _assert_idle(*actors):
+    for stats in ray.get([a.stats.remote() for a in actors]):
+        assert stats.num_free_blocks == stats.num_total_blocks, stats
+        assert (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running) == (0, 0, 0), stats
+
+
+@pytest.fixture(scope="module")
+def reference(actors, prompts):
+    _, decode = actors
+    runs = ray.get([decode.generate.remote(_request("both", i, p)) for i, p in enumerate(prompts)])
+    return [_trace(r) for r in runs]
+
+
+def test_pull_matches_single_engine(actors, prompts, reference):
+    prefill, decode = actors
+    requests = [_request("pull", i, p) for i, p in enumerate(prompts)]
+    prefilled = ray.get([prefill.prefill_pull.remote(r) for r in requests])
+    for (result, handle), prompt in zip(prefilled, prompts):
+        assert handle.num_tokens == len(prompt) and handle.first_token == result.first_token
+    runs = ray.get([decode.decode_pull.remote(r, h) for r, (_, h) in zip(requests, prefilled)])
+    for i, ((result, _), outputs) in enumerate(zip(prefilled, runs)):
+        assert outputs[0].token_ids == (result.first_token,)
+        assert_same_output(reference[i], _trace_with_first(outputs, result), exact=False, label=f"pull {i}")
+    time.sleep(0.2)  # release notices are asynchronous
+    _assert_idle(prefill, decode)
+
+
+def _trace_with_first(outputs, result) -> GreedyTrace:
+    rest = outputs[1:]
+    lps = [result.first_logprobs] + [lp for o in rest for lp in o.logprobs]
+    tokens = (result.first_token,) + tuple(t for o in rest for t in o.token_ids)
+    return GreedyTrace(tokens, tuple(tuple(t for t, _ in lp.top) for lp in lps))
+
+
+def test_push_matches_single_engine(actors, prompts, reference):
+    prefill, decode = actors
+    requests = [_request("push", i, p) for i, p in enumerate(prompts)]
+    destinations = ray.get([decode.reserve_push.remote(r) for r in requests])
+    decoding = [decode.decode_push.remote(r, d) for r, d in zip(requests, destinations)]
+    pushed = ray.get([prefill.prefill_push.remote(r, d) for r, d in zip(requests, destinations)])
+    runs = ray.get(decoding)
+    for i, ((result, stats), outputs) in enumerate(zip(pushed, runs)):
+        assert stats.num_bytes == 30 * 2 * len(destinations[i].block_ids) * 16 * 3 * 64 * 4
+        assert [t["layer"] for t in stats.layer_times] == list(range(30))
+        assert_same_output(reference[i], _trace_with_first(outputs, result), exact=False, label=f"push {i}")
+    _assert_idle(prefill, decode)
+
+
+def test_abort_on_either_side_frees_blocks(actors, prompts):
+    prefill, decode = actors
+    request = _request("abort-d", 0, prompts[3], max_tokens=400)
+    _, handle = ray.get(prefill.prefill_pull.remote(request))
+    running = decode.decode_pull.remote(request, handle)
+    time.sleep(1.0)
+    ray.cancel(running)
+    with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
+        ray.get(running)
+    request = _request("abort-p", 0, prompts[4])
+    _, handle = ray.get(prefill.prefill_pull.remote(request))
+    assert ray.get(prefill.stats.remote()).num_pinned_blocks == len(handle.block_ids)
+    ray.get(prefill.abort.remote(request.request_id))
+    time.sleep(0.2)
+    _assert_idle(prefill, decode)
+
+
+def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
+    prefill, decode = actors
+    _, handle = ray.get(prefill.prefill_pull.remote(_request("unclaimed", 0, prompts[2])))
+    assert ray.get(prefill.stats.remote()).num_pinned_blocks > 0
+    time.sleep(TIMEOUT_S + 0.5)
+    _assert_idle(prefill, decode)
+    # a push that never comes: decode gives up after the timeout and frees its reservation
+    request = _request("nopush", 0, prompts[2])
+    destination = ray.get(decode.reserve_push.remote(request))
+    with pytest.raises(ray.exceptions.RayTaskError, match="KVTransferTimeout.*no push completion"):
+        ray.get(decode.decode_push.remote(request, destination))
+    _assert_idle(prefill, decode)
+
+
+def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference):
+    from tests.kv_transport.actors import EngineActor
+
+    _, decode = actors
+    victim = EngineActor.remote("victim", "prefill", timeout_s=TIMEOUT_S)
+    first_incarnation = ray.get(victim.start.remote())
+    handshakes = ray.get(decode.num_handshakes.remote())
+    request = _request("killed", 0, prompts[5])
+    _, handle = ray.get(victim.prefill_pull.remote(request))
+    ray.get(decode.set_faults.remote(delay_s={"fetch": 1.5}))
+    started = time.monotonic()
+    fetching = decode.decode_pull.remote(request, handle)
+    time.sleep(0.5)
+    ray.kill(victim)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(fetching)
+    assert isinstance(info.value.cause, KVTransferError), info.value
+    assert "request killed-0" in str(info.value.cause) and "victim" in str(info.value.cause)
+    assert time.monotonic() - started < 1.5 + TIMEOUT_S + 2
+    ray.get(decode.set_faults.remote())
+    _assert_idle(decode)
+
+    restarted = EngineActor.remote("victim", "prefill", timeout_s=TIMEOUT_S)
+    assert ray.get(restarted.start.remote()) != first_incarnation
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(decode.decode_pull.remote(_request("stale", 0, prompts[5]), handle))
+    assert isinstance(info.value.cause, StalePeerError)
+    request = _request("again", 5, prompts[5])
+    result, handle = ray.get(restarted.prefill_pull.remote(request))
+    outputs = ray.get(decode.decode_pull.remote(request, handle))
+    assert_same_output(reference[5], _trace_with_first(outputs, result), exact=False, label="restarted")
+    assert ray.get(decode.num_handshakes.remote()) == handshakes + 2
+    time.sleep(0.2)
+    _assert_idle(decode, restarted)
+    ray.get(restarted.close.remote())

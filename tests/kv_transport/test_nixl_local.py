@@ -1,0 +1,138 @@
+"""Real NIXL transfers between two agents (two pools) in one process: fast checks of the
+byte movement, release notices, timeouts, layout refusal and re-handshakes. The
+cross-process tests with engines are in test_disaggregated.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from kv_transport.base import KVTransferTimeout, LayoutMismatchError, StalePeerError
+from kv_transport.faults import FaultPoints
+from kv_transport.handle import KVLayoutSignature
+from kv_transport.nixl_transport import NixlTransport
+from kv_transport.registry import LocalPeerRegistry
+
+LAYOUT = KVLayoutSignature(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
+
+
+def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
+    shape = (3, 2, num_blocks, 4, 2, 8)
+    if fill is None:
+        return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    return torch.full(shape, fill)
+
+
+class _Released:
+    def __init__(self):
+        self.ids: list[str] = []
+        self.event = threading.Event()
+
+    def __call__(self, request_id: str) -> None:
+        self.ids.append(request_id)
+        self.event.set()
+
+
+@pytest.fixture
+def pair():
+    registry = LocalPeerRegistry()
+    producer = NixlTransport("prod", LAYOUT, registry, kv_transfer_timeout_s=2.0)
+    consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=2.0)
+    src, dst = _pool(8), _pool(6, fill=-1.0)
+    released = _Released()
+    producer.register_pool(src, released)
+    consumer.register_pool(dst, lambda rid: None)
+    yield producer, consumer, src, dst, released, registry
+    producer.close()
+    consumer.close()
+
+
+def test_pull_copies_exact_blocks_and_releases_the_producer(pair):
+    producer, consumer, src, dst, released, _ = pair
+    handle = producer.export("r1", [2, 3, 4, 7], num_tokens=14, first_token=9)
+    stats = asyncio.run(consumer.fetch(handle, [0, 1, 2, 5]))
+    assert torch.equal(dst[:, :, [0, 1, 2, 5]], src[:, :, [2, 3, 4, 7]])
+    assert torch.all(dst[:, :, [3, 4]] == -1)  # untouched
+    block_bytes = 4 * 2 * 8 * 4
+    assert stats.num_bytes == 3 * 2 * 4 * block_bytes
+    assert stats.num_descriptors == 3 * 2 * 2  # runs (2..4 -> 0..2) and (7 -> 5), per layer and K/V
+    assert released.event.wait(2) and released.ids == ["r1"]
+
+
+def test_unclaimed_export_is_freed_after_the_timeout(pair):
+    producer, _, _, _, released, _ = pair
+    producer.export("lost", [1], num_tokens=2, first_token=1)
+    assert released.event.wait(4) and released.ids == ["lost"]
+
+
+def test_dropped_release_notice_falls_back_to_the_timeout():
+    registry = LocalPeerRegistry()
+    producer = NixlTransport("p2", LAYOUT, registry, kv_transfer_timeout_s=1.0)
+    consumer = NixlTransport("c2", LAYOUT, registry, faults=FaultPoints(drop_release=True))
+    released = _Released()
+    producer.register_pool(_pool(4), released)
+    consumer.register_pool(_pool(4, fill=0.0), lambda rid: None)
+    try:
+        asyncio.run(consumer.fetch(producer.export("r", [0], 3, 1), [1]))
+        assert not released.event.wait(0.5)  # no notice: still pinned
+        assert released.event.wait(3) and released.ids == ["r"]
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_layout_mismatch_is_refused(pair):
+    producer, consumer, *_ = pair
+    handle = producer.export("r", [0], 2, 1)
+    other = handle.model_copy(update={"layout": LAYOUT.model_copy(update={"dtype": "bfloat16"})})
+    with pytest.raises(LayoutMismatchError, match="KV layout mismatch.*request r, peer prod"):
+        asyncio.run(consumer.fetch(other, [0]))
+
+
+def test_restarted_producer_is_rehandshaken_and_old_handles_refused(pair):
+    producer, consumer, src, dst, _, registry = pair
+    asyncio.run(consumer.fetch(producer.export("a", [0], 2, 1), [0]))
+    assert consumer.num_handshakes == 1
+    old_handle = producer.export("b", [1], 2, 1)
+    producer.close()
+    restarted = NixlTransport("prod", LAYOUT, registry)
+    src2 = _pool(8) * 2
+    restarted.register_pool(src2, lambda rid: None)
+    try:
+        assert restarted.incarnation != producer.incarnation
+        with pytest.raises(StalePeerError, match=f"incarnation {producer.incarnation} is stale"):
+            asyncio.run(consumer.fetch(old_handle, [1]))
+        asyncio.run(consumer.fetch(restarted.export("c", [3], 2, 1), [2]))
+        assert consumer.num_handshakes == 2
+        assert torch.equal(dst[:, :, 2], src2[:, :, 3])
+    finally:
+        restarted.close()
+
+
+def test_push_writes_layers_and_notifies(pair):
+    producer, consumer, src, dst, _, _ = pair
+
+    async def run():
+        dest = consumer.destination("p", [4, 5], num_tokens=6)
+        producer.begin_push(dest)
+        for layer in range(3):
+            producer.push_layer("p", layer, [6, 7], start_index=0)
+        stats = await producer.finish_push("p", first_token=42)
+        done = await consumer.wait_push(dest)
+        return stats, done
+
+    stats, done = asyncio.run(run())
+    assert done.first_token == 42
+    assert torch.equal(dst[:, :, [4, 5]], src[:, :, [6, 7]])
+    assert [t["layer"] for t in stats.layer_times] == [0, 1, 2]
+    assert all(t["compute_end"] <= t["posted"] <= t["done"] for t in stats.layer_times)
+
+
+def test_push_wait_times_out_with_a_typed_error(pair):
+    _, consumer, *_ = pair
+    dest = consumer.destination("never", [0], 2)
+    with pytest.raises(KVTransferTimeout, match="no push completion within 2.0 s .request never"):
+        asyncio.run(consumer.wait_push(dest))
