@@ -35,8 +35,13 @@ class KVTransferError(RuntimeError):
 
     def __init__(self, message: str, request_id: str, peer: str) -> None:
         super().__init__(f"{message} (request {request_id}, peer {peer})")
+        self.message = message
         self.request_id = request_id
         self.peer = peer
+
+    def __reduce__(self) -> tuple:
+        # keeps the type and fields across Ray (pickle would call cls(formatted message))
+        return (self.__class__, (self.message, self.request_id, self.peer))
 
 
 class KVTransferTimeout(KVTransferError):

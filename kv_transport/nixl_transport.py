@@ -33,6 +33,7 @@ from kv_transport.base import (
     LayoutMismatchError,
     PushCompletion,
     ReleaseBlocks,
+    StalePeerError,
     TransferStats,
 )
 from kv_transport.descriptors import block_descs, coalesce
@@ -50,6 +51,7 @@ IDLE_POLL_S = 0.005
 class _Peer:
     info: PeerInfo
     agent_name: str
+    checked_at: float  # monotonic time of the last registry confirmation
 
 
 @dataclass
@@ -76,6 +78,7 @@ class NixlTransport(BaseKVTransport):
         registry: BasePeerRegistry,
         kv_transfer_timeout_s: float = 60.0,
         faults: FaultPoints = NO_FAULTS,
+        peer_check_interval_s: float = 1.0,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -84,6 +87,7 @@ class NixlTransport(BaseKVTransport):
         self.layout = layout
         self.timeout_s = kv_transfer_timeout_s
         self.faults = faults
+        self.peer_check_interval_s = peer_check_interval_s
         self._registry = registry
         self._agent = nixl_agent(f"{engine_id}.{self.incarnation}", nixl_agent_config(backends=["UCX"]))
         self._lock = threading.Lock()
@@ -252,19 +256,37 @@ class NixlTransport(BaseKVTransport):
     # ---- internals --------------------------------------------------------------------
 
     def _peer(self, engine_id: str, incarnation: str, request_id: str) -> _Peer:
+        """The peer for a handle: handshaken once per incarnation, re-confirmed in the registry
+        at most every ``peer_check_interval_s`` (a stopped or restarted peer is refused then)."""
         cached = self._peers.get((engine_id, incarnation))
-        if cached is not None:
+        now = time.monotonic()
+        if cached is not None and now - cached.checked_at < self.peer_check_interval_s:
             return cached
-        info = self._registry.lookup(engine_id, incarnation, request_id)
+        try:
+            info = self._registry.lookup(engine_id, incarnation, request_id)
+        except StalePeerError:
+            with self._lock:
+                self._forget(engine_id)
+            raise
+        if cached is not None:
+            cached.checked_at = now
+            return cached
         with self._lock:
-            for key in [k for k in self._peers if k[0] == engine_id]:  # an older incarnation
-                self._agent.remove_remote_agent(self._peers.pop(key).agent_name)
-            name = self._agent.add_remote_agent(info.agent_metadata)
+            self._forget(engine_id)
+            try:
+                name = self._agent.add_remote_agent(info.agent_metadata)
+            except Exception as exc:
+                raise KVTransferError(f"NIXL handshake failed: {exc!r}", request_id, engine_id) from exc
         name = name.decode() if isinstance(name, bytes) else name
-        peer = _Peer(info, name)
+        peer = _Peer(info, name, now)
         self._peers[(engine_id, incarnation)] = peer
         self.num_handshakes += 1
         return peer
+
+    def _forget(self, engine_id: str) -> None:
+        """Drop every cached incarnation of ``engine_id`` (its metadata is never reused)."""
+        for key in [k for k in self._peers if k[0] == engine_id]:
+            self._agent.remove_remote_agent(self._peers.pop(key).agent_name)
 
     def _check_layout(self, theirs: KVLayoutSignature, request_id: str, peer: str) -> None:
         if theirs != self.layout:
@@ -285,10 +307,13 @@ class NixlTransport(BaseKVTransport):
     ) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            local_descs = self._agent.get_xfer_descs(local, self._mem_type)
-            remote_descs = self._agent.get_xfer_descs(remote, peer.info.mem_type)
-            handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer.agent_name, notif)
-            state = self._agent.transfer(handle)
+            try:
+                local_descs = self._agent.get_xfer_descs(local, self._mem_type)
+                remote_descs = self._agent.get_xfer_descs(remote, peer.info.mem_type)
+                handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer.agent_name, notif)
+                state = self._agent.transfer(handle)
+            except Exception as exc:  # NIXL's own errors (e.g. the peer disconnected) become ours
+                raise KVTransferError(f"NIXL {op} failed: {exc!r}", request_id, peer.info.engine_id) from exc
             if state == "ERR":
                 self._agent.release_xfer_handle(handle)
                 raise KVTransferError(f"NIXL {op} could not be posted", request_id, peer.info.engine_id)
@@ -307,8 +332,12 @@ class NixlTransport(BaseKVTransport):
         return done_at
 
     def _notify(self, peer: _Peer, message: bytes) -> None:
+        """Best effort: a peer that is gone cannot be told, and its side times out."""
         with self._lock:
-            self._agent.send_notif(peer.agent_name, message)
+            try:
+                self._agent.send_notif(peer.agent_name, message)
+            except Exception:
+                logger.warning("could not notify %s (%s)", peer.info.engine_id, message[:40])
 
     def _progress_loop(self) -> None:
         while not self._closed.is_set():

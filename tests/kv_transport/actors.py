@@ -81,6 +81,9 @@ class EngineActor:
 
         self.link.transport.faults = FaultPoints(delay_s=delay_s or {}, fail=frozenset(fail), drop_release=drop_release)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        self.link.transport.timeout_s = timeout_s
+
     def num_handshakes(self) -> int:
         return self.link.transport.num_handshakes
 

@@ -21,7 +21,8 @@ from kv_transport.base import KVTransferError, StalePeerError
 from tests.same_output import GreedyTrace, assert_same_output
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 5.0
+TIMEOUT_S = 30.0
+SHORT_TIMEOUT_S = 3.0
 LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
 
 
@@ -133,9 +134,10 @@ def test_abort_on_either_side_frees_blocks(actors, prompts):
 
 def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
     prefill, decode = actors
+    ray.get([prefill.set_timeout.remote(SHORT_TIMEOUT_S), decode.set_timeout.remote(SHORT_TIMEOUT_S)])
     _, handle = ray.get(prefill.prefill_pull.remote(_request("unclaimed", 0, prompts[2])))
     assert ray.get(prefill.stats.remote()).num_pinned_blocks > 0
-    time.sleep(TIMEOUT_S + 0.5)
+    time.sleep(SHORT_TIMEOUT_S + 0.5)
     _assert_idle(prefill, decode)
     # a push that never comes: decode gives up after the timeout and frees its reservation
     request = _request("nopush", 0, prompts[2])
@@ -143,13 +145,15 @@ def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
     with pytest.raises(ray.exceptions.RayTaskError, match="KVTransferTimeout.*no push completion"):
         ray.get(decode.decode_push.remote(request, destination))
     _assert_idle(prefill, decode)
+    ray.get([prefill.set_timeout.remote(TIMEOUT_S), decode.set_timeout.remote(TIMEOUT_S)])
 
 
 def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference):
     from tests.kv_transport.actors import EngineActor
 
     _, decode = actors
-    victim = EngineActor.remote("victim", "prefill", timeout_s=TIMEOUT_S)
+    victim = EngineActor.remote("victim", "prefill", timeout_s=SHORT_TIMEOUT_S)
+    ray.get(decode.set_timeout.remote(SHORT_TIMEOUT_S))
     first_incarnation = ray.get(victim.start.remote())
     handshakes = ray.get(decode.num_handshakes.remote())
     request = _request("killed", 0, prompts[5])
@@ -163,8 +167,8 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
         ray.get(fetching)
     assert isinstance(info.value.cause, KVTransferError), info.value
     assert "request killed-0" in str(info.value.cause) and "victim" in str(info.value.cause)
-    assert time.monotonic() - started < 1.5 + TIMEOUT_S + 2
-    ray.get(decode.set_faults.remote())
+    assert time.monotonic() - started < 1.5 + SHORT_TIMEOUT_S + 2
+    ray.get([decode.set_faults.remote(), decode.set_timeout.remote(TIMEOUT_S)])
     _assert_idle(decode)
 
     restarted = EngineActor.remote("victim", "prefill", timeout_s=TIMEOUT_S)

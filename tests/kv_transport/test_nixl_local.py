@@ -40,7 +40,7 @@ class _Released:
 def pair():
     registry = LocalPeerRegistry()
     producer = NixlTransport("prod", LAYOUT, registry, kv_transfer_timeout_s=2.0)
-    consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=2.0)
+    consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=2.0, peer_check_interval_s=0.0)
     src, dst = _pool(8), _pool(6, fill=-1.0)
     released = _Released()
     producer.register_pool(src, released)
