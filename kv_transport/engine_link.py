@@ -30,13 +30,19 @@ class KVCapacityError(RuntimeError):
 
 
 class KVEngineLink:
-    def __init__(self, engine: AsyncEngine, transport: BaseKVTransport) -> None:
-        """Construct inside the engine's running event loop."""
+    def __init__(self, engine: AsyncEngine, transport: BaseKVTransport, push_pipelined: bool = True) -> None:
+        """Construct inside the engine's running event loop.
+
+        ``push_pipelined=False`` sends all layers after the forward pass instead of each
+        layer right after its own forward (a baseline for the pipelining benchmark).
+        """
         self.engine = engine
         self.transport = transport
+        self.push_pipelined = push_pipelined
         self._loop = asyncio.get_running_loop()
         self._pushing: set[str] = set()
         self._push_errors: dict[str, BaseException] = {}
+        self.last_fetch: TransferStats | None = None
         transport.register_pool(engine.core.pool.tensor, self._release_from_transport)
         if transport.supports_push:
             engine.core.runner.add_layer_hook(self._after_layer)
@@ -63,7 +69,7 @@ class KVEngineLink:
     async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
         blocks = await self._reserve(request, handle.num_tokens)
         try:
-            await self.transport.fetch(handle, blocks)
+            self.last_fetch = await self.transport.fetch(handle, blocks)
         except BaseException:
             await self.engine.release(request.request_id)
             raise
@@ -94,6 +100,9 @@ class KVEngineLink:
             if error is not None:
                 self.transport.abort_push(rid)
                 raise error
+            if not self.push_pipelined and result.block_ids:
+                for layer in range(self.engine.core.layout.num_layers):
+                    self.transport.push_layer(rid, layer, list(result.block_ids), 0)
             stats = await self.transport.finish_push(rid, result.first_token)
         finally:
             await self.engine.release(rid)
@@ -133,7 +142,7 @@ class KVEngineLink:
 
     def _after_layer(self, layer: int) -> None:
         """Engine thread, inside the forward pass: post this layer's writes for pushing requests."""
-        if not self._pushing:
+        if not self._pushing or not self.push_pipelined:
             return
         block_size = self.engine.core.config.block_size
         for chunk in self.engine.core.runner.current_chunks:

@@ -4,8 +4,13 @@ One NIXL agent per engine process; the whole pool is registered once. Peers are
 handshaken on first contact from the registry's metadata and cached per (engine id,
 incarnation), so a restarted peer is re-handshaken and never reused stale.
 
-A progress thread owns all waiting: it polls posted transfers and NIXL notifications
-(0.5 ms apart while anything is in flight, 5 ms when idle) and completes futures that
+A progress thread owns all posting and waiting. Posting goes through it because on CPU
+memory UCX copies inside ``transfer()`` itself, so a post from the engine thread would stop
+the forward pass for the whole copy (and a READ posted from the event loop would block
+it); from the progress thread the copy overlaps the next layer's compute. It polls posted
+transfers and NIXL notifications
+(0.1 ms apart while transfers are in flight, 1 ms while only a push notice is
+awaited, 5 ms when idle) and completes futures that
 the event loop awaits, so nothing spins on the engine's event loop. All agent calls
 hold one lock. Notifications: ``R:<id>`` consumer -> producer (release the exported
 blocks), ``P:<id>:<first token>`` producer -> consumer (push complete), ``F:<id>``
@@ -15,6 +20,7 @@ producer -> consumer (push failed).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -43,7 +49,8 @@ from kv_transport.registry import BasePeerRegistry, PeerInfo
 
 logger = logging.getLogger(__name__)
 
-BUSY_POLL_S = 0.0005
+BUSY_POLL_S = 0.0001  # transfers in flight
+WAIT_POLL_S = 0.001  # only waiting for a push-completion notice
 IDLE_POLL_S = 0.005
 
 
@@ -58,6 +65,19 @@ class _Peer:
 class _Xfer:
     handle: object
     future: concurrent.futures.Future  # -> (state, done_time)
+
+
+@dataclass
+class _PendingPost:
+    op: str
+    local: np.ndarray
+    remote: np.ndarray
+    peer: _Peer
+    notif: bytes
+    request_id: str
+    future: concurrent.futures.Future
+    record: dict[str, float] | None = None  # push layer timestamps: "posted" is set when posted
+    event: object | None = None  # CUDA: post only once this event has fired
 
 
 @dataclass
@@ -78,7 +98,7 @@ class NixlTransport(BaseKVTransport):
         registry: BasePeerRegistry,
         kv_transfer_timeout_s: float = 60.0,
         faults: FaultPoints = NO_FAULTS,
-        peer_check_interval_s: float = 1.0,
+        peer_check_interval_s: float = 5.0,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -96,11 +116,13 @@ class NixlTransport(BaseKVTransport):
         self._push_out: dict[str, _PushOut] = {}
         self._push_in: dict[str, concurrent.futures.Future] = {}
         self._xfers: list[_Xfer] = []
+        self._outbox: collections.deque[_PendingPost] = collections.deque()  # posted by the progress thread
         self._release_blocks: ReleaseBlocks | None = None
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
         self.num_handshakes = 0
         self._closed = threading.Event()
+        self._wake = threading.Event()  # set when a transfer is posted, so polling starts at once
         self._thread = threading.Thread(target=self._progress_loop, name=f"nixl-{engine_id}", daemon=True)
 
     # ---- setup ------------------------------------------------------------------------
@@ -134,6 +156,7 @@ class NixlTransport(BaseKVTransport):
         if self._closed.is_set():
             return
         self._closed.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=1)
         self._registry.remove(self.engine_id, self.incarnation)
@@ -210,10 +233,15 @@ class NixlTransport(BaseKVTransport):
         runs = coalesce(local_block_ids, remote_ids)
         local = self._local_descs([layer], [(s, n) for s, _, n in runs])
         remote = self._descs(push.peer.info, [layer], [(d, n) for _, d, n in runs])
-        push.futures.append(self._post("WRITE", local, remote, push.peer, b"", request_id))
-        push.layers.append({"layer": layer, "compute_end": compute_end, "posted": time.time()})
+        record = {"layer": layer, "compute_end": compute_end}
+        push.layers.append(record)
         push.num_bytes += int(local[:, 1].sum())
         push.num_descriptors += len(local)
+        event = None
+        if self._pool.is_cuda:  # post once the layer's kernels are done, without a device sync
+            event = torch.cuda.Event()
+            event.record()
+        push.futures.append(self._post("WRITE", local, remote, push.peer, b"", request_id, record, event))
 
     async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
         push = self._push_out.pop(request_id)
@@ -303,22 +331,53 @@ class NixlTransport(BaseKVTransport):
         return block_descs(info.pool_address, info.num_blocks, self._block_bytes, info.device_id, layers, runs)
 
     def _post(
-        self, op: str, local: np.ndarray, remote: np.ndarray, peer: _Peer, notif: bytes, request_id: str
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: _Peer,
+        notif: bytes,
+        request_id: str,
+        record: dict[str, float] | None = None,
+        event: object | None = None,
     ) -> concurrent.futures.Future:
+        """Queue a transfer for the progress thread; the future yields (state, done time)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        self._outbox.append(_PendingPost(op, local, remote, peer, notif, request_id, future, record, event))
+        self._wake.set()
+        return future
+
+    def _post_now(self, post: _PendingPost) -> None:
+        """Progress thread: start one transfer (on CPU this call does the copy)."""
+        if post.record is not None:
+            post.record["posted"] = time.time()
         with self._lock:
             try:
-                local_descs = self._agent.get_xfer_descs(local, self._mem_type)
-                remote_descs = self._agent.get_xfer_descs(remote, peer.info.mem_type)
-                handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer.agent_name, notif)
+                local_descs = self._agent.get_xfer_descs(post.local, self._mem_type)
+                remote_descs = self._agent.get_xfer_descs(post.remote, post.peer.info.mem_type)
+                handle = self._agent.initialize_xfer(
+                    post.op, local_descs, remote_descs, post.peer.agent_name, post.notif
+                )
                 state = self._agent.transfer(handle)
             except Exception as exc:  # NIXL's own errors (e.g. the peer disconnected) become ours
-                raise KVTransferError(f"NIXL {op} failed: {exc!r}", request_id, peer.info.engine_id) from exc
+                error = KVTransferError(f"NIXL {post.op} failed: {exc!r}", post.request_id, post.peer.info.engine_id)
+                post.future.set_exception(error)
+                return
             if state == "ERR":
                 self._agent.release_xfer_handle(handle)
-                raise KVTransferError(f"NIXL {op} could not be posted", request_id, peer.info.engine_id)
-            self._xfers.append(_Xfer(handle, future))
-        return future
+                message = f"NIXL {post.op} could not be posted"
+                post.future.set_exception(KVTransferError(message, post.request_id, post.peer.info.engine_id))
+                return
+            self._xfers.append(_Xfer(handle, post.future))
+
+    def _drain_outbox(self) -> None:
+        """Post queued transfers in order; a CUDA post waits for its layer's event."""
+        while self._outbox:
+            post = self._outbox[0]
+            if post.event is not None and not post.event.query():
+                return
+            self._outbox.popleft()
+            self._post_now(post)
 
     async def _await_xfer(
         self, future: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str
@@ -342,13 +401,16 @@ class NixlTransport(BaseKVTransport):
     def _progress_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                busy = self._progress_once()
+                interval = self._progress_once()
             except Exception:  # keep the thread alive; each failure is logged
                 logger.exception("NIXL progress loop error")
-                busy = False
-            self._closed.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
+                interval = IDLE_POLL_S
+            self._wake.wait(interval)
+            self._wake.clear()
 
-    def _progress_once(self) -> bool:
+    def _progress_once(self) -> float:
+        """One round of completions and notifications; returns the wait before the next."""
+        self._drain_outbox()
         finished: list[tuple[_Xfer, str]] = []
         with self._lock:
             notifs = self._agent.get_new_notifs()
@@ -368,7 +430,9 @@ class NixlTransport(BaseKVTransport):
         for request_id in [r for r, expiry in list(self._exports.items()) if expiry < now]:
             logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
             self.release(request_id)
-        return bool(self._xfers or self._push_in)
+        if self._xfers or self._outbox:
+            return BUSY_POLL_S
+        return WAIT_POLL_S if self._push_in else IDLE_POLL_S
 
     def _on_notif(self, message: str) -> None:
         kind, _, rest = message.partition(":")

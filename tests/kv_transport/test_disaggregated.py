@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from bench.corpus import prompt_of_length
 from engine.params import GenerationRequest, SamplingParams
@@ -42,7 +43,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def actors(cluster):
-    from tests.kv_transport.actors import EngineActor
+    from bench.engine_actor import EngineActor
 
     prefill = EngineActor.remote("prefill-0", "prefill", timeout_s=TIMEOUT_S)
     decode = EngineActor.remote("decode-0", "both", timeout_s=TIMEOUT_S)
@@ -149,7 +150,7 @@ def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
 
 
 def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference):
-    from tests.kv_transport.actors import EngineActor
+    from bench.engine_actor import EngineActor
 
     _, decode = actors
     victim = EngineActor.remote("victim", "prefill", timeout_s=SHORT_TIMEOUT_S)
@@ -184,3 +185,24 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
     time.sleep(0.2)
     _assert_idle(decode, restarted)
     ray.get(restarted.close.remote())
+
+
+def test_object_store_baseline_moves_the_same_bytes(cluster):
+    from kv_transport.handle import KVLayoutSignature
+    from kv_transport.object_store import ObjectStoreTransport
+
+    layout = KVLayoutSignature(dtype="float32", num_layers=2, block_size=4, num_kv_heads=1, head_dim=8)
+    src = torch.rand(2, 2, 6, 4, 1, 8)
+    dst = torch.zeros(2, 2, 5, 4, 1, 8)
+    released = []
+    producer, consumer = ObjectStoreTransport("os-p", layout), ObjectStoreTransport("os-c", layout)
+    producer.register_pool(src, released.append)
+    consumer.register_pool(dst, lambda rid: None)
+    handle = producer.export("os-1", [1, 4], num_tokens=7, first_token=3)
+    assert released == ["os-1"]  # the object-store copy holds the KV: blocks freed at export
+    stats = asyncio.run(consumer.fetch(handle, [0, 3]))
+    assert torch.equal(dst[:, :, [0, 3]], src[:, :, [1, 4]]) and torch.all(dst[:, :, [1, 2, 4]] == 0)
+    assert stats.num_bytes == 2 * 2 * 2 * 4 * 8 * 4
+    assert not producer.supports_push
+    with pytest.raises(KVTransferError, match="pull only"):
+        producer.destination("x", [0], 1)

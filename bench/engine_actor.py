@@ -1,4 +1,5 @@
-"""A Ray actor holding one engine and its KV link: the process boundary for transport tests."""
+"""A Ray actor holding one engine and its KV link: the process boundary for the KV
+transport tests and benchmarks (the Serve deployments wrap the same link)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class EngineActor:
         transport: str = "nixl",
         timeout_s: float = 60.0,
         faults: dict | None = None,
+        push_pipelined: bool = True,
         **engine_config,
     ) -> None:
         import torch
@@ -28,6 +30,7 @@ class EngineActor:
         self.core = EngineCore(load_model(ModelSpec()), EngineConfig(role=role, **engine_config))
         self.engine_id, self.transport_kind, self.timeout_s = engine_id, transport, timeout_s
         self.faults = faults or {}
+        self.push_pipelined = push_pipelined
         self.link = None
 
     async def start(self) -> str:
@@ -49,7 +52,7 @@ class EngineActor:
             transport = NixlTransport(self.engine_id, layout, RayPeerRegistry(), self.timeout_s, faults)
         else:
             transport = ObjectStoreTransport(self.engine_id, layout, self.timeout_s)
-        self.link = KVEngineLink(AsyncEngine(self.core), transport)
+        self.link = KVEngineLink(AsyncEngine(self.core), transport, push_pipelined=self.push_pipelined)
         return transport.incarnation
 
     async def prefill_pull(self, request):
@@ -83,6 +86,9 @@ class EngineActor:
 
     def set_timeout(self, timeout_s: float) -> None:
         self.link.transport.timeout_s = timeout_s
+
+    def last_fetch_ms(self) -> float:
+        return self.link.last_fetch.seconds * 1e3
 
     def num_handshakes(self) -> int:
         return self.link.transport.num_handshakes

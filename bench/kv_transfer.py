@@ -1,0 +1,294 @@
+"""KV transfer benchmark: ``python -m bench.kv_transfer`` (summary in docs/benchmarks/kv_transfer.md).
+
+Part 1, bytes/s between two processes (two Ray actors, each with a KV pool of the default
+model's layout), for 1, 16, 64 and 256 MB of real KV blocks, buffers touched before
+timing, median of several repetitions:
+  * our NIXL pull (``fetch``: descriptors, one READ, completion seen by the progress thread);
+  * our NIXL push (30 layers' writes posted, then all completions);
+  * the object store (copy out + ``ray.put`` in the producer, ``ray.get`` + copy in);
+  * raw NIXL: one READ of one contiguous buffer of the same size, no handles or registry,
+    completion polled in a tight loop;
+  * a torch copy of the same bytes inside one process, all threads.
+Part 2, pipelined push on a 2,048-token prompt (real prefill of the default model): from
+the per-layer timestamps, (last layer's KV complete at decode) - (prefill compute end),
+against one layer's transfer time; the same for push without pipelining and for pull.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+SIZES_MB = (1, 16, 64, 256)
+REPEATS = 9
+BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # default model, float32, 16-token blocks
+POOL_BLOCKS = 420  # > 256 MB of blocks
+
+
+@ray.remote(num_cpus=0.5)
+class TransferActor:
+    """A pool and a transport, without a model: moves real-layout KV blocks."""
+
+    def __init__(self, engine_id: str) -> None:
+        torch.set_num_threads(1)
+        from kv_transport.handle import KVLayoutSignature
+        from kv_transport.nixl_transport import NixlTransport
+        from kv_transport.object_store import ObjectStoreTransport
+        from kv_transport.registry import RayPeerRegistry
+
+        self.layout = KVLayoutSignature(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+        self.pool = torch.rand(30, 2, POOL_BLOCKS, 16, 3, 64)
+        self.released: list[str] = []
+        self.nixl = NixlTransport(engine_id, self.layout, RayPeerRegistry())
+        self.nixl.register_pool(self.pool, self.released.append)
+        self.store = ObjectStoreTransport(engine_id, self.layout)
+        self.store.register_pool(self.pool, self.released.append)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.raw_agent = nixl_agent(f"raw-{engine_id}", nixl_agent_config(backends=["UCX"]))
+        self.raw = torch.rand(256 << 18)  # 256 MB contiguous
+        self.raw_agent.register_memory(self.raw)
+
+    def raw_meta(self) -> tuple[bytes, int]:
+        return self.raw_agent.get_agent_metadata(), self.raw.data_ptr()
+
+    def raw_read_s(self, meta: bytes, remote_address: int, num_bytes: int) -> float:
+        import numpy as np
+
+        name = self.raw_agent.add_remote_agent(meta)
+        local = self.raw_agent.get_xfer_descs(np.array([[self.raw.data_ptr(), num_bytes, 0]], dtype=np.uint64), "DRAM")
+        remote = self.raw_agent.get_xfer_descs(np.array([[remote_address, num_bytes, 0]], dtype=np.uint64), "DRAM")
+        start = time.perf_counter()
+        handle = self.raw_agent.initialize_xfer("READ", local, remote, name)
+        state = self.raw_agent.transfer(handle)
+        while state == "PROC":
+            state = self.raw_agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - start
+        self.raw_agent.release_xfer_handle(handle)
+        assert state == "DONE", state
+        return elapsed
+
+    def export(self, kind: str, request_id: str, num_blocks: int):
+        transport = self.nixl if kind == "nixl" else self.store
+        start = time.perf_counter()
+        handle = transport.export(request_id, list(range(num_blocks)), num_blocks * 16, 1)
+        return handle, time.perf_counter() - start
+
+    async def fetch_s(self, kind: str, handle) -> float:
+        transport = self.nixl if kind == "nixl" else self.store
+        start = time.perf_counter()
+        await transport.fetch(handle, list(range(POOL_BLOCKS - handle_blocks(handle), POOL_BLOCKS)))
+        return time.perf_counter() - start
+
+    def destination(self, request_id: str, num_blocks: int):
+        return self.nixl.destination(request_id, list(range(num_blocks)), num_blocks * 16)
+
+    async def push_s(self, destination) -> float:
+        blocks = list(range(POOL_BLOCKS - len(destination.block_ids), POOL_BLOCKS))
+        self.nixl.begin_push(destination)
+        start = time.perf_counter()
+        for layer in range(30):
+            self.nixl.push_layer(destination.request_id, layer, blocks, 0)
+        await self.nixl.finish_push(destination.request_id, 1)
+        return time.perf_counter() - start
+
+    async def wait_push(self, destination) -> None:
+        await self.nixl.wait_push(destination)
+
+
+def handle_blocks(handle) -> int:
+    return sum(count for _, count in handle.block_ranges)
+
+
+def torch_copy_gbps(num_bytes: int) -> float:
+    torch.set_num_threads(os.cpu_count() or 1)
+    src = torch.rand(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
+    rows = []
+    meta, address = ray.get(producer.raw_meta.remote())
+    for size_mb in SIZES_MB:
+        num_blocks = max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))
+        num_bytes = num_blocks * BYTES_PER_BLOCK
+        pull, push, store, raw = [], [], [], []
+        for rep in range(REPEATS + 1):  # the first repetition warms up
+            handle, _ = ray.get(producer.export.remote("nixl", f"pull-{size_mb}-{rep}", num_blocks))
+            pull.append(ray.get(consumer.fetch_s.remote("nixl", handle)))
+            dest = ray.get(consumer.destination.remote(f"push-{size_mb}-{rep}", num_blocks))
+            waiting = consumer.wait_push.remote(dest)
+            push.append(ray.get(producer.push_s.remote(dest)))
+            ray.get(waiting)
+            handle, export_s = ray.get(producer.export.remote("store", f"store-{size_mb}-{rep}", num_blocks))
+            store.append(export_s + ray.get(consumer.fetch_s.remote("store", handle)))
+            raw.append(ray.get(consumer.raw_read_s.remote(meta, address, num_bytes)))
+        gbps = {name: num_bytes / statistics.median(t[1:]) / 1e9 for name, t in
+                (("nixl_pull", pull), ("nixl_push", push), ("object_store", store), ("raw_nixl", raw))}
+        rows.append({"size_mb": num_bytes / 2**20, "num_blocks": num_blocks, **gbps,
+                     "torch_copy": torch_copy_gbps(num_bytes), "pull_vs_raw": gbps["nixl_pull"] / gbps["raw_nixl"]})
+        print(f"  {size_mb} MB done", file=sys.stderr, flush=True)
+    return rows
+
+
+def pipelining(prompt_len: int = 2048) -> dict[str, float]:
+    from bench.engine import corpus_ids
+    from bench.engine_actor import EngineActor
+    from engine.loader import ModelSpec, load_model
+    from engine.params import GenerationRequest, SamplingParams
+
+    prompt = corpus_ids(load_model(ModelSpec()).tokenizer, prompt_len)
+    config = dict(max_model_len=4096, kv_cache_bytes=256 << 20, max_num_batched_tokens=4096)
+    consumer = EngineActor.remote("bench-decode", "decode", **config)
+    result: dict[str, float] = {}
+    for name, pipelined in (("pipelined", True), ("not_pipelined", False)):
+        producer = EngineActor.remote(f"bench-prefill-{name}", "prefill", push_pipelined=pipelined, **config)
+        ray.get([consumer.start.remote(), producer.start.remote()] if name == "pipelined" else producer.start.remote())
+        for rep in range(2):  # the first warms up
+            request = GenerationRequest(f"{name}-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
+            dest = ray.get(consumer.reserve_push.remote(request))
+            decoding = consumer.decode_push.remote(request, dest)
+            _, stats = ray.get(producer.prefill_push.remote(request, dest))
+            ray.get(decoding)
+        result.update(_push_figures(name, stats, pipelined))
+        if name == "not_pipelined":
+            for rep in range(2):
+                request = GenerationRequest(f"pull-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
+                _, handle = ray.get(producer.prefill_pull.remote(request))
+                ray.get(consumer.decode_pull.remote(request, handle))
+            result["pull_after_prefill_ms"] = ray.get(consumer.last_fetch_ms.remote())
+        ray.kill(producer)
+    ray.kill(consumer)
+    result["pull_in_layers"] = result["pull_after_prefill_ms"] / result["pipelined_one_layer_ms"]
+    return result
+
+
+def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
+    """From the layer timestamps (one clock: the producer's). Pipelined: the forward pass
+    ends at the last layer's compute end; not pipelined: when the first write is posted."""
+    layers = stats.layer_times
+    compute_end = layers[-1]["compute_end"] if pipelined else min(t["compute_end"] for t in layers)
+    complete = max(t["done"] for t in layers)
+    one_layer = statistics.median(t["done"] - t["posted"] for t in layers)
+    return {
+        f"{name}_tail_ms": (complete - compute_end) * 1e3,
+        f"{name}_one_layer_ms": one_layer * 1e3,
+        f"{name}_tail_in_layers": (complete - compute_end) / one_layer,
+        f"{name}_bytes": stats.num_bytes,
+    }
+
+
+def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -> str:
+    lines = [
+        "# KV transfer benchmark",
+        "",
+        f"Command: `{command}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
+        "on CPU memory; blocks of the default model's layout (30 layers x K/V x 16 tokens x 3 heads x 64,",
+        f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
+        "after one warm-up.",
+        "",
+        "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | torch copy (1 process) "
+        "| pull / raw |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size_mb']:.1f} | {r['num_blocks']} | {r['nixl_pull']:.2f} | {r['nixl_push']:.2f} | "
+            f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['torch_copy']:.2f} | {r['pull_vs_raw']:.2f} |"
+        )
+    lines += [
+        "",
+        "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
+        + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)
+        + ".",
+        "",
+        "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
+        "",
+        "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
+        "timestamps; one layer = median (write done - write posted) of the pipelined run.",
+        "",
+        "| mode | tail (ms) | one layer (ms) | tail / one layer |",
+        "|---|---|---|---|",
+        f"| push, pipelined | {pipe['pipelined_tail_ms']:.1f} | {pipe['pipelined_one_layer_ms']:.2f} | "
+        f"{pipe['pipelined_tail_in_layers']:.2f} |",
+        f"| push, all layers after the forward | {pipe['not_pipelined_tail_ms']:.1f} | "
+        f"{pipe['pipelined_one_layer_ms']:.2f} | "
+        f"{pipe['not_pipelined_tail_ms'] / pipe['pipelined_one_layer_ms']:.2f} |",
+        f"| pull (fetch after prefill) | {pipe['pull_after_prefill_ms']:.1f} | {pipe['pipelined_one_layer_ms']:.2f} | "
+        f"{pipe['pull_in_layers']:.2f} |",
+        "",
+        "Target: pipelined tail <= 2x one layer's transfer time.",
+        "",
+        "![bandwidth](kv_transfer.png)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sizes = [r["size_mb"] for r in rows]
+    for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
+                       ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):
+        ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV bytes per request (MB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("KV transfer between two processes (CPU, UCX)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
+    parser.add_argument("--skip-pipelining", action="store_true")
+    args = parser.parse_args()
+    root = Path(__file__).resolve().parents[1]
+    os.environ["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+             object_store_memory=1 << 30, log_to_driver=False)
+    try:
+        producer, consumer = TransferActor.remote("bench-producer"), TransferActor.remote("bench-consumer")
+        rows = bandwidth_table(producer, consumer)
+        ray.kill(producer)
+        ray.kill(consumer)
+        pipe = {} if args.skip_pipelining else pipelining()
+    finally:
+        ray.shutdown()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv_transfer.json").write_text(json.dumps({"bandwidth_gb_per_s": rows, "push_pipelining": pipe}, indent=2))
+    plot(rows, out / "kv_transfer.png")
+    if pipe:
+        text = report(rows, pipe, "python -m bench.kv_transfer " + " ".join(sys.argv[1:]))
+        (out / "kv_transfer.md").write_text(text)
+        print(text)
+    else:
+        print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
