@@ -30,6 +30,7 @@ import torch
 
 SIZES_MB = (1, 16, 64, 256)
 REPEATS = 9
+PIPELINE_REPEATS = 5
 BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # default model, float32, 16-token blocks
 POOL_BLOCKS = 420  # > 256 MB of blocks
 
@@ -139,10 +140,19 @@ def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
             handle, export_s = ray.get(producer.export.remote("store", f"store-{size_mb}-{rep}", num_blocks))
             store.append(export_s + ray.get(consumer.fetch_s.remote("store", handle)))
             raw.append(ray.get(consumer.raw_read_s.remote(meta, address, num_bytes)))
-        gbps = {name: num_bytes / statistics.median(t[1:]) / 1e9 for name, t in
-                (("nixl_pull", pull), ("nixl_push", push), ("object_store", store), ("raw_nixl", raw))}
-        rows.append({"size_mb": num_bytes / 2**20, "num_blocks": num_blocks, **gbps,
-                     "torch_copy": torch_copy_gbps(num_bytes), "pull_vs_raw": gbps["nixl_pull"] / gbps["raw_nixl"]})
+        gbps = {
+            name: num_bytes / statistics.median(t[1:]) / 1e9
+            for name, t in (("nixl_pull", pull), ("nixl_push", push), ("object_store", store), ("raw_nixl", raw))
+        }
+        rows.append(
+            {
+                "size_mb": num_bytes / 2**20,
+                "num_blocks": num_blocks,
+                **gbps,
+                "torch_copy": torch_copy_gbps(num_bytes),
+                "pull_vs_raw": gbps["nixl_pull"] / gbps["raw_nixl"],
+            }
+        )
         print(f"  {size_mb} MB done", file=sys.stderr, flush=True)
     return rows
 
@@ -160,23 +170,33 @@ def pipelining(prompt_len: int = 2048) -> dict[str, float]:
     for name, pipelined in (("pipelined", True), ("not_pipelined", False)):
         producer = EngineActor.remote(f"bench-prefill-{name}", "prefill", push_pipelined=pipelined, **config)
         ray.get([consumer.start.remote(), producer.start.remote()] if name == "pipelined" else producer.start.remote())
-        for rep in range(2):  # the first warms up
+        figures = []
+        for rep in range(PIPELINE_REPEATS + 1):  # the first warms up
             request = GenerationRequest(f"{name}-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
             dest = ray.get(consumer.reserve_push.remote(request))
             decoding = consumer.decode_push.remote(request, dest)
             _, stats = ray.get(producer.prefill_push.remote(request, dest))
             ray.get(decoding)
-        result.update(_push_figures(name, stats, pipelined))
+            figures.append(_push_figures(name, stats, pipelined))
+        result.update(_median_figures(figures[1:]))
         if name == "not_pipelined":
-            for rep in range(2):
+            pulls = []
+            for rep in range(PIPELINE_REPEATS + 1):
                 request = GenerationRequest(f"pull-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
                 _, handle = ray.get(producer.prefill_pull.remote(request))
                 ray.get(consumer.decode_pull.remote(request, handle))
-            result["pull_after_prefill_ms"] = ray.get(consumer.last_fetch_ms.remote())
+                pulls.append(ray.get(consumer.last_fetch_ms.remote()))
+            result["pull_after_prefill_ms"] = statistics.median(pulls[1:])
         ray.kill(producer)
     ray.kill(consumer)
     result["pull_in_layers"] = result["pull_after_prefill_ms"] / result["pipelined_one_layer_ms"]
     return result
+
+
+def _median_figures(figures: list[dict]) -> dict:
+    """Median of each numeric figure over the repetitions; the last repetition's layer detail."""
+    merged = {k: statistics.median(f[k] for f in figures) for k, v in figures[0].items() if isinstance(v, float)}
+    return figures[-1] | merged
 
 
 def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
@@ -186,7 +206,12 @@ def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
     compute_end = layers[-1]["compute_end"] if pipelined else min(t["compute_end"] for t in layers)
     complete = max(t["done"] for t in layers)
     one_layer = statistics.median(t["done"] - t["posted"] for t in layers)
-    return {
+    last = {
+        f"{name}_last_layers_ms": [
+            {k: round((t[k] - compute_end) * 1e3, 3) for k in ("compute_end", "posted", "done")} for t in layers[-3:]
+        ]
+    }
+    return last | {
         f"{name}_tail_ms": (complete - compute_end) * 1e3,
         f"{name}_one_layer_ms": one_layer * 1e3,
         f"{name}_tail_in_layers": (complete - compute_end) / one_layer,
@@ -221,7 +246,8 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
         "",
         "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
-        "timestamps; one layer = median (write done - write posted) of the pipelined run.",
+        "timestamps; one layer = median (write done - write posted) of the pipelined run. Medians",
+        f"of {PIPELINE_REPEATS} requests after one warm-up.",
         "",
         "| mode | tail (ms) | one layer (ms) | tail / one layer |",
         "|---|---|---|---|",
@@ -248,8 +274,13 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [r["size_mb"] for r in rows]
-    for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
-                       ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):
+    for key, label in (
+        ("nixl_pull", "our NIXL pull"),
+        ("nixl_push", "our NIXL push"),
+        ("raw_nixl", "raw NIXL"),
+        ("object_store", "object store"),
+        ("torch_copy", "torch copy, 1 process"),
+    ):
         ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("KV bytes per request (MB)")
@@ -265,12 +296,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
     parser.add_argument("--skip-pipelining", action="store_true")
+    parser.add_argument("--only-pipelining", action="store_true", help="print the push pipelining figures only")
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1]
     os.environ["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-             object_store_memory=1 << 30, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        object_store_memory=1 << 30,
+        log_to_driver=False,
+    )
     try:
+        if args.only_pipelining:
+            print(json.dumps(pipelining(), indent=2))
+            return
         producer, consumer = TransferActor.remote("bench-producer"), TransferActor.remote("bench-consumer")
         rows = bandwidth_table(producer, consumer)
         ray.kill(producer)

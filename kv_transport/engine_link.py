@@ -39,6 +39,7 @@ class KVEngineLink:
         self.engine = engine
         self.transport = transport
         self.push_pipelined = push_pipelined
+
         self._loop = asyncio.get_running_loop()
         self._pushing: set[str] = set()
         self._push_errors: dict[str, BaseException] = {}
