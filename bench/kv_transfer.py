@@ -62,12 +62,17 @@ class TransferActor:
     def raw_meta(self) -> tuple[bytes, int]:
         return self.raw_agent.get_agent_metadata(), self.raw.data_ptr()
 
-    def raw_read_s(self, meta: bytes, remote_address: int, num_bytes: int) -> float:
+    def raw_read_s(self, meta: bytes, remote_address: int, num_bytes: int, num_descs: int = 1) -> float:
+        """One READ of ``num_bytes`` as ``num_descs`` equal pieces spread over the buffer."""
         import numpy as np
 
         name = self.raw_agent.add_remote_agent(meta)
-        local = self.raw_agent.get_xfer_descs(np.array([[self.raw.data_ptr(), num_bytes, 0]], dtype=np.uint64), "DRAM")
-        remote = self.raw_agent.get_xfer_descs(np.array([[remote_address, num_bytes, 0]], dtype=np.uint64), "DRAM")
+        piece, stride = num_bytes // num_descs, (256 << 20) // num_descs
+        offsets = [i * stride for i in range(num_descs)]
+        local_rows = np.array([[self.raw.data_ptr() + o, piece, 0] for o in offsets], dtype=np.uint64)
+        remote_rows = np.array([[remote_address + o, piece, 0] for o in offsets], dtype=np.uint64)
+        local = self.raw_agent.get_xfer_descs(local_rows, "DRAM")
+        remote = self.raw_agent.get_xfer_descs(remote_rows, "DRAM")
         start = time.perf_counter()
         handle = self.raw_agent.initialize_xfer("READ", local, remote, name)
         state = self.raw_agent.transfer(handle)
@@ -129,7 +134,7 @@ def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
     for size_mb in SIZES_MB:
         num_blocks = max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))
         num_bytes = num_blocks * BYTES_PER_BLOCK
-        pull, push, store, raw = [], [], [], []
+        pull, push, store, raw, raw60 = [], [], [], [], []
         for rep in range(REPEATS + 1):  # the first repetition warms up
             handle, _ = ray.get(producer.export.remote("nixl", f"pull-{size_mb}-{rep}", num_blocks))
             pull.append(ray.get(consumer.fetch_s.remote("nixl", handle)))
@@ -140,9 +145,16 @@ def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
             handle, export_s = ray.get(producer.export.remote("store", f"store-{size_mb}-{rep}", num_blocks))
             store.append(export_s + ray.get(consumer.fetch_s.remote("store", handle)))
             raw.append(ray.get(consumer.raw_read_s.remote(meta, address, num_bytes)))
+            raw60.append(ray.get(consumer.raw_read_s.remote(meta, address, num_bytes, 60)))
         gbps = {
             name: num_bytes / statistics.median(t[1:]) / 1e9
-            for name, t in (("nixl_pull", pull), ("nixl_push", push), ("object_store", store), ("raw_nixl", raw))
+            for name, t in (
+                ("nixl_pull", pull),
+                ("nixl_push", push),
+                ("object_store", store),
+                ("raw_nixl", raw),
+                ("raw_nixl_60_descs", raw60),
+            )
         }
         rows.append(
             {
@@ -228,16 +240,21 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
         "after one warm-up.",
         "",
-        "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | torch copy (1 process) "
-        "| pull / raw |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors "
+        "| torch copy (1 process) | pull / raw |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size_mb']:.1f} | {r['num_blocks']} | {r['nixl_pull']:.2f} | {r['nixl_push']:.2f} | "
-            f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['torch_copy']:.2f} | {r['pull_vs_raw']:.2f} |"
+            f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['raw_nixl_60_descs']:.2f} | {r['torch_copy']:.2f} | "
+            f"{r['pull_vs_raw']:.2f} |"
         )
     lines += [
+        "",
+        "A request's KV in the pool layout `[layers, K/V, blocks, ...]` is at least 60 byte runs (30 layers x K/V),",
+        "so our pull posts >= 60 descriptors where raw NIXL posts one; the column 'raw NIXL, 60 descriptors'",
+        "is the same READ split like our layout, with none of our code around it.",
         "",
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)
