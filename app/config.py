@@ -125,3 +125,17 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(data, dict):
             raise ValueError(f"{dotted}: {part} is not a section")
     data[leaf] = value
+
+
+def disagg_app(args: dict[str, str] | None = None):
+    """``serve run app.config:disagg_app [config=path.yaml] [section.field=value ...]``"""
+    from deployments.build import build_disagg
+
+    return build_disagg(AppConfig.load(args))
+
+
+def colocated_app(args: dict[str, str] | None = None):
+    """The baseline: replicas that do both phases (``colocated.num_replicas``, default 2)."""
+    from deployments.build import build_colocated
+
+    return build_colocated(AppConfig.load(args))

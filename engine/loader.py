@@ -90,10 +90,27 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             raise FileNotFoundError(f"model source {spec.source!r} is neither a directory nor a .gguf file")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        name = DEFAULT_MODEL_NAME if spec.source == DEFAULT_MODEL else source.stem
+        name = model_name(spec)
     model.to(spec.device).eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
+    """The tokenizer alone (no weights), for processes that only tokenize (the ingress)."""
+    if spec.dummy_weights:
+        return None
+    source = default_gguf_path() if spec.source == DEFAULT_MODEL else Path(spec.source)
+    if source.suffix == ".gguf":
+        folder = _gguf_cache_folder(source)
+        if (folder / "complete").is_file():
+            return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def model_name(spec: ModelSpec) -> str:
+    return DEFAULT_MODEL_NAME if spec.source == DEFAULT_MODEL else Path(spec.source).stem
 
 
 def _load_dummy(source: str, dtype: torch.dtype, seed: int) -> PreTrainedModel:
@@ -105,9 +122,7 @@ def _load_dummy(source: str, dtype: torch.dtype, seed: int) -> PreTrainedModel:
 
 def _converted_gguf(gguf_path: Path) -> Path:
     """Dequantize a GGUF once into a safetensors folder keyed by the file's identity."""
-    stat = gguf_path.stat()
-    key = f"{_CACHE_FORMAT}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    folder = cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder = _gguf_cache_folder(gguf_path)
     if (folder / "complete").is_file():
         return folder
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -122,6 +137,12 @@ def _converted_gguf(gguf_path: Path) -> Path:
     except OSError:  # another process finished the same conversion first
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _gguf_cache_folder(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = f"{_CACHE_FORMAT}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return cache_root() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _save_plain(model: PreTrainedModel, folder: Path) -> None:

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible ingress (FastAPI through ``serve.ingress``).
+
+Per request: parse and validate the body (400 naming the field), check the model (404),
+tokenize (the chat template for chat), check lengths against the context (400 with the
+limit), then send it to prefill and then to decode (or to a colocated replica) and stream
+the tokens back. Backpressure: at most ``max_queued_requests`` requests in flight per
+ingress replica; beyond that 503 with ``Retry-After``. A client that goes away cancels the
+replica calls, which abort the request and free its blocks on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from app.config import AppConfig
+from app.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, validation_error_body
+from deployments.openai_format import ChunkWriter, full_response, sse
+from engine.loader import ModelSpec, load_tokenizer, model_name
+from engine.params import GenerationRequest, RequestOutput, SamplingParams
+from engine.tokenization import encode_prompt
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+        super().__init__(body["error"]["message"])
+        self.status, self.body, self.headers = status, body, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, config: dict[str, Any], prefill: Any = None, decode: Any = None, colocated: Any = None):
+        self.config = AppConfig.model_validate(config)
+        spec = ModelSpec(source=self.config.model.source)
+        self.tokenizer = load_tokenizer(spec)
+        self.model = self.config.model.served_name or model_name(spec)
+        self.max_model_len = self.config.model.max_model_len
+        self.prefill, self.decode, self.colocated = prefill, decode, colocated
+        self.in_flight = 0
+
+    # ---- endpoints ----------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready(self) -> dict:
+        return {"status": "ready", "model": self.model}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": self.model, "object": "model", "owned_by": "tandem", "max_model_len": self.max_model_len}],
+        }
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, raw: Request):
+        return await self._serve("chat", ChatCompletionRequest, raw)
+
+    @api.post("/v1/completions")
+    async def completions(self, raw: Request):
+        return await self._serve("completion", CompletionRequest, raw)
+
+    # ---- one request --------------------------------------------------------------------
+
+    async def _serve(self, kind: str, schema: type, raw: Request):
+        try:
+            body = await self._parse(schema, raw)
+            request = self._to_engine(kind, body, raw.headers.get("x-request-id"))
+        except HTTPError as exc:
+            return exc.response()
+        if self.in_flight >= self.config.max_queued_requests:
+            return HTTPError(
+                503, error_body("server busy: too many requests in flight", None, "server_error"), {"Retry-After": "1"}
+            ).response()
+        headers = {"X-Request-Id": request.request_id}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(kind, request, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        self.in_flight += 1
+        try:
+            outputs = [o async for o in self._outputs(request)]
+        except HTTPError as exc:
+            return exc.response()
+        finally:
+            self.in_flight -= 1
+        return JSONResponse(full_response(kind, request.request_id, self.model, outputs), headers=headers)
+
+    async def _parse(self, schema: type, raw: Request):
+        try:
+            data = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HTTPError(400, error_body(f"malformed JSON body: {exc}", None)) from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, error_body("the body must be a JSON object", None))
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as exc:
+            raise HTTPError(400, validation_error_body(exc)) from None
+        if body.model != self.model:
+            raise HTTPError(
+                404,
+                error_body(
+                    f"The model `{body.model}` does not exist.", "model", "invalid_request_error", "model_not_found"
+                ),
+            )
+        if body.n != 1:
+            raise HTTPError(400, error_body("n: only n=1 is supported", "n"))
+        return body
+
+    def _to_engine(self, kind: str, body: Any, client_id: str | None) -> GenerationRequest:
+        prompt = [m.model_dump() for m in body.messages] if kind == "chat" else body.prompt
+        field = "messages" if kind == "chat" else "prompt"
+        try:
+            ids = encode_prompt(self.tokenizer, prompt)
+        except ValueError as exc:
+            raise HTTPError(400, error_body(str(exc), field)) from None
+        if len(ids) >= self.max_model_len:
+            raise HTTPError(
+                400,
+                error_body(
+                    f"{field}: the prompt is {len(ids)} tokens; this model's context is {self.max_model_len} tokens",
+                    field,
+                ),
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = (body.max_completion_tokens if kind == "chat" else None) or body.max_tokens or room
+        if max_tokens > room:
+            raise HTTPError(
+                400,
+                error_body(
+                    f"max_tokens: {max_tokens} is beyond the context: prompt {len(ids)} tokens + max_tokens > "
+                    f"{self.max_model_len}",
+                    "max_tokens",
+                ),
+            )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=body.stop or (),
+                ignore_eos=body.ignore_eos,
+            )
+            prefix = "chatcmpl" if kind == "chat" else "cmpl"
+            return GenerationRequest(client_id or f"{prefix}-{uuid.uuid4().hex}", tuple(ids), sampling)
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise HTTPError(400, error_body(str(exc), param)) from None
+
+    async def _stream(self, kind: str, request: GenerationRequest, include_usage: bool) -> AsyncIterator[bytes]:
+        writer = ChunkWriter(kind, request.request_id, self.model)
+        self.in_flight += 1
+        try:
+            first = writer.start()
+            if first:
+                yield first
+            last = None
+            async for output in self._outputs(request):
+                last = output
+                chunk = writer.delta(output)
+                if chunk:
+                    yield chunk
+            if include_usage and last is not None:
+                yield writer.usage(last)
+        except HTTPError as exc:
+            yield sse(exc.body)
+        finally:
+            self.in_flight -= 1
+        yield writer.done()
+
+    async def _outputs(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Route one request through prefill and decode (or a colocated replica)."""
+        prefill_call = None
+        if self.colocated is not None:
+            stream = self.colocated.options(stream=True).generate.remote(request)
+        elif len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
+            stream = self.decode.options(stream=True).generate.remote(request)
+        elif self.config.transport.mode == "pull":
+            result, handle = await self._call(self.prefill.prefill.remote(request))
+            if handle is None:  # ended at its first token
+                yield RequestOutput(
+                    request.request_id,
+                    (result.first_token,),
+                    result.first_text,
+                    True,
+                    result.finish_reason,
+                    result.num_tokens,
+                    1,
+                )
+                return
+            stream = self.decode.options(stream=True).decode_pull.remote(request, handle)
+        else:
+            stream = self.decode.options(stream=True).decode_push.remote(request)
+            destination = await self._call(stream.__anext__())
+            prefill_call = self.prefill.prefill_push.remote(request, destination)
+        finished = False
+        try:
+            async for output in self._iterate(stream):
+                finished = output.finished
+                yield output
+            if prefill_call is not None:
+                await self._call(prefill_call)
+        finally:
+            if not finished:  # client gone or an error: cancelling aborts on the replicas
+                stream.cancel()
+                if prefill_call is not None:
+                    prefill_call.cancel()
+
+    async def _iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
+        while True:
+            try:
+                output = await self._call(stream.__anext__())
+            except StopAsyncIteration:
+                return
+            yield output
+
+    async def _call(self, awaitable: Any) -> Any:
+        """Await a replica call; map what it raises to an HTTP error (never a stack trace)."""
+        try:
+            return await awaitable
+        except (StopAsyncIteration, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            cause = getattr(exc, "cause", exc)
+            name = type(cause).__name__
+            if name == "KVCapacityError":
+                raise HTTPError(
+                    503,
+                    error_body("no KV capacity on the decode pool, retry later", None, "server_error"),
+                    {"Retry-After": "1"},
+                ) from None
+            logger.exception("request failed")
+            raise HTTPError(500, error_body(f"internal error ({name})", None, "server_error")) from None
