@@ -8,7 +8,6 @@ ingress replica; beyond that 503 with ``Retry-After``. A client that goes away c
 replica calls, which abort the request and free its blocks on every replica.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -35,9 +35,10 @@ def base_url():
     ray.shutdown()
 
 
-def _post(url: str, path: str, body: dict | str) -> httpx.Response:
+def _post(url: str, path: str, body: dict | str, headers: dict | None = None) -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=120)
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    return httpx.post(url + path, content=content, headers=headers, timeout=120)
 
 
 def _sse_events(response: httpx.Response) -> list[str]:
@@ -63,14 +64,15 @@ def test_models_and_health(base_url):
 
 
 def test_chat_greedy(base_url):
-    r = _post(base_url, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "temperature": 0})
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0}
+    r = _post(base_url, "/v1/chat/completions", body, headers={"X-Request-Id": "client-id-1"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "The capital of France is Paris."}
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 8 and body["usage"]["prompt_tokens"] > 20
-    assert r.headers["x-request-id"] == body["id"]
+    assert body["id"] == "client-id-1"
 
 
 def test_chat_streamed_with_usage(base_url):
