@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install serve test lint bench-engine
+.PHONY: install serve generate test lint bench-engine
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
+	$(VENV)/bin/serve run app.config:disagg_app $(ARGS)
+
+generate: install
 	$(PY) -m app.cli generate "$(PROMPT)"
 
 test: install

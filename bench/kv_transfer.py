@@ -300,6 +300,7 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
     ):
         ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("KV bytes per request (MB)")
     ax.set_ylabel("GB/s")
     ax.set_title("KV transfer between two processes (CPU, UCX)")

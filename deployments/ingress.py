@@ -8,10 +8,10 @@ ingress replica; beyond that 503 with ``Retry-After``. A client that goes away c
 replica calls, which abort the request and free its blocks on every replica.
 """
 
-
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +23,7 @@ from ray import serve
 
 from app.config import AppConfig
 from app.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, validation_error_body
+from deployments.metrics import IngressMetrics
 from deployments.openai_format import ChunkWriter, full_response, sse
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
@@ -51,6 +52,7 @@ class OpenAIIngress:
         self.max_model_len = self.config.model.max_model_len
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.in_flight = 0
+        self.metrics = IngressMetrics()
 
     # ---- endpoints ----------------------------------------------------------------------
 
@@ -96,8 +98,9 @@ class OpenAIIngress:
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         self.in_flight += 1
         try:
-            outputs = [o async for o in self._outputs(request)]
+            outputs = [o async for o in self._timed(request)]
         except HTTPError as exc:
+            self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
         finally:
             self.in_flight -= 1
@@ -175,7 +178,7 @@ class OpenAIIngress:
             if first:
                 yield first
             last = None
-            async for output in self._outputs(request):
+            async for output in self._timed(request):
                 last = output
                 chunk = writer.delta(output)
                 if chunk:
@@ -183,10 +186,23 @@ class OpenAIIngress:
             if include_usage and last is not None:
                 yield writer.usage(last)
         except HTTPError as exc:
+            self.metrics.requests.inc(1, {"status": str(exc.status)})
             yield sse(exc.body)
         finally:
             self.in_flight -= 1
         yield writer.done()
+
+    async def _timed(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """``_outputs`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here)."""
+        start, first, num_tokens = time.perf_counter(), None, 0
+        async for output in self._outputs(request):
+            if first is None and output.token_ids:
+                first = time.perf_counter()
+            num_tokens += len(output.token_ids)
+            yield output
+        path = "colocated" if self.colocated is not None else "disaggregated"
+        self.metrics.observe(path, start, first, time.perf_counter(), num_tokens)
+        self.metrics.requests.inc(1, {"status": "200"})
 
     async def _outputs(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Route one request through prefill and decode (or a colocated replica)."""
@@ -196,7 +212,9 @@ class OpenAIIngress:
         elif len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
             stream = self.decode.options(stream=True).generate.remote(request)
         elif self.config.transport.mode == "pull":
+            hop_start = time.perf_counter()
             result, handle = await self._call(self.prefill.prefill.remote(request))
+            self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
             if handle is None:  # ended at its first token
                 yield RequestOutput(
                     request.request_id,

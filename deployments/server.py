@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +36,9 @@ class EngineServer:
         settings = self.config.engine.model_dump()
         self.core = EngineCore(loaded, EngineConfig(role=Role(role), max_model_len=spec.max_model_len, **settings))
         self.engine_id = f"{pool}-{os.getpid()}-{id(self):x}"
+        from deployments.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(pool)
         self._link = None
         self._start_lock = asyncio.Lock()
 
@@ -68,11 +72,18 @@ class EngineServer:
 
     async def prefill(self, request: GenerationRequest) -> tuple[PrefillResult, KVHandle | None]:
         link = await self._started()
-        return await link.prefill_pull(request)
+        start = time.perf_counter()
+        result = await link.prefill_pull(request)
+        self.metrics.prefill.observe(time.perf_counter() - start, self.metrics.pool)
+        return result
 
     async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
         link = await self._started()
+        first = True
         async for output in link.decode_pull(request, handle):
+            if first and link.last_fetch is not None:
+                self.metrics.transfer(link.last_fetch.seconds, link.last_fetch.num_bytes)
+                first = False
             yield output
 
     async def decode_push(self, request: GenerationRequest) -> AsyncIterator[KVDestination | RequestOutput]:
@@ -87,7 +98,11 @@ class EngineServer:
         self, request: GenerationRequest, destination: KVDestination
     ) -> tuple[PrefillResult, TransferStats]:
         link = await self._started()
-        return await link.prefill_push(request, destination)
+        start = time.perf_counter()
+        result, stats = await link.prefill_push(request, destination)
+        self.metrics.prefill.observe(time.perf_counter() - start, self.metrics.pool)
+        self.metrics.transfer(stats.seconds, stats.num_bytes)
+        return result, stats
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         link = await self._started()
@@ -112,10 +127,12 @@ class EngineServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every ``request_routing_stats_period_s`` for the request router."""
         stats = self.core.stats()
-        return {
+        routing = {
             "role": stats.role.value,
             "free_blocks": stats.num_free_blocks,
             "total_blocks": stats.num_total_blocks,
             "running": stats.num_running,
             "waiting": stats.num_waiting,
         }
+        self.metrics.replica(routing)
+        return routing

@@ -1,4 +1,8 @@
-"""disagg_app through real HTTP on a local Ray cluster (one prefill, one decode replica)."""
+"""The Serve applications through real HTTP on a local Ray cluster.
+
+Three applications in one Serve instance: ``disagg_app`` with pull (at /), ``disagg_app``
+with push (at /push), and ``colocated_app`` with one replica (at /colo).
+"""
 
 from __future__ import annotations
 
@@ -27,12 +31,37 @@ def base_url():
     ray.init(
         num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"), log_to_driver=False
     )
+    from app.config import colocated_app
+
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    app = disagg_app({"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20)})
-    serve.run(app, name="disagg", route_prefix="/")
+    common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "prefill.num_cpus": "0.25",
+              "decode.num_cpus": "0.25", "colocated.num_cpus": "0.25", "colocated.num_replicas": "1"}
+    serve.run(disagg_app(common), name="disagg", route_prefix="/", blocking=False)
+    serve.run(disagg_app({**common, "transport.mode": "push"}), name="push", route_prefix="/push", blocking=False)
+    serve.run(colocated_app(common), name="colo", route_prefix="/colo")
+    _wait_ready(f"http://127.0.0.1:{PORT}", ["", "/push", "/colo"])
     yield f"http://127.0.0.1:{PORT}"
     serve.shutdown()
     ray.shutdown()
+
+
+def _wait_ready(url: str, prefixes: list[str], timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(prefixes)
+    while pending and time.monotonic() < deadline:
+        try:
+            if httpx.get(url + pending[0] + "/ready", timeout=5).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    assert not pending, f"applications not ready: {pending}"
+
+
+@pytest.fixture(params=["", "/push", "/colo"], ids=["pull", "push", "colocated"])
+def url(request, base_url):
+    return base_url + request.param
 
 
 def _post(url: str, path: str, body: dict | str, headers: dict | None = None) -> httpx.Response:
@@ -63,19 +92,19 @@ def test_models_and_health(base_url):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
-def test_chat_greedy(base_url):
+def test_chat_greedy(url):
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0}
-    r = _post(base_url, "/v1/chat/completions", body, headers={"X-Request-Id": "client-id-1"})
+    r = _post(url, "/v1/chat/completions", body, headers={"X-Request-Id": f"client-id-{url[-4:]}"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "The capital of France is Paris."}
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 8 and body["usage"]["prompt_tokens"] > 20
-    assert body["id"] == "client-id-1"
+    assert body["id"] == f"client-id-{url[-4:]}"
 
 
-def test_chat_streamed_with_usage(base_url):
+def test_chat_streamed_with_usage(url):
     body = {
         "model": MODEL,
         "messages": QUESTION,
@@ -83,7 +112,7 @@ def test_chat_streamed_with_usage(base_url):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    r = _post(base_url, "/v1/chat/completions", body)
+    r = _post(url, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(r)
     assert events[-1] == "[DONE]"
@@ -95,9 +124,9 @@ def test_chat_streamed_with_usage(base_url):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
-def test_completion_with_token_prompt_and_length(base_url):
+def test_completion_with_token_prompt_and_length(url):
     r = _post(
-        base_url,
+        url,
         "/v1/completions",
         {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "X": 1},
     )

@@ -1,0 +1,77 @@
+"""Prometheus metrics through ``ray.serve.metrics`` (exported on Ray's metrics port).
+
+Ingress: TTFT, TPOT and E2E histograms (TTFT is measured at the first token the client
+receives) and the prefill hop of TTFT. Engine replicas: prefill call time, KV transfer
+seconds and bytes, and gauges of KV block usage, running and waiting requests and role
+(0 prefill, 1 decode, 2 both), refreshed whenever Serve reads the routing stats.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+ROLE_CODES = {"prefill": 0, "decode": 1, "both": 2}
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.ttft = Histogram(
+            "tandem_ttft_seconds",
+            "Time to the first token the client receives",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=("path",),
+        )
+        self.tpot = Histogram(
+            "tandem_tpot_seconds",
+            "Mean time per output token after the first",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=("path",),
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_seconds", "Request latency end to end", boundaries=LATENCY_BOUNDARIES_S, tag_keys=("path",)
+        )
+        self.prefill_hop = Histogram(
+            "tandem_ttft_prefill_hop_seconds",
+            "Part of TTFT spent in the prefill call (queue + compute)",
+            boundaries=LATENCY_BOUNDARIES_S,
+        )
+        self.requests = Counter("tandem_requests_total", "Requests by outcome", tag_keys=("status",))
+
+    def observe(self, path: str, start: float, first: float | None, end: float, num_tokens: int) -> None:
+        tags = {"path": path}
+        self.e2e.observe(end - start, tags)
+        if first is not None:
+            self.ttft.observe(first - start, tags)
+            if num_tokens > 1:
+                self.tpot.observe((end - first) / (num_tokens - 1), tags)
+
+
+class EngineMetrics:
+    def __init__(self, pool: str) -> None:
+        tags = ("pool",)
+        self.pool = {"pool": pool}
+        self.prefill = Histogram(
+            "tandem_prefill_seconds",
+            "Prefill call time on the replica (queue + compute)",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=tags,
+        )
+        self.kv_seconds = Histogram(
+            "tandem_kv_transfer_seconds", "KV transfer time per request", boundaries=LATENCY_BOUNDARIES_S, tag_keys=tags
+        )
+        self.kv_bytes = Counter("tandem_kv_transfer_bytes_total", "KV bytes moved", tag_keys=tags)
+        self.block_usage = Gauge("tandem_kv_block_usage", "Fraction of KV blocks in use", tag_keys=tags)
+        self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
+        self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
+        self.role = Gauge("tandem_role", "Replica role: 0 prefill, 1 decode, 2 both", tag_keys=tags)
+
+    def transfer(self, seconds: float, num_bytes: int) -> None:
+        self.kv_seconds.observe(seconds, self.pool)
+        self.kv_bytes.inc(num_bytes, self.pool)
+
+    def replica(self, stats: dict) -> None:
+        self.block_usage.set(1 - stats["free_blocks"] / stats["total_blocks"], self.pool)
+        self.running.set(stats["running"], self.pool)
+        self.waiting.set(stats["waiting"], self.pool)
+        self.role.set(ROLE_CODES[stats["role"]], self.pool)
