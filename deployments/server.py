@@ -122,7 +122,14 @@ class EngineServer:
         await link.engine.set_role(role)
 
     async def model_info(self) -> dict[str, Any]:
-        return {"name": self.core.model_name, "max_model_len": self.core.limits.max_model_len}
+        import ray
+
+        return {
+            "name": self.core.model_name,
+            "max_model_len": self.core.limits.max_model_len,
+            "engine_id": self.engine_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every ``request_routing_stats_period_s`` for the request router."""

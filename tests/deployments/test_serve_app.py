@@ -34,8 +34,14 @@ def base_url():
     from app.config import colocated_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "prefill.num_cpus": "0.25",
-              "decode.num_cpus": "0.25", "colocated.num_cpus": "0.25", "colocated.num_replicas": "1"}
+    common = {
+        "model.max_model_len": "1024",
+        "engine.kv_cache_bytes": str(64 << 20),
+        "prefill.num_cpus": "0.25",
+        "decode.num_cpus": "0.25",
+        "colocated.num_cpus": "0.25",
+        "colocated.num_replicas": "1",
+    }
     serve.run(disagg_app(common), name="disagg", route_prefix="/", blocking=False)
     serve.run(disagg_app({**common, "transport.mode": "push"}), name="push", route_prefix="/push", blocking=False)
     serve.run(colocated_app(common), name="colo", route_prefix="/colo")

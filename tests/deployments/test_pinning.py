@@ -1,0 +1,65 @@
+"""Pinning: each pool lands on the node group that carries its custom resource."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"prefill_node": 1},
+            "temp_dir": temp_dir,
+            "include_dashboard": False,
+        },
+    )
+    cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _node_of(deployment: str) -> str:
+    handle = serve.get_deployment_handle(deployment, app_name="pinned")
+    return handle.model_info.remote().result()["node_id"]
+
+
+def test_each_pool_lands_on_its_node(two_nodes):
+    from app.config import disagg_app
+
+    args = {
+        "model.max_model_len": "512",
+        "engine.kv_cache_bytes": str(32 << 20),
+        "prefill.num_cpus": "0.25",
+        "decode.num_cpus": "0.25",
+        "prefill.resources": "{prefill_node: 0.5}",
+        "decode.resources": "{decode_node: 0.5}",
+    }
+    serve.start(http_options={"host": "127.0.0.1", "port": 18432})
+    serve.run(disagg_app(args), name="pinned", route_prefix="/")
+    by_resource = {
+        name: node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"]
+        for name in ("prefill_node", "decode_node")
+        if name in node["Resources"]
+    }
+    assert by_resource["prefill_node"] != by_resource["decode_node"]
+    assert _node_of("PrefillServer") == by_resource["prefill_node"]
+    assert _node_of("DecodeServer") == by_resource["decode_node"]
