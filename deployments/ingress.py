@@ -62,7 +62,11 @@ class OpenAIIngress:
 
     @api.get("/ready")
     async def ready(self) -> dict:
-        return {"status": "ready", "model": self.model}
+        if self.colocated is not None:
+            mode = "colocated"
+        else:
+            mode = f"disaggregated-{self.config.transport.mode}"
+        return {"status": "ready", "model": self.model, "mode": mode, "in_flight": self.in_flight}
 
     @api.get("/v1/models")
     async def models(self) -> dict:

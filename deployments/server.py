@@ -131,6 +131,12 @@ class EngineServer:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
+    async def last_transfer(self) -> dict[str, float] | None:
+        """The most recent pull's transfer figures on this replica (benchmarks, debugging)."""
+        link = await self._started()
+        stats = link.last_fetch
+        return None if stats is None else {"seconds": stats.seconds, "bytes": stats.num_bytes}
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every ``request_routing_stats_period_s`` for the request router."""
         stats = self.core.stats()

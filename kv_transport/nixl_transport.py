@@ -4,26 +4,17 @@ One NIXL agent per engine process; the whole pool is registered once. Peers are
 handshaken on first contact from the registry's metadata and cached per (engine id,
 incarnation), so a restarted peer is re-handshaken and never reused stale.
 
-A progress thread owns all posting and waiting. Posting goes through it because on CPU
-memory UCX copies inside ``transfer()`` itself, so a post from the engine thread would stop
-the forward pass for the whole copy (and a READ posted from the event loop would block
-it); from the progress thread the copy overlaps the next layer's compute. It polls posted
-transfers and NIXL notifications
-(0.1 ms apart while transfers are in flight, 1 ms while only a push notice is
-awaited, 5 ms when idle) and completes futures that
-the event loop awaits, so nothing spins on the engine's event loop. All agent calls
-hold one lock. Notifications: ``R:<id>`` consumer -> producer (release the exported
-blocks), ``P:<id>:<first token>`` producer -> consumer (push complete), ``F:<id>``
-producer -> consumer (push failed).
+Posting, polling and completion run on the progress thread of ``nixl_worker.NixlWorker``
+(see there why); all agent calls hold its lock. Notifications: ``R:<id>`` consumer ->
+producer (release the exported blocks), ``P:<id>:<first token>`` producer -> consumer
+(push complete), ``F:<id>`` producer -> consumer (push failed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,13 +36,10 @@ from kv_transport.base import (
 from kv_transport.descriptors import block_descs, coalesce
 from kv_transport.faults import NO_FAULTS, FaultPoints
 from kv_transport.handle import KVDestination, KVHandle, KVLayoutSignature, to_ranges
+from kv_transport.nixl_worker import NixlWorker, Post
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
 logger = logging.getLogger(__name__)
-
-BUSY_POLL_S = 0.0001  # transfers in flight
-WAIT_POLL_S = 0.001  # only waiting for a push-completion notice
-IDLE_POLL_S = 0.005
 
 
 @dataclass
@@ -59,25 +47,6 @@ class _Peer:
     info: PeerInfo
     agent_name: str
     checked_at: float  # monotonic time of the last registry confirmation
-
-
-@dataclass
-class _Xfer:
-    handle: object
-    future: concurrent.futures.Future  # -> (state, done_time)
-
-
-@dataclass
-class _PendingPost:
-    op: str
-    local: np.ndarray
-    remote: np.ndarray
-    peer: _Peer
-    notif: bytes
-    request_id: str
-    future: concurrent.futures.Future
-    record: dict[str, float] | None = None  # push layer timestamps: "posted" is set when posted
-    event: object | None = None  # CUDA: post only once this event has fired
 
 
 @dataclass
@@ -100,8 +69,6 @@ class NixlTransport(BaseKVTransport):
         faults: FaultPoints = NO_FAULTS,
         peer_check_interval_s: float = 5.0,
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.layout = layout
@@ -109,21 +76,18 @@ class NixlTransport(BaseKVTransport):
         self.faults = faults
         self.peer_check_interval_s = peer_check_interval_s
         self._registry = registry
-        self._agent = nixl_agent(f"{engine_id}.{self.incarnation}", nixl_agent_config(backends=["UCX"]))
-        self._lock = threading.Lock()
+        self._worker = NixlWorker(f"{engine_id}.{self.incarnation}")
+        self._agent = self._worker.agent
+        self._lock = self._worker.lock
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._exports: dict[str, float] = {}  # request id -> expiry (unix time)
         self._push_out: dict[str, _PushOut] = {}
         self._push_in: dict[str, concurrent.futures.Future] = {}
-        self._xfers: list[_Xfer] = []
-        self._outbox: collections.deque[_PendingPost] = collections.deque()  # posted by the progress thread
         self._release_blocks: ReleaseBlocks | None = None
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
         self.num_handshakes = 0
-        self._closed = threading.Event()
-        self._wake = threading.Event()  # set when a transfer is posted, so polling starts at once
-        self._thread = threading.Thread(target=self._progress_loop, name=f"nixl-{engine_id}", daemon=True)
+        self._closed = False
 
     # ---- setup ------------------------------------------------------------------------
 
@@ -136,6 +100,7 @@ class NixlTransport(BaseKVTransport):
         self._mem_type = "VRAM" if pool.is_cuda else "DRAM"
         self._device_id = pool.get_device() if pool.is_cuda else 0
         self._release_blocks = release_blocks
+        self._worker.local_mem_type = self._mem_type
         self._reg_descs = self._agent.register_memory(pool)
         self._registry.publish(
             PeerInfo(
@@ -150,15 +115,13 @@ class NixlTransport(BaseKVTransport):
                 mem_type=self._mem_type,
             )
         )
-        self._thread.start()
+        self._worker.start(self._on_notif, self._expire_exports, lambda: bool(self._push_in))
 
     def close(self) -> None:
-        if self._closed.is_set():
+        if self._closed:
             return
-        self._closed.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=1)
+        self._closed = True
+        self._worker.stop()
         self._registry.remove(self.engine_id, self.incarnation)
         with self._lock:
             if self._reg_descs is not None:
@@ -342,42 +305,21 @@ class NixlTransport(BaseKVTransport):
         event: object | None = None,
     ) -> concurrent.futures.Future:
         """Queue a transfer for the progress thread; the future yields (state, done time)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._outbox.append(_PendingPost(op, local, remote, peer, notif, request_id, future, record, event))
-        self._wake.set()
-        return future
-
-    def _post_now(self, post: _PendingPost) -> None:
-        """Progress thread: start one transfer (on CPU this call does the copy)."""
-        if post.record is not None:
-            post.record["posted"] = time.time()
-        with self._lock:
-            try:
-                local_descs = self._agent.get_xfer_descs(post.local, self._mem_type)
-                remote_descs = self._agent.get_xfer_descs(post.remote, post.peer.info.mem_type)
-                handle = self._agent.initialize_xfer(
-                    post.op, local_descs, remote_descs, post.peer.agent_name, post.notif
-                )
-                state = self._agent.transfer(handle)
-            except Exception as exc:  # NIXL's own errors (e.g. the peer disconnected) become ours
-                error = KVTransferError(f"NIXL {post.op} failed: {exc!r}", post.request_id, post.peer.info.engine_id)
-                post.future.set_exception(error)
-                return
-            if state == "ERR":
-                self._agent.release_xfer_handle(handle)
-                message = f"NIXL {post.op} could not be posted"
-                post.future.set_exception(KVTransferError(message, post.request_id, post.peer.info.engine_id))
-                return
-            self._xfers.append(_Xfer(handle, post.future))
-
-    def _drain_outbox(self) -> None:
-        """Post queued transfers in order; a CUDA post waits for its layer's event."""
-        while self._outbox:
-            post = self._outbox[0]
-            if post.event is not None and not post.event.query():
-                return
-            self._outbox.popleft()
-            self._post_now(post)
+        return self._worker.post(
+            Post(
+                op,
+                local,
+                remote,
+                peer.agent_name,
+                peer.info.engine_id,
+                peer.info.mem_type,
+                notif,
+                request_id,
+                concurrent.futures.Future(),
+                record,
+                event,
+            )
+        )
 
     async def _await_xfer(
         self, future: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str
@@ -391,48 +333,13 @@ class NixlTransport(BaseKVTransport):
         return done_at
 
     def _notify(self, peer: _Peer, message: bytes) -> None:
-        """Best effort: a peer that is gone cannot be told, and its side times out."""
-        with self._lock:
-            try:
-                self._agent.send_notif(peer.agent_name, message)
-            except Exception:
-                logger.warning("could not notify %s (%s)", peer.info.engine_id, message[:40])
+        self._worker.notify(peer.agent_name, message)
 
-    def _progress_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                interval = self._progress_once()
-            except Exception:  # keep the thread alive; each failure is logged
-                logger.exception("NIXL progress loop error")
-                interval = IDLE_POLL_S
-            self._wake.wait(interval)
-            self._wake.clear()
-
-    def _progress_once(self) -> float:
-        """One round of completions and notifications; returns the wait before the next."""
-        self._drain_outbox()
-        finished: list[tuple[_Xfer, str]] = []
-        with self._lock:
-            notifs = self._agent.get_new_notifs()
-            for xfer in list(self._xfers):
-                state = self._agent.check_xfer_state(xfer.handle)
-                if state != "PROC":
-                    self._agent.release_xfer_handle(xfer.handle)
-                    self._xfers.remove(xfer)
-                    finished.append((xfer, state))
-        now = time.time()
-        for xfer, state in finished:
-            if not xfer.future.done():
-                xfer.future.set_result((state, now))
-        for messages in notifs.values():
-            for message in messages:
-                self._on_notif(message.decode())
+    def _expire_exports(self, now: float) -> None:
+        """Progress thread, every round: free exports nobody claimed in time."""
         for request_id in [r for r, expiry in list(self._exports.items()) if expiry < now]:
             logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
             self.release(request_id)
-        if self._xfers or self._outbox:
-            return BUSY_POLL_S
-        return WAIT_POLL_S if self._push_in else IDLE_POLL_S
 
     def _on_notif(self, message: str) -> None:
         kind, _, rest = message.partition(":")

@@ -16,7 +16,7 @@ def test_serve_build_writes_a_deployable_config(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(out.read_text())
-    ServeDeploySchema.parse_obj(config)
+    ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     assert app["import_path"] == "app.apps:disagg"
     deployments = {d["name"]: d for d in app["deployments"]}

@@ -94,6 +94,8 @@ def _stats(name: str):
 
 def test_models_and_health(base_url):
     assert httpx.get(base_url + "/health").json() == {"status": "ok"}
+    modes = [httpx.get(base_url + p + "/ready").json()["mode"] for p in ("", "/push", "/colo")]
+    assert modes == ["disaggregated-pull", "disaggregated-push", "colocated"]
     models = httpx.get(base_url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
 

@@ -1,0 +1,141 @@
+"""Serve overhead benchmark: ``python -m bench.serve_overhead`` (docs/benchmarks/serve_overhead.md).
+
+One run on one machine, one request at a time:
+  * inter-token latency (ITL) of a streamed request through the ingress (SSE chunk arrival
+    times at the client) against the engine's own decode step time for the same request,
+    measured in-process with the replicas' thread count (1);
+  * the time to first token that the prefill -> decode hop adds: TTFT through
+    ``disagg_app`` minus TTFT through ``colocated_app`` (same prompt, same engine settings),
+    minus the KV transfer time the decode replica measured for that request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+PORT = 18433
+MODEL = "SmolLM2-135M-Instruct"
+NUM_TOKENS = 48
+REPEATS = 15
+PROMPT = [{"role": "user", "content": "Write a short paragraph about the history of bridges."}]
+
+
+def engine_step_ms() -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.params import SamplingParams
+
+    core = EngineCore.from_spec(config=EngineConfig(max_model_len=1024, kv_cache_bytes=64 << 20))
+    steps = []
+    for _ in range(3):
+        core.add_request(
+            core.make_request(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+        )
+        core.step()
+        while core.has_work():
+            start = time.perf_counter()
+            core.step()
+            steps.append(time.perf_counter() - start)
+    return statistics.median(steps) * 1e3
+
+
+def stream_once(url: str) -> tuple[float, list[float]]:
+    """TTFT and the gaps between content chunks, seen by the client (seconds)."""
+    body = {
+        "model": MODEL,
+        "messages": PROMPT,
+        "max_tokens": NUM_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    arrivals = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                arrivals.append(time.perf_counter())
+    return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def main() -> None:
+    import ray
+    from ray import serve
+
+    from app.config import colocated_app, disagg_app
+
+    step_ms = engine_step_ms()
+    root = Path(__file__).resolve().parents[1]
+    os.environ["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    ray.init(
+        num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"), log_to_driver=False
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "colocated.num_replicas": "1"}
+        serve.run(disagg_app(common), name="disagg", route_prefix="/")
+        serve.run(colocated_app(common), name="colo", route_prefix="/colo")
+        base = f"http://127.0.0.1:{PORT}"
+        decode = serve.get_deployment_handle("DecodeServer", app_name="disagg")
+        ttft_d, ttft_c, itl, transfer = [], [], [], []
+        for i in range(REPEATS + 1):
+            t_d, gaps = stream_once(base)
+            t_c, _ = stream_once(base + "/colo")
+            last = decode.last_transfer.remote().result()
+            if i == 0:
+                continue  # warm-up
+            ttft_d.append(t_d)
+            ttft_c.append(t_c)
+            itl.extend(gaps)
+            transfer.append(last["seconds"])
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    result = {
+        "engine_step_ms": step_ms,
+        "itl_p50_ms": statistics.median(itl) * 1e3,
+        "itl_overhead_ms": statistics.median(itl) * 1e3 - step_ms,
+        "ttft_disagg_ms": statistics.median(ttft_d) * 1e3,
+        "ttft_colocated_ms": statistics.median(ttft_c) * 1e3,
+        "kv_transfer_ms": statistics.median(transfer) * 1e3,
+    }
+    result["hop_added_ms"] = result["ttft_disagg_ms"] - result["ttft_colocated_ms"] - result["kv_transfer_ms"]
+    out = Path("docs/benchmarks")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = report(result, "python -m bench.serve_overhead " + " ".join(sys.argv[1:]))
+    (out / "serve_overhead.md").write_text(text)
+    print(text)
+
+
+def report(r: dict[str, float], command: str) -> str:
+    return f"""# Serve overhead benchmark
+
+Command: `{command}` (2-core CPU machine; SmolLM2-135M-Instruct, float32; one request at a
+time; {REPEATS} requests of {NUM_TOKENS} tokens after one warm-up; replicas with one torch thread).
+
+| figure | ms | target |
+|---|---|---|
+| engine decode step, in process (median) | {r["engine_step_ms"]:.1f} | |
+| inter-token latency through the ingress, p50 | {r["itl_p50_ms"]:.1f} | |
+| overhead per token (ITL p50 - engine step) | {r["itl_overhead_ms"]:.1f} | <= 2 |
+| TTFT, disagg_app (median) | {r["ttft_disagg_ms"]:.1f} | |
+| TTFT, colocated_app (median) | {r["ttft_colocated_ms"]:.1f} | |
+| KV transfer measured on the decode replica (median) | {r["kv_transfer_ms"]:.1f} | |
+| TTFT added by the prefill -> decode hop, without the transfer | {r["hop_added_ms"]:.1f} | <= 15 |
+"""
+
+
+if __name__ == "__main__":
+    main()

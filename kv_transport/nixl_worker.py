@@ -1,0 +1,160 @@
+"""The NIXL agent behind a lock, and the progress thread that posts and completes transfers.
+
+Posting goes through the thread because on CPU memory UCX copies inside ``transfer()``
+itself: a post from the engine thread would stop the forward pass for the whole copy, and
+a READ posted from the event loop would block it. From this thread the copy overlaps the
+next layer's compute. It polls in-flight transfers and notifications 0.1 ms apart while
+transfers are in flight, ``wait_poll_s`` while the owner waits for a notice, 5 ms when
+idle, and completes ``concurrent.futures.Future``s that the event loop awaits, so nothing
+spins on the engine's event loop. On CUDA a post waits for its layer's event here.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kv_transport.base import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+BUSY_POLL_S = 0.0001  # transfers in flight
+WAIT_POLL_S = 0.001  # only waiting for a notice
+IDLE_POLL_S = 0.005
+
+
+@dataclass
+class Post:
+    """One transfer to start: ``future`` gets ``(state, done time)`` or a ``KVTransferError``."""
+
+    op: str
+    local: np.ndarray
+    remote: np.ndarray
+    peer_agent: str
+    peer_engine: str
+    remote_mem_type: str
+    notif: bytes
+    request_id: str
+    future: concurrent.futures.Future
+    record: dict[str, float] | None = None  # push layer timestamps: "posted" is set when posted
+    event: object | None = None  # CUDA: post only once this event has fired
+
+
+@dataclass
+class _InFlight:
+    handle: object
+    future: concurrent.futures.Future
+
+
+class NixlWorker:
+    def __init__(self, name: str, local_mem_type: str = "DRAM") -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.local_mem_type = local_mem_type
+        self.lock = threading.Lock()
+        self._outbox: collections.deque[Post] = collections.deque()
+        self._in_flight: list[_InFlight] = []
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(
+        self, on_notif: Callable[[str], None], on_tick: Callable[[float], None], waiting: Callable[[], bool]
+    ) -> None:
+        """Run the progress thread: ``on_notif`` per notice, ``on_tick(now)`` per round."""
+        self._thread = threading.Thread(
+            target=self._loop, args=(on_notif, on_tick, waiting), name=f"nixl-{self.agent.name}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=1)
+
+    def post(self, post: Post) -> concurrent.futures.Future:
+        self._outbox.append(post)
+        self._wake.set()
+        return post.future
+
+    def notify(self, peer_agent: str, message: bytes) -> None:
+        """Best effort: a peer that is gone cannot be told, and its side times out."""
+        with self.lock:
+            try:
+                self.agent.send_notif(peer_agent, message)
+            except Exception:
+                logger.warning("could not notify %s (%s)", peer_agent, message[:40])
+
+    def _loop(self, on_notif, on_tick, waiting) -> None:
+        while not self._closed.is_set():
+            try:
+                interval = self._round(on_notif, on_tick, waiting)
+            except Exception:  # keep the thread alive; each failure is logged
+                logger.exception("NIXL progress loop error")
+                interval = IDLE_POLL_S
+            self._wake.wait(interval)
+            self._wake.clear()
+
+    def _round(self, on_notif, on_tick, waiting) -> float:
+        """Post what is queued, complete what finished, deliver notices; returns the next wait."""
+        self._drain_outbox()
+        finished: list[tuple[_InFlight, str]] = []
+        with self.lock:
+            notifs = self.agent.get_new_notifs()
+            for xfer in list(self._in_flight):
+                state = self.agent.check_xfer_state(xfer.handle)
+                if state != "PROC":
+                    self.agent.release_xfer_handle(xfer.handle)
+                    self._in_flight.remove(xfer)
+                    finished.append((xfer, state))
+        now = time.time()
+        for xfer, state in finished:
+            if not xfer.future.done():
+                xfer.future.set_result((state, now))
+        for messages in notifs.values():
+            for message in messages:
+                on_notif(message.decode())
+        on_tick(now)
+        if self._in_flight or self._outbox:
+            return BUSY_POLL_S
+        return WAIT_POLL_S if waiting() else IDLE_POLL_S
+
+    def _drain_outbox(self) -> None:
+        """Post queued transfers in order; a CUDA post waits for its layer's event."""
+        while self._outbox:
+            post = self._outbox[0]
+            if post.event is not None and not post.event.query():
+                return
+            self._outbox.popleft()
+            self._post_now(post)
+
+    def _post_now(self, post: Post) -> None:
+        if post.record is not None:
+            post.record["posted"] = time.time()
+        with self.lock:
+            try:
+                local = self.agent.get_xfer_descs(post.local, self.local_mem_type)
+                remote = self.agent.get_xfer_descs(post.remote, post.remote_mem_type)
+                handle = self.agent.initialize_xfer(post.op, local, remote, post.peer_agent, post.notif)
+                state = self.agent.transfer(handle)
+            except Exception as exc:  # NIXL's own errors (e.g. the peer disconnected) become ours
+                post.future.set_exception(
+                    KVTransferError(f"NIXL {post.op} failed: {exc!r}", post.request_id, post.peer_engine)
+                )
+                return
+            if state == "ERR":
+                self.agent.release_xfer_handle(handle)
+                post.future.set_exception(
+                    KVTransferError(f"NIXL {post.op} could not be posted", post.request_id, post.peer_engine)
+                )
+                return
+            self._in_flight.append(_InFlight(handle, post.future))
