@@ -93,6 +93,7 @@ def main() -> None:
             t_d, gaps = stream_once(base)
             t_c, _ = stream_once(base + "/colo")
             last = decode.last_transfer.remote().result()
+            replica_step_ms = decode.stats.remote().result().median_step_ms
             if i == 0:
                 continue  # warm-up
             ttft_d.append(t_d)
@@ -104,6 +105,7 @@ def main() -> None:
         ray.shutdown()
     result = {
         "engine_step_ms": step_ms,
+        "decode_replica_step_ms": replica_step_ms,
         "itl_p50_ms": statistics.median(itl) * 1e3,
         "itl_overhead_ms": statistics.median(itl) * 1e3 - step_ms,
         "ttft_disagg_ms": statistics.median(ttft_d) * 1e3,
@@ -128,12 +130,19 @@ time; {REPEATS} requests of {NUM_TOKENS} tokens after one warm-up; replicas with
 | figure | ms | target |
 |---|---|---|
 | engine decode step, in process (median) | {r["engine_step_ms"]:.1f} | |
+| engine step inside the decode replica (median of its last 64 steps) | {r["decode_replica_step_ms"]:.1f} | |
 | inter-token latency through the ingress, p50 | {r["itl_p50_ms"]:.1f} | |
-| overhead per token (ITL p50 - engine step) | {r["itl_overhead_ms"]:.1f} | <= 2 |
+| overhead per token (ITL p50 - engine step in process) | {r["itl_overhead_ms"]:.1f} | <= 2 |
+| of which the Serve path (ITL p50 - replica step) | {r["itl_p50_ms"] - r["decode_replica_step_ms"]:.1f} | |
 | TTFT, disagg_app (median) | {r["ttft_disagg_ms"]:.1f} | |
 | TTFT, colocated_app (median) | {r["ttft_colocated_ms"]:.1f} | |
 | KV transfer measured on the decode replica (median) | {r["kv_transfer_ms"]:.1f} | |
 | TTFT added by the prefill -> decode hop, without the transfer | {r["hop_added_ms"]:.1f} | <= 15 |
+
+The per-token overhead is almost all in the engine step itself, which runs about twice as
+slow inside a Serve replica as in a plain process or a plain Ray actor (measured there:
+about 48 ms); the Serve streaming path adds the difference between the ITL and the
+replica's own step time. Finding and removing that slowdown is open work.
 """
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +84,7 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         self._default_generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63))
         self._ids = itertools.count()
+        self._step_times: deque[float] = deque(maxlen=64)  # seconds of recent steps that ran the model
 
     @classmethod
     def from_spec(cls, spec: ModelSpec | None = None, config: EngineConfig | None = None) -> EngineCore:
@@ -202,6 +206,7 @@ class EngineCore:
             outputs.append(self._finish(self._requests[seq.request_id], FinishReason.ERROR, "", (), message))
         if not plan.chunks:
             return outputs
+        start = time.perf_counter()
         logits = self.runner.execute(plan.chunks)
         for seq, chunk in zip(plan.scheduled, plan.chunks):
             seq.num_computed_tokens += len(chunk.token_ids)
@@ -212,6 +217,7 @@ class EngineCore:
             num_top = state.request.sampling.logprobs
             logprobs = token_logprobs(logits[row], token, num_top) if num_top is not None else None
             outputs.append(self._append_token(state, token, logprobs))
+        self._step_times.append(time.perf_counter() - start)
         return outputs
 
     def _append_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
@@ -285,4 +291,5 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             block_size=self.config.block_size,
             num_preemptions=self.scheduler.num_preemptions,
+            median_step_ms=statistics.median(self._step_times) * 1e3 if self._step_times else 0.0,
         )

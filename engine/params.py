@@ -178,3 +178,4 @@ class EngineStats:
     num_waiting: int
     block_size: int
     num_preemptions: int  # since start
+    median_step_ms: float  # median time of the last 64 steps that ran the model

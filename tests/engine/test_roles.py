@@ -85,7 +85,9 @@ def test_reserve_refuses_when_full_and_release_frees(smol, make_engine):
 def test_abort_during_decode_frees_everything(smol, make_engine):
     prefill_core = make_engine(smol, role=Role.PREFILL)
     decode_core = make_engine(smol, role=Role.DECODE)
-    request = prefill_core.make_request("Tell me a story about a dragon.", SamplingParams(max_tokens=50))
+    request = prefill_core.make_request(
+        "Tell me a story about a dragon.", SamplingParams(max_tokens=50, ignore_eos=True)
+    )
     result = _prefill(prefill_core, request)
     blocks = decode_core.reserve(request.request_id, result.num_tokens)
     decode_core.add_decode(request, blocks, result.first_token)
