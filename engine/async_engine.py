@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from engine.core import EngineCore
 from engine.params import EngineStats, FinishReason, GenerationRequest, PrefillResult, RequestOutput, Role
 
@@ -25,7 +27,13 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # torch's thread count is per OS thread for OpenMP: carry the creator's into the worker
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="engine-step",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup = asyncio.Event()
