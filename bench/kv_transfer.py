@@ -21,12 +21,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import ray
 import torch
+
+from bench.ray_local import start_local_ray
 
 SIZES_MB = (1, 16, 64, 256)
 REPEATS = 9
@@ -316,15 +317,7 @@ def main() -> None:
     parser.add_argument("--skip-pipelining", action="store_true")
     parser.add_argument("--only-pipelining", action="store_true", help="print the push pipelining figures only")
     args = parser.parse_args()
-    root = Path(__file__).resolve().parents[1]
-    os.environ["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-        object_store_memory=1 << 30,
-        log_to_driver=False,
-    )
+    start_local_ray(object_store_memory=1 << 30)
     try:
         if args.only_pipelining:
             print(json.dumps(pipelining(), indent=2))

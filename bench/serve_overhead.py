@@ -12,14 +12,14 @@ One run on one machine, one request at a time:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from bench.ray_local import start_local_ray
 
 PORT = 18433
 MODEL = "SmolLM2-135M-Instruct"
@@ -76,11 +76,7 @@ def main() -> None:
     from app.config import colocated_app, disagg_app
 
     step_ms = engine_step_ms()
-    root = Path(__file__).resolve().parents[1]
-    os.environ["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(
-        num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"), log_to_driver=False
-    )
+    start_local_ray()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "colocated.num_replicas": "1"}

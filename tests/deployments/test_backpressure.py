@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import ray
 from ray import serve
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.ray_local import start_local_ray
+
 PORT = 18434
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
@@ -22,10 +20,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
 def url():
     from app.config import colocated_app
 
-    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(
-        num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"), log_to_driver=False
-    )
+    start_local_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
         "model.max_model_len": "512",

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
-from pathlib import Path
 
 import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.ray_local import repo_on_pythonpath
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    repo_on_pythonpath()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     cluster = Cluster(
         initialize_head=True,

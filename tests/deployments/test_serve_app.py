@@ -7,17 +7,15 @@ with push (at /push), and ``colocated_app`` with one replica (at /colo).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import ray
 from ray import serve
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.ray_local import start_local_ray
+
 PORT = 18431
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -27,10 +25,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def base_url():
     from app.config import disagg_app
 
-    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(
-        num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"), log_to_driver=False
-    )
+    start_local_ray()
     from app.config import colocated_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})

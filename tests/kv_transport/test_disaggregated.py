@@ -7,21 +7,18 @@ decode actor (role ``both``, which also computes the single-engine reference).
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 from bench.corpus import prompt_of_length
+from bench.ray_local import start_local_ray
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
 from tests.same_output import GreedyTrace, assert_same_output
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 3.0
 LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
@@ -29,14 +26,7 @@ LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-    )
+    start_local_ray(object_store_memory=200 << 20)
     yield
     ray.shutdown()
 
