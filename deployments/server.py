@@ -66,7 +66,7 @@ class EngineServer:
             from kv_transport.object_store import ObjectStoreTransport
 
             transport = ObjectStoreTransport(self.engine_id, layout, timeout_s)
-        return KVEngineLink(AsyncEngine(self.core), transport)
+        return KVEngineLink(AsyncEngine(self.core, self.pool_config.torch_threads), transport)
 
     # ---- the calls the ingress makes ----------------------------------------------------
 

@@ -25,14 +25,18 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, torch_threads: int | None = None) -> None:
+        """``torch_threads``: intra-op threads of the step thread (default: the creating thread's).
+
+        OpenMP keeps the thread count per OS thread, so a count set in another thread (a
+        Serve replica's constructor, say) does not reach the step thread by itself.
+        """
         self.core = core
-        # torch's thread count is per OS thread for OpenMP: carry the creator's into the worker
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="engine-step",
             initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
+            initargs=(torch_threads or torch.get_num_threads(),),
         )
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
