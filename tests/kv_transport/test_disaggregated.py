@@ -7,6 +7,7 @@ decode actor (role ``both``, which also computes the single-engine reference).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from bench.corpus import prompt_of_length
 from bench.ray_local import start_local_ray
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
-from tests.same_output import GreedyTrace, assert_same_output
+from tests.same_output import GreedyTrace, assert_same_output, trace_from_outputs
 
 TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 3.0
@@ -52,12 +53,6 @@ def _request(prefix: str, i: int, prompt: list[int], max_tokens: int = 32) -> Ge
     return GenerationRequest(f"{prefix}-{i}", tuple(prompt), sp)
 
 
-def _trace(outputs) -> GreedyTrace:
-    lps = [lp for o in outputs for lp in o.logprobs]
-    tokens = tuple(t for o in outputs for t in o.token_ids)
-    return GreedyTrace(tokens, tuple(tuple(t for t, _ in lp.top) for lp in lps))
-
-
 def _assert_idle(*actors):
     for stats in ray.get([a.stats.remote() for a in actors]):
         assert stats.num_free_blocks == stats.num_total_blocks, stats
@@ -68,7 +63,7 @@ def _assert_idle(*actors):
 def reference(actors, prompts):
     _, decode = actors
     runs = ray.get([decode.generate.remote(_request("both", i, p)) for i, p in enumerate(prompts)])
-    return [_trace(r) for r in runs]
+    return [trace_from_outputs(r) for r in runs]
 
 
 def test_pull_matches_single_engine(actors, prompts, reference):
@@ -86,10 +81,9 @@ def test_pull_matches_single_engine(actors, prompts, reference):
 
 
 def _trace_with_first(outputs, result) -> GreedyTrace:
-    rest = outputs[1:]
-    lps = [result.first_logprobs] + [lp for o in rest for lp in o.logprobs]
-    tokens = (result.first_token,) + tuple(t for o in rest for t in o.token_ids)
-    return GreedyTrace(tokens, tuple(tuple(t for t, _ in lp.top) for lp in lps))
+    """Decode's first token came from prefill: take its logprobs from the prefill result."""
+    first = dataclasses.replace(outputs[0], logprobs=(result.first_logprobs,))
+    return trace_from_outputs([first, *outputs[1:]])
 
 
 def test_push_matches_single_engine(actors, prompts, reference):
