@@ -27,6 +27,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = Field(None, description="streaming options")
     n: int = Field(1, description="only 1 is supported")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence (extension)")
+    min_tokens: int = Field(0, description="no EOS or stop token ids before this many tokens (extension)")
 
 
 class ChatMessage(_Body):

@@ -73,6 +73,12 @@ class EngineActor:
     async def generate(self, request):
         return [o async for o in self.link.engine.generate(request)]
 
+    async def reserve(self, request_id, num_tokens):
+        return await self.link.engine.reserve(request_id, num_tokens)
+
+    async def release(self, request_id):
+        await self.link.engine.release(request_id)
+
     async def stats(self):
         return await self.link.engine.stats()
 

@@ -52,6 +52,7 @@ class OpenAIIngress:
         self.max_model_len = self.config.model.max_model_len
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.in_flight = 0
+        self._active_ids: set[str] = set()
         self.metrics = IngressMetrics()
 
     # ---- endpoints ----------------------------------------------------------------------
@@ -91,10 +92,14 @@ class OpenAIIngress:
             request = self._to_engine(kind, body, raw.headers.get("x-request-id"))
         except HTTPError as exc:
             return exc.response()
+        if request.request_id in self._active_ids:
+            message = f"X-Request-Id: request id {request.request_id!r} is already in flight"
+            return HTTPError(400, error_body(message, "X-Request-Id")).response()
         if self.in_flight >= self.config.max_queued_requests:
             return HTTPError(
                 503, error_body("server busy: too many requests in flight", None, "server_error"), {"Retry-After": "1"}
             ).response()
+        self._active_ids.add(request.request_id)  # discarded when _timed ends
         headers = {"X-Request-Id": request.request_id}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -167,6 +172,7 @@ class OpenAIIngress:
                 seed=body.seed,
                 stop=body.stop or (),
                 ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
             )
             prefix = "chatcmpl" if kind == "chat" else "cmpl"
             return GenerationRequest(client_id or f"{prefix}-{uuid.uuid4().hex}", tuple(ids), sampling)
@@ -199,11 +205,14 @@ class OpenAIIngress:
     async def _timed(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """``_outputs`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here)."""
         start, first, num_tokens = time.perf_counter(), None, 0
-        async for output in self._outputs(request):
-            if first is None and output.token_ids:
-                first = time.perf_counter()
-            num_tokens += len(output.token_ids)
-            yield output
+        try:
+            async for output in self._outputs(request):
+                if first is None and output.token_ids:
+                    first = time.perf_counter()
+                num_tokens += len(output.token_ids)
+                yield output
+        finally:
+            self._active_ids.discard(request.request_id)
         path = "colocated" if self.colocated is not None else "disaggregated"
         self.metrics.observe(path, start, first, time.perf_counter(), num_tokens)
         self.metrics.requests.inc(1, {"status": "200"})
@@ -271,5 +280,7 @@ class OpenAIIngress:
                     error_body("no KV capacity on the decode pool, retry later", None, "server_error"),
                     {"Retry-After": "1"},
                 ) from None
+            if name == "ValueError":  # the engine refused the request's input (e.g. a duplicate id)
+                raise HTTPError(400, error_body(str(cause), None)) from None
             logger.exception("request failed")
             raise HTTPError(500, error_body(f"internal error ({name})", None, "server_error")) from None

@@ -212,6 +212,7 @@ class EngineCore:
             seq.num_computed_tokens += len(chunk.token_ids)
         sampled = [self._requests[c.request_id] for c in plan.chunks if c.sample]
         params = [s.request.sampling for s in sampled]
+        self._hold_back_stops(logits, sampled)
         tokens = sample_batch(logits, params, [s.generator for s in sampled])
         for row, (state, token) in enumerate(zip(sampled, tokens)):
             num_top = state.request.sampling.logprobs
@@ -219,6 +220,16 @@ class EngineCore:
             outputs.append(self._append_token(state, token, logprobs))
         self._step_times.append(time.perf_counter() - start)
         return outputs
+
+    def _hold_back_stops(self, logits, sampled: list[_Request]) -> None:
+        """``min_tokens``: EOS and stop token ids cannot be sampled before that many outputs (as vLLM)."""
+        for row, state in enumerate(sampled):
+            sp = state.request.sampling
+            if state.seq.num_output_tokens < sp.min_tokens:
+                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self._eos_ids))
+                if banned:
+                    with torch.inference_mode():  # logits is an inference tensor
+                        logits[row, banned] = float("-inf")
 
     def _append_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq, sp = state.seq, state.request.sampling

@@ -6,6 +6,9 @@ and the transport; the Serve deployments call these. Block ownership:
 * pull: prefill pins its blocks and exports a handle; the transport releases them when
   the consumer's notice arrives, on ``kv_transfer_timeout_s``, or on abort. Decode reserves
   local blocks, fetches, then decodes; if the fetch fails, its reserved blocks are freed.
+  When decode has no free blocks, the request waits here for them while the producer's
+  lease lasts (its handle's expiry less ``LEASE_MARGIN_S``), then fails with
+  ``KVCapacityError``.
 * push: decode reserves blocks and returns a destination; prefill writes each layer into
   them during its forward pass, then notifies, then frees its own blocks. Decode waits for
   the notice (or times out and frees its reservation), then decodes.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngine
@@ -23,6 +27,8 @@ from kv_transport.base import BaseKVTransport, KVTransferError, TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
 logger = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 1.0  # time kept for the fetch itself when waiting for decode blocks
 
 
 class KVCapacityError(RuntimeError):
@@ -68,7 +74,7 @@ class KVEngineLink:
         return result, handle
 
     async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
-        blocks = await self._reserve(request, handle.num_tokens)
+        blocks = await self._reserve(request, handle.num_tokens, wait_until=handle.expires_at - LEASE_MARGIN_S)
         try:
             self.last_fetch = await self.transport.fetch(handle, blocks)
         except BaseException:
@@ -127,8 +133,14 @@ class KVEngineLink:
 
     # ---- internals --------------------------------------------------------------------
 
-    async def _reserve(self, request: GenerationRequest, num_tokens: int) -> list[int]:
+    async def _reserve(self, request: GenerationRequest, num_tokens: int, wait_until: float = 0.0) -> list[int]:
+        """Reserve blocks, polling for free ones until ``wait_until`` (unix time)."""
+        pause = 0.01
         blocks = await self.engine.reserve(request.request_id, num_tokens)
+        while blocks is None and time.time() + pause < wait_until:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+            blocks = await self.engine.reserve(request.request_id, num_tokens)
         if blocks is None:
             stats = await self.engine.stats()
             raise KVCapacityError(

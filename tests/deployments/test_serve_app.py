@@ -127,6 +127,14 @@ def test_chat_streamed_with_usage(url):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+def test_min_tokens_holds_back_eos(url):
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 20, "min_tokens": 12}
+    r = _post(url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 12  # 8 without min_tokens
+    assert r.json()["choices"][0]["message"]["content"].startswith("The capital of France is Paris.")
+
+
 def test_completion_with_token_prompt_and_length(url):
     r = _post(
         url,
@@ -150,6 +158,7 @@ def test_completion_with_token_prompt_and_length(url):
         ({"model": MODEL, "messages": "hi"}, 400, "messages", "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]}, 400, "messages", "1024"),
         ({"model": "gpt-9", "messages": QUESTION}, 404, "model", "gpt-9"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", "min_tokens"),
     ],
 )
 def test_bad_input_gets_a_named_error(base_url, body, status, param, text):
@@ -160,6 +169,21 @@ def test_bad_input_gets_a_named_error(base_url, body, status, param, text):
     assert "Traceback" not in r.text
     ok = _post(base_url, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_duplicate_client_request_id_is_refused_while_in_flight(base_url):
+    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    short = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+    headers = {"X-Request-Id": "same-id"}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=long, headers=headers, timeout=60) as first:
+        lines = first.iter_lines()  # held: a collected iterator would close the stream
+        next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+        second = _post(base_url, "/v1/chat/completions", short, headers=headers)
+        assert second.status_code == 400, second.text
+        assert second.json()["error"]["param"] == "X-Request-Id" and "already in flight" in second.text
+        assert sum(1 for _ in lines) > 0  # the first request still streams to the end
+    again = _post(base_url, "/v1/chat/completions", short, headers=headers)
+    assert again.status_code == 200 and again.json()["id"] == "same-id"
 
 
 def test_client_disconnect_frees_blocks_on_both_replicas(base_url):

@@ -101,3 +101,16 @@ def test_logprobs_are_returned(smol, make_engine, n):
     lps = [lp for o in outs for lp in o.logprobs]
     assert len(lps) == 2 and all(len(lp.top) == n for lp in lps)
     assert lps[0].token_id == lps[0].top[0][0] and lps[0].logprob == pytest.approx(lps[0].top[0][1])
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(smol, make_engine):
+    core = make_engine(smol)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    full = [t for o in _run(core, chat, max_tokens=20, temperature=0) for t in o.token_ids]
+    assert len(full) == 8  # ends with EOS
+    outs = _run(core, chat, max_tokens=20, temperature=0, min_tokens=12)
+    tokens = [t for o in outs for t in o.token_ids]
+    assert tokens[:7] == full[:7] and tokens[7] != full[7] and len(tokens) >= 12
+    assert not set(tokens[:12]) & set(core._eos_ids)
+    with pytest.raises(ValueError, match="min_tokens must be an integer in \\[0, max_tokens\\]"):
+        SamplingParams(max_tokens=4, min_tokens=5)

@@ -117,6 +117,45 @@ def test_abort_on_either_side_frees_blocks(actors, prompts):
     _assert_idle(prefill, decode)
 
 
+def _fill_decode_pool(decode, prefix: str) -> list[str]:
+    """Reserve decode blocks until fewer than 8 (128 tokens) are free."""
+    fillers = []
+    while (free := ray.get(decode.stats.remote()).num_free_blocks) >= 8:
+        fillers.append(f"{prefix}-{len(fillers)}")
+        assert ray.get(decode.reserve.remote(fillers[-1], min(2000, (free - 4) * 16)))
+    return fillers
+
+
+def test_pull_waits_for_decode_blocks_within_the_lease(actors, prompts, reference):
+    """A full decode pool holds the request (producer KV pinned) until blocks free up; a pool
+    that stays full past the lease fails it with KVCapacityError, and nothing leaks."""
+    prefill, decode = actors
+    fillers = _fill_decode_pool(decode, "filler")
+    request = _request("wait", 5, prompts[5])
+    result, handle = ray.get(prefill.prefill_pull.remote(request))
+    running = decode.decode_pull.remote(request, handle)
+    time.sleep(1.5)
+    assert ray.get(prefill.stats.remote()).num_pinned_blocks == len(handle.block_ids)  # still waiting
+    for rid in fillers:
+        ray.get(decode.release.remote(rid))
+    outputs = ray.get(running)
+    assert_same_output(reference[5], _trace_with_first(outputs, result), exact=False, label="waited")
+    time.sleep(0.2)
+    _assert_idle(prefill, decode)
+    # a pool that stays full: the wait ends with the lease (SHORT_TIMEOUT_S - 1 s margin)
+    ray.get([prefill.set_timeout.remote(SHORT_TIMEOUT_S), decode.set_timeout.remote(SHORT_TIMEOUT_S)])
+    fillers = _fill_decode_pool(decode, "stuck")
+    request = _request("nowait", 5, prompts[5])
+    _, handle = ray.get(prefill.prefill_pull.remote(request))
+    with pytest.raises(ray.exceptions.RayTaskError, match=f"KVCapacityError.*no room for {LENGTHS[5]} tokens"):
+        ray.get(decode.decode_pull.remote(request, handle))
+    for rid in fillers:
+        ray.get(decode.release.remote(rid))
+    time.sleep(SHORT_TIMEOUT_S)  # the producer's unclaimed KV is freed at its timeout
+    _assert_idle(prefill, decode)
+    ray.get([prefill.set_timeout.remote(TIMEOUT_S), decode.set_timeout.remote(TIMEOUT_S)])
+
+
 def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
     prefill, decode = actors
     ray.get([prefill.set_timeout.remote(SHORT_TIMEOUT_S), decode.set_timeout.remote(SHORT_TIMEOUT_S)])
