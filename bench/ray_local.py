@@ -16,9 +16,11 @@ def repo_on_pythonpath() -> None:
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 
 
-def start_local_ray(num_cpus: int = 2, object_store_memory: int | None = None) -> None:
+def start_local_ray(num_cpus: int = 2, object_store_memory: int | None = None, **kwargs) -> None:
+    """``kwargs`` go to ``ray.init`` (e.g. ``_metrics_export_port``)."""
     repo_on_pythonpath()
-    kwargs = {"object_store_memory": object_store_memory} if object_store_memory else {}
+    if object_store_memory:
+        kwargs["object_store_memory"] = object_store_memory
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,

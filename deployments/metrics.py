@@ -1,9 +1,12 @@
 """Prometheus metrics through ``ray.serve.metrics`` (exported on Ray's metrics port).
 
 Ingress: TTFT, TPOT and E2E histograms (TTFT is measured at the first token the client
-receives) and the prefill hop of TTFT. Engine replicas: prefill call time, KV transfer
-seconds and bytes, and gauges of KV block usage, running and waiting requests and role
-(0 prefill, 1 decode, 2 both), refreshed whenever Serve reads the routing stats.
+receives) and the prefill hop of TTFT. Engine replicas: the TTFT split -- prefill queue
+(admitted to the engine -> first prompt chunk runs), prefill compute (-> first token),
+decode queue (decode call -> KV blocks reserved) and KV transfer seconds and bytes -- the
+prefill call time, and gauges of KV block usage, running and waiting requests and role
+(0 prefill, 1 decode, 2 both), refreshed whenever Serve reads the routing stats. What
+TTFT holds beyond the split is routing and Ray/Serve calls.
 """
 
 from __future__ import annotations
@@ -57,6 +60,24 @@ class EngineMetrics:
             boundaries=LATENCY_BOUNDARIES_S,
             tag_keys=tags,
         )
+        self.prefill_queue = Histogram(
+            "tandem_ttft_prefill_queue_seconds",
+            "TTFT part: admitted to the engine -> first prompt chunk scheduled",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=tags,
+        )
+        self.prefill_compute = Histogram(
+            "tandem_ttft_prefill_compute_seconds",
+            "TTFT part: first prompt chunk scheduled -> first token",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=tags,
+        )
+        self.decode_queue = Histogram(
+            "tandem_ttft_decode_queue_seconds",
+            "TTFT part: decode call -> KV blocks reserved on the decode replica",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=tags,
+        )
         self.kv_seconds = Histogram(
             "tandem_kv_transfer_seconds", "KV transfer time per request", boundaries=LATENCY_BOUNDARIES_S, tag_keys=tags
         )
@@ -65,6 +86,10 @@ class EngineMetrics:
         self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
         self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
         self.role = Gauge("tandem_role", "Replica role: 0 prefill, 1 decode, 2 both", tag_keys=tags)
+
+    def prefill_parts(self, queue_s: float, compute_s: float) -> None:
+        self.prefill_queue.observe(queue_s, self.pool)
+        self.prefill_compute.observe(compute_s, self.pool)
 
     def transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_seconds.observe(seconds, self.pool)

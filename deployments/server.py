@@ -75,24 +75,33 @@ class EngineServer:
         start = time.perf_counter()
         result = await link.prefill_pull(request)
         self.metrics.prefill.observe(time.perf_counter() - start, self.metrics.pool)
+        self.metrics.prefill_parts(result[0].queue_s, result[0].compute_s)
         return result
 
     async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
         link = await self._started()
-        first = True
-        async for output in link.decode_pull(request, handle):
-            if first and link.last_fetch is not None:
-                self.metrics.transfer(link.last_fetch.seconds, link.last_fetch.num_bytes)
-                first = False
-            yield output
+        try:
+            async for output in link.decode_pull(request, handle):
+                parts = link.ttft_parts.pop(request.request_id, None)
+                if parts is not None:
+                    self.metrics.decode_queue.observe(parts["decode_queue_s"], self.metrics.pool)
+                    self.metrics.transfer(parts["kv_transfer_s"], int(parts["kv_bytes"]))
+                yield output
+        finally:
+            link.ttft_parts.pop(request.request_id, None)
 
     async def decode_push(self, request: GenerationRequest) -> AsyncIterator[KVDestination | RequestOutput]:
         """One stream: first the destination (blocks reserved here), then the tokens."""
         link = await self._started()
-        destination = await link.reserve_push(request)
-        yield destination
-        async for output in link.decode_push(request, destination):
-            yield output
+        try:
+            destination = await link.reserve_push(request)
+            parts = link.ttft_parts.pop(request.request_id)
+            self.metrics.decode_queue.observe(parts["decode_queue_s"], self.metrics.pool)
+            yield destination
+            async for output in link.decode_push(request, destination):
+                yield output
+        finally:
+            link.ttft_parts.pop(request.request_id, None)
 
     async def prefill_push(
         self, request: GenerationRequest, destination: KVDestination
@@ -101,12 +110,15 @@ class EngineServer:
         start = time.perf_counter()
         result, stats = await link.prefill_push(request, destination)
         self.metrics.prefill.observe(time.perf_counter() - start, self.metrics.pool)
+        self.metrics.prefill_parts(result.queue_s, result.compute_s)
         self.metrics.transfer(stats.seconds, stats.num_bytes)
         return result, stats
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         link = await self._started()
         async for output in link.engine.generate(request):
+            if output.prefill_timing is not None:
+                self.metrics.prefill_parts(*output.prefill_timing)
             yield output
 
     async def abort(self, request_id: str) -> None:

@@ -54,6 +54,8 @@ class _Request:
     stream: TextStream
     generator: torch.Generator | None
     prefill_only: bool
+    admitted_at: float = 0.0  # perf_counter when admitted
+    scheduled_at: float | None = None  # when its first prompt chunk ran
 
 
 class EngineCore:
@@ -179,7 +181,7 @@ class EngineCore:
         elif not sp.greedy:
             generator = self._default_generator
         stream = TextStream(self.tokenizer, prompt, sp.stop)
-        self._requests[rid] = _Request(request, seq, stream, generator, prefill_only)
+        self._requests[rid] = _Request(request, seq, stream, generator, prefill_only, time.perf_counter())
         self.scheduler.add(seq)
 
     def _validate_length(self, request: GenerationRequest) -> None:
@@ -210,6 +212,9 @@ class EngineCore:
         logits = self.runner.execute(plan.chunks)
         for seq, chunk in zip(plan.scheduled, plan.chunks):
             seq.num_computed_tokens += len(chunk.token_ids)
+            state = self._requests[chunk.request_id]
+            if state.scheduled_at is None:
+                state.scheduled_at = start
         sampled = [self._requests[c.request_id] for c in plan.chunks if c.sample]
         params = [s.request.sampling for s in sampled]
         self._hold_back_stops(logits, sampled)
@@ -276,6 +281,9 @@ class EngineCore:
         pinned: tuple[int, ...] = (),
     ) -> RequestOutput:
         seq = state.seq
+        timing = None
+        if tokens and seq.num_output_tokens == 1 and state.scheduled_at is not None and not seq.remote_kv:
+            timing = (state.scheduled_at - state.admitted_at, time.perf_counter() - state.scheduled_at)
         return RequestOutput(
             request_id=state.request.request_id,
             token_ids=tokens,
@@ -287,6 +295,7 @@ class EngineCore:
             logprobs=logprobs,
             error=error,
             pinned_block_ids=pinned,
+            prefill_timing=timing,
         )
 
     # ---- introspection ----------------------------------------------------------------

@@ -137,6 +137,8 @@ class RequestOutput:
     error: str | None = None
     # set when a prefill-only request ends its prefill phase with its KV pinned
     pinned_block_ids: tuple[int, ...] = ()
+    # on the first token of a prompt computed here: (seconds queued, seconds computing)
+    prefill_timing: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,8 @@ class PrefillResult:
     first_text: str
     finish_reason: FinishReason | None = None
     first_logprobs: TokenLogprobs | None = None
+    queue_s: float = 0.0  # admitted -> first prompt chunk scheduled
+    compute_s: float = 0.0  # first prompt chunk -> first token
 
     @classmethod
     def from_output(cls, output: RequestOutput) -> PrefillResult:
@@ -167,6 +171,8 @@ class PrefillResult:
             first_text=output.text,
             finish_reason=output.finish_reason,
             first_logprobs=output.logprobs[0] if output.logprobs else None,
+            queue_s=output.prefill_timing[0] if output.prefill_timing else 0.0,
+            compute_s=output.prefill_timing[1] if output.prefill_timing else 0.0,
         )
 
 

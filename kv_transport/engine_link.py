@@ -50,6 +50,8 @@ class KVEngineLink:
         self._pushing: set[str] = set()
         self._push_errors: dict[str, BaseException] = {}
         self.last_fetch: TransferStats | None = None
+        # per request until its first token leaves: seconds waiting for blocks, KV transfer
+        self.ttft_parts: dict[str, dict[str, float]] = {}
         transport.register_pool(engine.core.pool.tensor, self._release_from_transport)
         if transport.supports_push:
             engine.core.runner.add_layer_hook(self._after_layer)
@@ -74,19 +76,28 @@ class KVEngineLink:
         return result, handle
 
     async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
+        start = time.perf_counter()
         blocks = await self._reserve(request, handle.num_tokens, wait_until=handle.expires_at - LEASE_MARGIN_S)
+        reserved = time.perf_counter()
         try:
-            self.last_fetch = await self.transport.fetch(handle, blocks)
+            self.last_fetch = stats = await self.transport.fetch(handle, blocks)
         except BaseException:
             await self.engine.release(request.request_id)
             raise
+        self.ttft_parts[request.request_id] = {
+            "decode_queue_s": reserved - start,
+            "kv_transfer_s": stats.seconds,
+            "kv_bytes": stats.num_bytes,
+        }
         async for output in self.engine.decode(request, blocks, handle.first_token):
             yield output
 
     # ---- push -------------------------------------------------------------------------
 
     async def reserve_push(self, request: GenerationRequest) -> KVDestination:
+        start = time.perf_counter()
         blocks = await self._reserve(request, len(request.prompt_token_ids))
+        self.ttft_parts[request.request_id] = {"decode_queue_s": time.perf_counter() - start}
         return self.transport.destination(request.request_id, blocks, len(request.prompt_token_ids))
 
     async def prefill_push(

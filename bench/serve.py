@@ -1,0 +1,329 @@
+"""Load generator for any OpenAI-compatible server: ``python -m bench.serve`` (or ``tandem-bench``).
+
+Streams ``/v1/completions`` requests with prompts given as token ids (exact lengths; pass
+``--prompt-format text`` for servers that only take text) and ``ignore_eos``, at arrivals
+drawn from a Poisson process (DistServe, Splitwise), a gamma process (bursty, ``--cv``), or
+replayed from a JSONL trace. Sweeps rates, reports TTFT / TPOT / ITL / E2E, throughput,
+SLO attainment and goodput (``bench.slo``), writes JSON and PNG plots.
+
+SLOs: ``--slo-ttft-ms`` / ``--slo-tpot-ms``, or ``--slo-scale TTFT_X,TPOT_X`` to measure the
+uncontended latency of the workload's median prompt on the idle server first and use
+multiples of it (Splitwise's method). With ``--metrics-url`` (a Prometheus endpoint, e.g.
+Ray's metrics export port) the server-side TTFT split is scraped around each rate point.
+
+Example:
+  python -m bench.serve --url http://127.0.0.1:8000 --workload summarization \\
+      --rates 0.2,0.4,0.6 --num-requests 40 --slo-scale 5,2 --out /tmp/sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.slo import SLO, RequestRecord, goodput, summarize
+from bench.workloads import WORKLOADS, BenchRequest, load_trace, make_requests, median_request
+
+# server-side TTFT parts (Prometheus histograms exported by the tandem replicas)
+SPLIT_METRICS = {
+    "ttft": "ray_tandem_ttft_seconds",
+    "prefill_hop": "ray_tandem_ttft_prefill_hop_seconds",
+    "prefill_queue": "ray_tandem_ttft_prefill_queue_seconds",
+    "prefill_compute": "ray_tandem_ttft_prefill_compute_seconds",
+    "decode_queue": "ray_tandem_ttft_decode_queue_seconds",
+    "kv_transfer": "ray_tandem_kv_transfer_seconds",
+}
+
+
+# ---- arrivals ---------------------------------------------------------------------------
+
+
+def arrival_times(num: int, rate: float, process: str = "poisson", cv: float = 1.0, seed: int = 0) -> list[float]:
+    """Send offsets (seconds) of ``num`` requests at ``rate`` per second.
+
+    ``poisson``: exponential gaps. ``gamma``: gamma gaps with the same mean and coefficient
+    of variation ``cv`` (> 1 is burstier than Poisson).
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    rng = np.random.default_rng(seed)
+    if process == "poisson":
+        gaps = rng.exponential(1.0 / rate, num)
+    elif process == "gamma":
+        shape = 1.0 / (cv * cv)
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), num)
+    else:
+        raise ValueError(f"unknown arrival process {process!r} (poisson, gamma)")
+    gaps[0] = 0.0
+    return list(np.cumsum(gaps))
+
+
+# ---- one request, one run ------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    url: str
+    model: str
+    prompt_format: str = "ids"  # or "text"
+    tokenizer: object = None  # needed for "text"
+
+    def body(self, request: BenchRequest) -> dict:
+        prompt = request.prompt
+        if self.prompt_format == "text" and not isinstance(prompt, str):
+            prompt = self.tokenizer.decode(prompt)
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+
+async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
+    """Stream one completion; every chunk's arrival time is taken as it is read."""
+    record = RequestRecord(request.prompt_tokens, request.max_tokens, time.perf_counter())
+    try:
+        async with client.stream("POST", target.url + "/v1/completions", json=target.body(request)) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.error = str(chunk["error"].get("message"))
+                    break
+                record.last = now
+                if chunk.get("usage"):
+                    record.usage_prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    record.usage_output_tokens = chunk["usage"]["completion_tokens"]
+                if any(choice.get("text") for choice in chunk.get("choices", ())):
+                    record.chunks.append(now)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    if record.error is None and not record.chunks:
+        record.error = "no tokens received"
+    return record
+
+
+async def run(
+    target: Target, requests: list[BenchRequest], offsets: list[float], label: str = "", progress: bool = True
+) -> tuple[list[RequestRecord], float]:
+    """Send each request at its offset; wait for all. Returns the records and the duration."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr, leave=False)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def one(request: BenchRequest, offset: float) -> RequestRecord:
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = await send(client, target, request)
+            bar.update(1)
+            return record
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(records), duration
+
+
+# ---- uncontended latency (Splitwise-style SLOs) -------------------------------------------
+
+
+def uncontended(target: Target, request: BenchRequest, repeats: int = 3, max_tokens: int = 32) -> dict[str, float]:
+    """TTFT and TPOT of ``request`` on the idle server, one at a time (medians of ``repeats``)."""
+    probe = BenchRequest(request.prompt, request.prompt_tokens, max_tokens)
+    records = [asyncio.run(run(target, [probe], [0.0], progress=False))[0][0] for _ in range(repeats + 1)][1:]
+    bad = [r.error for r in records if not r.ok]
+    if bad:
+        raise RuntimeError(f"uncontended probe failed: {bad[0]}")
+    return {
+        "prompt_tokens": request.prompt_tokens,
+        "ttft_s": statistics.median(r.ttft for r in records),
+        "tpot_s": statistics.median(r.tpot for r in records),
+    }
+
+
+# ---- server-side TTFT split --------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
+
+
+def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each split histogram, summed over replicas; {} without a URL."""
+    if not metrics_url:
+        return {}
+    totals: dict[str, list[float]] = {}
+    text = httpx.get(metrics_url, timeout=10).text
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, value = match.group(1), float(match.group(2))
+        for key, metric in SPLIT_METRICS.items():
+            if name in (metric + "_sum", metric + "_count"):
+                slot = totals.setdefault(key, [0.0, 0.0])
+                slot[0 if name.endswith("_sum") else 1] += value
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def split_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean seconds of each TTFT part over the requests between two scrapes."""
+    means = {}
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count - count0 > 0:
+            means[key] = (total - total0) / (count - count0)
+    return means
+
+
+# ---- sweeps --------------------------------------------------------------------------------
+
+
+def sweep(
+    target: Target,
+    requests: list[BenchRequest],
+    rates: list[float],
+    slo: SLO,
+    process: str = "poisson",
+    cv: float = 1.0,
+    seed: int = 0,
+    metrics_url: str | None = None,
+    label: str = "",
+    metrics_delay_s: float = 3.0,
+) -> dict:
+    """Run the same requests at each rate; attainment per rate and the goodput."""
+    points = []
+    for rate in rates:
+        offsets = arrival_times(len(requests), rate, process, cv, seed)
+        before = scrape(metrics_url)
+        records, duration = asyncio.run(run(target, requests, offsets, f"{label} {rate:.3g} req/s"))
+        if metrics_url:
+            time.sleep(metrics_delay_s)  # let the replicas' metrics reach the exporter
+        summary = summarize(records, duration, slo)
+        summary["rate"] = rate
+        summary["server_ttft_split_s"] = split_means(before, scrape(metrics_url))
+        summary["records"] = [_record_json(r) for r in records]
+        points.append(summary)
+        print(
+            f"  {label} rate {rate:.3g}/s: attainment {summary['attainment']:.0%}, "
+            f"TTFT p90 {summary['ttft_s']['p90']:.2f} s, TPOT p90 {summary['tpot_s']['p90'] * 1e3:.0f} ms, "
+            f"failed {summary['failed']}",
+            file=sys.stderr,
+        )
+    found = goodput([(p["rate"], p["attainment"]) for p in points])
+    return {"points": points, "goodput": {"rate": found.rate, "bound": found.bound, "text": str(found)}}
+
+
+def _record_json(record: RequestRecord) -> dict:
+    row = asdict(record)
+    row["chunks"] = [round(t - record.sent, 6) for t in record.chunks]
+    row["last"] = None if record.last is None else round(record.last - record.sent, 6)
+    row["sent"] = round(record.sent, 6)
+    return row
+
+
+def records_from_json(rows: list[dict]) -> list[RequestRecord]:
+    """Inverse of the JSON rows (times relative to each request's send)."""
+    return [RequestRecord(**{**row, "sent": 0.0}) for row in rows]
+
+
+# ---- command line --------------------------------------------------------------------------
+
+
+def _tokenizer(source: str):
+    from engine.loader import ModelSpec, load_tokenizer
+
+    return load_tokenizer(ModelSpec(source=source))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    parser.add_argument("--tokenizer", default="default", help="tokenizer source: 'default', HF dir or .gguf")
+    parser.add_argument("--max-model-len", type=int, help="server context (default: from GET /v1/models)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="summarization")
+    parser.add_argument("--trace", help="JSONL trace to replay (arrival_s, prompt or prompt_tokens, max_tokens)")
+    parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point")
+    parser.add_argument("--rates", default="0.5", help="comma-separated arrival rates (req/s)")
+    parser.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    parser.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
+    parser.add_argument("--slo-ttft-ms", type=float)
+    parser.add_argument("--slo-tpot-ms", type=float)
+    parser.add_argument("--slo-scale", default="5,2", help="TTFT,TPOT multiples of the uncontended latency")
+    parser.add_argument("--metrics-url", help="Prometheus endpoint for the server-side TTFT split")
+    parser.add_argument("--out", default="bench-results", help="folder for results.json and the plots")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    info = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]
+    model = args.model or info["id"]
+    max_model_len = args.max_model_len or info.get("max_model_len")
+    if max_model_len is None:
+        sys.exit("--max-model-len is needed: the server does not report its context")
+    tokenizer = _tokenizer(args.tokenizer)
+    target = Target(args.url, model, args.prompt_format, tokenizer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        requests = load_trace(args.trace, tokenizer)
+        offsets = [r.arrival_s - requests[0].arrival_s for r in requests]
+        records, duration = asyncio.run(run(target, requests, offsets, "trace"))
+        slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
+        result = {"trace": args.trace, **summarize(records, duration, slo)}
+    else:
+        requests = make_requests(args.workload, tokenizer, max_model_len, args.num_requests, args.seed)
+        base = None
+        if args.slo_ttft_ms and args.slo_tpot_ms:
+            slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        else:
+            ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
+            base = uncontended(target, median_request(requests))
+            slo = SLO(ttft_x * base["ttft_s"], tpot_x * base["tpot_s"])
+        print(f"SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms", file=sys.stderr)
+        rates = [float(r) for r in args.rates.split(",")]
+        result = {
+            "workload": args.workload,
+            "model": model,
+            "uncontended": base,
+            **sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload),
+        }
+        from bench.plots import plot_attainment, plot_cdfs
+
+        plot_attainment({args.workload: {"this server": result}}, out / "attainment.png")
+        plot_cdfs({"this server": result["points"][-1]}, out / "cdf.png", args.workload)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("points", "records")}, indent=1))
+    print(f"wrote {out / 'results.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

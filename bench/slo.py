@@ -1,0 +1,138 @@
+"""Latency metrics, SLO attainment and goodput, defined as the published methods define them.
+
+Per request (as ``vllm bench serve``): TTFT = first content chunk - send; E2E = last chunk
+- send; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = every gap between consecutive
+content chunks. SLO attainment (DistServe): the fraction of the requests sent that finished
+with TTFT <= the TTFT SLO and TPOT <= the TPOT SLO (a failed request is a miss; a one-token
+output has no TPOT and meets that half). Goodput (DistServe): the highest arrival rate at
+which attainment is still >= the target (90%), read off a rate sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request; times in seconds on one monotonic clock."""
+
+    prompt_tokens: int  # asked for
+    max_tokens: int
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
+    last: float | None = None  # arrival of the last data chunk (before [DONE])
+    usage_prompt_tokens: int | None = None
+    usage_output_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunks)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage_output_tokens if self.usage_output_tokens is not None else len(self.chunks)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return (self.last if self.last is not None else self.chunks[-1]) - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, record: RequestRecord) -> bool:
+        if not record.ok or record.ttft > self.ttft_s:
+            return False
+        tpot = record.tpot
+        return tpot is None or tpot <= self.tpot_s
+
+
+def distribution(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 (numpy's linear percentiles, as vllm bench serve)."""
+    if not values:
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
+    array = np.asarray(values, dtype=float)
+    return {"mean": float(array.mean()), **{f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES}}
+
+
+def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
+    return sum(slo.met(r) for r in records) / len(records) if records else 0.0
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> dict:
+    """The figures of one run: latency distributions, throughput and (with an SLO) attainment."""
+    done = [r for r in records if r.ok]
+    summary = {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": sum(r.output_tokens for r in done) / duration_s if duration_s > 0 else 0.0,
+        "ttft_s": distribution([r.ttft for r in done]),
+        "tpot_s": distribution([t for r in done if (t := r.tpot) is not None]),
+        "itl_s": distribution([gap for r in done for gap in r.itls]),
+        "e2e_s": distribution([r.e2e for r in done]),
+    }
+    if slo is not None:
+        summary["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
+        summary["attainment"] = attainment(records, slo)
+    return summary
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """``rate`` req/s; ``bound``: 'exact' (the 90% crossing, interpolated between the last
+    passing and the first failing rate), 'at_least' (every rate tried passed) or 'below'
+    (the lowest rate tried already failed; ``rate`` is 0)."""
+
+    rate: float
+    bound: str
+
+    def __str__(self) -> str:
+        if self.bound == "at_least":
+            return f">= {self.rate:.3g}"
+        if self.bound == "below":
+            return "< lowest rate"
+        return f"{self.rate:.3g}"
+
+
+def goodput(points: Sequence[tuple[float, float]], target: float = 0.9) -> Goodput:
+    """DistServe's goodput from (rate, attainment) points: the first crossing below ``target``."""
+    ordered = sorted(points)
+    if not ordered:
+        raise ValueError("goodput needs at least one (rate, attainment) point")
+    last_pass: tuple[float, float] | None = None
+    for rate, value in ordered:
+        if value >= target:
+            last_pass = (rate, value)
+            continue
+        if last_pass is None:
+            return Goodput(0.0, "below")
+        pass_rate, pass_value = last_pass
+        crossing = pass_rate + (pass_value - target) / (pass_value - value) * (rate - pass_rate)
+        return Goodput(crossing, "exact")
+    return Goodput(ordered[-1][0], "at_least")

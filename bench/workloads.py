@@ -1,0 +1,157 @@
+"""Synthetic workloads shaped like DistServe's three and Splitwise's Azure medians.
+
+Every prompt is built from real tokens of the served tokenizer and has exactly the asked
+length, so the server sees the intended prompt; requests ask ``ignore_eos`` so outputs
+have exactly ``max_tokens`` tokens. Lengths scale with the context (``max_model_len``) and
+are drawn from a seeded generator:
+
+* ``chatbot`` (ShareGPT-like): multi-turn conversations through the chat template; prompt
+  length log-normal around a quarter of the context, output around 6% of it, and
+  prompt + output < context.
+* ``code`` (HumanEval-like): short code prompts (around 15% of the context), short outputs
+  (around 5%).
+* ``summarization`` (LongBench-like): a document cut to a random length near the context
+  limit (70-95% of what the answer leaves), short answers (around 32 tokens).
+* ``azure-code`` / ``azure-conversation`` (Splitwise's Azure trace medians): 1,500 prompt /
+  13 output and 1,020 / 129, prompts capped to fit the context.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.corpus import CORPUS, PARAGRAPHS
+
+WORKLOADS = ("chatbot", "code", "summarization", "azure-code", "azure-conversation")
+CODE = PARAGRAPHS[5]
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int] | str  # token ids (exact length) or text (from a trace)
+    prompt_tokens: int
+    max_tokens: int
+    arrival_s: float | None = None  # only from a trace
+
+
+class PromptBuilder:
+    """Exact-length prompts from real tokens of one tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._corpus = self.ids(CORPUS)
+        self._code = self.ids("\n".join(CODE.replace("merge_sorted", f"merge_sorted_{i}") for i in range(40)))
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _cut(self, source: list[int], length: int, offset: int) -> list[int]:
+        start = offset % max(1, len(source) - length)
+        out = source[start : start + length]
+        while len(out) < length:  # longer than the corpus: wrap around
+            out += source[: length - len(out)]
+        return out
+
+    def fit(self, head: list[int], body: list[int], tail: list[int], length: int) -> list[int]:
+        """``head + body[:room] + tail`` cut to exactly ``length`` tokens."""
+        room = length - len(head) - len(tail)
+        if room < 0:
+            return (head + tail)[-length:]
+        return head + self._cut(body, room, 0) + tail
+
+    def summarization(self, length: int, offset: int) -> list[int]:
+        head = self.ids("Summarize the following document in a few sentences.\n\n")
+        return self.fit(head, self._cut(self._corpus, length, offset), self.ids("\n\nSummary:"), length)
+
+    def code(self, length: int, offset: int) -> list[int]:
+        head = self.ids("# Complete the following Python module.\n")
+        return self.fit(head, self._cut(self._code, length, offset), self.ids("\ndef "), length)
+
+    def chat(self, length: int, offset: int, turns: int) -> list[int]:
+        """A conversation of ``turns`` exchanges through the chat template, then the
+        assistant's turn; the history is cut so the whole is ``length`` tokens."""
+        messages = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": PARAGRAPHS[(offset + 2 * t) % len(PARAGRAPHS)]})
+            messages.append({"role": "assistant", "content": PARAGRAPHS[(offset + 2 * t + 1) % len(PARAGRAPHS)]})
+        messages.append({"role": "user", "content": "Can you say more about that?"})
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+        else:
+            ids = self.ids("\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:")
+        tail = ids[-24:]  # the last question and the assistant prompt stay whole
+        history = ids[:-24]
+        if len(history) < length - len(tail):
+            history = history + self._corpus
+        return history[len(history) - (length - len(tail)) :][: length - len(tail)] + tail
+
+
+def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: int, high: int) -> int:
+    return int(np.clip(round(median * float(np.exp(rng.normal(0.0, sigma)))), low, max(low, high)))
+
+
+def make_requests(name: str, tokenizer, max_model_len: int, num_requests: int, seed: int = 0) -> list[BenchRequest]:
+    """``num_requests`` requests of workload ``name`` for a server with this context."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    rng = np.random.default_rng(seed)
+    builder = PromptBuilder(tokenizer)
+    context = max_model_len - 1  # prompt + output must stay below the context
+    requests = []
+    for _ in range(num_requests):
+        offset = int(rng.integers(0, 10_000))
+        if name == "chatbot":
+            prompt_len = _lognormal(rng, 0.25 * context, 0.6, 32, int(0.75 * context))
+            output = _lognormal(rng, 0.06 * context, 0.5, 8, context - prompt_len)
+            prompt = builder.chat(prompt_len, offset, turns=int(rng.integers(1, 5)))
+        elif name == "code":
+            prompt_len = _lognormal(rng, 0.15 * context, 0.4, 32, int(0.5 * context))
+            output = _lognormal(rng, 0.05 * context, 0.5, 8, context - prompt_len)
+            prompt = builder.code(prompt_len, offset)
+        elif name == "summarization":
+            output = _lognormal(rng, 32, 0.4, 8, 96)
+            prompt_len = int(rng.uniform(0.70, 0.95) * (context - output))
+            prompt = builder.summarization(prompt_len, offset)
+        else:
+            prompt_len, output = (1500, 13) if name == "azure-code" else (1020, 129)
+            prompt_len = min(prompt_len, context - output)
+            prompt = builder.summarization(prompt_len, offset)
+        assert len(prompt) == prompt_len, (name, len(prompt), prompt_len)
+        requests.append(BenchRequest(prompt, prompt_len, output))
+    return requests
+
+
+def load_trace(path: str | Path, tokenizer) -> list[BenchRequest]:
+    """A JSONL trace: one object per line with ``arrival_s``, ``max_tokens`` and either
+    ``prompt`` (text) or ``prompt_tokens`` (a length, built from the corpus)."""
+    builder = PromptBuilder(tokenizer)
+    requests = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        try:
+            arrival, max_tokens = float(row["arrival_s"]), int(row["max_tokens"])
+            if "prompt" in row:
+                text = str(row["prompt"])
+                requests.append(BenchRequest(text, len(builder.ids(text)), max_tokens, arrival))
+            else:
+                length = int(row["prompt_tokens"])
+                requests.append(BenchRequest(builder.summarization(length, number), length, max_tokens, arrival))
+        except (KeyError, ValueError, TypeError) as exc:
+            need = "arrival_s, max_tokens, prompt or prompt_tokens"
+            raise ValueError(f"{path}:{number}: {exc!r} (need {need})") from None
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def median_request(requests: list[BenchRequest]) -> BenchRequest:
+    """The request with the median prompt length (the Splitwise-style SLO reference)."""
+    ordered = sorted(requests, key=lambda r: r.prompt_tokens)
+    return ordered[len(ordered) // 2]
