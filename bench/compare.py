@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -58,7 +59,7 @@ SYSTEMS = {
 }
 # rate points, as multiples of 2 / (uncontended E2E of the median request)
 MULTIPLIERS = {
-    "summarization": (0.4, 0.7, 1.0, 1.3),
+    "summarization": (0.25, 0.5, 0.75, 1.0, 1.25),
     "code": (1.0, 2.0, 3.0, 4.0),
     "chatbot": (1.0, 2.0, 3.0, 4.0),
 }
@@ -90,6 +91,9 @@ class Server:
         builder = colocated_app if self.kind == "colocated" else disagg_app
         serve.run(builder(dict(self.args)), name="bench", route_prefix="/")
         httpx.get(self.url + "/ready", timeout=60).raise_for_status()
+        # Ctrl-C and SIGTERM must end the run (and stop this cluster in __exit__)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -99,6 +103,10 @@ class Server:
         serve.shutdown()
         ray.shutdown()
         time.sleep(2)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
 
 
 # ---- the independent check ---------------------------------------------------------------

@@ -36,7 +36,7 @@ from bench.workloads import WORKLOADS, BenchRequest, load_trace, make_requests, 
 
 # server-side TTFT parts (Prometheus histograms exported by the tandem replicas)
 SPLIT_METRICS = {
-    "ttft": "ray_tandem_ttft_seconds",
+    "ingress_ttft": "ray_tandem_ttft_seconds",
     "prefill_hop": "ray_tandem_ttft_prefill_hop_seconds",
     "prefill_queue": "ray_tandem_ttft_prefill_queue_seconds",
     "prefill_compute": "ray_tandem_ttft_prefill_compute_seconds",

@@ -135,10 +135,11 @@ time; {REPEATS} requests of {NUM_TOKENS} tokens after one warm-up; replicas with
 | KV transfer measured on the decode replica (median) | {r["kv_transfer_ms"]:.1f} | |
 | TTFT added by the prefill -> decode hop, without the transfer | {r["hop_added_ms"]:.1f} | <= 15 |
 
-The per-token overhead is almost all in the engine step itself, which runs about twice as
-slow inside a Serve replica as in a plain process or a plain Ray actor (measured there:
-about 48 ms); the Serve streaming path adds the difference between the ITL and the
-replica's own step time. Finding and removing that slowdown is open work.
+The overhead per token splits into the engine step inside the replica against the same
+step in this process (same thread count; the replica shares the 2 cores with the other
+replicas, the proxy and this client) and the Serve streaming path (ITL - replica step).
+The TTFT hop is the prefill call returning its handle, the decode call starting and its
+first item crossing the ingress, without the KV transfer itself.
 """
 
 

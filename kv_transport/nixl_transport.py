@@ -115,7 +115,7 @@ class NixlTransport(BaseKVTransport):
                 mem_type=self._mem_type,
             )
         )
-        self._worker.start(self._on_notif, self._expire_exports, lambda: bool(self._push_in))
+        self._worker.start(self._on_notif, self._expire_exports, lambda: bool(self._push_in or self._exports))
 
     def close(self) -> None:
         if self._closed:

@@ -57,7 +57,10 @@ class NixlWorker:
     def __init__(self, name: str, local_mem_type: str = "DRAM") -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # No NIXL progress thread: nixl's Python agent runs it with a zero delay, a thread
+        # that spins a whole core per process. This thread progresses UCX instead (each
+        # get_new_notifs / check_xfer_state call does), at the poll intervals above.
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.local_mem_type = local_mem_type
         self.lock = threading.Lock()
         self._outbox: collections.deque[Post] = collections.deque()
