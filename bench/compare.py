@@ -60,8 +60,8 @@ SYSTEMS = {
 # rate points, as multiples of 2 / (uncontended E2E of the median request)
 MULTIPLIERS = {
     "summarization": (0.25, 0.5, 0.75, 1.0, 1.25),
-    "code": (1.0, 2.0, 3.0, 4.0),
-    "chatbot": (1.0, 2.0, 3.0, 4.0),
+    "code": (0.25, 0.5, 0.75, 1.0),
+    "chatbot": (0.25, 0.5, 0.75, 1.0),
 }
 DOC = Path("docs/benchmarks")
 
@@ -157,10 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point (>= 40 for reports)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--multipliers",
+        default="",
+        help="rate points per workload, e.g. 'code=0.5,1,1.5,2 chatbot=0.5,1' (default: MULTIPLIERS)",
+    )
     parser.add_argument("--out", default=str(DOC), help="folder for goodput.md/json/png")
     parser.add_argument("--raw", default="bench-results", help="folder for per-request records (not committed)")
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
+    multipliers = dict(MULTIPLIERS)
+    for item in args.multipliers.replace(";", " ").split():
+        name, _, values = item.partition("=")
+        multipliers[name] = tuple(float(v) for v in values.split(","))
     systems = [s for s in args.systems.split(",") if s]
     for name in workloads:
         if name not in MULTIPLIERS:
@@ -193,8 +202,14 @@ def main(argv: list[str] | None = None) -> None:
                     outputs = statistics.median(r.max_tokens for r in requests[w])
                     e2e = base["ttft_s"] + (outputs - 1) * base["tpot_s"]
                     slos[w] = SLO(TTFT_SLO_X * base["ttft_s"], TPOT_SLO_X * base["tpot_s"])
-                    rates[w] = [round(m * 2 / e2e, 4) for m in MULTIPLIERS[w]]
-                    calibration[w] = {**base, "median_output_tokens": outputs, "e2e_s": e2e, "rates": rates[w]}
+                    rates[w] = [round(m * 2 / e2e, 4) for m in multipliers[w]]
+                    calibration[w] = {
+                        **base,
+                        "median_output_tokens": outputs,
+                        "e2e_s": e2e,
+                        "multipliers": multipliers[w],
+                        "rates": rates[w],
+                    }
                     print(f"{w}: uncontended {base}, SLO {slos[w]}, rates {rates[w]}", file=sys.stderr)
                 checks = crosscheck(target, requests[workloads[0]])
             if system not in systems:
