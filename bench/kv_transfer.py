@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,9 +57,20 @@ class TransferActor:
         self.store.register_pool(self.pool, self.released.append)
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.raw_agent = nixl_agent(f"raw-{engine_id}", nixl_agent_config(backends=["UCX"]))
+        # as our transport's agents: no spinning progress thread; the reader's tight poll and,
+        # on the side being read, a 1 ms poll (as our transport's) progress UCX
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.raw_agent = nixl_agent(f"raw-{engine_id}", config)
         self.raw = torch.rand(256 << 18)  # 256 MB contiguous
         self.raw_agent.register_memory(self.raw)
+        self.raw_lock = threading.Lock()  # the agent is used from two threads
+        threading.Thread(target=self._progress_raw, daemon=True).start()
+
+    def _progress_raw(self) -> None:
+        while True:
+            with self.raw_lock:
+                self.raw_agent.get_new_notifs()
+            time.sleep(0.001)
 
     def raw_meta(self) -> tuple[bytes, int]:
         return self.raw_agent.get_agent_metadata(), self.raw.data_ptr()
@@ -67,7 +79,8 @@ class TransferActor:
         """One READ of ``num_bytes`` as ``num_descs`` equal pieces spread over the buffer."""
         import numpy as np
 
-        name = self.raw_agent.add_remote_agent(meta)
+        with self.raw_lock:
+            name = self.raw_agent.add_remote_agent(meta)
         piece, stride = num_bytes // num_descs, (256 << 20) // num_descs
         offsets = [i * stride for i in range(num_descs)]
         local_rows = np.array([[self.raw.data_ptr() + o, piece, 0] for o in offsets], dtype=np.uint64)
@@ -75,12 +88,14 @@ class TransferActor:
         local = self.raw_agent.get_xfer_descs(local_rows, "DRAM")
         remote = self.raw_agent.get_xfer_descs(remote_rows, "DRAM")
         start = time.perf_counter()
-        handle = self.raw_agent.initialize_xfer("READ", local, remote, name)
-        state = self.raw_agent.transfer(handle)
-        while state == "PROC":
-            state = self.raw_agent.check_xfer_state(handle)
+        with self.raw_lock:
+            handle = self.raw_agent.initialize_xfer("READ", local, remote, name)
+            state = self.raw_agent.transfer(handle)
+            while state == "PROC":
+                state = self.raw_agent.check_xfer_state(handle)
         elapsed = time.perf_counter() - start
-        self.raw_agent.release_xfer_handle(handle)
+        with self.raw_lock:
+            self.raw_agent.release_xfer_handle(handle)
         assert state == "DONE", state
         return elapsed
 

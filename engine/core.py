@@ -201,8 +201,15 @@ class EngineCore:
         return bool(self._pending) or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, sample; returns what each touched request produced."""
-        outputs, self._pending = self._pending, []
+        """Schedule, execute, sample; returns what each touched request produced.
+
+        Outputs made between steps (a decode's first token from ``add_decode``) are returned
+        by a step of their own, without running the model, so they never wait for a forward pass.
+        """
+        if self._pending:
+            outputs, self._pending = self._pending, []
+            return outputs
+        outputs = []
         plan = self.scheduler.schedule()
         for seq, message in plan.failed:
             outputs.append(self._finish(self._requests[seq.request_id], FinishReason.ERROR, "", (), message))
