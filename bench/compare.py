@@ -60,8 +60,8 @@ SYSTEMS = {
 # rate points, as multiples of 2 / (uncontended E2E of the median request)
 MULTIPLIERS = {
     "summarization": (0.25, 0.5, 0.75, 1.0, 1.25),
-    "code": (0.25, 0.5, 0.75, 1.0),
-    "chatbot": (0.25, 0.5, 0.75, 1.0),
+    "code": (0.5, 0.75, 1.0, 1.5),
+    "chatbot": (0.5, 0.75, 1.0, 1.5),
 }
 DOC = Path("docs/benchmarks")
 

@@ -11,6 +11,7 @@ from deployments.server import EngineServer
 
 ROUTER = "deployments.router.RoleAwareRouter"
 ROUTING_STATS_PERIOD_S = 0.5
+INGRESS_SPARE = 16  # room above max_queued_requests so the ingress itself answers 503
 
 
 def _engine_deployment(name: str, pool: PoolConfig):
@@ -26,18 +27,26 @@ def _engine_deployment(name: str, pool: PoolConfig):
     )
 
 
-def _ingress():
-    return serve.deployment(OpenAIIngress, name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0.1})
+def _ingress(config: AppConfig):
+    # Serve's default bound (5 requests in flight per replica) would queue streams in the
+    # proxy; the ingress holds up to max_queued_requests itself and answers 503 beyond.
+    return serve.deployment(
+        OpenAIIngress,
+        name="OpenAIIngress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0.1},
+        max_ongoing_requests=config.max_queued_requests + INGRESS_SPARE,
+    )
 
 
 def build_disagg(config: AppConfig) -> serve.Application:
     data = config.model_dump()
     prefill = _engine_deployment("PrefillServer", config.prefill).bind(data, "prefill", "prefill")
     decode = _engine_deployment("DecodeServer", config.decode).bind(data, "decode", "decode")
-    return _ingress().bind(data, prefill=prefill, decode=decode)
+    return _ingress(config).bind(data, prefill=prefill, decode=decode)
 
 
 def build_colocated(config: AppConfig) -> serve.Application:
     data = config.model_dump()
     colocated = _engine_deployment("ColocatedServer", config.colocated).bind(data, "both", "colocated")
-    return _ingress().bind(data, colocated=colocated)
+    return _ingress(config).bind(data, colocated=colocated)
