@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", default=str(DOC), help="folder for goodput.md/json/png")
     parser.add_argument("--raw", default="bench-results", help="folder for per-request records (not committed)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other workloads of the previous report in --out (and its records in --raw)",
+    )
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     multipliers = dict(MULTIPLIERS)
@@ -188,6 +193,15 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[str, dict]] = {w: {} for w in workloads}  # workload -> system -> sweep
     checks: list[dict] = []
     model = None
+    command, elapsed_before = argv_text(argv), 0.0
+    if args.merge:
+        previous = load_previous(Path(args.out), Path(args.raw), workloads)
+        results = {**previous["results"], **results}
+        calibration.update(previous["calibration"])
+        slos.update(previous["slos"])
+        checks = previous["checks"]
+        command = f"{previous['command']} && {command}"
+        elapsed_before = previous["elapsed_s"]
     # calibrate on the plain colocated system, then run every system
     order = ["colocated"] + [s for s in systems if s != "colocated"]
     for index, system in enumerate(order):
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                         "rates": rates[w],
                     }
                     print(f"{w}: uncontended {base}, SLO {slos[w]}, rates {rates[w]}", file=sys.stderr)
-                checks = crosscheck(target, requests[workloads[0]])
+                checks = checks or crosscheck(target, requests[workloads[0]])
             if system not in systems:
                 continue
             for w in workloads:
@@ -220,10 +234,25 @@ def main(argv: list[str] | None = None) -> None:
                     target, requests[w], rates[w], slos[w], seed=args.seed, metrics_url=server.metrics_url, label=label
                 )
                 print(f"{label}: goodput {results[w][system]['goodput']['text']} req/s", file=sys.stderr)
-                elapsed = time.time() - started  # the report is rewritten after every sweep
+                elapsed = elapsed_before + time.time() - started  # the report is rewritten after every sweep
                 write_report(
-                    Path(args.out), Path(args.raw), results, calibration, slos, checks, argv_text(argv), elapsed, model
+                    Path(args.out), Path(args.raw), results, calibration, slos, checks, command, elapsed, model
                 )
+
+
+def load_previous(out: Path, raw: Path, skip: list[str]) -> dict:
+    """The workloads of the last report that this run does not repeat."""
+    summary = json.loads((out / "goodput.json").read_text())
+    full = json.loads((raw / "goodput_full.json").read_text())
+    kept = [w for w in full if w not in skip and full[w]]
+    return {
+        "results": {w: full[w] for w in kept},
+        "calibration": {w: summary["calibration"][w] for w in kept},
+        "slos": {w: SLO(summary["slo_s"][w]["ttft"], summary["slo_s"][w]["tpot"]) for w in kept},
+        "checks": summary.get("crosscheck", []),
+        "command": summary["command"],
+        "elapsed_s": summary["elapsed_s"],
+    }
 
 
 def argv_text(argv: list[str] | None) -> str:

@@ -3,7 +3,7 @@ keeps the hand-written text around the generated block."""
 
 from __future__ import annotations
 
-from bench.compare import BEGIN, END, ratio_text, write_report
+from bench.compare import BEGIN, END, load_previous, ratio_text, write_report
 from bench.slo import SLO
 
 
@@ -68,3 +68,16 @@ def test_report_is_regenerated_between_its_markers(tmp_path):
     assert "prefill_queue 0.250 (at 0.2/s)" in text
     for name in ("goodput.png", "goodput_cdf_summarization.png", "goodput.json", "raw/goodput_full.json"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_merge_keeps_the_other_workloads(tmp_path):
+    results = {"summarization": {"colocated": _sweep(0.1, "exact")}, "code": {"colocated": _sweep(0.5, "exact")}}
+    calibration = {
+        w: {"prompt_tokens": 100, "ttft_s": 0.5, "tpot_s": 0.05, "rates": [0.1, 0.2]} for w in ("summarization", "code")
+    }
+    slos = {"summarization": SLO(6.0, 0.1), "code": SLO(2.5, 0.1)}
+    write_report(tmp_path, tmp_path / "raw", results, calibration, slos, [], "python -m bench.compare", 60, "m")
+    previous = load_previous(tmp_path, tmp_path / "raw", skip=["code"])
+    assert list(previous["results"]) == ["summarization"] and previous["slos"]["summarization"] == SLO(6.0, 0.1)
+    assert previous["results"]["summarization"]["colocated"]["goodput"]["rate"] == 0.1
+    assert previous["command"] == "python -m bench.compare" and previous["elapsed_s"] == 60
