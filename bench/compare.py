@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         with Server(kind, {**COMMON, **extra}, index) as server:
             model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
             target = Target(server.url, model)
-            if not calibration:
+            if any(w not in rates for w in workloads):  # first system: calibrate this run's workloads
                 for w in workloads:
                     median = median_request(requests[w])
                     base = uncontended(target, median, max_tokens=32)
