@@ -50,37 +50,29 @@ class IngressMetrics:
                 self.tpot.observe((end - first) / (num_tokens - 1), tags)
 
 
+def _latency(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> Histogram:
+    return Histogram(name, description, boundaries=LATENCY_BOUNDARIES_S, tag_keys=tag_keys)
+
+
 class EngineMetrics:
     def __init__(self, pool: str) -> None:
         tags = ("pool",)
         self.pool = {"pool": pool}
-        self.prefill = Histogram(
-            "tandem_prefill_seconds",
-            "Prefill call time on the replica (queue + compute)",
-            boundaries=LATENCY_BOUNDARIES_S,
-            tag_keys=tags,
-        )
-        self.prefill_queue = Histogram(
+        self.prefill = _latency("tandem_prefill_seconds", "Prefill call time on the replica (queue + compute)", tags)
+        self.prefill_queue = _latency(
             "tandem_ttft_prefill_queue_seconds",
             "TTFT part: admitted to the engine -> first prompt chunk scheduled",
-            boundaries=LATENCY_BOUNDARIES_S,
-            tag_keys=tags,
+            tags,
         )
-        self.prefill_compute = Histogram(
-            "tandem_ttft_prefill_compute_seconds",
-            "TTFT part: first prompt chunk scheduled -> first token",
-            boundaries=LATENCY_BOUNDARIES_S,
-            tag_keys=tags,
+        self.prefill_compute = _latency(
+            "tandem_ttft_prefill_compute_seconds", "TTFT part: first prompt chunk scheduled -> first token", tags
         )
-        self.decode_queue = Histogram(
+        self.decode_queue = _latency(
             "tandem_ttft_decode_queue_seconds",
             "TTFT part: decode call -> KV blocks reserved on the decode replica",
-            boundaries=LATENCY_BOUNDARIES_S,
-            tag_keys=tags,
+            tags,
         )
-        self.kv_seconds = Histogram(
-            "tandem_kv_transfer_seconds", "KV transfer time per request", boundaries=LATENCY_BOUNDARIES_S, tag_keys=tags
-        )
+        self.kv_seconds = _latency("tandem_kv_transfer_seconds", "KV transfer time per request", tags)
         self.kv_bytes = Counter("tandem_kv_transfer_bytes_total", "KV bytes moved", tag_keys=tags)
         self.block_usage = Gauge("tandem_kv_block_usage", "Fraction of KV blocks in use", tag_keys=tags)
         self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
