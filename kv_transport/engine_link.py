@@ -89,8 +89,11 @@ class KVEngineLink:
             "kv_transfer_s": stats.seconds,
             "kv_bytes": stats.num_bytes,
         }
-        async for output in self.engine.decode(request, blocks, handle.first_token):
-            yield output
+        try:
+            async for output in self.engine.decode(request, blocks, handle.first_token):
+                yield output
+        finally:
+            self.ttft_parts.pop(request.request_id, None)
 
     # ---- push -------------------------------------------------------------------------
 
@@ -130,14 +133,19 @@ class KVEngineLink:
         try:
             completion = await self.transport.wait_push(destination)
         except BaseException:
+            self.ttft_parts.pop(request.request_id, None)
             self.transport.abort_push(request.request_id)
             await self.engine.release(request.request_id)
             raise
-        async for output in self.engine.decode(request, destination.block_ids, completion.first_token):
-            yield output
+        try:
+            async for output in self.engine.decode(request, destination.block_ids, completion.first_token):
+                yield output
+        finally:
+            self.ttft_parts.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Drop the request on this engine: running, pinned for export, reserved, or pushing."""
+        self.ttft_parts.pop(request_id, None)
         self.transport.abort_push(request_id)
         self.transport.release(request_id)
         await self.engine.abort(request_id)
