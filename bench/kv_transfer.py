@@ -31,7 +31,7 @@ import torch
 from bench.ray_local import start_local_ray
 
 SIZES_MB = (1, 16, 64, 256)
-REPEATS = 9
+REPEATS = 21
 PIPELINE_REPEATS = 5
 BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # default model, float32, 16-token blocks
 POOL_BLOCKS = 420  # > 256 MB of blocks

@@ -78,8 +78,10 @@ def paged_attention_forward(
     nd = meta.num_decode
     if nd:
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
-        k = k_slots[meta.decode_slots].transpose(1, 2)  # [nd, KVH, ctx, D]
-        v = v_slots[meta.decode_slots].transpose(1, 2)
+        # index_select over the flat slot list: several times faster than advanced indexing
+        slots, (_, ctx) = meta.decode_slots.view(-1), meta.decode_slots.shape
+        k = k_slots.index_select(0, slots).view(nd, ctx, *k_slots.shape[1:]).transpose(1, 2)  # [nd, KVH, ctx, D]
+        v = v_slots.index_select(0, slots).view(nd, ctx, *v_slots.shape[1:]).transpose(1, 2)
         o, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling)
         out[:nd] = o[:, 0]
     for seg in meta.prefill_segments:
@@ -88,8 +90,8 @@ def paged_attention_forward(
             k = key[:, :, seg.q_start : seg.q_end]
             v = value[:, :, seg.q_start : seg.q_end]
         else:
-            k = k_slots[seg.context_slots].transpose(0, 1).unsqueeze(0)
-            v = v_slots[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            k = k_slots.index_select(0, seg.context_slots).transpose(0, 1).unsqueeze(0)
+            v = v_slots.index_select(0, seg.context_slots).transpose(0, 1).unsqueeze(0)
         o, _ = sdpa_attention_forward(module, q, k, v, seg.mask, scaling=scaling)
         out[seg.q_start : seg.q_end] = o[0]
     return out.unsqueeze(0), None

@@ -155,11 +155,11 @@ class NixlTransport(BaseKVTransport):
         remote = self._descs(peer.info, layers, [(s, n) for s, _, n in runs])
         local = self._local_descs(layers, [(d, n) for _, d, n in runs])
         notif = b"" if self.faults.drop_release else b"R:" + rid.encode()
+        num_bytes = int(local[:, 1].sum())
         start = time.perf_counter()
-        future = self._post("READ", local, remote, peer, notif, rid)
+        future = self._post("READ", local, remote, peer, notif, rid, inline_bytes=num_bytes)
         timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
         await self._await_xfer(future, timeout, rid, peer_id, "READ")
-        num_bytes = int(local[:, 1].sum())
         return TransferStats(num_bytes, time.perf_counter() - start, len(local))
 
     def release(self, request_id: str) -> None:
@@ -303,29 +303,35 @@ class NixlTransport(BaseKVTransport):
         request_id: str,
         record: dict[str, float] | None = None,
         event: object | None = None,
+        inline_bytes: int | None = None,
     ) -> concurrent.futures.Future:
-        """Queue a transfer for the progress thread; the future yields (state, done time)."""
-        return self._worker.post(
-            Post(
-                op,
-                local,
-                remote,
-                peer.agent_name,
-                peer.info.engine_id,
-                peer.info.mem_type,
-                notif,
-                request_id,
-                concurrent.futures.Future(),
-                record,
-                event,
-            )
+        """Start a transfer: queued for the progress thread, or with ``inline_bytes`` (a READ
+        the caller awaits) possibly posted right here; the future yields (state, done time)."""
+        post = Post(
+            op,
+            local,
+            remote,
+            peer.agent_name,
+            peer.info.engine_id,
+            peer.info.mem_type,
+            notif,
+            request_id,
+            concurrent.futures.Future(),
+            record,
+            event,
         )
+        if inline_bytes is not None:
+            return self._worker.post_inline(post, inline_bytes)
+        return self._worker.post(post)
 
     async def _await_xfer(
         self, future: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str
     ) -> float:
         try:
-            state, done_at = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            if future.done():  # finished within an inline post: no trip through the event loop
+                state, done_at = future.result()
+            else:
+                state, done_at = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except TimeoutError:
             raise KVTransferTimeout(f"NIXL {op} not complete after {timeout:.1f} s", request_id, peer) from None
         if state != "DONE":
