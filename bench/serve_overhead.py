@@ -7,6 +7,12 @@ One run on one machine, one request at a time:
   * the time to first token that the prefill -> decode hop adds: TTFT through
     ``disagg_app`` minus TTFT through ``colocated_app`` (same prompt, same engine settings),
     minus the KV transfer time the decode replica measured for that request.
+
+The machine's speed drifts by tens of percent within minutes, so every figure is paired
+within one repetition (a streamed disagg request, the decode replica's step time over
+it, the same request through ``colocated_app``, then the same request on an engine in
+this process while the replicas idle) and the reported overheads are medians of the
+per-repetition differences.
 """
 
 from __future__ import annotations
@@ -24,30 +30,37 @@ from bench.ray_local import start_local_ray
 PORT = 18433
 MODEL = "SmolLM2-135M-Instruct"
 NUM_TOKENS = 48
-REPEATS = 15
+REPEATS = 20
 PROMPT = [{"role": "user", "content": "Write a short paragraph about the history of bridges."}]
 
 
-def engine_step_ms() -> float:
-    import torch
+class InProcessEngine:
+    """The same engine in this process, one torch thread: the per-token reference."""
 
-    torch.set_num_threads(1)
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.params import SamplingParams
+    def __init__(self) -> None:
+        import torch
 
-    core = EngineCore.from_spec(config=EngineConfig(max_model_len=1024, kv_cache_bytes=64 << 20))
-    steps = []
-    for _ in range(3):
+        torch.set_num_threads(1)
+        from engine.config import EngineConfig
+        from engine.core import EngineCore
+
+        self.core = EngineCore.from_spec(config=EngineConfig(max_model_len=1024, kv_cache_bytes=64 << 20))
+
+    def step_ms(self) -> float:
+        """Median decode step (ms) of one request like the streamed one."""
+        from engine.params import SamplingParams
+
+        core = self.core
         core.add_request(
             core.make_request(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
         )
         core.step()
+        steps = []
         while core.has_work():
             start = time.perf_counter()
             core.step()
             steps.append(time.perf_counter() - start)
-    return statistics.median(steps) * 1e3
+        return statistics.median(steps) * 1e3
 
 
 def stream_once(url: str) -> tuple[float, list[float]]:
@@ -75,8 +88,11 @@ def main() -> None:
 
     from app.config import colocated_app, disagg_app
 
-    step_ms = engine_step_ms()
+    local = InProcessEngine()
+    local.step_ms()  # warm-up
     start_local_ray()
+    rows: list[dict[str, float]] = []
+    itl: list[float] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "colocated.num_replicas": "1"}
@@ -84,31 +100,36 @@ def main() -> None:
         serve.run(colocated_app(common), name="colo", route_prefix="/colo")
         base = f"http://127.0.0.1:{PORT}"
         decode = serve.get_deployment_handle("DecodeServer", app_name="disagg")
-        ttft_d, ttft_c, itl, transfer = [], [], [], []
         for i in range(REPEATS + 1):
             t_d, gaps = stream_once(base)
-            t_c, _ = stream_once(base + "/colo")
-            last = decode.last_transfer.remote().result()
+            # the replica's last 64 model steps: this request's 47 and the end of the one before
             replica_step_ms = decode.stats.remote().result().median_step_ms
+            transfer_s = decode.last_transfer.remote().result()["seconds"]
+            t_c, _ = stream_once(base + "/colo")
+            step_ms = local.step_ms()
             if i == 0:
                 continue  # warm-up
-            ttft_d.append(t_d)
-            ttft_c.append(t_c)
             itl.extend(gaps)
-            transfer.append(last["seconds"])
+            itl_ms = statistics.median(gaps) * 1e3
+            rows.append(
+                {
+                    "engine_step_ms": step_ms,
+                    "decode_replica_step_ms": replica_step_ms,
+                    "itl_ms": itl_ms,
+                    "itl_overhead_ms": itl_ms - step_ms,
+                    "serve_path_ms": itl_ms - replica_step_ms,
+                    "ttft_disagg_ms": t_d * 1e3,
+                    "ttft_colocated_ms": t_c * 1e3,
+                    "kv_transfer_ms": transfer_s * 1e3,
+                    "hop_added_ms": (t_d - t_c - transfer_s) * 1e3,
+                }
+            )
     finally:
         serve.shutdown()
         ray.shutdown()
-    result = {
-        "engine_step_ms": step_ms,
-        "decode_replica_step_ms": replica_step_ms,
-        "itl_p50_ms": statistics.median(itl) * 1e3,
-        "itl_overhead_ms": statistics.median(itl) * 1e3 - step_ms,
-        "ttft_disagg_ms": statistics.median(ttft_d) * 1e3,
-        "ttft_colocated_ms": statistics.median(ttft_c) * 1e3,
-        "kv_transfer_ms": statistics.median(transfer) * 1e3,
-    }
-    result["hop_added_ms"] = result["ttft_disagg_ms"] - result["ttft_colocated_ms"] - result["kv_transfer_ms"]
+    result = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    result["itl_p50_ms"] = statistics.median(itl) * 1e3
+    result["repetitions"] = rows
     out = Path("docs/benchmarks")
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -121,23 +142,27 @@ def report(r: dict[str, float], command: str) -> str:
     return f"""# Serve overhead benchmark
 
 Command: `{command}` (2-core CPU machine; SmolLM2-135M-Instruct, float32; one request at a
-time; {REPEATS} requests of {NUM_TOKENS} tokens after one warm-up; replicas with one torch thread).
+time; {REPEATS} repetitions after one warm-up, each a request of {NUM_TOKENS} tokens through disagg_app, the
+same through colocated_app and on an engine in this process; replicas with one torch thread).
+Each figure is the median over the repetitions; the overheads are medians of the
+per-repetition differences (the machine's speed drifts within minutes; pairing keeps the
+drift out of the differences). `serve_overhead.json` holds every repetition.
 
 | figure | ms | target |
 |---|---|---|
-| engine decode step, in process (median) | {r["engine_step_ms"]:.1f} | |
-| engine step inside the decode replica (median of its last 64 steps) | {r["decode_replica_step_ms"]:.1f} | |
-| inter-token latency through the ingress, p50 | {r["itl_p50_ms"]:.1f} | |
-| overhead per token (ITL p50 - engine step in process) | {r["itl_overhead_ms"]:.1f} | <= 2 |
-| of which the Serve path (ITL p50 - replica step) | {r["itl_p50_ms"] - r["decode_replica_step_ms"]:.1f} | |
-| TTFT, disagg_app (median) | {r["ttft_disagg_ms"]:.1f} | |
-| TTFT, colocated_app (median) | {r["ttft_colocated_ms"]:.1f} | |
-| KV transfer measured on the decode replica (median) | {r["kv_transfer_ms"]:.1f} | |
+| engine decode step, in process | {r["engine_step_ms"]:.1f} | |
+| engine step inside the decode replica (its last 64 model steps) | {r["decode_replica_step_ms"]:.1f} | |
+| inter-token latency through the ingress, p50 of all tokens | {r["itl_p50_ms"]:.1f} | |
+| overhead per token (request's ITL p50 - engine step in process) | {r["itl_overhead_ms"]:.1f} | <= 2 |
+| the Serve path alone (request's ITL p50 - replica step) | {r["serve_path_ms"]:.1f} | |
+| TTFT, disagg_app | {r["ttft_disagg_ms"]:.1f} | |
+| TTFT, colocated_app | {r["ttft_colocated_ms"]:.1f} | |
+| KV transfer measured on the decode replica | {r["kv_transfer_ms"]:.1f} | |
 | TTFT added by the prefill -> decode hop, without the transfer | {r["hop_added_ms"]:.1f} | <= 15 |
 
-The overhead per token splits into the engine step inside the replica against the same
-step in this process (same thread count; the replica shares the 2 cores with the other
-replicas, the proxy and this client) and the Serve streaming path (ITL - replica step).
+The overhead per token is the Serve streaming path (ITL - replica step) plus the engine
+step inside the replica against the same step in this process (same thread count; the
+replica shares the 2 cores with the other replicas, the proxy and this client).
 The TTFT hop is the prefill call returning its handle, the decode call starting and its
 first item crossing the ingress, without the KV transfer itself.
 """
