@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -16,21 +17,26 @@ from bench.ray_local import repo_on_pythonpath
 def two_nodes():
     repo_on_pythonpath()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {"prefill_node": 1},
-            "temp_dir": temp_dir,
-            "include_dashboard": False,
-        },
-    )
-    cluster.add_node(num_cpus=1, resources={"decode_node": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        # Cluster writes its address file under Ray's default temp dir (/tmp/ray unless
+        # RAY_TMPDIR is set), which a fresh machine does not have: keep it in ours
+        env.setenv("RAY_TMPDIR", temp_dir)
+        os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "resources": {"prefill_node": 1},
+                "temp_dir": temp_dir,
+                "include_dashboard": False,
+            },
+        )
+        cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def _node_of(deployment: str) -> str:
