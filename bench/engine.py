@@ -4,7 +4,9 @@ For each torch thread count (1 and 2), in a fresh subprocess so peak RSS is per 
   * memory-bandwidth floor of one decode step: float32 weight bytes / ``torch.mv``
     bandwidth over a 512 MB matrix at the same thread count;
   * batch-1 decode step at a 128-token context (median of 60 steps): ours, and one bare
-    transformers forward step with its own cache (sdpa); transformers ``generate`` end to end;
+    transformers forward step with its own cache (sdpa), measured in alternating rounds
+    with the ``torch.mv`` bandwidth (the machine's speed drifts); transformers
+    ``generate`` end to end;
   * 32 concurrent requests (128 prompt + 64 new tokens): our aggregate tokens/s and
     transformers' ``generate_batch`` (its continuous batching) on the same requests;
   * one 2,048-token prefill: ours and one transformers forward pass (last-token logits);
@@ -31,6 +33,7 @@ import torch
 from bench.corpus import CORPUS
 
 NUM_STEPS = 60
+ROUNDS = 6  # alternating rounds of the decode-step comparison
 CONTEXT = 128
 NUM_CONCURRENT = 32
 NEW_TOKENS = 64
@@ -46,48 +49,56 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def mv_bandwidth_bytes_per_s() -> float:
-    matrix = torch.randn(16384, 8192)  # 512 MiB float32
-    vector = torch.randn(8192)
-    torch.mv(matrix, vector)
-    seconds = _median_time(lambda: torch.mv(matrix, vector), 15)
-    return matrix.numel() * matrix.element_size() / seconds
-
-
 def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
     ids = tokenizer(CORPUS + "\n\n" + CORPUS, add_special_tokens=False)["input_ids"]
     return list(ids[offset : offset + num_tokens])
 
 
-def our_decode_step_s(core, prompt: list[int]) -> float:
-    from engine.params import GenerationRequest, SamplingParams
-
-    core.add_request(
-        GenerationRequest("b1", tuple(prompt), SamplingParams(max_tokens=NUM_STEPS + 1, temperature=0, ignore_eos=True))
-    )
-    core.step()  # prefill
-    times = []
-    while core.has_work():
-        start = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
-def hf_decode_step_s(model, prompt: list[int]) -> float:
+def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUNDS) -> dict[str, float]:
+    """Batch-1 decode step, ours and one bare transformers forward step with its own cache
+    (sdpa), and the ``torch.mv`` bandwidth, measured in alternating rounds: the machine's
+    speed drifts by tens of percent within minutes, and the ratios compare like with like.
+    Both contexts start at ``len(prompt)`` and grow by one per step."""
     from transformers import DynamicCache
 
+    from engine.params import GenerationRequest, SamplingParams
+
+    per_round = NUM_STEPS // rounds
+    core.add_request(
+        GenerationRequest("b1", tuple(prompt), SamplingParams(max_tokens=NUM_STEPS + 2, temperature=0, ignore_eos=True))
+    )
+    core.step()  # prefill
+    core.step()  # first decode step (warm-up)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(NUM_STEPS):
-        start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm-up
+    token = out.logits[:, -1:].argmax(-1)
+    matrix, vector = torch.randn(16384, 8192), torch.randn(8192)  # 512 MiB float32
+    torch.mv(matrix, vector)
+    ours, hf, mv = [], [], []
+    for _ in range(rounds):
+        for _ in range(per_round):
+            start = time.perf_counter()
+            core.step()
+            ours.append(time.perf_counter() - start)
+        for _ in range(per_round):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            hf.append(time.perf_counter() - start)
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.mv(matrix, vector)
+            mv.append(time.perf_counter() - start)
+    while core.has_work():
+        core.step()
+    return {
+        "our_decode_step_ms": statistics.median(ours) * 1e3,
+        "hf_decode_step_ms": statistics.median(hf) * 1e3,
+        "mv_bandwidth_bytes_per_s": matrix.numel() * matrix.element_size() / statistics.median(mv),
+    }
 
 
 @torch.inference_mode()
@@ -158,7 +169,7 @@ def worker(threads: int) -> dict[str, float]:
     core = EngineCore(ours, EngineConfig(max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096))
     prompt = corpus_ids(tok, CONTEXT)
     prompts = [corpus_ids(tok, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
-    result: dict[str, float] = {"threads": threads, "our_decode_step_ms": our_decode_step_s(core, prompt) * 1e3}
+    result: dict[str, float] = {"threads": threads}
     concurrent = our_concurrent(core, prompts)
     result["our_32_end_to_end_tokens_per_s"] = concurrent["end_to_end_tokens_per_s"]
     result["our_32_decode_tokens_per_s"] = concurrent["decode_tokens_per_s"]
@@ -168,14 +179,15 @@ def worker(threads: int) -> dict[str, float]:
     reference.model.generation_config.eos_token_id = None
     # the tied embedding / LM head counted once: the bytes one decode step must read
     weight_bytes = sum(p.numel() * p.element_size() for p in reference.model.parameters())
-    result["hf_decode_step_ms"] = hf_decode_step_s(reference.model, prompt) * 1e3
+    steps = interleaved_decode_steps(core, reference.model, prompt)
+    result["our_decode_step_ms"] = steps["our_decode_step_ms"]
+    result["hf_decode_step_ms"] = steps["hf_decode_step_ms"]
     result["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(reference.model, prompt)
     result["hf_generate_batch_32_tokens_per_s"] = hf_generate_batch_tokens_per_s(reference.model, prompts)
     ours_s, hf_s = prefill_pair_s(core, reference.model, corpus_ids(tok, PREFILL_LEN))
     result["our_prefill_2048_s"], result["hf_prefill_2048_s"] = ours_s, hf_s
 
-    del reference, core
-    bandwidth = mv_bandwidth_bytes_per_s()
+    bandwidth = steps["mv_bandwidth_bytes_per_s"]
     result["weight_bytes"] = weight_bytes
     result["mv_bandwidth_gb_per_s"] = bandwidth / 1e9
     result["bandwidth_floor_step_ms"] = weight_bytes / bandwidth * 1e3
@@ -214,7 +226,7 @@ def report(runs: list[dict[str, float]], command: str) -> str:
     rows = [
         ("mv bandwidth (GB/s, 512 MB matrix)", "mv_bandwidth_gb_per_s", "{:.1f}"),
         ("bandwidth floor of one step (ms)", "bandwidth_floor_step_ms", "{:.1f}"),
-        ("our batch-1 decode step, 128 ctx (ms, median of 60)", "our_decode_step_ms", "{:.1f}"),
+        ("our batch-1 decode step, 128 ctx (ms, median of 60, interleaved)", "our_decode_step_ms", "{:.1f}"),
         ("transformers forward step with cache (ms)", "hf_decode_step_ms", "{:.1f}"),
         ("transformers generate, batch 1 (tokens/s)", "hf_generate_tokens_per_s", "{:.1f}"),
         ("ours, 32 concurrent, end to end (tokens/s)", "our_32_end_to_end_tokens_per_s", "{:.1f}"),
@@ -256,8 +268,10 @@ NOTES = """
 * "32 concurrent, decode steps only" counts the steps in which all 32 requests decode
   (the aggregate decode rate); "end to end" includes the 32 prompts' prefill and is the
   figure compared with `generate_batch`, which is timed end to end too.
-* The 2,048-token prefill and the transformers forward run interleaved (ABAB, first pair
-  dropped), so machine noise hits both alike.
+* The decode steps (ours, transformers') and the `torch.mv` bandwidth are measured in 6
+  alternating rounds, and the 2,048-token prefill and the transformers forward run
+  interleaved (ABAB, first pair dropped), so machine drift hits both sides of each ratio
+  alike. The 32-request figures are not interleaved.
 * The machine is shared and its speed drifts by tens of percent within minutes: the
   `torch.mv` bandwidth moved between 16 and 24 GB/s on the same day, and the same decode
   step between 46 and 68 ms. Ratios within one run are what this table is for; targets
