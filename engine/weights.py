@@ -2,18 +2,22 @@
 
 A decode step is a chain of matrix-vector products, so its speed is the speed at which
 the weights stream from memory. On CPU that speed depends on the weight's memory layout,
-its shape and the call (measured on the 2-core dev machine, float32, GB/s of weights read):
+its shape and the call (measured on the 2-core dev machine, float32, GB/s of weights read,
+``F.linear``):
 
-    shape (out x in)   F.linear, row-major W   F.linear, W.t() contiguous   x @ W_t
-    576 x 576                 9.4                     10.5                     ~13
-    1536 x 576               11.1                     18.6
-    576 x 1536               15.3                     12.1
-    192 x 576                10.4                      7.4
-    49152 x 576              11.0                     23.4                     ~24
+    shape (out x in)   row-major W   W.t() contiguous (column-major)
+    576 x 576              9.4            10.5
+    1536 x 576            11.1            18.6
+    576 x 1536            15.3            12.1
+    192 x 576             10.4             7.4
+    49152 x 576           11.0            23.4
 
-and a layer's products as 4 fused ones (``engine/fused_linear.py``: q/k/v 960 x 576,
-o 576 x 576, gate/up 3072 x 576 column-major through ``x @ W_t``; down 576 x 1536
-row-major) take ~24 ms for 30 layers against ~35 ms for the 7 separate ones.
+For a column-major weight ``x @ W_t`` is faster again than ``F.linear`` on the transposed
+view, and a layer's products as 4 fused ones (``engine/fused_linear.py``: q/k/v 960 x 576,
+o 576 x 576 and gate/up 3072 x 576 column-major through ``x @ W_t``, down 576 x 1536
+row-major) take less time than the 7 separate ones (30 layers, 1 thread, random weights of
+the default model's shapes: through ``F.linear`` 7 separate 35.3 ms, 4 fused 28.4 ms in
+one process; the layout here 23.7 to 26.3 ms in later runs).
 
 So, on CPU: sibling projections are fused; the other matrices with ``out_features >=
 in_features`` are stored column-major (the parameter becomes a transposed view of a
