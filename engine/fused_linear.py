@@ -43,7 +43,6 @@ class FusedLinear(nn.Module):
         # [in, sum(out)], contiguous: the fused weight, column-major
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self.width = width
         self.in_features, self.out_features = weight_t.shape[0], width
         self._shared = shared
         self._others = others
@@ -52,7 +51,7 @@ class FusedLinear(nn.Module):
         out = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x.flatten(0, -2), self.weight_t)
         out = out.view(*x.shape[:-1], -1)
         self._shared.input, self._shared.output, self._shared.pending = x, out, self._others
-        return out[..., : self.width]
+        return out[..., : self.out_features]
 
 
 class FusedSlice(nn.Module):
@@ -63,14 +62,14 @@ class FusedSlice(nn.Module):
         # views of the fused tensors: no bytes copied
         self.register_buffer("weight_t", weight_t[:, start : start + width], persistent=False)
         self.register_buffer("bias", None if bias is None else bias[start : start + width], persistent=False)
-        self.start, self.width = start, width
+        self.start = start
         self.in_features, self.out_features = weight_t.shape[0], width
         self._shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self._shared
         if x is shared.input and shared.output is not None:
-            out = shared.output[..., self.start : self.start + self.width]
+            out = shared.output[..., self.start : self.start + self.out_features]
             shared.pending -= 1
             if shared.pending <= 0:
                 shared.input = shared.output = None
