@@ -1,23 +1,27 @@
-"""AsyncEngine: an asyncio front for EngineCore with a background step loop.
+"""AsyncEngine: an asyncio front for EngineCore with a step loop on its own thread.
 
-All EngineCore calls run on one worker thread (the core is single-threaded by design):
-commands queued from the event loop are applied between steps, and each step's outputs
-are dispatched to per-request asyncio queues. A cancelled ``generate`` or ``decode``
-iterator (client gone) aborts its request and frees its blocks.
+All EngineCore calls run on one engine thread (the core is single-threaded by design). The
+thread steps back to back while there is work: commands queued from the event loop are
+applied between steps, and each step's outputs reach the per-request asyncio queues with
+one ``call_soon_threadsafe``. The next step never waits for the event loop, which is busy
+streaming the previous token meanwhile. A cancelled ``generate`` or ``decode`` iterator
+(client gone) aborts its request and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from engine.core import EngineCore
 from engine.params import EngineStats, FinishReason, GenerationRequest, PrefillResult, RequestOutput, Role
+
+_Result = tuple[asyncio.Future, Any, BaseException | None]
 
 
 class EngineDeadError(RuntimeError):
@@ -26,36 +30,43 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, torch_threads: int | None = None) -> None:
-        """``torch_threads``: intra-op threads of the step thread (default: the creating thread's).
+        """``torch_threads``: intra-op threads of the engine thread (default: the creating thread's).
 
         OpenMP keeps the thread count per OS thread, so a count set in another thread (a
-        Serve replica's constructor, say) does not reach the step thread by itself.
+        Serve replica's constructor, say) does not reach the engine thread by itself.
         """
         self.core = core
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="engine-step",
-            initializer=torch.set_num_threads,
-            initargs=(torch_threads or torch.get_num_threads(),),
-        )
+        self._torch_threads = torch_threads or torch.get_num_threads()
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        """Start the engine thread; it delivers to the event loop this is called from.
+
+        The engine serves one event loop at a time: another loop may take over only once the
+        first is closed.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed() and self._thread is not None:
+                raise RuntimeError("this AsyncEngine is serving another event loop")
+            self._loop = loop
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._thread_main, name="engine-step", daemon=True)
+            self._thread.start()
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-            self._loop_task = None
-        self._executor.shutdown(wait=True)
+        """Stop the engine thread after its current step; requests in flight stay where they are."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stopping = True
+            self._wakeup.set()
+            await asyncio.to_thread(thread.join)
 
     # ---- public API -------------------------------------------------------------------
 
@@ -137,7 +148,7 @@ class AsyncEngine:
             if not finished:  # the consumer went away (cancelled, closed): free everything
                 await asyncio.shield(self._call(lambda: self.core.abort(request_id)))
 
-    def _apply_commands(self) -> list[tuple[asyncio.Future, Any, BaseException | None]]:
+    def _apply_commands(self) -> list[_Result]:
         results = []
         while self._commands:
             fn, future = self._commands.popleft()
@@ -147,28 +158,41 @@ class AsyncEngine:
                 results.append((future, None, exc))
         return results
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._commands and not self.core.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            results = await loop.run_in_executor(self._executor, self._apply_commands)
-            for future, value, exc in results:
-                if not future.done():
-                    future.set_exception(exc) if exc is not None else future.set_result(value)
-            if not self.core.has_work():
+    def _thread_main(self) -> None:
+        """The engine thread: apply commands, step, hand the results to the event loop; repeat."""
+        torch.set_num_threads(self._torch_threads)
+        core = self.core
+        while not self._stopping:
+            self._wakeup.clear()  # cleared before the check: a command queued after it sets it again
+            if not self._commands and not core.has_work():
+                self._wakeup.wait()
                 continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.core.step)
-            except Exception as exc:  # a bug in the step: fail loudly, keep serving new requests
-                await loop.run_in_executor(self._executor, self.core.abort_all)
-                self._fail_all(exc)
-                continue
-            for output in outputs:
-                queue = self._streams.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+            results = self._apply_commands()
+            outputs: list[RequestOutput] = []
+            error = None
+            if core.has_work():
+                try:
+                    outputs = core.step()
+                except Exception as exc:  # a bug in the step: fail loudly, keep serving new requests
+                    core.abort_all()
+                    error = exc
+            if results or outputs or error is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._deliver, results, outputs, error)
+                except RuntimeError:  # the event loop is closed: nobody is left to serve
+                    return
+
+    def _deliver(self, results: list[_Result], outputs: list[RequestOutput], error: Exception | None) -> None:
+        """On the event loop: answer the commands, then route the step's outputs."""
+        for future, value, exc in results:
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(value)
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        if error is not None:
+            self._fail_all(error)
 
     def _fail_all(self, exc: Exception) -> None:
         error = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
