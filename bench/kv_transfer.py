@@ -144,34 +144,39 @@ def torch_copy_gbps(num_bytes: int) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
+KINDS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs"]
+
+
+def measure(kind: str, producer, consumer, tag: str, num_blocks: int, meta: bytes, address: int) -> float:
+    """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``kind``."""
+    if kind == "nixl_pull":
+        handle, _ = ray.get(producer.export.remote("nixl", f"pull-{tag}", num_blocks))
+        return ray.get(consumer.fetch_s.remote("nixl", handle))
+    if kind == "nixl_push":
+        dest = ray.get(consumer.destination.remote(f"push-{tag}", num_blocks))
+        waiting = consumer.wait_push.remote(dest)
+        seconds = ray.get(producer.push_s.remote(dest))
+        ray.get(waiting)
+        return seconds
+    if kind == "object_store":
+        handle, export_s = ray.get(producer.export.remote("store", f"store-{tag}", num_blocks))
+        return export_s + ray.get(consumer.fetch_s.remote("store", handle))
+    num_descs = 60 if kind == "raw_nixl_60_descs" else 1
+    return ray.get(consumer.raw_read_s.remote(meta, address, num_blocks * BYTES_PER_BLOCK, num_descs))
+
+
 def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
     rows = []
     meta, address = ray.get(producer.raw_meta.remote())
     for size_mb in SIZES_MB:
         num_blocks = max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))
         num_bytes = num_blocks * BYTES_PER_BLOCK
-        pull, push, store, raw, raw60 = [], [], [], [], []
+        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for rep in range(REPEATS + 1):  # the first repetition warms up
-            handle, _ = ray.get(producer.export.remote("nixl", f"pull-{size_mb}-{rep}", num_blocks))
-            pull.append(ray.get(consumer.fetch_s.remote("nixl", handle)))
-            dest = ray.get(consumer.destination.remote(f"push-{size_mb}-{rep}", num_blocks))
-            waiting = consumer.wait_push.remote(dest)
-            push.append(ray.get(producer.push_s.remote(dest)))
-            ray.get(waiting)
-            handle, export_s = ray.get(producer.export.remote("store", f"store-{size_mb}-{rep}", num_blocks))
-            store.append(export_s + ray.get(consumer.fetch_s.remote("store", handle)))
-            raw.append(ray.get(consumer.raw_read_s.remote(meta, address, num_bytes)))
-            raw60.append(ray.get(consumer.raw_read_s.remote(meta, address, num_bytes, 60)))
-        gbps = {
-            name: num_bytes / statistics.median(t[1:]) / 1e9
-            for name, t in (
-                ("nixl_pull", pull),
-                ("nixl_push", push),
-                ("object_store", store),
-                ("raw_nixl", raw),
-                ("raw_nixl_60_descs", raw60),
-            )
-        }
+            # each repetition starts with another kind: none is always first after the others
+            for kind in KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]:
+                times[kind].append(measure(kind, producer, consumer, f"{size_mb}-{rep}", num_blocks, meta, address))
+        gbps = {kind: num_bytes / statistics.median(t[1:]) / 1e9 for kind, t in times.items()}
         rows.append(
             {
                 "size_mb": num_bytes / 2**20,
@@ -254,7 +259,7 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         f"Command: `{command}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
         "on CPU memory; blocks of the default model's layout (30 layers x K/V x 16 tokens x 3 heads x 64,",
         f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
-        "after one warm-up.",
+        "after one warm-up; the five kinds take turns, each repetition starting with the next one.",
         "",
         "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors "
         "| torch copy (1 process) | pull / raw |",

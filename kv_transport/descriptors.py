@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
+Descs = list[tuple[int, int, int]]  # NIXL (address, length, device id) rows
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -35,12 +35,17 @@ def block_descs(
     device_id: int,
     layers: Sequence[int],
     runs: Sequence[tuple[int, int]],
-) -> np.ndarray:
-    """NIXL ``(address, length, device)`` rows for ``runs`` of ``(first block, count)`` in ``layers``, K then V."""
-    rows = [
-        (base_address + ((layer * 2 + kv) * num_blocks + start) * block_bytes, count * block_bytes, device_id)
+) -> Descs:
+    """NIXL ``(address, length, device)`` rows for ``runs`` of ``(first block, count)`` in ``layers``, K then V.
+
+    Plain tuples: for the few dozen rows of a request this beats numpy, whose first calls
+    after the process idled cost ~0.1 ms on the transfer's critical path.
+    """
+    stride = num_blocks * block_bytes
+    pieces = [(base_address + start * block_bytes, count * block_bytes) for start, count in runs]
+    return [
+        (address + layer_kv * stride, length, device_id)
         for layer in layers
-        for kv in (0, 1)
-        for start, count in runs
+        for layer_kv in (2 * layer, 2 * layer + 1)
+        for address, length in pieces
     ]
-    return np.array(rows, dtype=np.uint64).reshape(-1, 3)

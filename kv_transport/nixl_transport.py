@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kv_transport.base import (
@@ -33,7 +32,7 @@ from kv_transport.base import (
     StalePeerError,
     TransferStats,
 )
-from kv_transport.descriptors import block_descs, coalesce
+from kv_transport.descriptors import Descs, block_descs, coalesce
 from kv_transport.faults import NO_FAULTS, FaultPoints
 from kv_transport.handle import KVDestination, KVHandle, KVLayoutSignature, to_ranges
 from kv_transport.nixl_worker import NixlWorker, Post
@@ -155,7 +154,7 @@ class NixlTransport(BaseKVTransport):
         remote = self._descs(peer.info, layers, [(s, n) for s, _, n in runs])
         local = self._local_descs(layers, [(d, n) for _, d, n in runs])
         notif = b"" if self.faults.drop_release else b"R:" + rid.encode()
-        num_bytes = int(local[:, 1].sum())
+        num_bytes = sum(length for _, length, _ in local)
         start = time.perf_counter()
         future = self._post("READ", local, remote, peer, notif, rid, inline_bytes=num_bytes)
         timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
@@ -198,7 +197,7 @@ class NixlTransport(BaseKVTransport):
         remote = self._descs(push.peer.info, [layer], [(d, n) for _, d, n in runs])
         record = {"layer": layer, "compute_end": compute_end}
         push.layers.append(record)
-        push.num_bytes += int(local[:, 1].sum())
+        push.num_bytes += sum(length for _, length, _ in local)
         push.num_descriptors += len(local)
         event = None
         if self._pool.is_cuda:  # post once the layer's kernels are done, without a device sync
@@ -287,17 +286,17 @@ class NixlTransport(BaseKVTransport):
                 peer,
             )
 
-    def _local_descs(self, layers: Sequence[int], runs: list[tuple[int, int]]) -> np.ndarray:
+    def _local_descs(self, layers: Sequence[int], runs: list[tuple[int, int]]) -> Descs:
         return block_descs(self._pool.data_ptr(), self._num_blocks, self._block_bytes, self._device_id, layers, runs)
 
-    def _descs(self, info: PeerInfo, layers: Sequence[int], runs: list[tuple[int, int]]) -> np.ndarray:
+    def _descs(self, info: PeerInfo, layers: Sequence[int], runs: list[tuple[int, int]]) -> Descs:
         return block_descs(info.pool_address, info.num_blocks, self._block_bytes, info.device_id, layers, runs)
 
     def _post(
         self,
         op: str,
-        local: np.ndarray,
-        remote: np.ndarray,
+        local: Descs,
+        remote: Descs,
         peer: _Peer,
         notif: bytes,
         request_id: str,

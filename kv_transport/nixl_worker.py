@@ -25,9 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from kv_transport.base import KVTransferError
+from kv_transport.descriptors import Descs
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +37,9 @@ IDLE_POLL_S = 0.005
 # ~3 ms at 16 MB here, about one decode step's worth of event-loop time)
 INLINE_MAX_BYTES = 32 << 20
 INLINE_LOCK_WAIT_S = 0.002
+# an inline READ that UCX did not finish within the post is polled this long by its caller
+# (as a raw NIXL READ is) before the progress thread takes over
+INLINE_POLL_S = 0.0005
 
 
 @dataclass
@@ -45,8 +47,8 @@ class Post:
     """One transfer to start: ``future`` gets ``(state, done time)`` or a ``KVTransferError``."""
 
     op: str
-    local: np.ndarray
-    remote: np.ndarray
+    local: Descs
+    remote: Descs
     peer_agent: str
     peer_engine: str
     remote_mem_type: str
@@ -108,11 +110,23 @@ class NixlWorker:
             return self.post(post)
         try:
             self._start(post)
+            if not post.future.done():  # posted but not finished in the post: poll it a little
+                self._finish_inline(self._in_flight[-1], time.perf_counter() + INLINE_POLL_S)
         finally:
             self.lock.release()
         if not post.future.done():
             self._wake.set()  # the progress thread polls it to completion
         return post.future
+
+    def _finish_inline(self, xfer: _InFlight, deadline: float) -> None:
+        """Poll one in-flight transfer until it ends or ``deadline`` (``self.lock`` held)."""
+        state = "PROC"
+        while state == "PROC" and time.perf_counter() < deadline:
+            state = self.agent.check_xfer_state(xfer.handle)
+        if state != "PROC":
+            self.agent.release_xfer_handle(xfer.handle)
+            self._in_flight.remove(xfer)
+            xfer.future.set_result((state, time.time()))
 
     def notify(self, peer_agent: str, message: bytes) -> None:
         """Best effort: a peer that is gone cannot be told, and its side times out."""
