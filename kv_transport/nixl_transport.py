@@ -4,8 +4,9 @@ One NIXL agent per engine process; the whole pool is registered once. Peers are
 handshaken on first contact from the registry's metadata and cached per (engine id,
 incarnation), so a restarted peer is re-handshaken and never reused stale.
 
-Posting, polling and completion run on the progress thread of ``nixl_worker.NixlWorker``
-(see there why); all agent calls hold its lock. Notifications: ``R:<id>`` consumer ->
+Layer pushes, polling and completion run on the progress thread of
+``nixl_worker.NixlWorker`` and a pull's READ is posted by its caller (see there why); all
+agent calls hold its lock. Notifications: ``R:<id>`` consumer ->
 producer (release the exported blocks), ``P:<id>:<first token>`` producer -> consumer
 (push complete), ``F:<id>`` producer -> consumer (push failed).
 """
@@ -156,7 +157,7 @@ class NixlTransport(BaseKVTransport):
         notif = b"" if self.faults.drop_release else b"R:" + rid.encode()
         num_bytes = sum(length for _, length, _ in local)
         start = time.perf_counter()
-        future = self._post("READ", local, remote, peer, notif, rid, inline_bytes=num_bytes)
+        future = self._post("READ", local, remote, peer, notif, rid, inline=True)
         timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
         await self._await_xfer(future, timeout, rid, peer_id, "READ")
         return TransferStats(num_bytes, time.perf_counter() - start, len(local))
@@ -302,10 +303,10 @@ class NixlTransport(BaseKVTransport):
         request_id: str,
         record: dict[str, float] | None = None,
         event: object | None = None,
-        inline_bytes: int | None = None,
+        inline: bool = False,
     ) -> concurrent.futures.Future:
-        """Start a transfer: queued for the progress thread, or with ``inline_bytes`` (a READ
-        the caller awaits) possibly posted right here; the future yields (state, done time)."""
+        """Start a transfer: queued for the progress thread, or with ``inline`` (a READ the
+        caller awaits) posted right here if it can be; the future yields (state, done time)."""
         post = Post(
             op,
             local,
@@ -319,8 +320,8 @@ class NixlTransport(BaseKVTransport):
             record,
             event,
         )
-        if inline_bytes is not None:
-            return self._worker.post_inline(post, inline_bytes)
+        if inline:
+            return self._worker.post_inline(post)
         return self._worker.post(post)
 
     async def _await_xfer(
