@@ -22,6 +22,7 @@ from engine.core import EngineCore
 from engine.params import EngineStats, FinishReason, GenerationRequest, PrefillResult, RequestOutput, Role
 
 _Result = tuple[asyncio.Future, Any, BaseException | None]
+IDLE_RECHECK_S = 0.05  # a stuck step is retried this often even without a command
 
 
 class EngineDeadError(RuntimeError):
@@ -170,6 +171,7 @@ class AsyncEngine:
             results = self._apply_commands()
             outputs: list[RequestOutput] = []
             error = None
+            model_steps = core.num_model_steps
             if core.has_work():
                 try:
                     outputs = core.step()
@@ -181,6 +183,10 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._deliver, results, outputs, error)
                 except RuntimeError:  # the event loop is closed: nobody is left to serve
                     return
+            elif core.num_model_steps == model_steps:
+                # nothing could run (every waiting request needs blocks that pinned or reserved
+                # KV holds): only a command (release, abort) changes that, so sleep until one
+                self._wakeup.wait(IDLE_RECHECK_S)
 
     def _deliver(self, results: list[_Result], outputs: list[RequestOutput], error: Exception | None) -> None:
         """On the event loop: answer the commands, then route the step's outputs."""

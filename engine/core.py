@@ -87,6 +87,7 @@ class EngineCore:
         self._default_generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63))
         self._ids = itertools.count()
         self._step_times: deque[float] = deque(maxlen=64)  # seconds of recent steps that ran the model
+        self.num_model_steps = 0  # steps that ran the model (a step may run none: all waiting for blocks)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec | None = None, config: EngineConfig | None = None) -> EngineCore:
@@ -231,6 +232,7 @@ class EngineCore:
             logprobs = token_logprobs(logits[row], token, num_top) if num_top is not None else None
             outputs.append(self._append_token(state, token, logprobs))
         self._step_times.append(time.perf_counter() - start)
+        self.num_model_steps += 1
         return outputs
 
     def _hold_back_stops(self, logits, sampled: list[_Request]) -> None:

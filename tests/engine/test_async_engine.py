@@ -94,3 +94,46 @@ def test_prefill_reserve_decode_release(smol, make_engine):
     assert pinned == len(result.block_ids) == 3
     assert outs[0].token_ids == (result.first_token,)
     assert "".join(o.text for o in outs) == "The capital of France is Paris."
+
+
+def test_a_request_waiting_for_blocks_sleeps_until_a_release(smol, make_engine):
+    """Blocks all pinned: the engine thread must wait for a command, not spin on empty steps."""
+    core = make_engine(smol, role=Role.PREFILL, max_model_len=64, kv_cache_bytes=4 * core_block_bytes(smol))
+    assert core.stats().num_total_blocks == 4
+    first = core.make_request("word " * 39, SamplingParams(max_tokens=2))  # 40 tokens: 3 blocks
+    second = core.make_request("line " * 39, SamplingParams(max_tokens=2))
+    steps = 0
+    real_step = core.step
+
+    def counting_step():
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    core.step = counting_step
+
+    async def main():
+        engine = AsyncEngine(core)
+        done = await engine.prefill(first)
+        waiting = asyncio.create_task(engine.prefill(second))
+        await asyncio.sleep(0.5)
+        stuck = (await engine.stats(), steps)
+        assert await engine.release(first.request_id)
+        second_done = await waiting
+        assert await engine.release(second.request_id)
+        idle = await engine.stats()
+        await engine.stop()
+        return done, stuck, second_done, idle
+
+    done, (stuck, stuck_steps), second_done, idle = asyncio.run(main())
+    assert len(done.block_ids) == 3 and len(second_done.block_ids) == 3
+    assert (stuck.num_waiting, stuck.num_pinned_blocks, stuck.num_free_blocks) == (1, 3, 1)
+    # a 50 ms recheck gives about 10 steps in 0.5 s; a spinning thread makes thousands
+    assert stuck_steps < 40
+    assert idle.num_free_blocks == idle.num_total_blocks == 4
+
+
+def core_block_bytes(loaded) -> int:
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * 16 * config.num_key_value_heads * head_dim * 4
