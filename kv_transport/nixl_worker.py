@@ -124,9 +124,13 @@ class NixlWorker:
         while state == "PROC" and time.perf_counter() < deadline:
             state = self.agent.check_xfer_state(xfer.handle)
         if state != "PROC":
-            self.agent.release_xfer_handle(xfer.handle)
-            self._in_flight.remove(xfer)
+            self._retire(xfer)
             xfer.future.set_result((state, time.time()))
+
+    def _retire(self, xfer: _InFlight) -> None:
+        """Drop a finished transfer's handle (``self.lock`` held)."""
+        self.agent.release_xfer_handle(xfer.handle)
+        self._in_flight.remove(xfer)
 
     def notify(self, peer_agent: str, message: bytes) -> None:
         """Best effort: a peer that is gone cannot be told, and its side times out."""
@@ -155,8 +159,7 @@ class NixlWorker:
             for xfer in list(self._in_flight):
                 state = self.agent.check_xfer_state(xfer.handle)
                 if state != "PROC":
-                    self.agent.release_xfer_handle(xfer.handle)
-                    self._in_flight.remove(xfer)
+                    self._retire(xfer)
                     finished.append((xfer, state))
         now = time.time()
         for xfer, state in finished:

@@ -98,7 +98,7 @@ def test_prefill_reserve_decode_release(smol, make_engine):
 
 def test_a_request_waiting_for_blocks_sleeps_until_a_release(smol, make_engine):
     """Blocks all pinned: the engine thread must wait for a command, not spin on empty steps."""
-    core = make_engine(smol, role=Role.PREFILL, max_model_len=64, kv_cache_bytes=4 * core_block_bytes(smol))
+    core = make_engine(smol, role=Role.PREFILL, max_model_len=64, num_blocks=4)
     assert core.stats().num_total_blocks == 4
     first = core.make_request("word " * 39, SamplingParams(max_tokens=2))  # 40 tokens: 3 blocks
     second = core.make_request("line " * 39, SamplingParams(max_tokens=2))
@@ -131,9 +131,3 @@ def test_a_request_waiting_for_blocks_sleeps_until_a_release(smol, make_engine):
     # a 50 ms recheck gives about 10 steps in 0.5 s; a spinning thread makes thousands
     assert stuck_steps < 40
     assert idle.num_free_blocks == idle.num_total_blocks == 4
-
-
-def core_block_bytes(loaded) -> int:
-    config = loaded.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * 16 * config.num_key_value_heads * head_dim * 4
