@@ -7,7 +7,8 @@ timing, median of several repetitions:
   * our NIXL push (30 layers' writes posted, then all completions);
   * the object store (copy out + ``ray.put`` in the producer, ``ray.get`` + copy in);
   * raw NIXL: one READ of one contiguous buffer of the same size, no handles or registry,
-    completion polled in a tight loop;
+    completion polled in a tight loop, on memory allocated as the pool is (2 MB pages,
+    ``engine/host_memory.py``), and the same on ordinary 4 KB pages (``torch.rand``);
   * a torch copy of the same bytes inside one process, all threads.
 Part 2, pipelined push on a 2,048-token prompt (real prefill of the default model): from
 the per-layer timestamps, (last layer's KV complete at decode) - (prefill compute end),
@@ -43,13 +44,14 @@ class TransferActor:
 
     def __init__(self, engine_id: str) -> None:
         torch.set_num_threads(1)
+        from engine.host_memory import host_tensor
         from kv_transport.handle import KVLayoutSignature
         from kv_transport.nixl_transport import NixlTransport
         from kv_transport.object_store import ObjectStoreTransport
         from kv_transport.registry import RayPeerRegistry
 
         self.layout = KVLayoutSignature(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
-        self.pool = torch.rand(30, 2, POOL_BLOCKS, 16, 3, 64)
+        self.pool = host_tensor((30, 2, POOL_BLOCKS, 16, 3, 64), torch.float32).uniform_()  # as the engine's pool
         self.released: list[str] = []
         self.nixl = NixlTransport(engine_id, self.layout, RayPeerRegistry())
         self.nixl.register_pool(self.pool, self.released.append)
@@ -61,8 +63,11 @@ class TransferActor:
         # on the side being read, a 1 ms poll (as our transport's) progress UCX
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self.raw_agent = nixl_agent(f"raw-{engine_id}", config)
-        self.raw = torch.rand(256 << 18)  # 256 MB contiguous
-        self.raw_agent.register_memory(self.raw)
+        # 256 MB contiguous: on memory allocated as the pool is, and on ordinary pages
+        pool_pages = host_tensor((256 << 18,), torch.float32).uniform_()
+        self.raw = {"pool_pages": pool_pages, "4k_pages": torch.rand(256 << 18)}
+        for buffer in self.raw.values():
+            self.raw_agent.register_memory(buffer)
         self.raw_lock = threading.Lock()  # the agent is used from two threads
         threading.Thread(target=self._progress_raw, daemon=True).start()
 
@@ -72,18 +77,18 @@ class TransferActor:
                 self.raw_agent.get_new_notifs()
             time.sleep(0.001)
 
-    def raw_meta(self) -> tuple[bytes, int]:
-        return self.raw_agent.get_agent_metadata(), self.raw.data_ptr()
+    def raw_meta(self) -> tuple[bytes, dict[str, int]]:
+        return self.raw_agent.get_agent_metadata(), {pages: t.data_ptr() for pages, t in self.raw.items()}
 
-    def raw_read_s(self, meta: bytes, remote_address: int, num_bytes: int, num_descs: int = 1) -> float:
-        """One READ of ``num_bytes`` as ``num_descs`` equal pieces spread over the buffer."""
+    def raw_read_s(self, meta: bytes, pages: str, remote_address: int, num_bytes: int, num_descs: int = 1) -> float:
+        """One READ of ``num_bytes`` as ``num_descs`` equal pieces spread over the ``pages`` buffer."""
         import numpy as np
 
         with self.raw_lock:
             name = self.raw_agent.add_remote_agent(meta)
         piece, stride = num_bytes // num_descs, (256 << 20) // num_descs
         offsets = [i * stride for i in range(num_descs)]
-        local_rows = np.array([[self.raw.data_ptr() + o, piece, 0] for o in offsets], dtype=np.uint64)
+        local_rows = np.array([[self.raw[pages].data_ptr() + o, piece, 0] for o in offsets], dtype=np.uint64)
         remote_rows = np.array([[remote_address + o, piece, 0] for o in offsets], dtype=np.uint64)
         local = self.raw_agent.get_xfer_descs(local_rows, "DRAM")
         remote = self.raw_agent.get_xfer_descs(remote_rows, "DRAM")
@@ -144,10 +149,10 @@ def torch_copy_gbps(num_bytes: int) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
-KINDS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs"]
+KINDS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
 
 
-def measure(kind: str, producer, consumer, tag: str, num_blocks: int, meta: bytes, address: int) -> float:
+def measure(kind: str, producer, consumer, tag: str, num_blocks: int, meta: bytes, addresses: dict[str, int]) -> float:
     """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``kind``."""
     if kind == "nixl_pull":
         handle, _ = ray.get(producer.export.remote("nixl", f"pull-{tag}", num_blocks))
@@ -162,12 +167,13 @@ def measure(kind: str, producer, consumer, tag: str, num_blocks: int, meta: byte
         handle, export_s = ray.get(producer.export.remote("store", f"store-{tag}", num_blocks))
         return export_s + ray.get(consumer.fetch_s.remote("store", handle))
     num_descs = 60 if kind == "raw_nixl_60_descs" else 1
-    return ray.get(consumer.raw_read_s.remote(meta, address, num_blocks * BYTES_PER_BLOCK, num_descs))
+    pages = "4k_pages" if kind == "raw_nixl_4k_pages" else "pool_pages"
+    return ray.get(consumer.raw_read_s.remote(meta, pages, addresses[pages], num_blocks * BYTES_PER_BLOCK, num_descs))
 
 
 def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
     rows = []
-    meta, address = ray.get(producer.raw_meta.remote())
+    meta, addresses = ray.get(producer.raw_meta.remote())
     for size_mb in SIZES_MB:
         num_blocks = max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))
         num_bytes = num_blocks * BYTES_PER_BLOCK
@@ -175,7 +181,7 @@ def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
         for rep in range(REPEATS + 1):  # the first repetition warms up
             # each repetition starts with another kind: none is always first after the others
             for kind in KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]:
-                times[kind].append(measure(kind, producer, consumer, f"{size_mb}-{rep}", num_blocks, meta, address))
+                times[kind].append(measure(kind, producer, consumer, f"{size_mb}-{rep}", num_blocks, meta, addresses))
         gbps = {kind: num_bytes / statistics.median(t[1:]) / 1e9 for kind, t in times.items()}
         rows.append(
             {
@@ -259,23 +265,27 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         f"Command: `{command}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
         "on CPU memory; blocks of the default model's layout (30 layers x K/V x 16 tokens x 3 heads x 64,",
         f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
-        "after one warm-up; the five kinds take turns, each repetition starting with the next one.",
+        f"after one warm-up; the {len(KINDS)} kinds take turns, each repetition starting with the next one.",
         "",
         "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors "
-        "| torch copy (1 process) | pull / raw |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| raw NIXL, 4 KB pages | torch copy (1 process) | pull / raw |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size_mb']:.1f} | {r['num_blocks']} | {r['nixl_pull']:.2f} | {r['nixl_push']:.2f} | "
-            f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['raw_nixl_60_descs']:.2f} | {r['torch_copy']:.2f} | "
-            f"{r['pull_vs_raw']:.2f} |"
+            f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['raw_nixl_60_descs']:.2f} | "
+            f"{r['raw_nixl_4k_pages']:.2f} | {r['torch_copy']:.2f} | {r['pull_vs_raw']:.2f} |"
         )
     lines += [
         "",
-        "A request's KV in the pool layout `[layers, K/V, blocks, ...]` is at least 60 byte runs (30 layers x K/V),",
-        "so our pull posts >= 60 descriptors where raw NIXL posts one; the column 'raw NIXL, 60 descriptors'",
-        "is the same READ split like our layout, with none of our code around it.",
+        "'raw NIXL' reads a buffer allocated as the engine's KV pool is (2 MB pages where the kernel",
+        "allows, `engine/host_memory.py`), so 'pull / raw' compares the same memory; 'raw NIXL, 4 KB",
+        "pages' is the same READ between two `torch.rand` buffers, what the pool cost before it moved",
+        "to huge pages. A request's KV in the pool layout `[layers, K/V, blocks, ...]` is at least 60",
+        "byte runs (30 layers x K/V), so our pull posts >= 60 descriptors where raw NIXL posts one;",
+        "the column 'raw NIXL, 60 descriptors' is the same READ split like our layout, with none of",
+        "our code around it.",
         "",
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)

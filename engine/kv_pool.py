@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_memory import host_tensor
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -52,8 +54,14 @@ class KVPool:
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        # zeros, not empty: touching every page up front makes the memory cost visible at start
-        self.tensor = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+        dtype = getattr(torch, layout.dtype)
+        # zeroed, every page touched up front: the memory cost is visible at start. On CPU
+        # the pool sits on 2 MB pages where the kernel allows (other processes copy from and
+        # into it over NIXL: see engine/host_memory.py)
+        if torch.device(device).type == "cpu":
+            self.tensor = host_tensor(shape, dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         flat = (num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._k = [self.tensor[i, 0].view(flat) for i in range(layout.num_layers)]
         self._v = [self.tensor[i, 1].view(flat) for i in range(layout.num_layers)]

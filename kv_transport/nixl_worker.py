@@ -9,7 +9,7 @@ on GPU memory ``transfer()`` only posts; on CPU memory the copy runs in the call
 its future is complete on return. That is two thread hand-offs fewer on the TTFT path,
 and on this project's 2-core machine a copy run in a helper thread while the caller
 waits took 0.5 to 1.8 ms longer at 64 to 256 MB than the same copy in the caller. The
-cost: on CPU the caller's event loop is blocked for the copy (about 1 ms per 8 MB here);
+cost: on CPU the caller's event loop is blocked for the copy (about 1 ms per 10 MB here);
 the engine steps on its own thread meanwhile, so only the delivery of other requests'
 tokens on that replica waits.
 
