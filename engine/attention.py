@@ -12,8 +12,13 @@ Token layout of one step (one packed row, no padding)::
       decode tokens,     prefill segments (whole prompts or chunks)
       one per sequence
 
-Decode tokens run as one batched SDPA over a ``[num_decode, max_context]`` slot gather
-(masked past each sequence's length). A prefill segment whose whole context is in this
+Decode tokens run as one batched SDPA over their block tables: each sequence's blocks
+are gathered whole (``[num_decode, max_blocks]`` rows of ``block_size`` tokens, masked past
+each sequence's length), and the query heads that share a KV head attend as one group of
+queries (``[num_decode, kv_heads, heads // kv_heads, head_dim]``), so K/V are neither
+gathered per token nor repeated per query head. At 32 sequences of 128 to 150 tokens this
+made the default model's decode step 229 -> 215 ms on the 2-core dev machine (1 thread,
+same tokens). A prefill segment whose whole context is in this
 step (a fresh prompt) attends causally over its own new K/V; a chunk that continues a
 prompt gathers its earlier context from the pool with an offset causal mask.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -47,8 +53,8 @@ class PagedAttentionMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [num_tokens]
     num_decode: int
-    decode_slots: torch.Tensor | None  # [num_decode, max_context]
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] bool, None if all full
+    decode_blocks: torch.Tensor | None  # [num_decode, max_blocks] block ids, padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool, None if all full
     prefill_segments: tuple[PrefillSegment, ...]
 
 
@@ -77,13 +83,16 @@ def paged_attention_forward(
     out = query.new_empty(num_tokens, query.shape[1], query.shape[3])
     nd = meta.num_decode
     if nd:
-        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
-        # index_select over the flat slot list: several times faster than advanced indexing
-        slots, (_, ctx) = meta.decode_slots.view(-1), meta.decode_slots.shape
-        k = k_slots.index_select(0, slots).view(nd, ctx, *k_slots.shape[1:]).transpose(1, 2)  # [nd, KVH, ctx, D]
-        v = v_slots.index_select(0, slots).view(nd, ctx, *v_slots.shape[1:]).transpose(1, 2)
-        o, _ = sdpa_attention_forward(module, q, k, v, meta.decode_mask, scaling=scaling)
-        out[:nd] = o[:, 0]
+        num_heads, (num_kv_heads, head_dim) = query.shape[1], k_slots.shape[1:]
+        # query heads grouped by the KV head they read: head h reads KV head h // group
+        q = query[0, :, :nd].transpose(0, 1).reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        # index_select of whole blocks: one contiguous block_size-token row each
+        blocks = meta.decode_blocks.view(-1)
+        ctx = meta.decode_blocks.shape[1] * meta.pool.layout.block_size
+        k = meta.pool.key_blocks(layer).index_select(0, blocks).view(nd, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = meta.pool.value_blocks(layer).index_select(0, blocks).view(nd, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)  # [nd, KVH, G, D]
+        out[:nd] = o.reshape(nd, num_heads, head_dim)
     for seg in meta.prefill_segments:
         q = query[:, :, seg.q_start : seg.q_end]
         if seg.context_slots is None:

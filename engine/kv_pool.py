@@ -65,6 +65,8 @@ class KVPool:
         flat = (num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._k = [self.tensor[i, 0].view(flat) for i in range(layout.num_layers)]
         self._v = [self.tensor[i, 1].view(flat) for i in range(layout.num_layers)]
+        self._k_blocks = [self.tensor[i, 0] for i in range(layout.num_layers)]
+        self._v_blocks = [self.tensor[i, 1] for i in range(layout.num_layers)]
 
     def key_slots(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s keys as ``[num_slots, num_kv_heads, head_dim]``."""
@@ -72,6 +74,13 @@ class KVPool:
 
     def value_slots(self, layer: int) -> torch.Tensor:
         return self._v[layer]
+
+    def key_blocks(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys as ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self._k_blocks[layer]
+
+    def value_blocks(self, layer: int) -> torch.Tensor:
+        return self._v_blocks[layer]
 
     def copy_blocks_from(self, other: KVPool, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         """Copy a request's blocks from another pool in this process (all layers, K and V)."""

@@ -103,12 +103,12 @@ class ModelRunner:
             last_index.append(q_start + n - 1)
             if not c.is_decode:
                 segments.append(self._segment(q_start, c, table))
-        decode_slots, decode_mask = self._decode_slots(decode)
+        decode_blocks, decode_mask = self._decode_blocks(decode)
         meta = PagedAttentionMetadata(
             pool=self.pool,
             slot_mapping=torch.cat(slots),
             num_decode=len(decode),
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefill_segments=tuple(segments),
         )
@@ -126,22 +126,21 @@ class ModelRunner:
         mask = (ctx[None, :] <= q_pos[:, None]).view(1, 1, n, context_len)
         return PrefillSegment(q_start, q_start + n, context_slots, mask)
 
-    def _decode_slots(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Slots of every decode sequence's context, padded to the longest, and the pad mask."""
+    def _decode_blocks(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every decode sequence's block table, padded to the longest with block 0, and the
+        mask of the context positions past each sequence's length (None if there are none)."""
         if not decode:
             return None, None
         bs = self.block_size
         lengths = [c.start_pos + 1 for c in decode]
-        max_len = max(lengths)
-        max_blocks = -(-max_len // bs)
+        max_blocks = -(-max(lengths) // bs)
         tables = torch.tensor(
             [list(c.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(c.block_ids), max_blocks)) for c in decode],
             device=self.device,
         )
-        pos = torch.arange(max_len, device=self.device)
-        decode_slots = tables[:, pos // bs] * bs + pos % bs
-        if min(lengths) == max_len:
-            return decode_slots, None
+        if min(lengths) == max_blocks * bs:
+            return tables, None
+        pos = torch.arange(max_blocks * bs, device=self.device)
         length = torch.tensor(lengths, device=self.device)
-        mask = (pos[None, :] < length[:, None]).view(len(decode), 1, 1, max_len)
-        return decode_slots, mask
+        mask = (pos[None, :] < length[:, None]).view(len(decode), 1, 1, max_blocks * bs)
+        return tables, mask
