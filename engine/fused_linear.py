@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_matmul
+
 # (first projection, the others) of each group, by attribute name on the parent module
 GROUPS = (("q_proj", ("k_proj", "v_proj")), ("gate_proj", ("up_proj",)))
 
@@ -48,8 +50,7 @@ class FusedLinear(nn.Module):
         self._others = others
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x.flatten(0, -2), self.weight_t)
-        out = out.view(*x.shape[:-1], -1)
+        out = cpu_matmul.linear(x, self.weight_t.t(), self.weight_t, self.bias).view(*x.shape[:-1], -1)
         self._shared.input, self._shared.output, self._shared.pending = x, out, self._others
         return out[..., : self.out_features]
 

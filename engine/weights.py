@@ -22,8 +22,10 @@ one process; the layout here 23.7 to 26.3 ms in later runs).
 So, on CPU: sibling projections are fused; the other matrices with ``out_features >=
 in_features`` are stored column-major (the parameter becomes a transposed view of a
 contiguous ``[in, out]`` tensor) and multiplied as ``x @ W_t``; the rest stay row-major.
-The modules' code is untouched, only the bytes and the product call change. A tied LM
-head gets its own copy so the embedding lookup keeps its row-major table.
+All these are one-row figures: products of two rows or more go to oneDNN on the same
+bytes (``engine/cpu_matmul.py``). The modules' code is untouched, only the bytes and the
+product call change. A tied LM head gets its own copy so the embedding lookup keeps its
+row-major table.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import types
 import torch
 from transformers import PreTrainedModel
 
+from engine import cpu_matmul
 from engine.fused_linear import fuse_projections
 
 
-def _column_major_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = x @ self.weight.t()  # the contiguous [in, out] tensor behind the view
-    return out if self.bias is None else out + self.bias
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # for a column-major weight, .t() is the contiguous [in, out] tensor behind the view
+    return cpu_matmul.linear(x, self.weight, self.weight.t(), self.bias)
 
 
 def optimize_cpu_layout(model: PreTrainedModel) -> int:
@@ -50,8 +53,9 @@ def optimize_cpu_layout(model: PreTrainedModel) -> int:
     changed = fuse_projections(model)
     with torch.no_grad():
         for module in model.modules():
-            if type(module) is torch.nn.Linear and module.out_features >= module.in_features:
-                module.weight.data = module.weight.data.t().contiguous().t()
-                module.forward = types.MethodType(_column_major_forward, module)
+            if type(module) is torch.nn.Linear:
+                if module.out_features >= module.in_features:
+                    module.weight.data = module.weight.data.t().contiguous().t()
+                module.forward = types.MethodType(_linear_forward, module)
                 changed += 1
     return changed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import cpu_matmul
 from engine.fused_linear import FusedLinear, FusedSlice
 from engine.weights import optimize_cpu_layout
 from tests.engine.conftest import tiny_loaded
@@ -16,9 +17,10 @@ def test_fused_layout_keeps_every_projection_and_the_logits(family: str) -> None
     ref_attn = reference.model.model.layers[1].self_attn
     ref_mlp = reference.model.model.layers[1].mlp
     changed = optimize_cpu_layout(ours.model)
-    # 3 layers x (q/k/v, gate/up) fused; o_proj and the LM head (out >= in) re-laid out
-    assert changed == 3 * 2 + 3 + 1
-    assert optimize_cpu_layout(ours.model) == 3 + 1  # again: nothing fused twice, o_proj and lm_head as they are
+    # 3 layers x (q/k/v, gate/up) fused; o_proj, down_proj and the LM head get the CPU product
+    # (o_proj and the LM head, out >= in, re-laid out column-major)
+    assert changed == 3 * 2 + 3 + 3 + 1
+    assert optimize_cpu_layout(ours.model) == 3 + 3 + 1  # again: nothing fused twice, the rest as they are
     attn, mlp = ours.model.model.layers[1].self_attn, ours.model.model.layers[1].mlp
     assert isinstance(attn.q_proj, FusedLinear) and isinstance(attn.v_proj, FusedSlice)
     assert isinstance(mlp.gate_proj, FusedLinear) and isinstance(mlp.up_proj, FusedSlice)
@@ -40,3 +42,25 @@ def test_fused_layout_keeps_every_projection_and_the_logits(family: str) -> None
         torch.testing.assert_close(mlp(x), ref_mlp(x), rtol=1e-5, atol=1e-5)
         ids = torch.tensor([[3, 17, 99, 250, 7, 42]])
         torch.testing.assert_close(ours.model(ids).logits, reference.model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 7])
+@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_product_matches_linear_for_every_row_count(rows: int, column_major: bool, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(48, 32)
+    if column_major:
+        weight = weight.t().contiguous().t()  # [out, in] view of a contiguous [in, out] tensor
+    bias = torch.randn(48) if with_bias else None
+    x = torch.randn(1, rows, 32)  # the decoder's [batch, tokens, hidden]
+    with torch.inference_mode():
+        out = cpu_matmul.linear(x, weight, weight.t(), bias)
+        expected = torch.nn.functional.linear(x, weight, bias)
+    assert out.shape == (1, rows, 48)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_takes_products_of_two_rows_or_more_here() -> None:
+    """The x86 CPU build of PyTorch this project installs has oneDNN: the fast path is live."""
+    assert torch.backends.mkldnn.is_available() and cpu_matmul._ONEDNN_LINEAR is not None
