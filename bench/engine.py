@@ -257,14 +257,21 @@ NOTES = """
   bandwidth of `torch.mv` over one 512 MB matrix, but a decode step is a chain of
   matrix-vector products over matrices of 0.4 to 7 MB (and a 113 MB LM head), which this
   machine's BLAS streams at 7 to 24 GB/s depending on shape, layout and call (table in
-  `engine/weights.py`). The engine now runs 4 products per layer instead of 7 (q/k/v and
+  `engine/weights.py`). The engine runs 4 products per layer instead of 7 (q/k/v and
   gate/up fused, `engine/fused_linear.py`) with column-major `x @ W_t` where that streams
-  faster: the 30 layers' products plus the LM head take about 29 ms at 1 thread, already
-  about 1.1x to 1.3x the floor by themselves; the rest of the step is eager PyTorch's
-  per-operator cost in the 30 decoder layers (norms, RoPE, attention, about 15 ms).
-  `torch.compile` of the decoder was tried and not shipped: after a 2-minute compile on
-  2 cores it took the step from 46 to 41 ms (1.85x the floor), same tokens.
-  transformers' own forward step is further from the floor than ours.
+  faster. In a torch-profiler run of 5 batch-1 steps (1 thread, 40 ms a step) the 121
+  products took 32 ms a step, about 1.3x the floor by themselves; the other 8 ms are
+  eager PyTorch's per-operator cost (norms, RoPE, attention: about 20 operators a layer).
+  Tried and not shipped: `torch.compile` of the decoder (after a 2-minute compile on
+  2 cores, 46 -> 41 ms, 1.85x the floor); the weights on 2 MB pages (no change); a
+  helper thread reading the next layer's weights ahead (45 -> 52 ms: one core already
+  takes the memory bandwidth this machine gives, `torch.mv` on 2 threads is no faster
+  than on 1); oneDNN for the one-row products too (42.0 -> 50.7 ms). transformers' own
+  forward step is further from the floor than ours.
+* Steps of two rows or more (batched decode, prefill) multiply through oneDNN on the same
+  weights (`engine/cpu_matmul.py`): MKL's few-row products made a 4-sequence step 2.2x
+  a 1-sequence one. Decode attention gathers whole KV blocks and groups the query heads
+  that share a KV head (`engine/attention.py`).
 * "32 concurrent, decode steps only" counts the steps in which all 32 requests decode
   (the aggregate decode rate); "end to end" includes the 32 prompts' prefill and is the
   figure compared with `generate_batch`, which is timed end to end too.

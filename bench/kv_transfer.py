@@ -289,6 +289,16 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         "",
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)
+        + ". The same READ as 60 descriptors, none of our code: "
+        + ", ".join(
+            f"{r['size_mb']:.0f} MB {r['raw_nixl_60_descs'] / r['raw_nixl']:.2f}x raw"
+            for r in rows
+            if r["size_mb"] >= 15
+        )
+        + ". Against raw NIXL on 4 KB pages our pull is "
+        + ", ".join(
+            f"{r['size_mb']:.0f} MB {r['nixl_pull'] / r['raw_nixl_4k_pages']:.2f}x" for r in rows if r["size_mb"] >= 15
+        )
         + ".",
         "",
         "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
