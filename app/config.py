@@ -36,6 +36,9 @@ class EngineSettings(_Section):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of one engine step")
     enable_chunked_prefill: bool = Field(False, description="split long prompts across steps")
     recompute_remote_kv: bool = Field(False, description="let decode replicas recompute preempted remote KV")
+    cpu_packed_weights: bool = Field(
+        True, description="CPU: keep a oneDNN-packed copy of the weights for batched steps (faster, 2x weight memory)"
+    )
 
 
 class PoolConfig(_Section):

@@ -77,7 +77,7 @@ class EngineCore:
             config.enable_chunked_prefill,
             config.recompute_remote_kv,
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, packed_weights=config.cpu_packed_weights)
         self.role = config.role
         self._eos_ids = eos_token_ids(model, self.tokenizer)
         self._requests: dict[str, _Request] = {}

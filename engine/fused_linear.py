@@ -48,9 +48,11 @@ class FusedLinear(nn.Module):
         self.in_features, self.out_features = weight_t.shape[0], width
         self._shared = shared
         self._others = others
+        self.packed_weight: torch.Tensor | None = None  # cpu_matmul.pack of the fused weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_matmul.linear(x, self.weight_t.t(), self.weight_t, self.bias).view(*x.shape[:-1], -1)
+        w_t = self.weight_t
+        out = cpu_matmul.linear(x, w_t.t(), w_t, self.bias, self.packed_weight).view(*x.shape[:-1], -1)
         self._shared.input, self._shared.output, self._shared.pending = x, out, self._others
         return out[..., : self.out_features]
 

@@ -7,6 +7,7 @@ is used: K/V live in the paged pool.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -16,20 +17,28 @@ from transformers import PreTrainedModel
 from engine.attention import PagedAttentionMetadata, PrefillSegment, register_paged_attention
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledChunk
-from engine.weights import optimize_cpu_layout
+from engine.weights import optimize_cpu_layout, packed_bytes
+
+logger = logging.getLogger(__name__)
 
 LayerHook = Callable[[int], None]
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, pool: KVPool) -> None:
+    def __init__(self, model: PreTrainedModel, pool: KVPool, packed_weights: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.tensor.device
         self.block_size = pool.layout.block_size
         model.set_attn_implementation(register_paged_attention())
         if self.device.type == "cpu":
-            optimize_cpu_layout(model)
+            optimize_cpu_layout(model, packed_weights)
+            if packed_weights:
+                logger.info(
+                    "kept oneDNN-packed weight copies for batched CPU products: %.0f MB "
+                    "(engine.cpu_packed_weights=false to skip)",
+                    packed_bytes(model) / 2**20,
+                )
         self._decoder = getattr(model, model.base_model_prefix)
         self._lm_head = model.get_output_embeddings()
         self._layer_hooks: list[LayerHook] = []

@@ -22,8 +22,9 @@ one process; the layout here 23.7 to 26.3 ms in later runs).
 So, on CPU: sibling projections are fused; the other matrices with ``out_features >=
 in_features`` are stored column-major (the parameter becomes a transposed view of a
 contiguous ``[in, out]`` tensor) and multiplied as ``x @ W_t``; the rest stay row-major.
-All these are one-row figures: products of two rows or more go to oneDNN on the same
-bytes (``engine/cpu_matmul.py``). The modules' code is untouched, only the bytes and the
+All these are one-row figures: products of two rows or more go to oneDNN, on its own
+packed copy of the weights where the engine keeps one, else on the same bytes
+(``engine/cpu_matmul.py``). The modules' code is untouched, only the bytes and the
 product call change. A tied LM head gets its own copy so the embedding lookup keeps its
 row-major table.
 """
@@ -36,17 +37,19 @@ import torch
 from transformers import PreTrainedModel
 
 from engine import cpu_matmul
-from engine.fused_linear import fuse_projections
+from engine.fused_linear import FusedLinear, fuse_projections
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # for a column-major weight, .t() is the contiguous [in, out] tensor behind the view
-    return cpu_matmul.linear(x, self.weight, self.weight.t(), self.bias)
+    return cpu_matmul.linear(x, self.weight, self.weight.t(), self.bias, getattr(self, "packed_weight", None))
 
 
-def optimize_cpu_layout(model: PreTrainedModel) -> int:
+def optimize_cpu_layout(model: PreTrainedModel, packed_weights: bool = False) -> int:
     """Fuse sibling projections and re-lay out the other linear weights for matrix-vector
-    speed; returns the number of modules changed. Idempotent."""
+    speed; with ``packed_weights``, also keep oneDNN's blocked copy of every product's
+    weight for products of several rows (``engine/cpu_matmul.py``). Returns the number of
+    modules changed. Idempotent."""
     head = model.get_output_embeddings()
     if head is not None and head.weight is model.get_input_embeddings().weight:
         head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
@@ -58,4 +61,20 @@ def optimize_cpu_layout(model: PreTrainedModel) -> int:
                     module.weight.data = module.weight.data.t().contiguous().t()
                 module.forward = types.MethodType(_linear_forward, module)
                 changed += 1
+        if packed_weights:
+            for module in model.modules():
+                if isinstance(module, FusedLinear) and module.packed_weight is None:
+                    module.packed_weight = cpu_matmul.pack(module.weight_t.t())
+                elif type(module) is torch.nn.Linear and getattr(module, "packed_weight", None) is None:
+                    module.packed_weight = cpu_matmul.pack(module.weight)
     return changed
+
+
+def packed_bytes(model: PreTrainedModel) -> int:
+    """Bytes of the packed weight copies ``optimize_cpu_layout`` added (0 if none)."""
+    total = 0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+    return total

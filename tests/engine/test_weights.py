@@ -7,7 +7,7 @@ import torch
 
 from engine import cpu_matmul
 from engine.fused_linear import FusedLinear, FusedSlice
-from engine.weights import optimize_cpu_layout
+from engine.weights import optimize_cpu_layout, packed_bytes
 from tests.engine.conftest import tiny_loaded
 
 
@@ -44,10 +44,13 @@ def test_fused_layout_keeps_every_projection_and_the_logits(family: str) -> None
         torch.testing.assert_close(ours.model(ids).logits, reference.model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 7])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 40])
 @pytest.mark.parametrize("column_major", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_cpu_product_matches_linear_for_every_row_count(rows: int, column_major: bool, with_bias: bool) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_cpu_product_matches_linear_for_every_row_count(
+    rows: int, column_major: bool, with_bias: bool, packed: bool
+) -> None:
     torch.manual_seed(rows)
     weight = torch.randn(48, 32)
     if column_major:
@@ -55,7 +58,7 @@ def test_cpu_product_matches_linear_for_every_row_count(rows: int, column_major:
     bias = torch.randn(48) if with_bias else None
     x = torch.randn(1, rows, 32)  # the decoder's [batch, tokens, hidden]
     with torch.inference_mode():
-        out = cpu_matmul.linear(x, weight, weight.t(), bias)
+        out = cpu_matmul.linear(x, weight, weight.t(), bias, cpu_matmul.pack(weight) if packed else None)
         expected = torch.nn.functional.linear(x, weight, bias)
     assert out.shape == (1, rows, 48)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -64,3 +67,20 @@ def test_cpu_product_matches_linear_for_every_row_count(rows: int, column_major:
 def test_onednn_takes_products_of_two_rows_or_more_here() -> None:
     """The x86 CPU build of PyTorch this project installs has oneDNN: the fast path is live."""
     assert torch.backends.mkldnn.is_available() and cpu_matmul._ONEDNN_LINEAR is not None
+    assert cpu_matmul.pack(torch.randn(8, 4)) is not None
+
+
+def test_packed_copies_serve_batched_rows_and_leave_one_row_alone() -> None:
+    ours, reference = tiny_loaded("qwen2")  # q/k/v with biases
+    optimize_cpu_layout(ours.model, packed_weights=True)
+    attn = ours.model.model.layers[0].self_attn
+    head = ours.model.get_output_embeddings()
+    assert attn.q_proj.packed_weight is not None and head.packed_weight is not None
+    assert ours.model.model.layers[0].mlp.down_proj.packed_weight is not None
+    # one packed copy of every product's weight: the bytes of all linear weights once more
+    linear_bytes = sum(m.weight.numel() * 4 for m in reference.model.modules() if isinstance(m, torch.nn.Linear))
+    assert packed_bytes(ours.model) == linear_bytes
+    with torch.inference_mode():
+        for ids in ([[5]], [[3, 17, 99, 250, 7, 42]]):  # one row (MKL), several rows (packed oneDNN)
+            ids = torch.tensor(ids)
+            torch.testing.assert_close(ours.model(ids).logits, reference.model(ids).logits, rtol=1e-4, atol=1e-4)
