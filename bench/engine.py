@@ -268,10 +268,12 @@ NOTES = """
   takes the memory bandwidth this machine gives, `torch.mv` on 2 threads is no faster
   than on 1); oneDNN for the one-row products too (42.0 -> 50.7 ms). transformers' own
   forward step is further from the floor than ours.
-* Steps of two rows or more (batched decode, prefill) multiply through oneDNN on the same
-  weights (`engine/cpu_matmul.py`): MKL's few-row products made a 4-sequence step 2.2x
-  a 1-sequence one. Decode attention gathers whole KV blocks and groups the query heads
-  that share a KV head (`engine/attention.py`).
+* Steps of two rows or more (batched decode, prefill) multiply through oneDNN on its
+  packed copy of the weights (`engine/cpu_matmul.py`, `EngineConfig.cpu_packed_weights`,
+  on by default): MKL's few-row products made a 4-sequence step 2.2x a 1-sequence one.
+  The copy is most of the peak RSS above 2 GB (about 540 MB for this model). Decode
+  attention gathers whole KV blocks and groups the query heads that share a KV head
+  (`engine/attention.py`).
 * "32 concurrent, decode steps only" counts the steps in which all 32 requests decode
   (the aggregate decode rate); "end to end" includes the 32 prompts' prefill and is the
   figure compared with `generate_batch`, which is timed end to end too.
