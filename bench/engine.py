@@ -271,7 +271,7 @@ NOTES = """
 * Steps of two rows or more (batched decode, prefill) multiply through oneDNN on its
   packed copy of the weights (`engine/cpu_matmul.py`, `EngineConfig.cpu_packed_weights`,
   on by default): MKL's few-row products made a 4-sequence step 2.2x a 1-sequence one.
-  The copy is most of the peak RSS above 2 GB (about 540 MB for this model). Decode
+  The copy adds the weights once more to the peak RSS (about 540 MB for this model). Decode
   attention gathers whole KV blocks and groups the query heads that share a KV head
   (`engine/attention.py`).
 * "32 concurrent, decode steps only" counts the steps in which all 32 requests decode
