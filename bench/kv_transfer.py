@@ -8,7 +8,7 @@ timing, median of several repetitions:
   * the object store (copy out + ``ray.put`` in the producer, ``ray.get`` + copy in);
   * raw NIXL: one READ of one contiguous buffer of the same size, no handles or registry,
     completion polled in a tight loop, on memory allocated as the pool is (2 MB pages,
-    ``engine/host_memory.py``), and the same on ordinary 4 KB pages (``torch.rand``);
+    ``engine/host_memory.py``), and the same on ordinary 4 KB pages (``MADV_NOHUGEPAGE``);
   * a torch copy of the same bytes inside one process, all threads.
 Part 2, pipelined push on a 2,048-token prompt (real prefill of the default model): from
 the per-layer timestamps, (last layer's KV complete at decode) - (prefill compute end),
@@ -65,7 +65,8 @@ class TransferActor:
         self.raw_agent = nixl_agent(f"raw-{engine_id}", config)
         # 256 MB contiguous: on memory allocated as the pool is, and on ordinary pages
         pool_pages = host_tensor((256 << 18,), torch.float32).uniform_()
-        self.raw = {"pool_pages": pool_pages, "4k_pages": torch.rand(256 << 18)}
+        small_pages = host_tensor((256 << 18,), torch.float32, huge_pages=False).uniform_()
+        self.raw = {"pool_pages": pool_pages, "4k_pages": small_pages}
         for buffer in self.raw.values():
             self.raw_agent.register_memory(buffer)
         self.raw_lock = threading.Lock()  # the agent is used from two threads
@@ -281,9 +282,10 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         "",
         "'raw NIXL' reads a buffer allocated as the engine's KV pool is (2 MB pages where the kernel",
         "allows, `engine/host_memory.py`), so 'pull / raw' compares the same memory; 'raw NIXL, 4 KB",
-        "pages' is the same READ between two `torch.rand` buffers, what the pool cost before it moved",
-        "to huge pages. A request's KV in the pool layout `[layers, K/V, blocks, ...]` is at least 60",
-        "byte runs (30 layers x K/V), so our pull posts >= 60 descriptors where raw NIXL posts one;",
+        "pages' is the same READ between two buffers madvised against huge pages, what the pool cost",
+        "before it moved to huge pages. A request's KV in the pool layout `[layers, K/V, blocks, ...]`",
+        "is at least 60 byte runs (30 layers x K/V), so our pull posts >= 60 descriptors where raw",
+        "NIXL posts one;",
         "the column 'raw NIXL, 60 descriptors' is the same READ split like our layout, with none of",
         "our code around it.",
         "",

@@ -26,7 +26,11 @@ oneDNN's kernel for exactly two rows streams the weights slowly here (the LM hea
 for 2 rows, 5.5 ms for 3), so a 2-row product runs as 3 rows, the third zero: a 2-sequence
 decode step 62.4 -> 48.2 ms, same tokens.
 
-Where oneDNN is not built in, every product goes to ``torch.matmul``.
+All of this is float32, the CPU default. Other dtypes (bfloat16, float16) keep
+``torch.matmul`` for every product: oneDNN's low-precision paths need CPU features
+(``avx512_fp16`` for float16) that PyTorch checks for itself on its own calls, and they
+were not measured here. Where oneDNN is not built in, every product goes to
+``torch.matmul`` too.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ MIN_ONEDNN_ROWS = 3  # fewer rows (but more than one) are padded with zero rows 
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of ``weight`` ``[out, in]`` for ``linear``'s products of several
-    rows, or None where oneDNN is not available."""
-    if _ONEDNN_LINEAR is None or _ONEDNN_PACK is None or not weight.is_cpu:
+    """oneDNN's blocked copy of a float32 CPU ``weight`` ``[out, in]`` for ``linear``'s
+    products of several rows; None for other dtypes or devices, or without oneDNN."""
+    if _ONEDNN_LINEAR is None or _ONEDNN_PACK is None or not weight.is_cpu or weight.dtype != torch.float32:
         return None
     return _ONEDNN_PACK(weight.detach().contiguous(), PACK_ROWS)
 
@@ -59,7 +63,7 @@ def linear(
     transpose ``[in, out]``: MKL on ``weight_t`` for one row; oneDNN for more, on ``packed``
     (from ``pack(weight)``) if given, else on ``weight`` itself."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if _ONEDNN_LINEAR is not None and rows > 1 and x.is_cpu:
+    if _ONEDNN_LINEAR is not None and rows > 1 and x.is_cpu and x.dtype == torch.float32:
         w = weight if packed is None else packed
         if rows >= MIN_ONEDNN_ROWS:
             return _ONEDNN_LINEAR(x, w, bias, "none", [], "")

@@ -10,7 +10,8 @@ library cannot rely on, so the pool maps its own memory: anonymous, 2 MB-aligned
 ``MADV_HUGEPAGE``, zero-filled and touched up front.
 
 Where the kernel has transparent huge pages off (``never``) or no ``MADV_HUGEPAGE``, the
-same tensor comes back on ordinary pages.
+same tensor comes back on ordinary pages. ``huge_pages=False`` asks for ordinary pages
+(``MADV_NOHUGEPAGE``) even where the kernel would otherwise use huge ones (``always``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ HUGE_PAGE_BYTES = 2 << 20
 
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
-    """A zeroed, contiguous CPU tensor of ``shape``; on 2 MB-aligned, madvised memory if asked.
+    """A zeroed, contiguous CPU tensor of ``shape`` on 2 MB-aligned memory madvised for huge
+    pages (``huge_pages``) or against them.
 
     Every page is touched (written) before return, so the memory is resident and its cost
     is visible at start. The mapping lives as long as the tensor (and its views) do.
@@ -36,14 +38,15 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = T
     for size in shape:
         numel *= size
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not huge_pages or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     # one extra huge page of slack to start the tensor on a 2 MB boundary
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = mmap.MADV_HUGEPAGE if huge_pages else mmap.MADV_NOHUGEPAGE
     try:
-        region.madvise(mmap.MADV_HUGEPAGE)
+        region.madvise(advice)
     except OSError as exc:  # e.g. a kernel built without transparent huge pages
-        logger.info("MADV_HUGEPAGE refused (%s); the pool uses ordinary pages", exc)
+        logger.info("madvise(%s) refused (%s); ordinary pages", "huge" if huge_pages else "no huge", exc)
     base = torch.frombuffer(region, dtype=torch.uint8, count=HUGE_PAGE_BYTES)
     offset = -base.data_ptr() % HUGE_PAGE_BYTES
     del base

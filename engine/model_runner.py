@@ -137,7 +137,8 @@ class ModelRunner:
 
     def _decode_blocks(self, decode: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every decode sequence's block table, padded to the longest with block 0, and the
-        mask of the context positions past each sequence's length (None if there are none)."""
+        attention mask: True at each sequence's own context positions, False past its
+        length (None when every sequence fills all of its gathered blocks)."""
         if not decode:
             return None, None
         bs = self.block_size

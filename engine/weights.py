@@ -71,7 +71,8 @@ def optimize_cpu_layout(model: PreTrainedModel, packed_weights: bool = False) ->
 
 
 def packed_bytes(model: PreTrainedModel) -> int:
-    """Bytes of the packed weight copies ``optimize_cpu_layout`` added (0 if none)."""
+    """Bytes of the packed weight copies ``optimize_cpu_layout`` added (0 if none): their
+    logical size; oneDNN's blocked layout may pad a little more."""
     total = 0
     for module in model.modules():
         packed = getattr(module, "packed_weight", None)

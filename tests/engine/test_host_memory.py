@@ -29,11 +29,16 @@ def test_host_tensor_is_zeroed_contiguous_aligned_and_writable():
     assert float(view[-1]) == 7.0 and float(view.sum()) == 7.0
 
 
-def test_small_or_opted_out_tensors_use_torch_memory():
+def test_small_tensors_use_torch_memory():
     small = host_tensor((1000,), torch.float16)
     assert small.dtype == torch.float16 and small.shape == (1000,) and int(torch.count_nonzero(small)) == 0
-    plain = host_tensor((1 << 20,), torch.float32, huge_pages=False)
-    assert plain.shape == (1 << 20,) and int(torch.count_nonzero(plain)) == 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off on this kernel")
+def test_opting_out_keeps_ordinary_pages():
+    plain = host_tensor((3 << 20,), torch.float32, huge_pages=False)  # 12 MB
+    assert plain.shape == (3 << 20,) and int(torch.count_nonzero(plain)) == 0
+    assert huge_page_bytes(plain) == 0
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off on this kernel")

@@ -84,3 +84,22 @@ def test_packed_copies_serve_batched_rows_and_leave_one_row_alone() -> None:
         for ids in ([[5]], [[3, 17, 99, 250, 7, 42]]):  # one row (MKL), several rows (packed oneDNN)
             ids = torch.tensor(ids)
             torch.testing.assert_close(ours.model(ids).logits, reference.model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_products_stay_on_torch_matmul(dtype: torch.dtype) -> None:
+    """oneDNN's bf16/fp16 paths need CPU features PyTorch checks itself: not packed, not called."""
+    weight = torch.randn(48, 32, dtype=dtype).t().contiguous().t()
+    assert cpu_matmul.pack(weight) is None
+    x = torch.randn(1, 5, 32, dtype=dtype)
+    with torch.inference_mode():
+        out = cpu_matmul.linear(x, weight, weight.t(), None)
+    torch.testing.assert_close(out, x @ weight.t())
+    ours, reference = tiny_loaded("llama")
+    ours.model.to(dtype)
+    reference.model.to(dtype)
+    optimize_cpu_layout(ours.model, packed_weights=True)
+    assert packed_bytes(ours.model) == 0
+    with torch.inference_mode():
+        ids = torch.tensor([[3, 17, 99, 250, 7, 42]])
+        torch.testing.assert_close(ours.model(ids).logits, reference.model(ids).logits, rtol=2e-2, atol=2e-2)
