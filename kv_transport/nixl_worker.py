@@ -5,8 +5,9 @@ from the engine thread would stop the forward pass for the whole copy. So layer 
 through this thread, where the copy overlaps the next layer's compute.
 
 A READ its caller awaits anyway (a pull) is posted by the caller itself (``post_inline``):
-on GPU memory ``transfer()`` only posts; on CPU memory the copy runs in the caller, and
-its future is complete on return. That is two thread hand-offs fewer on the TTFT path,
+on GPU memory ``transfer()`` only posts; on CPU memory the copy runs in the caller (in
+the post, and what UCX left unfinished there in the caller's polls after it), and its
+future is complete on return. That is two thread hand-offs fewer on the TTFT path,
 and on this project's 2-core machine a copy run in a helper thread while the caller
 waits took 0.5 to 1.8 ms longer at 64 to 256 MB than the same copy in the caller. The
 cost: on CPU the caller's event loop is blocked for the copy (about 1 ms per 10 MB here);
@@ -41,6 +42,12 @@ INLINE_LOCK_WAIT_S = 0.002
 # an inline READ that UCX did not finish within the post is polled this long by its caller
 # (as a raw NIXL READ is) before the progress thread takes over
 INLINE_POLL_S = 0.0005
+# ... and, between CPU memories, this much longer per byte: there UCX copies (CMA) inside
+# the progress calls, so a READ it left unfinished in the post advances only while polled.
+# Handed to the progress thread after 0.5 ms (its polls 0.1 ms apart), a quarter of 16 MB
+# pulls here took 0.4 to 1.5 ms longer. 1 GB/s is far below any copy rate seen (7-13 GB/s),
+# so the bound only cuts off a transfer that is stuck.
+INLINE_CPU_POLL_S_PER_BYTE = 1e-9
 
 
 @dataclass
@@ -111,7 +118,10 @@ class NixlWorker:
         try:
             self._start(post)
             if not post.future.done():  # posted but not finished in the post: poll it a little
-                self._finish_inline(self._in_flight[-1], time.perf_counter() + INLINE_POLL_S)
+                budget = INLINE_POLL_S
+                if self.local_mem_type == "DRAM" and post.remote_mem_type == "DRAM":
+                    budget += INLINE_CPU_POLL_S_PER_BYTE * sum(length for _, length, _ in post.local)
+                self._finish_inline(self._in_flight[-1], time.perf_counter() + budget)
         finally:
             self.lock.release()
         if not post.future.done():
