@@ -285,9 +285,8 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         "pages' is the same READ between two buffers madvised against huge pages, what the pool cost",
         "before it moved to huge pages. A request's KV in the pool layout `[layers, K/V, blocks, ...]`",
         "is at least 60 byte runs (30 layers x K/V), so our pull posts >= 60 descriptors where raw",
-        "NIXL posts one;",
-        "the column 'raw NIXL, 60 descriptors' is the same READ split like our layout, with none of",
-        "our code around it.",
+        "NIXL posts one; the column 'raw NIXL, 60 descriptors' is the same READ split like our layout,",
+        "with none of our code around it.",
         "",
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)

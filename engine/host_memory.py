@@ -17,6 +17,7 @@ same tensor comes back on ordinary pages. ``huge_pages=False`` asks for ordinary
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 
@@ -34,10 +35,8 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = T
     Every page is touched (written) before return, so the memory is resident and its cost
     is visible at start. The mapping lives as long as the tensor (and its views) do.
     """
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     # one extra huge page of slack to start the tensor on a 2 MB boundary
@@ -57,7 +56,8 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = T
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int | None:
-    """Bytes of ``tensor``'s range that the kernel backs with huge pages (Linux), else None."""
+    """Bytes on huge pages (``AnonHugePages``) in the mappings that overlap ``tensor``'s range
+    (Linux; None where ``/proc`` cannot be read)."""
     start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
     try:
         with open(f"/proc/{os.getpid()}/smaps") as smaps:

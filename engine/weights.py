@@ -61,12 +61,10 @@ def optimize_cpu_layout(model: PreTrainedModel, packed_weights: bool = False) ->
                     module.weight.data = module.weight.data.t().contiguous().t()
                 module.forward = types.MethodType(_linear_forward, module)
                 changed += 1
-        if packed_weights:
-            for module in model.modules():
-                if isinstance(module, FusedLinear) and module.packed_weight is None:
-                    module.packed_weight = cpu_matmul.pack(module.weight_t.t())
-                elif type(module) is torch.nn.Linear and getattr(module, "packed_weight", None) is None:
+                if packed_weights and getattr(module, "packed_weight", None) is None:
                     module.packed_weight = cpu_matmul.pack(module.weight)
+            elif packed_weights and isinstance(module, FusedLinear) and module.packed_weight is None:
+                module.packed_weight = cpu_matmul.pack(module.weight_t.t())
     return changed
 
 
