@@ -53,8 +53,13 @@ class TransferActor:
         self.layout = KVLayoutSignature(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
         self.pool = host_tensor((30, 2, POOL_BLOCKS, 16, 3, 64), torch.float32).uniform_()  # as the engine's pool
         self.released: list[str] = []
+        # pull and push each on their own transport (own NIXL agents), as a deployment runs
+        # one mode: when one connection carries pushes one way, UCX completes each READ the
+        # other way only after a round trip with the peer (docs/architecture.md)
         self.nixl = NixlTransport(engine_id, self.layout, RayPeerRegistry())
         self.nixl.register_pool(self.pool, self.released.append)
+        self.nixl_push = NixlTransport(f"{engine_id}-push", self.layout, RayPeerRegistry())
+        self.nixl_push.register_pool(self.pool, self.released.append)
         self.store = ObjectStoreTransport(engine_id, self.layout)
         self.store.register_pool(self.pool, self.released.append)
         from nixl._api import nixl_agent, nixl_agent_config
@@ -119,19 +124,19 @@ class TransferActor:
         return time.perf_counter() - start
 
     def destination(self, request_id: str, num_blocks: int):
-        return self.nixl.destination(request_id, list(range(num_blocks)), num_blocks * 16)
+        return self.nixl_push.destination(request_id, list(range(num_blocks)), num_blocks * 16)
 
     async def push_s(self, destination) -> float:
         blocks = list(range(POOL_BLOCKS - len(destination.block_ids), POOL_BLOCKS))
-        self.nixl.begin_push(destination)
+        self.nixl_push.begin_push(destination)
         start = time.perf_counter()
         for layer in range(30):
-            self.nixl.push_layer(destination.request_id, layer, blocks, 0)
-        await self.nixl.finish_push(destination.request_id, 1)
+            self.nixl_push.push_layer(destination.request_id, layer, blocks, 0)
+        await self.nixl_push.finish_push(destination.request_id, 1)
         return time.perf_counter() - start
 
     async def wait_push(self, destination) -> None:
-        await self.nixl.wait_push(destination)
+        await self.nixl_push.wait_push(destination)
 
 
 def handle_blocks(handle) -> int:

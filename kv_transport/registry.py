@@ -27,7 +27,8 @@ class PeerInfo:
     engine_id: str
     incarnation: str
     agent_name: str
-    agent_metadata: bytes
+    agent_metadata: bytes  # the agent that moves the data
+    notice_agent_metadata: bytes  # the agent that sends and receives notices
     layout: KVLayoutSignature
     pool_address: int  # base address of the pool tensor in the owner's process
     num_blocks: int
