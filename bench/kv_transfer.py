@@ -225,7 +225,10 @@ def pipelining(prompt_len: int = 2048) -> dict[str, float]:
             ray.get(decoding)
             figures.append(_push_figures(name, stats, pipelined))
         result.update(_median_figures(figures[1:]))
-        if name == "not_pipelined":
+        if name == "not_pipelined":  # pull from a producer that never pushed (see TransferActor)
+            ray.kill(producer)
+            producer = EngineActor.remote("bench-prefill-pull", "prefill", **config)
+            ray.get(producer.start.remote())
             pulls = []
             for rep in range(PIPELINE_REPEATS + 1):
                 request = GenerationRequest(f"pull-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
@@ -292,10 +295,16 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], command: str) -
         "before it moved to huge pages. A request's KV in the pool layout `[layers, K/V, blocks, ...]`",
         "is at least 60 byte runs (30 layers x K/V), so our pull posts >= 60 descriptors where raw",
         "NIXL posts one; the column 'raw NIXL, 60 descriptors' is the same READ split like our layout,",
-        "with none of our code around it.",
+        "with none of our code around it. Pull and push run on two transports (each its own NIXL",
+        "agents) in the same two processes, as a deployment runs one mode: a connection that carries",
+        "pushes one way makes UCX finish each READ the other way only after a round trip with the peer.",
         "",
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)
+        + ". Against raw NIXL as 60 descriptors: "
+        + ", ".join(
+            f"{r['size_mb']:.0f} MB {r['nixl_pull'] / r['raw_nixl_60_descs']:.2f}x" for r in rows if r["size_mb"] >= 15
+        )
         + ". The same READ as 60 descriptors, none of our code: "
         + ", ".join(
             f"{r['size_mb']:.0f} MB {r['raw_nixl_60_descs'] / r['raw_nixl']:.2f}x raw"
