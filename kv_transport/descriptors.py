@@ -47,11 +47,11 @@ def id_ranges(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 def pair_ranges(src: Ranges, dst: Ranges) -> list[tuple[int, int, int]]:
     """Two range lists of the same total length -> ``(src_start, dst_start, count)`` runs,
     split wherever either side's range ends."""
+    if len(src) == 1 and len(dst) == 1 and src[0][1] == dst[0][1]:
+        return [(src[0][0], dst[0][0], src[0][1])]
     src_total, dst_total = sum(n for _, n in src), sum(n for _, n in dst)
     if src_total != dst_total:
         raise ValueError(f"{src_total} source blocks but {dst_total} destination blocks")
-    if len(src) == 1 and len(dst) == 1:
-        return [(src[0][0], dst[0][0], src_total)]
     runs: list[tuple[int, int, int]] = []
     i = j = 0
     s, sn = src[0] if src else (0, 0)
