@@ -85,7 +85,6 @@ class AppConfig(_Section):
     )
     max_queued_requests: int = Field(256, ge=1, description="requests the ingress holds before answering 503")
     slo: SLOConfig = Field(default_factory=SLOConfig, description="service-level objectives")
-    autoscaling_policy: str | None = Field(None, description="path of an autoscaling policy YAML file")
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

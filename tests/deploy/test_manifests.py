@@ -1,0 +1,71 @@
+"""The shipped Serve config and KubeRay RayService: Serve's schema accepts them, their
+application settings are a valid AppConfig that builds the application, and each pool's
+pinning resource is offered by exactly one node group, with room for its replicas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from app.config import AppConfig, disagg_app
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _serve_config(name: str) -> dict:
+    data = yaml.safe_load((DEPLOY / name).read_text())
+    if data.get("kind") == "RayService":
+        data = yaml.safe_load(data["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(data)
+    return data
+
+
+def _rayservice() -> dict:
+    return yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+
+
+def _offered(group: dict) -> dict[str, float]:
+    """Custom resources a KubeRay group's ``ray start`` offers (a JSON string in quotes)."""
+    raw = group["rayStartParams"].get("resources")
+    return json.loads(raw.strip('"').replace('\\"', '"')) if raw else {}
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "kuberay/rayservice.yaml"])
+def test_shipped_configs_build_the_application(name):
+    (application,) = _serve_config(name)["applications"]
+    assert application["import_path"] == "app.config:disagg_app"
+    config = AppConfig.load(application["args"])
+    assert set(config.prefill.resources).isdisjoint(config.decode.resources), "pools share a pinning resource"
+    assert config.prefill.resources and config.decode.resources
+    app = disagg_app(application["args"])  # binds the three deployments without starting them
+    assert app is not None
+
+
+def test_rayservice_pins_each_pool_to_its_own_worker_group():
+    service = _rayservice()
+    cluster = service["spec"]["rayClusterConfig"]
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    config = AppConfig.load(application["args"])
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert not _offered(head)
+    image = head["template"]["spec"]["containers"][0]["image"]
+    for pool_name, pool in (("prefill", config.prefill), ("decode", config.decode)):
+        (resource,) = pool.resources
+        groups = [g for g in cluster["workerGroupSpecs"] if resource in _offered(g)]
+        assert [g["groupName"] for g in groups] == [pool_name]
+        group = groups[0]
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["image"] == image
+        per_pod = _offered(group)[resource] / pool.resources[resource]
+        gpus = float(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+        assert per_pod * pool.num_gpus == gpus, f"{pool_name}: {per_pod} replicas per pod x {pool.num_gpus} GPUs"
+        assert per_pod * pool.num_cpus <= float(container["resources"]["limits"]["cpu"])
+        assert per_pod * group["maxReplicas"] >= pool.num_replicas
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert config.model.source.startswith(tuple(mounts)), "the model must come from a mounted volume"
+    assert cluster["rayVersion"] in (DEPLOY / "Dockerfile").read_text()
