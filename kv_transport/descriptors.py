@@ -47,7 +47,7 @@ def id_ranges(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 def pair_ranges(src: Ranges, dst: Ranges) -> list[tuple[int, int, int]]:
     """Two range lists of the same total length -> ``(src_start, dst_start, count)`` runs,
     split wherever either side's range ends."""
-    if len(src) == 1 and len(dst) == 1 and src[0][1] == dst[0][1]:
+    if len(src) == 1 and len(dst) == 1 and src[0][1] == dst[0][1] > 0:
         return [(src[0][0], dst[0][0], src[0][1])]
     src_total, dst_total = sum(n for _, n in src), sum(n for _, n in dst)
     if src_total != dst_total:

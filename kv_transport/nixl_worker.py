@@ -155,12 +155,12 @@ class NixlWorker:
                     budget += INLINE_CPU_POLL_S_PER_BYTE * sum(length for _, length, _ in local)
                 deadline = time.perf_counter() + budget
                 while state == "PROC" and time.perf_counter() < deadline:
-                    state = self.agent.check_xfer_state(handle)
+                    state = self._state(handle)
                 if state == "PROC":
                     future: concurrent.futures.Future = concurrent.futures.Future()
                     self._in_flight.append(_InFlight(handle, future))
                 else:
-                    self.agent.release_xfer_handle(handle)
+                    self._release(handle)
         finally:
             self.lock.release()
         if state == "PROC":
@@ -170,10 +170,26 @@ class NixlWorker:
             raise KVTransferError("NIXL READ ended in state ERR", request_id, peer_engine)
         return state, time.time()
 
+    def _state(self, handle: object) -> str:
+        """``check_xfer_state`` (``self.lock`` held); NIXL raises for a failed transfer (e.g.
+        the peer is gone): that is ``"ERR"`` here, so the transfer's waiter gets the typed
+        error and the progress thread goes on with the others."""
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception:
+            logger.warning("NIXL transfer failed", exc_info=True)
+            return "ERR"
+
     def _retire(self, xfer: _InFlight) -> None:
         """Drop a finished transfer's handle (``self.lock`` held)."""
-        self.agent.release_xfer_handle(xfer.handle)
         self._in_flight.remove(xfer)
+        self._release(xfer.handle)
+
+    def _release(self, handle: object) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # a failed transfer's handle; nothing more to do with it
+            logger.warning("could not release a NIXL transfer handle", exc_info=True)
 
     def add_peer(self, metadata: bytes, notice_metadata: bytes) -> tuple[str, str]:
         """Load a peer's two agents (``self.lock`` held); their names, data agent first."""
@@ -213,10 +229,14 @@ class NixlWorker:
         self._drain_outbox()
         finished: list[tuple[_InFlight, str]] = []
         with self.lock:
-            notifs = self.notices.get_new_notifs()
-            self.agent.get_new_notifs()  # progresses the data agent (connection setup)
+            try:
+                notifs = self.notices.get_new_notifs()
+                self.agent.get_new_notifs()  # progresses the data agent (connection setup)
+            except Exception:  # delivered next round; transfers and expiry go on meanwhile
+                logger.warning("NIXL notices could not be read", exc_info=True)
+                notifs = {}
             for xfer in list(self._in_flight):
-                state = self.agent.check_xfer_state(xfer.handle)
+                state = self._state(xfer.handle)
                 if state != "PROC":
                     self._retire(xfer)
                     finished.append((xfer, state))
@@ -299,9 +319,9 @@ class NixlWorker:
             state = self.agent.transfer(handle)
         except Exception as exc:
             if handle is not None:
-                self.agent.release_xfer_handle(handle)
+                self._release(handle)
             raise KVTransferError(f"NIXL {op} failed: {exc!r}", request_id, peer_engine) from exc
         if state == "PROC":
             return state, handle
-        self.agent.release_xfer_handle(handle)
+        self._release(handle)
         return state, None

@@ -38,7 +38,7 @@ def _offered(group: dict) -> dict[str, float]:
 def test_shipped_configs_build_the_application(name):
     (application,) = _serve_config(name)["applications"]
     assert application["import_path"] == "app.config:disagg_app"
-    config = AppConfig.load(application["args"])
+    config = AppConfig.load(application["args"], environ={})
     assert set(config.prefill.resources).isdisjoint(config.decode.resources), "pools share a pinning resource"
     assert config.prefill.resources and config.decode.resources
     app = disagg_app(application["args"])  # binds the three deployments without starting them
@@ -49,10 +49,13 @@ def test_rayservice_pins_each_pool_to_its_own_worker_group():
     service = _rayservice()
     cluster = service["spec"]["rayClusterConfig"]
     (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
-    config = AppConfig.load(application["args"])
+    config = AppConfig.load(application["args"], environ={})
     head = cluster["headGroupSpec"]
-    assert head["rayStartParams"]["num-cpus"] == "0"
+    # the head takes no engine replica, and has room for the ingress (the workers' CPUs
+    # go to replicas, checked below)
     assert not _offered(head)
+    ingress = disagg_app(application["args"])._bound_deployment
+    assert float(head["rayStartParams"]["num-cpus"]) >= ingress.ray_actor_options["num_cpus"]
     image = head["template"]["spec"]["containers"][0]["image"]
     for pool_name, pool in (("prefill", config.prefill), ("decode", config.decode)):
         (resource,) = pool.resources
@@ -67,5 +70,5 @@ def test_rayservice_pins_each_pool_to_its_own_worker_group():
         assert per_pod * pool.num_cpus <= float(container["resources"]["limits"]["cpu"])
         assert per_pod * group["maxReplicas"] >= pool.num_replicas
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
-        assert config.model.source.startswith(tuple(mounts)), "the model must come from a mounted volume"
+        assert config.model.source.startswith(tuple(m + "/" for m in mounts)), "the model must be on a mounted volume"
     assert cluster["rayVersion"] in (DEPLOY / "Dockerfile").read_text()

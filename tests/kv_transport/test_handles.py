@@ -50,6 +50,7 @@ def test_block_ranges_pair_up_where_either_side_breaks():
     assert id_ranges([7, 9, 8]) == [(7, 1), (9, 1), (8, 1)]
     assert id_ranges([]) == []
     assert pair_ranges([(0, 22)], [(398, 22)]) == [(0, 398, 22)]
+    assert pair_ranges([(3, 0)], [(5, 0)]) == []  # no zero-length descriptors
     # a handle's ranges against scattered local blocks
     assert pair_ranges([(0, 3), (10, 2)], [(5, 1), (20, 4)]) == [(0, 5, 1), (1, 20, 2), (10, 22, 2)]
     with pytest.raises(ValueError, match="5 source blocks but 4 destination blocks"):
