@@ -6,9 +6,10 @@ incarnation), so a restarted peer is re-handshaken and never reused stale.
 
 Layer pushes, polling and completion run on the progress thread of
 ``nixl_worker.NixlWorker`` and a pull's READ is posted by its caller (see there why); all
-agent calls hold its lock. Notifications: ``R:<id>`` consumer ->
-producer (release the exported blocks), ``P:<id>:<first token>`` producer -> consumer
-(push complete), ``F:<id>`` producer -> consumer (push failed).
+agent calls hold its lock. Notices, always between the two processes' notice agents and
+never attached to a transfer (see ``NixlWorker``): ``R:<id>`` consumer -> producer (release
+the exported blocks), ``P:<id>:<first token>`` producer -> consumer (push complete),
+``F:<id>`` producer -> consumer (push failed).
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ class NixlTransport(BaseKVTransport):
         if self._pool.is_cuda:  # post once the layer's kernels are done, without a device sync
             event = torch.cuda.Event()
             event.record()
-        push.futures.append(self._post("WRITE", local, remote, push.peer, b"", request_id, record, event))
+        push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record, event))
 
     async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
         push = self._push_out.pop(request_id)
@@ -311,7 +312,6 @@ class NixlTransport(BaseKVTransport):
         local: Descs,
         remote: Descs,
         peer: _Peer,
-        notif: bytes,
         request_id: str,
         record: dict[str, float] | None = None,
         event: object | None = None,
@@ -324,7 +324,6 @@ class NixlTransport(BaseKVTransport):
             peer.agent_name,
             peer.info.engine_id,
             peer.info.mem_type,
-            notif,
             request_id,
             concurrent.futures.Future(),
             record,

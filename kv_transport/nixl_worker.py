@@ -60,7 +60,6 @@ class Post:
     peer_agent: str
     peer_engine: str
     remote_mem_type: str
-    notif: bytes
     request_id: str
     future: concurrent.futures.Future
     record: dict[str, float] | None = None  # push layer timestamps: "posted" is set when posted
@@ -140,15 +139,12 @@ class NixlWorker:
                 peer_agent,
                 peer_engine,
                 remote_mem_type,
-                b"",
                 request_id,
                 concurrent.futures.Future(),
             )
             return self.post(post)
         try:
-            state, handle = self._transfer(
-                "READ", local, remote, peer_agent, remote_mem_type, b"", request_id, peer_engine
-            )
+            state, handle = self._transfer("READ", local, remote, peer_agent, remote_mem_type, request_id, peer_engine)
             if state == "PROC":  # posted but not finished in the post: poll it a little
                 budget = INLINE_POLL_S
                 if self.local_mem_type == "DRAM" and remote_mem_type == "DRAM":
@@ -277,7 +273,6 @@ class NixlWorker:
                 post.remote,
                 post.peer_agent,
                 post.remote_mem_type,
-                post.notif,
                 post.request_id,
                 post.peer_engine,
             )
@@ -300,7 +295,6 @@ class NixlWorker:
         remote: Descs,
         peer_agent: str,
         remote_mem_type: str,
-        notif: bytes,
         request_id: str,
         peer_engine: str,
     ) -> tuple[str, object | None]:
@@ -314,7 +308,6 @@ class NixlWorker:
                 self.agent.get_xfer_descs(local, self.local_mem_type),
                 self.agent.get_xfer_descs(remote, remote_mem_type),
                 peer_agent,
-                notif,
             )
             state = self.agent.transfer(handle)
         except Exception as exc:
