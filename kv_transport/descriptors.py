@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kv_transport.handle import to_ranges
+
 Descs = list[tuple[int, int, int]]  # NIXL (address, length, device id) rows
 Ranges = Sequence[tuple[int, int]]  # (first block, count)
 
@@ -29,19 +31,13 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int
 
 
 def id_ranges(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """``[4, 5, 6, 9, 10]`` -> ``[(4, 3), (9, 2)]``; a consecutive list in one comparison."""
+    """``handle.to_ranges`` as a list, with a consecutive list recognised in one comparison."""
     if not block_ids:
         return []
     first = block_ids[0]
     if block_ids[-1] - first == len(block_ids) - 1 and list(block_ids) == list(range(first, first + len(block_ids))):
         return [(first, len(block_ids))]
-    ranges: list[list[int]] = []
-    for block in block_ids:
-        if ranges and ranges[-1][0] + ranges[-1][1] == block:
-            ranges[-1][1] += 1
-        else:
-            ranges.append([block, 1])
-    return [(start, count) for start, count in ranges]
+    return list(to_ranges(block_ids))
 
 
 def pair_ranges(src: Ranges, dst: Ranges) -> list[tuple[int, int, int]]:

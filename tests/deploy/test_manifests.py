@@ -42,7 +42,7 @@ def test_shipped_configs_build_the_application(name):
     assert set(config.prefill.resources).isdisjoint(config.decode.resources), "pools share a pinning resource"
     assert config.prefill.resources and config.decode.resources
     app = disagg_app(application["args"])  # binds the three deployments without starting them
-    assert app is not None
+    assert app._bound_deployment.name == "OpenAIIngress"
 
 
 def test_rayservice_pins_each_pool_to_its_own_worker_group():
