@@ -74,7 +74,7 @@ class _InFlight:
 
 class NixlWorker:
     def __init__(self, name: str, local_mem_type: str = "DRAM") -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
         # No NIXL progress thread: nixl's Python agent runs it with a zero delay, a thread
         # that spins a whole core per process. This thread progresses UCX instead (each
@@ -88,8 +88,16 @@ class NixlWorker:
         # 1.6 ms with the notices on their own agents (two-process probe, no Ray).
         self.notices = nixl_agent(f"{name}.notices", config)
         self.local_mem_type = local_mem_type
+        # descriptor lists built by the binding itself: ``get_xfer_descs`` only dispatches on
+        # the input's type, and that took ~10 us of a pull in a process that had just idled
+        self._xfer_dlist = nixlBind.nixlXferDList
+        self._segments = self.agent.nixl_mems
         self.lock = threading.Lock()
         self._outbox: collections.deque[Post] = collections.deque()
+        # work a pull leaves for this thread: handles of READs that ended inline, notices
+        # (deque appends are atomic; nothing is woken, a round comes within IDLE_POLL_S)
+        self._releases: collections.deque[object] = collections.deque()
+        self._notices_out: collections.deque[tuple[str, bytes]] = collections.deque()
         self._in_flight: list[_InFlight] = []
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -109,6 +117,8 @@ class NixlWorker:
         self._wake.set()
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=1)
+        with self.lock:  # a release notice queued just before the stop still goes
+            self._flush_deferred()
 
     def post(self, post: Post) -> concurrent.futures.Future:
         self._outbox.append(post)
@@ -128,7 +138,8 @@ class NixlWorker:
 
         Returns ``(state, done time)`` when it ended here, else a future that the progress
         thread completes as ``post``'s (also when that thread is busy and the READ is queued
-        for it). Nothing is allocated for a READ that ends here: this is a pull's critical path.
+        for it). Nothing is allocated for a READ that ends here, and its handle is released
+        by the progress thread: this is a pull's critical path.
         """
         # keep posting order; wait out a polling round, never a long post of the progress thread
         if self._outbox or not self.lock.acquire(timeout=INLINE_LOCK_WAIT_S):
@@ -144,7 +155,9 @@ class NixlWorker:
             )
             return self.post(post)
         try:
-            state, handle = self._transfer("READ", local, remote, peer_agent, remote_mem_type, request_id, peer_engine)
+            state, handle = self._transfer(
+                "READ", local, remote, peer_agent, remote_mem_type, request_id, peer_engine, keep_handle=True
+            )
             if state == "PROC":  # posted but not finished in the post: poll it a little
                 budget = INLINE_POLL_S
                 if self.local_mem_type == "DRAM" and remote_mem_type == "DRAM":
@@ -155,8 +168,8 @@ class NixlWorker:
                 if state == "PROC":
                     future: concurrent.futures.Future = concurrent.futures.Future()
                     self._in_flight.append(_InFlight(handle, future))
-                else:
-                    self._release(handle)
+            if state != "PROC":
+                self._releases.append(handle)
         finally:
             self.lock.release()
         if state == "PROC":
@@ -205,10 +218,18 @@ class NixlWorker:
     def notify(self, peer_notice_agent: str, message: bytes) -> None:
         """Best effort: a peer that is gone cannot be told, and its side times out."""
         with self.lock:
-            try:
-                self.notices.send_notif(peer_notice_agent, message)
-            except Exception:
-                logger.warning("could not notify %s (%s)", peer_notice_agent, message[:40])
+            self._send_notice(peer_notice_agent, message)
+
+    def notify_soon(self, peer_notice_agent: str, message: bytes) -> None:
+        """``notify`` from the progress thread's next round (within ``IDLE_POLL_S``): costs the
+        caller one append (a pull's release notice, sent after the copy)."""
+        self._notices_out.append((peer_notice_agent, message))
+
+    def _send_notice(self, peer_notice_agent: str, message: bytes) -> None:
+        try:
+            self.notices.send_notif(peer_notice_agent, message)
+        except Exception:
+            logger.warning("could not notify %s (%s)", peer_notice_agent, message[:40])
 
     def _loop(self, on_notif, on_tick, waiting) -> None:
         while not self._closed.is_set():
@@ -225,6 +246,7 @@ class NixlWorker:
         self._drain_outbox()
         finished: list[tuple[_InFlight, str]] = []
         with self.lock:
+            self._flush_deferred()
             try:
                 notifs = self.notices.get_new_notifs()
                 self.agent.get_new_notifs()  # progresses the data agent (connection setup)
@@ -247,6 +269,13 @@ class NixlWorker:
         if self._in_flight or self._outbox:
             return BUSY_POLL_S
         return WAIT_POLL_S if waiting() else IDLE_POLL_S
+
+    def _flush_deferred(self) -> None:
+        """Release handles and send notices that pulls left (``self.lock`` held)."""
+        while self._releases:
+            self._release(self._releases.popleft())
+        while self._notices_out:
+            self._send_notice(*self._notices_out.popleft())
 
     def _drain_outbox(self) -> None:
         """Post queued transfers in order; a CUDA post waits for its layer's event."""
@@ -297,16 +326,17 @@ class NixlWorker:
         remote_mem_type: str,
         request_id: str,
         peer_engine: str,
+        keep_handle: bool = False,
     ) -> tuple[str, object | None]:
         """Post one transfer (``self.lock`` held): ``("PROC", handle)`` while in flight, else
-        ``(state, None)`` with the handle released. NIXL's own errors (e.g. the peer
-        disconnected) become ``KVTransferError``."""
+        ``(state, None)`` with the handle released (``(state, handle)`` with ``keep_handle``).
+        NIXL's own errors (e.g. the peer disconnected) become ``KVTransferError``."""
         handle = None
         try:
             handle = self.agent.initialize_xfer(
                 op,
-                self.agent.get_xfer_descs(local, self.local_mem_type),
-                self.agent.get_xfer_descs(remote, remote_mem_type),
+                self._xfer_dlist(self._segments[self.local_mem_type], local),
+                self._xfer_dlist(self._segments[remote_mem_type], remote),
                 peer_agent,
             )
             state = self.agent.transfer(handle)
@@ -314,7 +344,7 @@ class NixlWorker:
             if handle is not None:
                 self._release(handle)
             raise KVTransferError(f"NIXL {op} failed: {exc!r}", request_id, peer_engine) from exc
-        if state == "PROC":
+        if state == "PROC" or keep_handle:
             return state, handle
         self._release(handle)
         return state, None
