@@ -180,8 +180,9 @@ def measure(kind: str, producer, consumer, tag: str, num_blocks: int, meta: byte
 
 def descriptor_cost_us(producer, consumer) -> dict[str, float]:
     """The fixed cost of a descriptor, none of our code: one raw READ of 60 x 64 B against one
-    of 64 B (medians). Between CPU memories UCX reads each descriptor with its own
-    ``process_vm_readv`` call, so a pull in the pool layout (>= 60 descriptors) pays it 60 times."""
+    of 64 B (medians, ``initialize_xfer`` included). Per descriptor NIXL prepares it and UCX,
+    between CPU memories, reads it with its own ``process_vm_readv`` call; a pull in the pool
+    layout (>= 60 descriptors) pays that for 59 more than one contiguous READ."""
     meta, addresses = ray.get(producer.raw_meta.remote())
     times: dict[int, list[float]] = {1: [], 60: []}
     for rep in range(REPEATS + 1):
@@ -333,9 +334,9 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], descs: dict[str
         "",
         f"The descriptors' own cost, same run: a raw READ of 60 x 64 B took {descs['sixty_descriptors_us']:.0f} us,",
         f"one of 64 B {descs['one_descriptor_us']:.0f} us: {descs['per_extra_descriptor_us']:.1f} us per extra",
-        "descriptor (UCX reads each descriptor between CPU memories with its own `process_vm_readv`",
-        f"call), {59 * descs['per_extra_descriptor_us']:.0f} us for a pull's 60 against one contiguous READ,",
-        "before any of our code runs.",
+        "descriptor (NIXL prepares each, and UCX reads each between CPU memories with its own",
+        f"`process_vm_readv` call), {59 * descs['per_extra_descriptor_us']:.0f} us for a pull's 60 against",
+        "one contiguous READ, before any of our code runs.",
         "",
         "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
         "",

@@ -211,7 +211,8 @@ class NixlWorker:
         return tuple(n.decode() if isinstance(n, bytes) else n for n in (name, notice_name))
 
     def remove_peer(self, name: str, notice_name: str) -> None:
-        """Forget a peer's agents (``self.lock`` held)."""
+        """Forget a peer's agents (``self.lock`` held), after what pulls left for it."""
+        self._flush_deferred()
         self.agent.remove_remote_agent(name)
         self.notices.remove_remote_agent(notice_name)
 
@@ -222,8 +223,12 @@ class NixlWorker:
 
     def notify_soon(self, peer_notice_agent: str, message: bytes) -> None:
         """``notify`` from the progress thread's next round (within ``IDLE_POLL_S``): costs the
-        caller one append (a pull's release notice, sent after the copy)."""
-        self._notices_out.append((peer_notice_agent, message))
+        caller one append (a pull's release notice, sent after the copy). Once the thread is
+        stopped, at once."""
+        if self._closed.is_set():
+            self.notify(peer_notice_agent, message)
+        else:
+            self._notices_out.append((peer_notice_agent, message))
 
     def _send_notice(self, peer_notice_agent: str, message: bytes) -> None:
         try:
@@ -243,10 +248,12 @@ class NixlWorker:
 
     def _round(self, on_notif, on_tick, waiting) -> float:
         """Post what is queued, complete what finished, deliver notices; returns the next wait."""
+        if self._releases or self._notices_out:  # first: a long post must not hold them back
+            with self.lock:
+                self._flush_deferred()
         self._drain_outbox()
         finished: list[tuple[_InFlight, str]] = []
         with self.lock:
-            self._flush_deferred()
             try:
                 notifs = self.notices.get_new_notifs()
                 self.agent.get_new_notifs()  # progresses the data agent (connection setup)
