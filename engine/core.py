@@ -67,6 +67,7 @@ class EngineCore:
         model = loaded.model
         self.device = model.device
         self.layout = layout_for(model.config, config.block_size, model.dtype)
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # ids at or above: refused
         self.limits = resolve_limits(config, model.config.max_position_embeddings, self.layout.bytes_per_block)
         self.pool = KVPool(self.layout, self.limits.num_blocks, self.device)
         self.allocator = BlockAllocator(self.limits.num_blocks, config.block_size)
@@ -186,6 +187,11 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def _validate_length(self, request: GenerationRequest) -> None:
+        """Prompt ids and lengths that the model can take (before anything is allocated: a bad id
+        found inside a step would fail every request in the batch)."""
+        too_big = max(request.prompt_token_ids)
+        if too_big >= self.vocab_size:
+            raise ValueError(f"prompt: token id {too_big} is out of vocabulary (the model has {self.vocab_size} ids)")
         limit = self.limits.max_model_len
         num_prompt = len(request.prompt_token_ids)
         if num_prompt >= limit:
