@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from engine.params import SEED_RANGE
 
@@ -17,6 +17,20 @@ from engine.params import SEED_RANGE
 class _Body(BaseModel):
     # NaN and infinity (Python's JSON reader takes the literals) are refused per field
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable (the openai SDK sends a ``None`` it is given):
+        ``null`` means the default. A required field's ``null`` is still refused."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
+        }
 
 
 class StreamOptions(_Body):
@@ -91,6 +105,8 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+            if len(value) == 1:  # a batch of one (lm-eval-harness sends these): that prompt
+                return value[0]
             raise ValueError("batched prompts (a list of strings or of token lists) are not supported: send one each")
         return value
 
@@ -131,11 +147,22 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part)
 
 
+def _field_loc(loc: tuple) -> tuple:
+    """An error's location up to the first union member tag: the field it is about."""
+    field: list = []
+    for part in loc:
+        if _is_type_tag(part):
+            break
+        field.append(part)
+    return tuple(field)
+
+
 def validation_error_body(exc: ValidationError) -> dict:
-    """The first problem, naming the field as OpenAI does (``param``). Of a union's errors the
-    deepest is the one meant (``[true]`` as a prompt: item 0, not "not a string")."""
+    """The first problem, naming the field as OpenAI does (``param``). Of the alternatives of the
+    same union the deepest is the one meant (``[true]`` as a prompt: item 0, not "not a string")."""
     errors = exc.errors()
-    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    field = _field_loc(errors[0]["loc"])
+    first = max((e for e in errors if _field_loc(e["loc"]) == field), key=lambda e: len(e["loc"]))
     param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
     message = first["msg"].removeprefix("Value error, ")
     return error_body(f"{param}: {message}" if param else message, param)

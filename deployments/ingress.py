@@ -9,7 +9,6 @@ replica calls, which abort the request and free its blocks on every replica.
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -34,7 +33,7 @@ from app.openai_protocol import (
 from deployments.metrics import IngressMetrics
 from deployments.openai_format import ChunkWriter, full_response, sse, token_text_of
 from engine.loader import ModelSpec, load_tokenizer, model_name
-from engine.params import GenerationRequest, RequestOutput, SamplingParams, TokenLogprobs
+from engine.params import GenerationRequest, RequestOutput, SamplingParams
 from engine.tokenization import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -149,7 +148,7 @@ class OpenAIIngress:
         problem = unsupported(body)
         if problem is not None:
             raise HTTPError(400, error_body(problem[1], problem[0]))
-        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
             raise HTTPError(400, error_body("top_logprobs: needs logprobs: true", "top_logprobs"))
         return body
 
@@ -258,10 +257,6 @@ class OpenAIIngress:
     async def _outputs(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Route one request through prefill and decode (or a colocated replica)."""
         prefill_call = None
-        # disaggregated, the decode replica has no logits for the first token: its
-        # log-probabilities come from the prefill replica's result
-        first_logprobs: TokenLogprobs | None = None
-        needs_first = False
         if self.colocated is not None:
             stream = self.colocated.options(stream=True).generate.remote(request)
         elif len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
@@ -270,7 +265,6 @@ class OpenAIIngress:
             hop_start = time.perf_counter()
             result, handle = await self._call(self.prefill.prefill.remote(request))
             self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
-            first_logprobs = result.first_logprobs
             if handle is None:  # ended at its first token
                 yield RequestOutput(
                     request.request_id,
@@ -280,28 +274,22 @@ class OpenAIIngress:
                     result.finish_reason,
                     result.num_tokens,
                     1,
-                    logprobs=(first_logprobs,) if first_logprobs is not None else (),
+                    logprobs=(result.first_logprobs,) if result.first_logprobs is not None else (),
                 )
                 return
-            needs_first = request.sampling.logprobs is not None
-            stream = self.decode.options(stream=True).decode_pull.remote(request, handle)
+            # the decode replica has no logits for the first token: its log-probabilities
+            # go along (in push mode inside the push's completion notice)
+            stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
         else:
             stream = self.decode.options(stream=True).decode_push.remote(request)
             destination = await self._call(stream.__anext__())
             prefill_call = self.prefill.prefill_push.remote(request, destination)
-            needs_first = request.sampling.logprobs is not None
-        finished, prefill_done = False, False
+        finished = False
         try:
             async for output in self._iterate(stream):
                 finished = output.finished
-                if needs_first:
-                    needs_first = False
-                    if prefill_call is not None:  # push: done by now, its KV has arrived
-                        first_logprobs = (await self._call(prefill_call))[0].first_logprobs
-                        prefill_done = True
-                    output = _with_first_logprobs(output, first_logprobs)
                 yield output
-            if prefill_call is not None and not prefill_done:
+            if prefill_call is not None:
                 await self._call(prefill_call)
         finally:
             if not finished:  # client gone or an error: cancelling aborts on the replicas
@@ -333,13 +321,7 @@ class OpenAIIngress:
                     {"Retry-After": "1"},
                 ) from None
             if name == "ValueError":  # the engine refused the request's input (e.g. a duplicate id)
-                raise HTTPError(400, error_body(str(cause), None)) from None
+                param = "prompt" if str(cause).startswith("prompt") else None
+                raise HTTPError(400, error_body(str(cause), param)) from None
             logger.exception("request failed")
             raise HTTPError(500, error_body(f"internal error ({name})", None, "server_error")) from None
-
-
-def _with_first_logprobs(output: RequestOutput, first: TokenLogprobs | None) -> RequestOutput:
-    """The decode replica's first output, with the first token's log-probabilities prepended."""
-    if first is None or len(output.logprobs) >= len(output.token_ids):
-        return output
-    return dataclasses.replace(output, logprobs=(first, *output.logprobs))

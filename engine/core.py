@@ -127,15 +127,23 @@ class EngineCore:
         self._reserved[request_id] = self.allocator.allocate(needed)
         return list(self._reserved[request_id])
 
-    def add_decode(self, request: GenerationRequest, block_ids: list[int], first_token: int) -> None:
-        """Continue ``request`` from KV already written into ``block_ids`` (from ``reserve``)."""
+    def add_decode(
+        self,
+        request: GenerationRequest,
+        block_ids: list[int],
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+    ) -> None:
+        """Continue ``request`` from KV already written into ``block_ids`` (from ``reserve``).
+        ``first_logprobs``: the first token's, computed where the prompt ran (this engine has
+        no logits for it)."""
         self._require_role(Role.DECODE, "decode")
         held = self._reserved.get(request.request_id)
         if held is None or list(block_ids) != held:
             raise ValueError(f"block_ids {list(block_ids)} were not reserved for {request.request_id!r}")
         self._admit(request, prefill_only=False, remote_blocks=held)
         del self._reserved[request.request_id]
-        self._pending.append(self._append_token(self._requests[request.request_id], first_token, None))
+        self._pending.append(self._append_token(self._requests[request.request_id], first_token, first_logprobs))
 
     def release(self, request_id: str) -> bool:
         """Free the pinned blocks of a finished prefill, or reserved blocks never used."""

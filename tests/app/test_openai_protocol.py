@@ -25,6 +25,8 @@ def _refusal(schema: type, body: dict | str) -> dict:
     [
         (CompletionRequest, {"model": "m", "prompt": ["a", "b"]}, "prompt", "batched prompts"),
         (CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]]}, "prompt", "batched prompts"),
+        (CompletionRequest, {"model": "m", "prompt": None}, "prompt", "valid string"),
+        (CompletionRequest, {"model": None, "prompt": "x"}, "model", "valid string"),
         (CompletionRequest, {"model": "m", "prompt": [1, True]}, "prompt.1", "valid integer"),
         (CompletionRequest, {"model": "m", "prompt": [1, "2"]}, "prompt.1", "valid integer"),
         (CompletionRequest, {"model": "m", "prompt": 5}, "prompt", "valid string"),
@@ -43,6 +45,12 @@ def _refusal(schema: type, body: dict | str) -> dict:
             "content parts of type 'image_url' are not supported",
         ),
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 30}, "top_logprobs", "less than or equal to 20"),
+        (
+            ChatCompletionRequest,
+            {**CHAT, "messages": [{"role": "robot", "content": "x"}, {"role": "user", "content": 5}]},
+            "messages.0.role",
+            "'user'",
+        ),
     ],
 )
 def test_refusals_name_the_field(schema, body, param, text):
@@ -99,3 +107,23 @@ def test_set_but_unsupported_fields_are_named(schema, extra, param):
 def test_neutral_values_of_unsupported_fields_pass(schema, extra):
     base = CHAT if schema is ChatCompletionRequest else COMPLETION
     assert unsupported(schema.model_validate({**base, **extra})) is None
+
+
+def test_null_means_the_default_and_a_batch_of_one_is_its_prompt():
+    """As the openai SDK sends a None it was given, and lm-eval-harness a one-prompt batch."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty", "logprobs", "seed", "stop"])
+    chat = ChatCompletionRequest.model_validate({**CHAT, **nulls})
+    assert (chat.temperature, chat.top_p, chat.n, chat.stream, chat.logprobs, chat.seed) == (
+        1.0,
+        1.0,
+        1,
+        False,
+        False,
+        None,
+    )
+    assert unsupported(chat) is None
+    completion = CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["one prompt"], "echo": None, "best_of": None}
+    )
+    assert completion.prompt == "one prompt" and unsupported(completion) is None
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]

@@ -228,6 +228,10 @@ def test_completion_logprobs_match_across_paths(base_url):
         got = results[prefix]["logprobs"]
         assert got["tokens"] == colo["tokens"] and got["text_offset"] == colo["text_offset"]
         assert got["token_logprobs"] == pytest.approx(colo["token_logprobs"], abs=1e-3)
+    for prefix in ("", "/push", "/colo"):  # ended at the first token: the prefill result's alone
+        one = _post(base_url + prefix, COMPLETIONS, {**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+        assert one["tokens"] == colo["tokens"][:1]
+        assert one["token_logprobs"] == pytest.approx(colo["token_logprobs"][:1], abs=1e-3)
 
 
 def test_chat_logprobs_streamed(url):
