@@ -58,8 +58,8 @@ class EngineActor:
     async def prefill_pull(self, request):
         return await self.link.prefill_pull(request)
 
-    async def decode_pull(self, request, handle):
-        return [o async for o in self.link.decode_pull(request, handle)]
+    async def decode_pull(self, request, handle, first_logprobs=None):
+        return [o async for o in self.link.decode_pull(request, handle, first_logprobs)]
 
     async def reserve_push(self, request):
         return await self.link.reserve_push(request)

@@ -18,13 +18,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from ray import serve
 
 from app.config import AppConfig
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body, validation_error_body
+from app.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    unsupported,
+    validation_error_body,
+)
 from deployments.metrics import IngressMetrics
-from deployments.openai_format import ChunkWriter, full_response, sse
+from deployments.openai_format import ChunkWriter, full_response, sse, token_text_of
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
 from engine.tokenization import encode_prompt
@@ -48,6 +55,7 @@ class OpenAIIngress:
         self.config = AppConfig.model_validate(config)
         spec = ModelSpec(source=self.config.model.source)
         self.tokenizer = load_tokenizer(spec)
+        self._text_of = token_text_of(self.tokenizer)
         self.model = self.config.model.served_name or model_name(spec)
         self.max_model_len = self.config.model.max_model_len
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
@@ -101,9 +109,10 @@ class OpenAIIngress:
             ).response()
         self._active_ids.add(request.request_id)  # discarded when _timed ends
         headers = {"X-Request-Id": request.request_id}
+        text_of = self._text_of if request.sampling.logprobs is not None else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(kind, request, include_usage)
+            stream = self._stream(kind, request, include_usage, text_of)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         self.in_flight += 1
         try:
@@ -113,12 +122,15 @@ class OpenAIIngress:
             return exc.response()
         finally:
             self.in_flight -= 1
-        return JSONResponse(full_response(kind, request.request_id, self.model, outputs), headers=headers)
+        body = full_response(kind, request.request_id, self.model, outputs, text_of)
+        return JSONResponse(body, headers=headers)
 
     async def _parse(self, schema: type, raw: Request):
         try:
             data = json.loads(await raw.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over
+        # 4,300 digits; very deep nesting is a RecursionError
+        except (ValueError, RecursionError) as exc:
             raise HTTPError(400, error_body(f"malformed JSON body: {exc}", None)) from None
         if not isinstance(data, dict):
             raise HTTPError(400, error_body("the body must be a JSON object", None))
@@ -133,17 +145,29 @@ class OpenAIIngress:
                     f"The model `{body.model}` does not exist.", "model", "invalid_request_error", "model_not_found"
                 ),
             )
-        if body.n != 1:
-            raise HTTPError(400, error_body("n: only n=1 is supported", "n"))
+        problem = unsupported(body)
+        if problem is not None:
+            raise HTTPError(400, error_body(problem[1], problem[0]))
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+            raise HTTPError(400, error_body("top_logprobs: needs logprobs: true", "top_logprobs"))
         return body
 
     def _to_engine(self, kind: str, body: Any, client_id: str | None) -> GenerationRequest:
-        prompt = [m.model_dump() for m in body.messages] if kind == "chat" else body.prompt
-        field = "messages" if kind == "chat" else "prompt"
+        if kind == "chat":
+            prompt, field = [m.for_template() for m in body.messages], "messages"
+        else:
+            prompt, field = body.prompt, "prompt"
         try:
             ids = encode_prompt(self.tokenizer, prompt)
         except ValueError as exc:
             raise HTTPError(400, error_body(str(exc), field)) from None
+        except TemplateError as exc:  # e.g. a template that wants user and assistant to alternate
+            message = f"messages: the model's chat template refused them: {exc}"
+            raise HTTPError(400, error_body(message, field)) from None
+        if isinstance(prompt, list) and kind != "chat" and self.tokenizer is not None:
+            if (largest := max(ids)) >= len(self.tokenizer):
+                message = f"prompt: token id {largest} is out of vocabulary (the tokenizer has {len(self.tokenizer)})"
+                raise HTTPError(400, error_body(message, field))
         if len(ids) >= self.max_model_len:
             raise HTTPError(
                 400,
@@ -153,16 +177,26 @@ class OpenAIIngress:
                 ),
             )
         room = self.max_model_len - len(ids)
-        max_tokens = (body.max_completion_tokens if kind == "chat" else None) or body.max_tokens or room
+        chat_limit = kind == "chat" and body.max_completion_tokens is not None
+        limit_field = "max_completion_tokens" if chat_limit else "max_tokens"
+        max_tokens = body.max_completion_tokens if chat_limit else body.max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens < 1:
+            raise HTTPError(400, error_body(f"{limit_field}: must be at least 1, got {max_tokens}", limit_field))
         if max_tokens > room:
             raise HTTPError(
                 400,
                 error_body(
-                    f"max_tokens: {max_tokens} is beyond the context: prompt {len(ids)} tokens + max_tokens > "
+                    f"{limit_field}: {max_tokens} is beyond the context: prompt {len(ids)} tokens + {limit_field} > "
                     f"{self.max_model_len}",
-                    "max_tokens",
+                    limit_field,
                 ),
             )
+        if kind == "chat":
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
@@ -173,6 +207,7 @@ class OpenAIIngress:
                 stop=body.stop or (),
                 ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens,
+                logprobs=logprobs,
             )
             prefix = "chatcmpl" if kind == "chat" else "cmpl"
             return GenerationRequest(client_id or f"{prefix}-{uuid.uuid4().hex}", tuple(ids), sampling)
@@ -180,8 +215,10 @@ class OpenAIIngress:
             param = str(exc).split(" ", 1)[0]
             raise HTTPError(400, error_body(str(exc), param)) from None
 
-    async def _stream(self, kind: str, request: GenerationRequest, include_usage: bool) -> AsyncIterator[bytes]:
-        writer = ChunkWriter(kind, request.request_id, self.model)
+    async def _stream(
+        self, kind: str, request: GenerationRequest, include_usage: bool, text_of: Any
+    ) -> AsyncIterator[bytes]:
+        writer = ChunkWriter(kind, request.request_id, self.model, text_of)
         self.in_flight += 1
         try:
             first = writer.start()
@@ -237,9 +274,12 @@ class OpenAIIngress:
                     result.finish_reason,
                     result.num_tokens,
                     1,
+                    logprobs=(result.first_logprobs,) if result.first_logprobs is not None else (),
                 )
                 return
-            stream = self.decode.options(stream=True).decode_pull.remote(request, handle)
+            # the decode replica has no logits for the first token: its log-probabilities
+            # go along (in push mode inside the push's completion notice)
+            stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
         else:
             stream = self.decode.options(stream=True).decode_push.remote(request)
             destination = await self._call(stream.__anext__())
@@ -281,6 +321,7 @@ class OpenAIIngress:
                     {"Retry-After": "1"},
                 ) from None
             if name == "ValueError":  # the engine refused the request's input (e.g. a duplicate id)
-                raise HTTPError(400, error_body(str(cause), None)) from None
+                param = "prompt" if str(cause).startswith("prompt") else None
+                raise HTTPError(400, error_body(str(cause), param)) from None
             logger.exception("request failed")
             raise HTTPError(500, error_body(f"internal error ({name})", None, "server_error")) from None

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.config import AppConfig
-from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role
+from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
@@ -78,10 +78,12 @@ class EngineServer:
         self.metrics.prefill_parts(result[0].queue_s, result[0].compute_s)
         return result
 
-    async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
+    async def decode_pull(
+        self, request: GenerationRequest, handle: KVHandle, first_logprobs: TokenLogprobs | None = None
+    ) -> AsyncIterator[RequestOutput]:
         link = await self._started()
         try:
-            async for output in link.decode_pull(request, handle):
+            async for output in link.decode_pull(request, handle, first_logprobs):
                 parts = link.ttft_parts.pop(request.request_id, None)
                 if parts is not None:
                     self.metrics.decode_queue.observe(parts["decode_queue_s"], self.metrics.pool)

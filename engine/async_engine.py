@@ -19,7 +19,15 @@ from typing import Any
 import torch
 
 from engine.core import EngineCore
-from engine.params import EngineStats, FinishReason, GenerationRequest, PrefillResult, RequestOutput, Role
+from engine.params import (
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    PrefillResult,
+    RequestOutput,
+    Role,
+    TokenLogprobs,
+)
 
 _Result = tuple[asyncio.Future, Any, BaseException | None]
 IDLE_RECHECK_S = 0.05  # a stuck step is retried this often even without a command
@@ -93,11 +101,16 @@ class AsyncEngine:
         return await self._call(lambda: self.core.reserve(request_id, num_tokens))
 
     async def decode(
-        self, request: GenerationRequest, block_ids: list[int], first_token: int
+        self,
+        request: GenerationRequest,
+        block_ids: list[int],
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream from reserved blocks holding the prompt's KV; the first item is ``first_token``."""
         queue = self._open_stream(request.request_id)
-        await self._call(lambda: self.core.add_decode(request, block_ids, first_token), request.request_id)
+        admit = lambda: self.core.add_decode(request, block_ids, first_token, first_logprobs)  # noqa: E731
+        await self._call(admit, request.request_id)
         async for output in self._drain(request.request_id, queue):
             yield output
 

@@ -67,6 +67,7 @@ class EngineCore:
         model = loaded.model
         self.device = model.device
         self.layout = layout_for(model.config, config.block_size, model.dtype)
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # ids at or above: refused
         self.limits = resolve_limits(config, model.config.max_position_embeddings, self.layout.bytes_per_block)
         self.pool = KVPool(self.layout, self.limits.num_blocks, self.device)
         self.allocator = BlockAllocator(self.limits.num_blocks, config.block_size)
@@ -126,15 +127,23 @@ class EngineCore:
         self._reserved[request_id] = self.allocator.allocate(needed)
         return list(self._reserved[request_id])
 
-    def add_decode(self, request: GenerationRequest, block_ids: list[int], first_token: int) -> None:
-        """Continue ``request`` from KV already written into ``block_ids`` (from ``reserve``)."""
+    def add_decode(
+        self,
+        request: GenerationRequest,
+        block_ids: list[int],
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+    ) -> None:
+        """Continue ``request`` from KV already written into ``block_ids`` (from ``reserve``).
+        ``first_logprobs``: the first token's, computed where the prompt ran (this engine has
+        no logits for it)."""
         self._require_role(Role.DECODE, "decode")
         held = self._reserved.get(request.request_id)
         if held is None or list(block_ids) != held:
             raise ValueError(f"block_ids {list(block_ids)} were not reserved for {request.request_id!r}")
         self._admit(request, prefill_only=False, remote_blocks=held)
         del self._reserved[request.request_id]
-        self._pending.append(self._append_token(self._requests[request.request_id], first_token, None))
+        self._pending.append(self._append_token(self._requests[request.request_id], first_token, first_logprobs))
 
     def release(self, request_id: str) -> bool:
         """Free the pinned blocks of a finished prefill, or reserved blocks never used."""
@@ -186,6 +195,11 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def _validate_length(self, request: GenerationRequest) -> None:
+        """Prompt ids and lengths that the model can take (before anything is allocated: a bad id
+        found inside a step would fail every request in the batch)."""
+        too_big = max(request.prompt_token_ids)
+        if too_big >= self.vocab_size:
+            raise ValueError(f"prompt: token id {too_big} is out of vocabulary (the model has {self.vocab_size} ids)")
         limit = self.limits.max_model_len
         num_prompt = len(request.prompt_token_ids)
         if num_prompt >= limit:

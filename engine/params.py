@@ -6,8 +6,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+# below this temperature sampling is greedy (as vLLM does): dividing the logits by a
+# smaller one overflows them to inf, and softmax then gives NaN
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
 class Role(StrEnum):
@@ -35,14 +41,15 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1.0`` disable those filters.
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) is greedy. ``top_k=None`` and
+    ``top_p=1.0`` disable those filters.
     ``seed`` makes sampling reproducible per request, independent of batch neighbours.
     ``logprobs=n`` returns the top-n log-probabilities of every generated token.
     """
@@ -64,13 +71,13 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in ids):
@@ -81,7 +88,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.params import TokenLogprobs
 from kv_transport.handle import KVDestination, KVHandle
 
 ReleaseBlocks = Callable[[str], None]
@@ -68,9 +69,11 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class PushCompletion:
-    """What the consumer learns when a push completes: the first token prefill sampled."""
+    """What the consumer learns when a push completes: the first token prefill sampled (and its
+    log-probabilities, when the request asked for them)."""
 
     first_token: int
+    first_logprobs: TokenLogprobs | None = None
 
 
 class BaseKVTransport(ABC):
@@ -112,8 +115,11 @@ class BaseKVTransport(ABC):
         """
 
     @abstractmethod
-    async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
-        """Producer, push: wait for every posted write, then send the consumer its completion notice."""
+    async def finish_push(
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+    ) -> TransferStats:
+        """Producer, push: wait for every posted write, then send the consumer its completion
+        notice (``PushCompletion``: the first token and its log-probabilities)."""
 
     @abstractmethod
     async def wait_push(self, destination: KVDestination) -> PushCompletion:

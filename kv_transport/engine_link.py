@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngine
-from engine.params import GenerationRequest, PrefillResult, RequestOutput
+from engine.params import GenerationRequest, PrefillResult, RequestOutput, TokenLogprobs
 from kv_transport.base import BaseKVTransport, KVTransferError, TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
@@ -75,7 +75,11 @@ class KVEngineLink:
             raise
         return result, handle
 
-    async def decode_pull(self, request: GenerationRequest, handle: KVHandle) -> AsyncIterator[RequestOutput]:
+    async def decode_pull(
+        self, request: GenerationRequest, handle: KVHandle, first_logprobs: TokenLogprobs | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Fetch the producer's KV, then decode from its first token (``first_logprobs``: that
+        token's log-probabilities, from the prefill result, when the request asked for them)."""
         start = time.perf_counter()
         blocks = await self._reserve(request, handle.num_tokens, wait_until=handle.expires_at - LEASE_MARGIN_S)
         reserved = time.perf_counter()
@@ -90,7 +94,7 @@ class KVEngineLink:
             "kv_bytes": stats.num_bytes,
         }
         try:
-            async for output in self.engine.decode(request, blocks, handle.first_token):
+            async for output in self.engine.decode(request, blocks, handle.first_token, first_logprobs):
                 yield output
         finally:
             self.ttft_parts.pop(request.request_id, None)
@@ -124,7 +128,7 @@ class KVEngineLink:
             if not self.push_pipelined and result.block_ids:
                 for layer in range(self.engine.core.layout.num_layers):
                     self.transport.push_layer(rid, layer, list(result.block_ids), 0)
-            stats = await self.transport.finish_push(rid, result.first_token)
+            stats = await self.transport.finish_push(rid, result.first_token, result.first_logprobs)
         finally:
             await self.engine.release(rid)
         return result, stats
@@ -138,7 +142,8 @@ class KVEngineLink:
             await self.engine.release(request.request_id)
             raise
         try:
-            async for output in self.engine.decode(request, destination.block_ids, completion.first_token):
+            first = completion.first_token, completion.first_logprobs
+            async for output in self.engine.decode(request, destination.block_ids, *first):
                 yield output
         finally:
             self.ttft_parts.pop(request.request_id, None)

@@ -8,14 +8,15 @@ Layer pushes, polling and completion run on the progress thread of
 ``nixl_worker.NixlWorker`` and a pull's READ is posted by its caller (see there why); all
 agent calls hold its lock. Notices, always between the two processes' notice agents and
 never attached to a transfer (see ``NixlWorker``): ``R:<id>`` consumer -> producer (release
-the exported blocks), ``P:<id>:<first token>`` producer -> consumer (push complete),
-``F:<id>`` producer -> consumer (push failed).
+the exported blocks), ``P:[<id>, <first token>, <its log-probabilities or null>]`` (JSON)
+producer -> consumer (push complete), ``F:<id>`` producer -> consumer (push failed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.params import TokenLogprobs
 from kv_transport.base import (
     BaseKVTransport,
     KVTransferError,
@@ -222,7 +224,9 @@ class NixlTransport(BaseKVTransport):
             event.record()
         push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record, event))
 
-    async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
+    async def finish_push(
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+    ) -> TransferStats:
         push = self._push_out.pop(request_id)
         peer_id = push.destination.engine_id
         try:
@@ -233,7 +237,10 @@ class NixlTransport(BaseKVTransport):
         except BaseException:
             self._notify(push.peer, b"F:" + request_id.encode())
             raise
-        self._notify(push.peer, f"P:{request_id}:{first_token}".encode())
+        logprobs = None
+        if first_logprobs is not None:
+            logprobs = [first_logprobs.token_id, first_logprobs.logprob, first_logprobs.top]
+        self._notify(push.peer, b"P:" + json.dumps([request_id, first_token, logprobs]).encode())
         first = push.layers[0]["compute_end"] if push.layers else time.time()
         last = max((r["done"] for r in push.layers), default=first)
         return TransferStats(push.num_bytes, last - first, push.num_descriptors, push.layers)
@@ -243,14 +250,14 @@ class NixlTransport(BaseKVTransport):
         future = self._push_in[rid]
         try:
             timeout = max(0.0, min(self.timeout_s, destination.seconds_left()))
-            first_token = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            completion = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except TimeoutError:
             raise KVTransferTimeout(
                 f"no push completion within {self.timeout_s:.1f} s", rid, "producer of push"
             ) from None
         finally:
             self._push_in.pop(rid, None)
-        return PushCompletion(first_token)
+        return completion
 
     def abort_push(self, request_id: str) -> None:
         push = self._push_out.pop(request_id, None)
@@ -360,10 +367,13 @@ class NixlTransport(BaseKVTransport):
         if kind == "R":
             self.release(rest)
         elif kind == "P":
-            request_id, _, token = rest.rpartition(":")
+            request_id, token, logprobs = json.loads(rest)
+            if logprobs is not None:
+                token_id, logprob, top = logprobs
+                logprobs = TokenLogprobs(token_id, logprob, tuple((t, lp) for t, lp in top))
             waiter = self._push_in.get(request_id)
             if waiter is not None and not waiter.done():
-                waiter.set_result(int(token))
+                waiter.set_result(PushCompletion(token, logprobs))
         elif kind == "F":
             waiter = self._push_in.get(rest)
             if waiter is not None and not waiter.done():

@@ -100,7 +100,7 @@ class ObjectStoreTransport(BaseKVTransport):
     def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
         raise self._no_push(request_id)
 
-    async def finish_push(self, request_id: str, first_token: int) -> TransferStats:
+    async def finish_push(self, request_id: str, first_token: int, first_logprobs=None) -> TransferStats:
         raise self._no_push(request_id)
 
     async def wait_push(self, destination: KVDestination) -> PushCompletion:

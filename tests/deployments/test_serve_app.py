@@ -147,28 +147,102 @@ def test_completion_with_token_prompt_and_length(url):
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
 
 
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+TEXT = {"model": MODEL, "prompt": "Once upon a time"}
+
+
 @pytest.mark.parametrize(
-    ("body", "status", "param", "text"),
+    ("path", "body", "status", "param", "text"),
     [
-        ("{not json", 400, None, "malformed JSON"),
-        ({"model": MODEL, "messages": QUESTION, "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
-        ({"model": MODEL, "messages": QUESTION, "max_tokens": 10**9}, 400, "max_tokens", "beyond the context"),
-        ({"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "temperature", "temperature"),
-        ({"model": MODEL, "messages": QUESTION, "top_p": 1.5}, 400, "top_p", "top_p"),
-        ({"model": MODEL, "messages": "hi"}, 400, "messages", "messages"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]}, 400, "messages", "1024"),
-        ({"model": "gpt-9", "messages": QUESTION}, 404, "model", "gpt-9"),
-        ({"model": MODEL, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", "min_tokens"),
+        (CHAT, "{not json", 400, None, "malformed JSON"),
+        (CHAT, "[" * 100_000, 400, None, "malformed JSON"),
+        (CHAT, '{"model": "' + MODEL + '", "seed": ' + "1" * 5000 + "}", 400, None, "malformed JSON"),
+        (CHAT, "[1, 2]", 400, None, "must be a JSON object"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 10**9}, 400, "max_tokens", "beyond the context"),
+        (
+            CHAT,
+            {"model": MODEL, "messages": QUESTION, "max_completion_tokens": 0},
+            400,
+            "max_completion_tokens",
+            "at least 1",
+        ),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "temperature", "temperature"),
+        (
+            CHAT,
+            json.dumps({"model": MODEL, "messages": QUESTION, "temperature": float("nan")}),
+            400,
+            "temperature",
+            "finite",
+        ),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "top_p": 1.5}, 400, "top_p", "top_p"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "seed": 2**64}, 400, "seed", "seed"),
+        (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages", "messages"),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]}, 400, "messages", "1024"),
+        (
+            CHAT,
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages.0.content",
+            "image_url",
+        ),
+        (CHAT, {"model": "gpt-9", "messages": QUESTION}, 404, "model", "gpt-9"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", "min_"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n", "not supported"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
+        (COMPLETIONS, {**TEXT, "prompt": [1, 2, 10**6]}, 400, "prompt", "token id 1000000 is out of vocabulary"),
+        (COMPLETIONS, {**TEXT, "prompt": ["a", "b"]}, 400, "prompt", "batched prompts"),
+        (COMPLETIONS, {**TEXT, "prompt": []}, 400, "prompt", "empty"),
+        (COMPLETIONS, {**TEXT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
+        (COMPLETIONS, {**TEXT, "echo": True}, 400, "echo", "not supported"),
+        (COMPLETIONS, {**TEXT, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+        (COMPLETIONS, {"prompt": "x"}, 400, "model", "model"),
     ],
 )
-def test_bad_input_gets_a_named_error(base_url, body, status, param, text):
-    r = _post(base_url, "/v1/chat/completions", body)
+def test_bad_input_gets_a_named_error(base_url, path, body, status, param, text):
+    r = _post(base_url, path, body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["param"] == param and text in error["message"]
+    assert error["param"] == param and text in error["message"], error
     assert "Traceback" not in r.text
-    ok = _post(base_url, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 2})
-    assert ok.status_code == 200
+    ok = _post(base_url, COMPLETIONS, {**TEXT, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_completion_logprobs_match_across_paths(base_url):
+    """The first token's log-probabilities come from the prefill replica, the rest from decode."""
+    body = {**TEXT, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    results = {}
+    for prefix in ("", "/push", "/colo"):
+        r = _post(base_url + prefix, COMPLETIONS, body)
+        assert r.status_code == 200, r.text
+        results[prefix] = r.json()["choices"][0]
+    colo = results["/colo"]["logprobs"]
+    assert "".join(colo["tokens"]) == results["/colo"]["text"] and len(colo["tokens"]) == 4
+    for step, top in enumerate(colo["top_logprobs"]):  # greedy: the sampled token is the most likely
+        assert len(top) == 2 and max(top.values()) == colo["token_logprobs"][step] <= 0
+    for prefix in ("", "/push"):
+        got = results[prefix]["logprobs"]
+        assert got["tokens"] == colo["tokens"] and got["text_offset"] == colo["text_offset"]
+        assert got["token_logprobs"] == pytest.approx(colo["token_logprobs"], abs=1e-3)
+    for prefix in ("", "/push", "/colo"):  # ended at the first token: the prefill result's alone
+        one = _post(base_url + prefix, COMPLETIONS, {**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+        assert one["tokens"] == colo["tokens"][:1]
+        assert one["token_logprobs"] == pytest.approx(colo["token_logprobs"][:1], abs=1e-3)
+
+
+def test_chat_logprobs_streamed(url):
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "logprobs": True, "top_logprobs": 1, "stream": True}
+    r = _post(url, CHAT, body)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(e) for e in _sse_events(r)[:-1]]
+    content = [c for chunk in chunks[1:] for c in chunk["choices"][0]["logprobs"]["content"]]
+    # 8 tokens, the last the end of the turn (its text is not in the message)
+    assert "".join(c["token"] for c in content[:-1]) == "The capital of France is Paris."
+    assert len(content) == 8 and all(len(c["top_logprobs"]) == 1 for c in content)
 
 
 def test_duplicate_client_request_id_is_refused_while_in_flight(base_url):

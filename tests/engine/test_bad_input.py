@@ -18,6 +18,11 @@ from engine.params import GenerationRequest, SamplingParams
         ({"max_tokens": True}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),
@@ -33,6 +38,30 @@ from engine.params import GenerationRequest, SamplingParams
 def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} "):
         SamplingParams(**kwargs)
+
+
+def test_a_tiny_temperature_is_greedy(smol, make_engine):
+    """Dividing logits by 1e-30 overflows them; below 1e-5 sampling is greedy (as vLLM does)."""
+    core = make_engine(smol)
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=1e-5).greedy
+    outputs = {}
+    for name, temperature in (("tiny", 1e-30), ("zero", 0.0)):
+        request = core.make_request("The capital of France is", SamplingParams(max_tokens=6, temperature=temperature))
+        core.add_request(GenerationRequest(name, request.prompt_token_ids, request.sampling))
+    while core.has_work():
+        for output in core.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+    assert outputs["tiny"] == outputs["zero"] and len(outputs["zero"]) == 6
+
+
+def test_out_of_vocabulary_ids_are_refused_before_the_step(smol, make_engine):
+    """An id beyond the embedding would fail inside the step, and with it the whole batch."""
+    core = make_engine(smol, max_model_len=128, num_blocks=16)
+    vocab = smol.model.config.vocab_size
+    for admit in (core.add_request, core.add_prefill):
+        with pytest.raises(ValueError, match=rf"^prompt: token id {vocab} is out of vocabulary .the model has {vocab}"):
+            admit(GenerationRequest(f"oov-{admit.__name__}", (1, 2, vocab), SamplingParams(max_tokens=2)))
+    assert core.stats().num_free_blocks == 16 and not core.has_work()
 
 
 def test_stop_accepts_a_string_or_a_list():

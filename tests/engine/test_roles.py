@@ -27,10 +27,11 @@ def _handover(prefill_core, decode_core, request):
     assert len(blocks) == len(result.block_ids)
     decode_core.pool.copy_blocks_from(prefill_core.pool, list(result.block_ids), blocks)
     assert prefill_core.release(request.request_id)
-    decode_core.add_decode(request, blocks, result.first_token)
+    decode_core.add_decode(request, blocks, result.first_token, result.first_logprobs)
     outputs = []
     while decode_core.has_work():
         outputs += [o for o in decode_core.step() if o.request_id == request.request_id]
+    assert len([lp for o in outputs for lp in o.logprobs]) == len([t for o in outputs for t in o.token_ids])
     return result, outputs
 
 

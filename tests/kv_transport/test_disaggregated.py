@@ -7,7 +7,6 @@ decode actor (role ``both``, which also computes the single-engine reference).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from bench.corpus import prompt_of_length
 from bench.ray_local import start_local_ray
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
-from tests.same_output import GreedyTrace, assert_same_output, trace_from_outputs
+from tests.same_output import assert_same_output, trace_from_outputs
 
 TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 3.0
@@ -72,18 +71,13 @@ def test_pull_matches_single_engine(actors, prompts, reference):
     prefilled = ray.get([prefill.prefill_pull.remote(r) for r in requests])
     for (result, handle), prompt in zip(prefilled, prompts):
         assert handle.num_tokens == len(prompt) and handle.first_token == result.first_token
-    runs = ray.get([decode.decode_pull.remote(r, h) for r, (_, h) in zip(requests, prefilled)])
+    runs = ray.get([decode.decode_pull.remote(r, h, res.first_logprobs) for r, (res, h) in zip(requests, prefilled)])
     for i, ((result, _), outputs) in enumerate(zip(prefilled, runs)):
-        assert outputs[0].token_ids == (result.first_token,)
-        assert_same_output(reference[i], _trace_with_first(outputs, result), exact=False, label=f"pull {i}")
+        # the first token and its log-probabilities come from prefill
+        assert outputs[0].token_ids == (result.first_token,) and outputs[0].logprobs == (result.first_logprobs,)
+        assert_same_output(reference[i], trace_from_outputs(outputs), exact=False, label=f"pull {i}")
     time.sleep(0.2)  # release notices are asynchronous
     _assert_idle(prefill, decode)
-
-
-def _trace_with_first(outputs, result) -> GreedyTrace:
-    """Decode's first token came from prefill: take its logprobs from the prefill result."""
-    first = dataclasses.replace(outputs[0], logprobs=(result.first_logprobs,))
-    return trace_from_outputs([first, *outputs[1:]])
 
 
 def test_push_matches_single_engine(actors, prompts, reference):
@@ -96,7 +90,9 @@ def test_push_matches_single_engine(actors, prompts, reference):
     for i, ((result, stats), outputs) in enumerate(zip(pushed, runs)):
         assert stats.num_bytes == 30 * 2 * len(destinations[i].block_ids) * 16 * 3 * 64 * 4
         assert [t["layer"] for t in stats.layer_times] == list(range(30))
-        assert_same_output(reference[i], _trace_with_first(outputs, result), exact=False, label=f"push {i}")
+        # the first token's log-probabilities came inside the completion notice (JSON: exact)
+        assert outputs[0].logprobs == (result.first_logprobs,) and result.first_logprobs is not None
+        assert_same_output(reference[i], trace_from_outputs(outputs), exact=False, label=f"push {i}")
     _assert_idle(prefill, decode)
 
 
@@ -133,13 +129,13 @@ def test_pull_waits_for_decode_blocks_within_the_lease(actors, prompts, referenc
     fillers = _fill_decode_pool(decode, "filler")
     request = _request("wait", 5, prompts[5])
     result, handle = ray.get(prefill.prefill_pull.remote(request))
-    running = decode.decode_pull.remote(request, handle)
+    running = decode.decode_pull.remote(request, handle, result.first_logprobs)
     time.sleep(1.5)
     assert ray.get(prefill.stats.remote()).num_pinned_blocks == len(handle.block_ids)  # still waiting
     for rid in fillers:
         ray.get(decode.release.remote(rid))
     outputs = ray.get(running)
-    assert_same_output(reference[5], _trace_with_first(outputs, result), exact=False, label="waited")
+    assert_same_output(reference[5], trace_from_outputs(outputs), exact=False, label="waited")
     time.sleep(0.2)
     _assert_idle(prefill, decode)
     # a pool that stays full: the wait ends with the lease (SHORT_TIMEOUT_S - 1 s margin)
@@ -202,8 +198,8 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
     assert isinstance(info.value.cause, StalePeerError)
     request = _request("again", 5, prompts[5])
     result, handle = ray.get(restarted.prefill_pull.remote(request))
-    outputs = ray.get(decode.decode_pull.remote(request, handle))
-    assert_same_output(reference[5], _trace_with_first(outputs, result), exact=False, label="restarted")
+    outputs = ray.get(decode.decode_pull.remote(request, handle, result.first_logprobs))
+    assert_same_output(reference[5], trace_from_outputs(outputs), exact=False, label="restarted")
     assert ray.get(decode.num_handshakes.remote()) == handshakes + 2
     time.sleep(0.2)
     _assert_idle(decode, restarted)

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from engine.params import TokenLogprobs
 from kv_transport.base import KVTransferTimeout, LayoutMismatchError, StalePeerError
 from kv_transport.faults import FaultPoints
 from kv_transport.handle import KVLayoutSignature
@@ -115,17 +116,19 @@ def test_restarted_producer_is_rehandshaken_and_old_handles_refused(pair):
 def test_push_writes_layers_and_notifies(pair):
     producer, consumer, src, dst, _, _ = pair
 
+    first_logprobs = TokenLogprobs(42, -0.25, ((42, -0.25), (7, -2.0)))
+
     async def run():
-        dest = consumer.destination("p", [4, 5], num_tokens=6)
+        dest = consumer.destination("chat:p", [4, 5], num_tokens=6)  # ids may hold the separator
         producer.begin_push(dest)
         for layer in range(3):
-            producer.push_layer("p", layer, [6, 7], start_index=0)
-        stats = await producer.finish_push("p", first_token=42)
+            producer.push_layer("chat:p", layer, [6, 7], start_index=0)
+        stats = await producer.finish_push("chat:p", first_token=42, first_logprobs=first_logprobs)
         done = await consumer.wait_push(dest)
         return stats, done
 
     stats, done = asyncio.run(run())
-    assert done.first_token == 42
+    assert done.first_token == 42 and done.first_logprobs == first_logprobs
     assert torch.equal(dst[:, :, [4, 5]], src[:, :, [6, 7]])
     assert [t["layer"] for t in stats.layer_times] == [0, 1, 2]
     assert all(t["compute_end"] <= t["posted"] <= t["done"] for t in stats.layer_times)

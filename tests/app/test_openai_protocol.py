@@ -1,0 +1,129 @@
+"""Request bodies at the edge: what is accepted, and the field a refusal names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app.openai_protocol import ChatCompletionRequest, CompletionRequest, unsupported, validation_error_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def _refusal(schema: type, body: dict | str) -> dict:
+    data = json.loads(body) if isinstance(body, str) else body
+    with pytest.raises(ValidationError) as info:
+        schema.model_validate(data)
+    return validation_error_body(info.value)["error"]
+
+
+@pytest.mark.parametrize(
+    ("schema", "body", "param", "text"),
+    [
+        (CompletionRequest, {"model": "m", "prompt": ["a", "b"]}, "prompt", "batched prompts"),
+        (CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]]}, "prompt", "batched prompts"),
+        (CompletionRequest, {"model": "m", "prompt": None}, "prompt", "valid string"),
+        (CompletionRequest, {"model": None, "prompt": "x"}, "model", "valid string"),
+        (CompletionRequest, {"model": "m", "prompt": [1, True]}, "prompt.1", "valid integer"),
+        (CompletionRequest, {"model": "m", "prompt": [1, "2"]}, "prompt.1", "valid integer"),
+        (CompletionRequest, {"model": "m", "prompt": 5}, "prompt", "valid string"),
+        (CompletionRequest, {"model": "m"}, "prompt", "required"),
+        (CompletionRequest, {**COMPLETION, "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        (CompletionRequest, '{"model": "m", "prompt": "hi", "temperature": NaN}', "temperature", "finite"),
+        (CompletionRequest, '{"model": "m", "prompt": "hi", "top_p": Infinity}', "top_p", "finite"),
+        (CompletionRequest, {**COMPLETION, "seed": 2**64}, "seed", "less than"),
+        (ChatCompletionRequest, {**CHAT, "messages": []}, "messages", "at least 1"),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": 3}]}, "messages.0.content", "string"),
+        (
+            ChatCompletionRequest,
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content",
+            "content parts of type 'image_url' are not supported",
+        ),
+        (ChatCompletionRequest, {**CHAT, "top_logprobs": 30}, "top_logprobs", "less than or equal to 20"),
+        (
+            ChatCompletionRequest,
+            {**CHAT, "messages": [{"role": "robot", "content": "x"}, {"role": "user", "content": 5}]},
+            "messages.0.role",
+            "'user'",
+        ),
+    ],
+)
+def test_refusals_name_the_field(schema, body, param, text):
+    error = _refusal(schema, body)
+    assert error["param"] == param and text in error["message"], error
+    assert error["message"].startswith(f"{param}: ") and "Value error" not in error["message"]
+
+
+def test_text_parts_are_joined_and_developer_is_system():
+    body = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+            ],
+        }
+    )
+    assert [m.for_template() for m in body.messages] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "one\ntwo"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("schema", "extra", "param"),
+    [
+        (ChatCompletionRequest, {"n": 2}, "n"),
+        (ChatCompletionRequest, {"presence_penalty": 0.5}, "presence_penalty"),
+        (ChatCompletionRequest, {"frequency_penalty": -1}, "frequency_penalty"),
+        (ChatCompletionRequest, {"logit_bias": {"50256": -100}}, "logit_bias"),
+        (ChatCompletionRequest, {"response_format": {"type": "json_object"}}, "response_format"),
+        (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice"),
+        (CompletionRequest, {"echo": True}, "echo"),
+        (CompletionRequest, {"best_of": 3}, "best_of"),
+        (CompletionRequest, {"suffix": "end"}, "suffix"),
+    ],
+)
+def test_set_but_unsupported_fields_are_named(schema, extra, param):
+    base = CHAT if schema is ChatCompletionRequest else COMPLETION
+    field, message = unsupported(schema.model_validate({**base, **extra}))
+    assert field == param and message.startswith(f"{param}: ") and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    ("schema", "extra"),
+    [
+        (ChatCompletionRequest, {"n": 1, "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}}),
+        (ChatCompletionRequest, {"tools": [], "tool_choice": "none", "user": "u-1", "unknown_field": 1}),
+        (CompletionRequest, {"echo": False, "best_of": 1, "suffix": "", "frequency_penalty": 0.0}),
+    ],
+)
+def test_neutral_values_of_unsupported_fields_pass(schema, extra):
+    base = CHAT if schema is ChatCompletionRequest else COMPLETION
+    assert unsupported(schema.model_validate({**base, **extra})) is None
+
+
+def test_null_means_the_default_and_a_batch_of_one_is_its_prompt():
+    """As the openai SDK sends a None it was given, and lm-eval-harness a one-prompt batch."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty", "logprobs", "seed", "stop"])
+    chat = ChatCompletionRequest.model_validate({**CHAT, **nulls})
+    assert (chat.temperature, chat.top_p, chat.n, chat.stream, chat.logprobs, chat.seed) == (
+        1.0,
+        1.0,
+        1,
+        False,
+        False,
+        None,
+    )
+    assert unsupported(chat) is None
+    completion = CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["one prompt"], "echo": None, "best_of": None}
+    )
+    assert completion.prompt == "one prompt" and unsupported(completion) is None
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]
