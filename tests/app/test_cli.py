@@ -15,4 +15,4 @@ def test_generate_prints_the_completion():
 def test_bad_argument_is_a_clear_error():
     result = _cli("generate", "Hi", "--top-p", "2", "--threads", "1")
     assert result.returncode == 2
-    assert "error: top_p must be a number in (0, 1], got 2.0" in result.stderr
+    assert "error: top_p must be a finite number in (0, 1], got 2.0" in result.stderr
