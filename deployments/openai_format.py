@@ -49,16 +49,16 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: TokenText) -> dict:
 
 def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: TokenText, offset: int = 0) -> dict:
     """``offset``: where the first token's text starts in the completion (streaming)."""
-    tokens, offsets = [], []
-    for e in entries:
-        tokens.append(text_of(e.token_id))
+    tokens = [text_of(e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
         offsets.append(offset)
-        offset += len(tokens[-1])
+        offset += len(token)
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         # the sampled token among the alternatives, as vLLM returns them
-        "top_logprobs": [{**{text_of(t): lp for t, lp in e.top}, text_of(e.token_id): e.logprob} for e in entries],
+        "top_logprobs": [{**{text_of(t): lp for t, lp in e.top}, tok: e.logprob} for e, tok in zip(entries, tokens)],
         "text_offset": offsets,
     }
 
