@@ -26,10 +26,12 @@ generate: install
 
 test: install
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest --durations=20
 
+# ruff (style, imports, complexity C901 <= 12) and import-linter (the package layering)
 lint: install
-	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(VENV)/bin/lint-imports
 
 bench-engine: install
 	$(PY) -m bench.engine

@@ -1,17 +1,23 @@
 """OpenAI-compatible request bodies and error bodies (validated once, at the edge).
 
-Fields OpenAI defines that this server does not implement are declared, so that a request
-setting one to anything but its neutral value is refused naming it (``unsupported``)
-instead of being silently ignored; unknown fields are ignored, as vLLM does.
+Each request schema converts itself into the engine's ``GenerationRequest``
+(``to_generation_request``): tokenized, checked against the context by ``check_fits``, with
+every refusal a ``FieldError`` naming the client's field. Fields OpenAI defines that this
+server does not implement are declared, so that a request setting one to anything but its
+neutral value is refused naming it (``unsupported``) instead of being silently ignored;
+unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import uuid
+from typing import Any, ClassVar, Literal
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from engine.params import SEED_RANGE
+from engine.params import SEED_RANGE, ContextLimits, FieldError, GenerationRequest, SamplingParams, check_fits
+from engine.tokenization import encode_prompt
 
 
 class _Body(BaseModel):
@@ -58,6 +64,68 @@ class _SamplingFields(_Body):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
+    id_prefix: ClassVar[str]  # of generated request ids, as OpenAI's
+    prompt_field: ClassVar[str]  # the field that holds the prompt
+
+    def to_generation_request(
+        self, tokenizer: Any, limits: ContextLimits, request_id: str | None = None
+    ) -> GenerationRequest:
+        """Tokenize, check against the context and build the engine's request (``request_id``:
+        the client's, else a new one). Raises ``FieldError`` naming the client's field."""
+        self._check_consistent()
+        ids = self._prompt_token_ids(tokenizer)
+        limit_field, requested = self._max_tokens()
+        if requested is not None and requested < 1:
+            raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
+        max_tokens = requested if requested is not None else limits.max_model_len - len(ids)
+        check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
+        return GenerationRequest(
+            request_id=request_id or f"{self.id_prefix}-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(ids),
+            sampling=self._sampling_params(max_tokens),
+        )
+
+    def _sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop or (),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=self._num_logprobs(),
+        )
+
+    def _prompt_token_ids(self, tokenizer: Any) -> list[int]:
+        try:
+            return encode_prompt(tokenizer, self._prompt())
+        except ValueError as exc:
+            raise FieldError(str(exc), self.prompt_field) from None
+
+    def _check_consistent(self) -> None:
+        """Cross-field rules that a schema alone does not state."""
+
+    def _prompt(self) -> Any:
+        raise NotImplementedError
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        """The field that bounds the output, and its value."""
+        return "max_tokens", self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def _refusals(self) -> list[tuple[str, bool]]:
+        """``(field, refused)`` for every field declared only to be refused when set."""
+        return [
+            ("n", self.n != 1),
+            ("presence_penalty", self.presence_penalty != 0),
+            ("frequency_penalty", self.frequency_penalty != 0),
+            ("logit_bias", bool(self.logit_bias)),
+        ]
+
 
 class TextPart(_Body):
     type: Literal["text"] = Field(description="only text parts are supported")
@@ -93,6 +161,38 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
+    id_prefix: ClassVar[str] = "chatcmpl"
+    prompt_field: ClassVar[str] = "messages"
+
+    def _check_consistent(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs: needs logprobs: true", "top_logprobs")
+
+    def _prompt(self) -> list[dict[str, str]]:
+        return [m.for_template() for m in self.messages]
+
+    def _prompt_token_ids(self, tokenizer: Any) -> list[int]:
+        try:
+            return super()._prompt_token_ids(tokenizer)
+        except TemplateError as exc:  # e.g. a template that wants user and assistant to alternate
+            message = f"messages: the model's chat template refused them: {exc}"
+            raise FieldError(message, "messages") from None
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _refusals(self) -> list[tuple[str, bool]]:
+        return super()._refusals() + [
+            ("response_format", (self.response_format or {}).get("type", "text") != "text"),
+            ("tools", bool(self.tools)),
+            ("tool_choice", self.tool_choice not in (None, "none")),
+        ]
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] = Field(description="prompt text or token ids")
@@ -100,6 +200,22 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    id_prefix: ClassVar[str] = "cmpl"
+    prompt_field: ClassVar[str] = "prompt"
+
+    def _prompt(self) -> str | list[int]:
+        return self.prompt
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _refusals(self) -> list[tuple[str, bool]]:
+        return super()._refusals() + [
+            ("echo", self.echo),
+            ("best_of", self.best_of not in (None, 1)),
+            ("suffix", bool(self.suffix)),
+        ]
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -113,33 +229,17 @@ class CompletionRequest(_SamplingFields):
 
 def unsupported(body: _SamplingFields) -> tuple[str, str] | None:
     """``(field, message)`` for the first field set to something this server does not do."""
-    checks: list[tuple[str, bool]] = [
-        ("n", body.n != 1),
-        ("presence_penalty", body.presence_penalty != 0),
-        ("frequency_penalty", body.frequency_penalty != 0),
-        ("logit_bias", bool(body.logit_bias)),
-    ]
-    if isinstance(body, ChatCompletionRequest):
-        checks += [
-            ("response_format", (body.response_format or {}).get("type", "text") != "text"),
-            ("tools", bool(body.tools)),
-            ("tool_choice", body.tool_choice not in (None, "none")),
-        ]
-    if isinstance(body, CompletionRequest):
-        checks += [
-            ("echo", body.echo),
-            ("best_of", body.best_of not in (None, 1)),
-            ("suffix", bool(body.suffix)),
-        ]
-    for name, refused in checks:
+    for name, refused in body._refusals():
         if refused:
             value = repr(getattr(body, name))
             return name, f"{name}: {value if len(value) <= 60 else value[:57] + '...'} is not supported by this server"
     return None
 
 
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(
+    message: str, param: str | None, error_type: str = "invalid_request_error", code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def _is_type_tag(part: object) -> bool:

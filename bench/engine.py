@@ -257,7 +257,7 @@ NOTES = """
   bandwidth of `torch.mv` over one 512 MB matrix, but a decode step is a chain of
   matrix-vector products over matrices of 0.4 to 7 MB (and a 113 MB LM head), which this
   machine's BLAS streams at 7 to 24 GB/s depending on shape, layout and call (table in
-  `engine/weights.py`). The engine runs 4 products per layer instead of 7 (q/k/v and
+  `cpu_kernels.md`). The engine runs 4 products per layer instead of 7 (q/k/v and
   gate/up fused, `engine/fused_linear.py`) with column-major `x @ W_t` where that streams
   faster. In a torch-profiler run of 5 batch-1 steps (1 thread, 40 ms a step) the 121
   products took 32 ms a step, about 1.3x the floor by themselves; the other 8 ms are

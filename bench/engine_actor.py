@@ -24,10 +24,11 @@ class EngineActor:
         from engine.config import EngineConfig
         from engine.core import EngineCore
         from engine.loader import ModelSpec, load_model
+        from engine.params import Role
 
         engine_config.setdefault("max_model_len", 2048)
         engine_config.setdefault("kv_cache_bytes", 128 << 20)
-        self.core = EngineCore(load_model(ModelSpec()), EngineConfig(role=role, **engine_config))
+        self.core = EngineCore(load_model(ModelSpec()), EngineConfig(role=Role(role), **engine_config))
         self.engine_id, self.transport_kind, self.timeout_s = engine_id, transport, timeout_s
         self.faults = faults or {}
         self.push_pipelined = push_pipelined
@@ -35,24 +36,20 @@ class EngineActor:
 
     async def start(self) -> str:
         from engine.async_engine import AsyncEngine
+        from kv_transport.config import TransportConfig
         from kv_transport.engine_link import KVEngineLink
+        from kv_transport.factory import make_transport
         from kv_transport.faults import FaultPoints
-        from kv_transport.handle import KVLayoutSignature
-        from kv_transport.nixl_transport import NixlTransport
-        from kv_transport.object_store import ObjectStoreTransport
-        from kv_transport.registry import RayPeerRegistry
 
-        layout = KVLayoutSignature.of(self.core.layout)
-        if self.transport_kind == "nixl":
-            faults = FaultPoints(
-                delay_s=self.faults.get("delay_s", {}),
-                fail=frozenset(self.faults.get("fail", ())),
-                drop_release=self.faults.get("drop_release", False),
-            )
-            transport = NixlTransport(self.engine_id, layout, RayPeerRegistry(), self.timeout_s, faults)
-        else:
-            transport = ObjectStoreTransport(self.engine_id, layout, self.timeout_s)
-        self.link = KVEngineLink(AsyncEngine(self.core), transport, push_pipelined=self.push_pipelined)
+        engine = AsyncEngine(self.core)
+        config = TransportConfig(kind=self.transport_kind, kv_transfer_timeout_s=self.timeout_s)
+        faults = FaultPoints(
+            delay_s=self.faults.get("delay_s", {}),
+            fail=frozenset(self.faults.get("fail", ())),
+            drop_release=self.faults.get("drop_release", False),
+        )
+        transport = make_transport(config, self.engine_id, engine.pool_view().layout, faults=faults)
+        self.link = KVEngineLink(engine, transport, push_pipelined=self.push_pipelined)
         return transport.incarnation
 
     async def prefill_pull(self, request):

@@ -45,12 +45,12 @@ class TransferActor:
     def __init__(self, engine_id: str) -> None:
         torch.set_num_threads(1)
         from engine.host_memory import host_tensor
-        from kv_transport.handle import KVLayoutSignature
+        from engine.kv_pool import KVLayout
         from kv_transport.nixl_transport import NixlTransport
         from kv_transport.object_store import ObjectStoreTransport
         from kv_transport.registry import RayPeerRegistry
 
-        self.layout = KVLayoutSignature(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+        self.layout = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
         self.pool = host_tensor((30, 2, POOL_BLOCKS, 16, 3, 64), torch.float32).uniform_()  # as the engine's pool
         self.released: list[str] = []
         # pull and push each on their own transport (own NIXL agents), as a deployment runs
@@ -110,14 +110,14 @@ class TransferActor:
         assert state == "DONE", state
         return elapsed
 
-    def export(self, kind: str, request_id: str, num_blocks: int):
-        transport = self.nixl if kind == "nixl" else self.store
+    def export(self, transport_name: str, request_id: str, num_blocks: int):
+        transport = self.nixl if transport_name == "nixl" else self.store
         start = time.perf_counter()
         handle = transport.export(request_id, list(range(num_blocks)), num_blocks * 16, 1)
         return handle, time.perf_counter() - start
 
-    async def fetch_s(self, kind: str, handle) -> float:
-        transport = self.nixl if kind == "nixl" else self.store
+    async def fetch_s(self, transport_name: str, handle) -> float:
+        transport = self.nixl if transport_name == "nixl" else self.store
         blocks = list(range(POOL_BLOCKS - handle_blocks(handle), POOL_BLOCKS))  # the caller's input
         start = time.perf_counter()
         await transport.fetch(handle, blocks)
@@ -156,25 +156,27 @@ def torch_copy_gbps(num_bytes: int) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
-KINDS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
+METHODS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
 
 
-def measure(kind: str, producer, consumer, tag: str, num_blocks: int, meta: bytes, addresses: dict[str, int]) -> float:
-    """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``kind``."""
-    if kind == "nixl_pull":
+def measure(
+    method: str, producer, consumer, tag: str, num_blocks: int, meta: bytes, addresses: dict[str, int]
+) -> float:
+    """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``method``."""
+    if method == "nixl_pull":
         handle, _ = ray.get(producer.export.remote("nixl", f"pull-{tag}", num_blocks))
         return ray.get(consumer.fetch_s.remote("nixl", handle))
-    if kind == "nixl_push":
+    if method == "nixl_push":
         dest = ray.get(consumer.destination.remote(f"push-{tag}", num_blocks))
         waiting = consumer.wait_push.remote(dest)
         seconds = ray.get(producer.push_s.remote(dest))
         ray.get(waiting)
         return seconds
-    if kind == "object_store":
+    if method == "object_store":
         handle, export_s = ray.get(producer.export.remote("store", f"store-{tag}", num_blocks))
         return export_s + ray.get(consumer.fetch_s.remote("store", handle))
-    num_descs = 60 if kind == "raw_nixl_60_descs" else 1
-    pages = "4k_pages" if kind == "raw_nixl_4k_pages" else "pool_pages"
+    num_descs = 60 if method == "raw_nixl_60_descs" else 1
+    pages = "4k_pages" if method == "raw_nixl_4k_pages" else "pool_pages"
     return ray.get(consumer.raw_read_s.remote(meta, pages, addresses[pages], num_blocks * BYTES_PER_BLOCK, num_descs))
 
 
@@ -199,12 +201,14 @@ def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
     for size_mb in SIZES_MB:
         num_blocks = max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))
         num_bytes = num_blocks * BYTES_PER_BLOCK
-        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        times: dict[str, list[float]] = {method: [] for method in METHODS}
         for rep in range(REPEATS + 1):  # the first repetition warms up
-            # each repetition starts with another kind: none is always first after the others
-            for kind in KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]:
-                times[kind].append(measure(kind, producer, consumer, f"{size_mb}-{rep}", num_blocks, meta, addresses))
-        gbps = {kind: num_bytes / statistics.median(t[1:]) / 1e9 for kind, t in times.items()}
+            # each repetition starts with another method: none is always first after the others
+            for method in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
+                times[method].append(
+                    measure(method, producer, consumer, f"{size_mb}-{rep}", num_blocks, meta, addresses)
+                )
+        gbps = {method: num_bytes / statistics.median(t[1:]) / 1e9 for method, t in times.items()}
         rows.append(
             {
                 "size_mb": num_bytes / 2**20,
@@ -267,12 +271,13 @@ def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
     """From the layer timestamps (one clock: the producer's). Pipelined: the forward pass
     ends at the last layer's compute end; not pipelined: when the first write is posted."""
     layers = stats.layer_times
-    compute_end = layers[-1]["compute_end"] if pipelined else min(t["compute_end"] for t in layers)
-    complete = max(t["done"] for t in layers)
-    one_layer = statistics.median(t["done"] - t["posted"] for t in layers)
+    compute_end = layers[-1].compute_end if pipelined else min(t.compute_end for t in layers)
+    complete = max(t.done for t in layers)
+    one_layer = statistics.median(t.done - t.posted for t in layers)
     last = {
         f"{name}_last_layers_ms": [
-            {k: round((t[k] - compute_end) * 1e3, 3) for k in ("compute_end", "posted", "done")} for t in layers[-3:]
+            {k: round((getattr(t, k) - compute_end) * 1e3, 3) for k in ("compute_end", "posted", "done")}
+            for t in layers[-3:]
         ]
     }
     return last | {
@@ -284,13 +289,21 @@ def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
 
 
 def report(rows: list[dict[str, float]], pipe: dict[str, float], descs: dict[str, float], command: str) -> str:
+    """kv_transfer.md: the bandwidth table, the pull against its targets, the descriptors'
+    own cost and the push pipelining table."""
+    lines = _bandwidth_section(rows, command) + _targets_paragraph(rows) + _descriptor_paragraph(descs)
+    lines += _pipelining_section(pipe)
+    return "\n".join(lines) + "\n"
+
+
+def _bandwidth_section(rows: list[dict[str, float]], command: str) -> list[str]:
     lines = [
         "# KV transfer benchmark",
         "",
         f"Command: `{command}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
         "on CPU memory; blocks of the default model's layout (30 layers x K/V x 16 tokens x 3 heads x 64,",
         f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
-        f"after one warm-up; the {len(KINDS)} kinds take turns, each repetition starting with the next one.",
+        f"after one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.",
         "",
         "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors "
         "| raw NIXL, 4 KB pages | torch copy (1 process) | pull / raw |",
@@ -302,7 +315,8 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], descs: dict[str
             f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['raw_nixl_60_descs']:.2f} | "
             f"{r['raw_nixl_4k_pages']:.2f} | {r['torch_copy']:.2f} | {r['pull_vs_raw']:.2f} |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         "'raw NIXL' reads a buffer allocated as the engine's KV pool is (2 MB pages where the kernel",
         "allows, `engine/host_memory.py`), so 'pull / raw' compares the same memory; 'raw NIXL, 4 KB",
@@ -314,30 +328,45 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], descs: dict[str
         "agents) in the same two processes, as a deployment runs one mode: a connection that carries",
         "pushes one way makes UCX finish each READ the other way only after a round trip with the peer.",
         "",
+    ]
+
+
+def _targets_paragraph(rows: list[dict[str, float]]) -> list[str]:
+    """One line: the pull against raw NIXL (its target), against raw NIXL as 60 descriptors
+    and on 4 KB pages, from 16 MB up."""
+    large = [r for r in rows if r["size_mb"] >= 15]
+
+    def ratios(numerator: str, denominator: str, suffix: str) -> str:
+        return ", ".join(f"{r['size_mb']:.0f} MB {r[numerator] / r[denominator]:.2f}{suffix}" for r in large)
+
+    return [
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
-        + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in rows if r["size_mb"] >= 15)
+        + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in large)
         + ". Against raw NIXL as 60 descriptors: "
-        + ", ".join(
-            f"{r['size_mb']:.0f} MB {r['nixl_pull'] / r['raw_nixl_60_descs']:.2f}x" for r in rows if r["size_mb"] >= 15
-        )
+        + ratios("nixl_pull", "raw_nixl_60_descs", "x")
         + ". The same READ as 60 descriptors, none of our code: "
-        + ", ".join(
-            f"{r['size_mb']:.0f} MB {r['raw_nixl_60_descs'] / r['raw_nixl']:.2f}x raw"
-            for r in rows
-            if r["size_mb"] >= 15
-        )
+        + ratios("raw_nixl_60_descs", "raw_nixl", "x raw")
         + ". Against raw NIXL on 4 KB pages our pull is "
-        + ", ".join(
-            f"{r['size_mb']:.0f} MB {r['nixl_pull'] / r['raw_nixl_4k_pages']:.2f}x" for r in rows if r["size_mb"] >= 15
-        )
+        + ratios("nixl_pull", "raw_nixl_4k_pages", "x")
         + ".",
         "",
+    ]
+
+
+def _descriptor_paragraph(descs: dict[str, float]) -> list[str]:
+    return [
         f"The descriptors' own cost, same run: a raw READ of 60 x 64 B took {descs['sixty_descriptors_us']:.0f} us,",
         f"one of 64 B {descs['one_descriptor_us']:.0f} us: {descs['per_extra_descriptor_us']:.1f} us per extra",
         "descriptor (NIXL prepares each, and UCX reads each between CPU memories with its own",
         f"`process_vm_readv` call), {59 * descs['per_extra_descriptor_us']:.0f} us for a pull's 60 against",
         "one contiguous READ, before any of our code runs.",
         "",
+    ]
+
+
+def _pipelining_section(pipe: dict[str, float]) -> list[str]:
+    one_layer = pipe["pipelined_one_layer_ms"]
+    return [
         "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
         "",
         "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
@@ -346,19 +375,17 @@ def report(rows: list[dict[str, float]], pipe: dict[str, float], descs: dict[str
         "",
         "| mode | tail (ms) | one layer (ms) | tail / one layer |",
         "|---|---|---|---|",
-        f"| push, pipelined | {pipe['pipelined_tail_ms']:.1f} | {pipe['pipelined_one_layer_ms']:.2f} | "
+        f"| push, pipelined | {pipe['pipelined_tail_ms']:.1f} | {one_layer:.2f} | "
         f"{pipe['pipelined_tail_in_layers']:.2f} |",
-        f"| push, all layers after the forward | {pipe['not_pipelined_tail_ms']:.1f} | "
-        f"{pipe['pipelined_one_layer_ms']:.2f} | "
-        f"{pipe['not_pipelined_tail_ms'] / pipe['pipelined_one_layer_ms']:.2f} |",
-        f"| pull (fetch after prefill) | {pipe['pull_after_prefill_ms']:.1f} | {pipe['pipelined_one_layer_ms']:.2f} | "
+        f"| push, all layers after the forward | {pipe['not_pipelined_tail_ms']:.1f} | {one_layer:.2f} | "
+        f"{pipe['not_pipelined_tail_ms'] / one_layer:.2f} |",
+        f"| pull (fetch after prefill) | {pipe['pull_after_prefill_ms']:.1f} | {one_layer:.2f} | "
         f"{pipe['pull_in_layers']:.2f} |",
         "",
         "Target: pipelined tail <= 2x one layer's transfer time.",
         "",
         "![bandwidth](kv_transfer.png)",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> None:

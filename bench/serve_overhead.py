@@ -91,44 +91,19 @@ def main() -> None:
     local = InProcessEngine()
     local.step_ms()  # warm-up
     start_local_ray()
-    rows: list[dict[str, float]] = []
-    itl: list[float] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "colocated.num_replicas": "1"}
         serve.run(disagg_app(common), name="disagg", route_prefix="/")
         serve.run(colocated_app(common), name="colo", route_prefix="/colo")
-        base = f"http://127.0.0.1:{PORT}"
         decode = serve.get_deployment_handle("DecodeServer", app_name="disagg")
-        for i in range(REPEATS + 1):
-            t_d, gaps = stream_once(base)
-            # the replica's last 64 model steps: this request's 47 and the end of the one before
-            replica_step_ms = decode.stats.remote().result().median_step_ms
-            transfer_s = decode.last_transfer.remote().result()["seconds"]
-            t_c, _ = stream_once(base + "/colo")
-            step_ms = local.step_ms()
-            if i == 0:
-                continue  # warm-up
-            itl.extend(gaps)
-            itl_ms = statistics.median(gaps) * 1e3
-            rows.append(
-                {
-                    "engine_step_ms": step_ms,
-                    "decode_replica_step_ms": replica_step_ms,
-                    "itl_ms": itl_ms,
-                    "itl_overhead_ms": itl_ms - step_ms,
-                    "serve_path_ms": itl_ms - replica_step_ms,
-                    "ttft_disagg_ms": t_d * 1e3,
-                    "ttft_colocated_ms": t_c * 1e3,
-                    "kv_transfer_ms": transfer_s * 1e3,
-                    "hop_added_ms": (t_d - t_c - transfer_s) * 1e3,
-                }
-            )
+        repetitions = [repetition(f"http://127.0.0.1:{PORT}", decode, local) for _ in range(REPEATS + 1)][1:]
     finally:
         serve.shutdown()
         ray.shutdown()
+    rows = [row for row, _ in repetitions]
     result = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-    result["itl_p50_ms"] = statistics.median(itl) * 1e3
+    result["itl_p50_ms"] = statistics.median(gap for _, gaps in repetitions for gap in gaps) * 1e3
     result["repetitions"] = rows
     out = Path("docs/benchmarks")
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +111,31 @@ def main() -> None:
     text = report(result, "python -m bench.serve_overhead " + " ".join(sys.argv[1:]))
     (out / "serve_overhead.md").write_text(text)
     print(text)
+
+
+def repetition(base: str, decode, local: InProcessEngine) -> tuple[dict[str, float], list[float]]:
+    """One paired repetition (the first of a run warms up): a streamed disagg request, the
+    decode replica's step time over it, the same request through ``colocated_app``, then
+    on the engine in this process. Its figures (ms) and the request's inter-token gaps (s)."""
+    t_d, gaps = stream_once(base)
+    # the replica's last 64 model steps: this request's 47 and the end of the one before
+    replica_step_ms = decode.stats.remote().result().median_step_ms
+    transfer_s = decode.last_transfer.remote().result()["seconds"]
+    t_c, _ = stream_once(base + "/colo")
+    step_ms = local.step_ms()
+    itl_ms = statistics.median(gaps) * 1e3
+    row = {
+        "engine_step_ms": step_ms,
+        "decode_replica_step_ms": replica_step_ms,
+        "itl_ms": itl_ms,
+        "itl_overhead_ms": itl_ms - step_ms,
+        "serve_path_ms": itl_ms - replica_step_ms,
+        "ttft_disagg_ms": t_d * 1e3,
+        "ttft_colocated_ms": t_c * 1e3,
+        "kv_transfer_ms": transfer_s * 1e3,
+        "hop_added_ms": (t_d - t_c - transfer_s) * 1e3,
+    }
+    return row, gaps
 
 
 def report(r: dict[str, float], command: str) -> str:

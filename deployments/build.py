@@ -5,22 +5,23 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.config import AppConfig, PoolConfig
+from app.settings import AppConfig, DeploymentConfig
 from deployments.ingress import OpenAIIngress
 from deployments.server import EngineServer
+from engine.params import Role
 
 ROUTER = "deployments.router.RoleAwareRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 INGRESS_SPARE = 16  # room above max_queued_requests so the ingress itself answers 503
 
 
-def _engine_deployment(name: str, pool: PoolConfig):
+def _engine_deployment(name: str, deployment: DeploymentConfig):
     return serve.deployment(
         EngineServer,
         name=name,
-        num_replicas=pool.num_replicas,
-        ray_actor_options=pool.ray_actor_options(),
-        max_ongoing_requests=pool.max_ongoing_requests,
+        num_replicas=deployment.num_replicas,
+        ray_actor_options=deployment.ray_actor_options(),
+        max_ongoing_requests=deployment.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
         ),
@@ -41,12 +42,12 @@ def _ingress(config: AppConfig):
 
 def build_disagg(config: AppConfig) -> serve.Application:
     data = config.model_dump()
-    prefill = _engine_deployment("PrefillServer", config.prefill).bind(data, "prefill", "prefill")
-    decode = _engine_deployment("DecodeServer", config.decode).bind(data, "decode", "decode")
+    prefill = _engine_deployment("PrefillServer", config.prefill).bind(data, Role.PREFILL.value, "prefill")
+    decode = _engine_deployment("DecodeServer", config.decode).bind(data, Role.DECODE.value, "decode")
     return _ingress(config).bind(data, prefill=prefill, decode=decode)
 
 
 def build_colocated(config: AppConfig) -> serve.Application:
     data = config.model_dump()
-    colocated = _engine_deployment("ColocatedServer", config.colocated).bind(data, "both", "colocated")
+    colocated = _engine_deployment("ColocatedServer", config.colocated).bind(data, Role.BOTH.value, "colocated")
     return _ingress(config).bind(data, colocated=colocated)

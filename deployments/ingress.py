@@ -1,28 +1,26 @@
 """The OpenAI-compatible ingress (FastAPI through ``serve.ingress``).
 
 Per request: parse and validate the body (400 naming the field), check the model (404),
-tokenize (the chat template for chat), check lengths against the context (400 with the
-limit), then send it to prefill and then to decode (or to a colocated replica) and stream
-the tokens back. Backpressure: at most ``max_queued_requests`` requests in flight per
-ingress replica; beyond that 503 with ``Retry-After``. A client that goes away cancels the
-replica calls, which abort the request and free its blocks on every replica.
+let the request schema convert itself into a ``GenerationRequest`` (tokenized, checked
+against the context: 400 naming the field), then send it to prefill and then to decode (or
+to a colocated replica) and stream the tokens back. Backpressure: at most
+``max_queued_requests`` requests in flight per ingress replica; beyond that 503 with
+``Retry-After``. A client that goes away cancels the replica calls, which abort the request
+and free its blocks on every replica. Errors from replicas are mapped by type (``_http_error``).
 """
 
 import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from jinja2 import TemplateError
 from pydantic import ValidationError
 from ray import serve
 
-from app.config import AppConfig
 from app.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,11 +28,13 @@ from app.openai_protocol import (
     unsupported,
     validation_error_body,
 )
+from app.settings import AppConfig
 from deployments.metrics import IngressMetrics
-from deployments.openai_format import ChunkWriter, full_response, sse, token_text_of
+from deployments.openai_format import CHAT, COMPLETION, ChunkWriter, ResponseFormat, full_response, sse, token_text_of
 from engine.loader import ModelSpec, load_tokenizer, model_name
-from engine.params import GenerationRequest, RequestOutput, SamplingParams
-from engine.tokenization import encode_prompt
+from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
+from kv_transport.base import KVTransferError
+from kv_transport.engine_link import KVCapacityError
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="tandem", docs_url=None, redoc_url=None)
@@ -45,8 +45,32 @@ class HTTPError(Exception):
         super().__init__(body["error"]["message"])
         self.status, self.body, self.headers = status, body, headers or {}
 
+    @classmethod
+    def bad_request(cls, exc: FieldError) -> "HTTPError":
+        return cls(400, error_body(exc.message, exc.param))
+
+    @classmethod
+    def busy(cls, message: str) -> "HTTPError":
+        return cls(503, error_body(message, None, "server_error"), {"Retry-After": "1"})
+
     def response(self) -> JSONResponse:
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+def _http_error(cause: BaseException) -> HTTPError:
+    """What a replica call raised (``RayTaskError.cause``), as the client's error: by type."""
+    if isinstance(cause, KVCapacityError):
+        return HTTPError.busy("no KV capacity on the decode pool, retry later")
+    if isinstance(cause, FieldError):  # the engine refused the request's input
+        return HTTPError.bad_request(cause)
+    if isinstance(cause, ValueError):  # e.g. a request id already on that engine
+        return HTTPError(400, error_body(str(cause), None))
+    name = type(cause).__name__
+    if isinstance(cause, KVTransferError):
+        logger.warning("KV transfer failed: %s", cause)
+    else:
+        logger.error("request failed", exc_info=cause)
+    return HTTPError(500, error_body(f"internal error ({name})", None, "server_error"))
 
 
 @serve.ingress(api)
@@ -58,6 +82,8 @@ class OpenAIIngress:
         self._text_of = token_text_of(self.tokenizer)
         self.model = self.config.model.served_name or model_name(spec)
         self.max_model_len = self.config.model.max_model_len
+        vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
+        self.limits = ContextLimits(max_model_len=self.max_model_len, vocab_size=vocab_size)
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.in_flight = 0
         self._active_ids: set[str] = set()
@@ -86,33 +112,26 @@ class OpenAIIngress:
 
     @api.post("/v1/chat/completions")
     async def chat(self, raw: Request):
-        return await self._serve("chat", ChatCompletionRequest, raw)
+        return await self._serve(raw, ChatCompletionRequest, CHAT)
 
     @api.post("/v1/completions")
     async def completions(self, raw: Request):
-        return await self._serve("completion", CompletionRequest, raw)
+        return await self._serve(raw, CompletionRequest, COMPLETION)
 
     # ---- one request --------------------------------------------------------------------
 
-    async def _serve(self, kind: str, schema: type, raw: Request):
+    async def _serve(self, raw: Request, schema: type, fmt: ResponseFormat):
         try:
-            body = await self._parse(schema, raw)
-            request = self._to_engine(kind, body, raw.headers.get("x-request-id"))
+            body = self._check_body(schema, await self._read_json(raw))
+            request = self._to_engine(body, raw.headers.get("x-request-id"))
+            self._admit(request)
         except HTTPError as exc:
             return exc.response()
-        if request.request_id in self._active_ids:
-            message = f"X-Request-Id: request id {request.request_id!r} is already in flight"
-            return HTTPError(400, error_body(message, "X-Request-Id")).response()
-        if self.in_flight >= self.config.max_queued_requests:
-            return HTTPError(
-                503, error_body("server busy: too many requests in flight", None, "server_error"), {"Retry-After": "1"}
-            ).response()
-        self._active_ids.add(request.request_id)  # discarded when _timed ends
         headers = {"X-Request-Id": request.request_id}
         text_of = self._text_of if request.sampling.logprobs is not None else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(kind, request, include_usage, text_of)
+            stream = self._stream(fmt, request, include_usage, text_of)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         self.in_flight += 1
         try:
@@ -122,10 +141,10 @@ class OpenAIIngress:
             return exc.response()
         finally:
             self.in_flight -= 1
-        body = full_response(kind, request.request_id, self.model, outputs, text_of)
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(full_response(fmt, request.request_id, self.model, outputs, text_of), headers=headers)
 
-    async def _parse(self, schema: type, raw: Request):
+    @staticmethod
+    async def _read_json(raw: Request) -> dict:
         try:
             data = json.loads(await raw.body())
         # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over
@@ -134,91 +153,41 @@ class OpenAIIngress:
             raise HTTPError(400, error_body(f"malformed JSON body: {exc}", None)) from None
         if not isinstance(data, dict):
             raise HTTPError(400, error_body("the body must be a JSON object", None))
+        return data
+
+    def _check_body(self, schema: type, data: dict):
+        """The body validated by its schema, for this model, with no unimplemented field set."""
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:
             raise HTTPError(400, validation_error_body(exc)) from None
         if body.model != self.model:
-            raise HTTPError(
-                404,
-                error_body(
-                    f"The model `{body.model}` does not exist.", "model", "invalid_request_error", "model_not_found"
-                ),
-            )
+            message = f"The model `{body.model}` does not exist."
+            raise HTTPError(404, error_body(message, "model", "invalid_request_error", "model_not_found"))
         problem = unsupported(body)
         if problem is not None:
             raise HTTPError(400, error_body(problem[1], problem[0]))
-        if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
-            raise HTTPError(400, error_body("top_logprobs: needs logprobs: true", "top_logprobs"))
         return body
 
-    def _to_engine(self, kind: str, body: Any, client_id: str | None) -> GenerationRequest:
-        if kind == "chat":
-            prompt, field = [m.for_template() for m in body.messages], "messages"
-        else:
-            prompt, field = body.prompt, "prompt"
+    def _to_engine(self, body: Any, client_id: str | None) -> GenerationRequest:
         try:
-            ids = encode_prompt(self.tokenizer, prompt)
-        except ValueError as exc:
-            raise HTTPError(400, error_body(str(exc), field)) from None
-        except TemplateError as exc:  # e.g. a template that wants user and assistant to alternate
-            message = f"messages: the model's chat template refused them: {exc}"
-            raise HTTPError(400, error_body(message, field)) from None
-        if isinstance(prompt, list) and kind != "chat" and self.tokenizer is not None:
-            if (largest := max(ids)) >= len(self.tokenizer):
-                message = f"prompt: token id {largest} is out of vocabulary (the tokenizer has {len(self.tokenizer)})"
-                raise HTTPError(400, error_body(message, field))
-        if len(ids) >= self.max_model_len:
-            raise HTTPError(
-                400,
-                error_body(
-                    f"{field}: the prompt is {len(ids)} tokens; this model's context is {self.max_model_len} tokens",
-                    field,
-                ),
-            )
-        room = self.max_model_len - len(ids)
-        chat_limit = kind == "chat" and body.max_completion_tokens is not None
-        limit_field = "max_completion_tokens" if chat_limit else "max_tokens"
-        max_tokens = body.max_completion_tokens if chat_limit else body.max_tokens
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens < 1:
-            raise HTTPError(400, error_body(f"{limit_field}: must be at least 1, got {max_tokens}", limit_field))
-        if max_tokens > room:
-            raise HTTPError(
-                400,
-                error_body(
-                    f"{limit_field}: {max_tokens} is beyond the context: prompt {len(ids)} tokens + {limit_field} > "
-                    f"{self.max_model_len}",
-                    limit_field,
-                ),
-            )
-        if kind == "chat":
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            logprobs = body.logprobs
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                seed=body.seed,
-                stop=body.stop or (),
-                ignore_eos=body.ignore_eos,
-                min_tokens=body.min_tokens,
-                logprobs=logprobs,
-            )
-            prefix = "chatcmpl" if kind == "chat" else "cmpl"
-            return GenerationRequest(client_id or f"{prefix}-{uuid.uuid4().hex}", tuple(ids), sampling)
-        except ValueError as exc:
-            param = str(exc).split(" ", 1)[0]
-            raise HTTPError(400, error_body(str(exc), param)) from None
+            return body.to_generation_request(self.tokenizer, self.limits, client_id)
+        except FieldError as exc:
+            raise HTTPError.bad_request(exc) from None
+
+    def _admit(self, request: GenerationRequest) -> None:
+        """Refuse a request id already in flight here, and any request beyond the queue bound."""
+        if request.request_id in self._active_ids:
+            message = f"X-Request-Id: request id {request.request_id!r} is already in flight"
+            raise HTTPError(400, error_body(message, "X-Request-Id"))
+        if self.in_flight >= self.config.max_queued_requests:
+            raise HTTPError.busy("server busy: too many requests in flight")
+        self._active_ids.add(request.request_id)  # discarded when _timed ends
 
     async def _stream(
-        self, kind: str, request: GenerationRequest, include_usage: bool, text_of: Any
+        self, fmt: ResponseFormat, request: GenerationRequest, include_usage: bool, text_of: Any
     ) -> AsyncIterator[bytes]:
-        writer = ChunkWriter(kind, request.request_id, self.model, text_of)
+        writer = ChunkWriter(fmt, request.request_id, self.model, text_of)
         self.in_flight += 1
         try:
             first = writer.start()
@@ -254,48 +223,64 @@ class OpenAIIngress:
         self.metrics.observe(path, start, first, time.perf_counter(), num_tokens)
         self.metrics.requests.inc(1, {"status": "200"})
 
-    async def _outputs(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Route one request through prefill and decode (or a colocated replica)."""
-        prefill_call = None
+    # ---- the paths through the replicas ---------------------------------------------------
+
+    def _outputs(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Route one request: colocated, prefilled on decode (short prompt), pull or push."""
         if self.colocated is not None:
-            stream = self.colocated.options(stream=True).generate.remote(request)
-        elif len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
-            stream = self.decode.options(stream=True).generate.remote(request)
-        elif self.config.transport.mode == "pull":
-            hop_start = time.perf_counter()
-            result, handle = await self._call(self.prefill.prefill.remote(request))
-            self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
-            if handle is None:  # ended at its first token
-                yield RequestOutput(
-                    request.request_id,
-                    (result.first_token,),
-                    result.first_text,
-                    True,
-                    result.finish_reason,
-                    result.num_tokens,
-                    1,
-                    logprobs=(result.first_logprobs,) if result.first_logprobs is not None else (),
-                )
-                return
-            # the decode replica has no logits for the first token: its log-probabilities
-            # go along (in push mode inside the push's completion notice)
-            stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
-        else:
-            stream = self.decode.options(stream=True).decode_push.remote(request)
+            return self._generate(self.colocated, request)
+        if len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
+            return self._generate(self.decode, request)
+        if self.config.transport.mode == "pull":
+            return self._pull(request)
+        return self._push(request)
+
+    async def _generate(self, deployment: Any, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """The whole request on one replica."""
+        async for output in self._relay(deployment.options(stream=True).generate.remote(request)):
+            yield output
+
+    async def _pull(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Prefill returns a handle; decode reads the KV with it, then streams."""
+        hop_start = time.perf_counter()
+        result, handle = await self._call(self.prefill.prefill.remote(request))
+        self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
+        if handle is None:  # ended at its first token
+            yield result.final_output()
+            return
+        # the decode replica has no logits for the first token: its log-probabilities go along
+        stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
+        async for output in self._relay(stream):
+            yield output
+
+    async def _push(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Decode reserves blocks and answers with a destination first; prefill writes into it
+        layer by layer (the first token's log-probabilities ride on the completion notice)."""
+        stream = self.decode.options(stream=True).decode_push.remote(request)
+        try:
             destination = await self._call(stream.__anext__())
-            prefill_call = self.prefill.prefill_push.remote(request, destination)
+        except BaseException:
+            stream.cancel()
+            raise
+        prefill_call = self.prefill.prefill_push.remote(request, destination)
+        async for output in self._relay(stream, prefill_call):
+            yield output
+
+    async def _relay(self, stream: Any, companion: Any = None) -> AsyncIterator[RequestOutput]:
+        """Yield a replica stream's outputs, then await ``companion`` (the push's prefill call).
+        Unfinished (client gone, an error): cancelling both aborts the request on the replicas."""
         finished = False
         try:
             async for output in self._iterate(stream):
                 finished = output.finished
                 yield output
-            if prefill_call is not None:
-                await self._call(prefill_call)
+            if companion is not None:
+                await self._call(companion)
         finally:
-            if not finished:  # client gone or an error: cancelling aborts on the replicas
+            if not finished:
                 stream.cancel()
-                if prefill_call is not None:
-                    prefill_call.cancel()
+                if companion is not None:
+                    companion.cancel()
 
     async def _iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
         while True:
@@ -305,23 +290,12 @@ class OpenAIIngress:
                 return
             yield output
 
-    async def _call(self, awaitable: Any) -> Any:
+    @staticmethod
+    async def _call(awaitable: Any) -> Any:
         """Await a replica call; map what it raises to an HTTP error (never a stack trace)."""
         try:
             return await awaitable
         except (StopAsyncIteration, asyncio.CancelledError):
             raise
         except Exception as exc:
-            cause = getattr(exc, "cause", exc)
-            name = type(cause).__name__
-            if name == "KVCapacityError":
-                raise HTTPError(
-                    503,
-                    error_body("no KV capacity on the decode pool, retry later", None, "server_error"),
-                    {"Retry-After": "1"},
-                ) from None
-            if name == "ValueError":  # the engine refused the request's input (e.g. a duplicate id)
-                param = "prompt" if str(cause).startswith("prompt") else None
-                raise HTTPError(400, error_body(str(cause), param)) from None
-            logger.exception("request failed")
-            raise HTTPError(500, error_body(f"internal error ({name})", None, "server_error")) from None
+            raise _http_error(getattr(exc, "cause", exc)) from None

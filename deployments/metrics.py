@@ -5,16 +5,24 @@ receives) and the prefill hop of TTFT. Engine replicas: the TTFT split -- prefil
 (admitted to the engine -> first prompt chunk runs), prefill compute (-> first token),
 decode queue (decode call -> KV blocks reserved) and KV transfer seconds and bytes -- the
 prefill call time, and gauges of KV block usage, running and waiting requests and role
-(0 prefill, 1 decode, 2 both), refreshed whenever Serve reads the routing stats. What
-TTFT holds beyond the split is routing and Ray/Serve calls.
+(0 prefill, 1 decode, 2 both), refreshed from the engine's stats snapshot whenever Serve
+reads the routing stats. What TTFT holds beyond the split is routing and Ray/Serve calls.
+Engine metrics carry the label ``pool``: the deployment section (prefill, decode, colocated).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from engine.params import EngineStats, Role
+
+if TYPE_CHECKING:
+    from kv_transport.engine_link import DecodeTimings
+
 LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
-ROLE_CODES = {"prefill": 0, "decode": 1, "both": 2}
+ROLE_CODES = {Role.PREFILL: 0, Role.DECODE: 1, Role.BOTH: 2}
 
 
 class IngressMetrics:
@@ -55,9 +63,10 @@ def _latency(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> His
 
 
 class EngineMetrics:
-    def __init__(self, pool: str) -> None:
+    def __init__(self, section: str) -> None:
+        """``section``: the replica's deployment section, the value of the ``pool`` label."""
         tags = ("pool",)
-        self.pool = {"pool": pool}
+        self.tags = {"pool": section}
         self.prefill = _latency("tandem_prefill_seconds", "Prefill call time on the replica (queue + compute)", tags)
         self.prefill_queue = _latency(
             "tandem_ttft_prefill_queue_seconds",
@@ -79,16 +88,24 @@ class EngineMetrics:
         self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
         self.role = Gauge("tandem_role", "Replica role: 0 prefill, 1 decode, 2 both", tag_keys=tags)
 
+    def prefill_call(self, seconds: float) -> None:
+        self.prefill.observe(seconds, self.tags)
+
     def prefill_parts(self, queue_s: float, compute_s: float) -> None:
-        self.prefill_queue.observe(queue_s, self.pool)
-        self.prefill_compute.observe(compute_s, self.pool)
+        self.prefill_queue.observe(queue_s, self.tags)
+        self.prefill_compute.observe(compute_s, self.tags)
 
     def transfer(self, seconds: float, num_bytes: int) -> None:
-        self.kv_seconds.observe(seconds, self.pool)
-        self.kv_bytes.inc(num_bytes, self.pool)
+        self.kv_seconds.observe(seconds, self.tags)
+        self.kv_bytes.inc(num_bytes, self.tags)
 
-    def replica(self, stats: dict) -> None:
-        self.block_usage.set(1 - stats["free_blocks"] / stats["total_blocks"], self.pool)
-        self.running.set(stats["running"], self.pool)
-        self.waiting.set(stats["waiting"], self.pool)
-        self.role.set(ROLE_CODES[stats["role"]], self.pool)
+    def decode_parts(self, timings: DecodeTimings) -> None:
+        self.decode_queue.observe(timings.decode_queue_s, self.tags)
+        if timings.kv_transfer_s is not None and timings.kv_bytes is not None:
+            self.transfer(timings.kv_transfer_s, timings.kv_bytes)
+
+    def replica(self, stats: EngineStats) -> None:
+        self.block_usage.set(1 - stats.num_free_blocks / stats.num_total_blocks, self.tags)
+        self.running.set(stats.num_running, self.tags)
+        self.waiting.set(stats.num_waiting, self.tags)
+        self.role.set(ROLE_CODES[stats.role], self.tags)

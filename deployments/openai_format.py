@@ -1,17 +1,20 @@
 """Engine outputs -> OpenAI response bodies and server-sent-event chunks (pure functions).
 
-Log-probabilities, when the request asked for them (``logprobs`` on completions,
-``logprobs: true`` + ``top_logprobs`` on chat), take OpenAI's two shapes: the completions
-object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and the chat one
-(``content``: per token ``token``, ``logprob``, ``bytes``, ``top_logprobs``). A token's
-text is the tokenizer's decoding of that one id.
+Two endpoint formats, ``CHAT`` and ``COMPLETION`` (one ``ResponseFormat`` subclass each, so
+no caller switches on a string). Log-probabilities, when the request asked for them
+(``logprobs`` on completions, ``logprobs: true`` + ``top_logprobs`` on chat), take OpenAI's
+two shapes: the completions object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``) and the chat one (``content``: per token ``token``, ``logprob``, ``bytes``,
+``top_logprobs``). A token's text is the tokenizer's decoding of that one id.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 
 from engine.params import RequestOutput, TokenLogprobs
 
@@ -37,7 +40,7 @@ def finish_reason(last: RequestOutput) -> str | None:
     return last.finish_reason.value if last.finish_reason is not None else None
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: TokenText) -> dict:
+def chat_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText) -> dict:
     def item(token_id: int, logprob: float) -> dict:
         text = text_of(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -47,7 +50,7 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: TokenText) -> dict:
     }
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: TokenText, offset: int = 0) -> dict:
+def completion_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText, offset: int = 0) -> dict:
     """``offset``: where the first token's text starts in the completion (streaming)."""
     tokens = [text_of(e.token_id) for e in entries]
     offsets = []
@@ -63,31 +66,82 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: TokenText, of
     }
 
 
+class ResponseFormat(ABC):
+    """How one endpoint shapes its choices; the envelope (id, created, model, usage) is shared."""
+
+    object_name: str  # the non-streamed body's ``object``
+    chunk_object_name: str  # each streamed chunk's ``object``
+
+    @abstractmethod
+    def choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+        """The one choice of a non-streamed body."""
+
+    @abstractmethod
+    def delta_choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+        """The choice of one streamed chunk."""
+
+    @abstractmethod
+    def logprobs(self, entries: SequenceOf[TokenLogprobs], text_of: TokenText, offset: int) -> tuple[dict, int]:
+        """The ``logprobs`` object of ``entries`` and the offset after them (``offset``: characters
+        of token text sent before them; only completions count it)."""
+
+    def first_chunk(self) -> dict | None:
+        """A choice sent before any token (chat announces the assistant's role), or None."""
+        return None
+
+
+class ChatFormat(ResponseFormat):
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+    def delta_choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def logprobs(self, entries: SequenceOf[TokenLogprobs], text_of: TokenText, offset: int) -> tuple[dict, int]:
+        return chat_logprobs(entries, text_of), offset
+
+    def first_chunk(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = chunk_object_name = "text_completion"
+
+    def choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    delta_choice = choice
+
+    def logprobs(self, entries: SequenceOf[TokenLogprobs], text_of: TokenText, offset: int) -> tuple[dict, int]:
+        body = completion_logprobs(entries, text_of, offset)
+        return body, offset + sum(len(token) for token in body["tokens"])
+
+
+CHAT, COMPLETION = ChatFormat(), CompletionFormat()
+
+
 def full_response(
-    kind: str, request_id: str, model: str, outputs: Sequence[RequestOutput], text_of: TokenText | None = None
+    fmt: ResponseFormat,
+    request_id: str,
+    model: str,
+    outputs: SequenceOf[RequestOutput],
+    text_of: TokenText | None = None,
 ) -> dict:
     """The non-streamed body; ``text_of`` set when the request asked for log-probabilities."""
     text = "".join(o.text for o in outputs)
     last = outputs[-1]
     entries = [e for o in outputs for e in o.logprobs]
-    if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": chat_logprobs(entries, text_of) if text_of else None,
-            "finish_reason": finish_reason(last),
-        }
-        obj = "chat.completion"
-    else:
-        logprobs = completion_logprobs(entries, text_of) if text_of else None
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(last)}
-        obj = "text_completion"
+    logprobs = fmt.logprobs(entries, text_of, 0)[0] if text_of else None
     return {
         "id": request_id,
-        "object": obj,
+        "object": fmt.object_name,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [fmt.choice(text, logprobs, finish_reason(last))],
         "usage": usage(last),
     }
 
@@ -102,18 +156,17 @@ class ChunkWriter:
     each chunk carries the log-probabilities of its tokens (those of tokens whose text is
     held back, e.g. part of a character, ride on the next chunk)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, text_of: TokenText | None = None) -> None:
-        self.kind, self.request_id, self.model = kind, request_id, model
+    def __init__(self, fmt: ResponseFormat, request_id: str, model: str, text_of: TokenText | None = None) -> None:
+        self.fmt, self.request_id, self.model = fmt, request_id, model
         self.created = int(time.time())
-        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.text_of = text_of
         self._pending: list[TokenLogprobs] = []
-        self._offset = 0  # completions: characters of token text sent so far
+        self._offset = 0  # characters of text sent so far (completions' text_offset)
 
-    def _chunk(self, choice: dict, usage_body: dict | None = None) -> bytes:
+    def _chunk(self, choice: dict | None, usage_body: dict | None = None) -> bytes:
         body = {
             "id": self.request_id,
-            "object": self.object,
+            "object": self.fmt.chunk_object_name,
             "created": self.created,
             "model": self.model,
             "choices": [choice] if choice else [],
@@ -123,20 +176,14 @@ class ChunkWriter:
         return sse(body)
 
     def start(self) -> bytes | None:
-        if self.kind != "chat":
-            return None
-        return self._chunk(
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        )
+        first = self.fmt.first_chunk()
+        return None if first is None else self._chunk(first)
 
     def _logprobs(self) -> dict | None:
         if self.text_of is None:
             return None
         entries, self._pending = self._pending, []
-        if self.kind == "chat":
-            return chat_logprobs(entries, self.text_of)
-        body = completion_logprobs(entries, self.text_of, self._offset)
-        self._offset += sum(len(t) for t in body["tokens"])
+        body, self._offset = self.fmt.logprobs(entries, self.text_of, self._offset)
         return body
 
     def delta(self, output: RequestOutput) -> bytes | None:
@@ -144,13 +191,10 @@ class ChunkWriter:
         reason = finish_reason(output) if output.finished else None
         if not output.text and reason is None:
             return None
-        if self.kind == "chat":
-            delta = {"content": output.text} if output.text else {}
-            return self._chunk({"index": 0, "delta": delta, "logprobs": self._logprobs(), "finish_reason": reason})
-        return self._chunk({"index": 0, "text": output.text, "logprobs": self._logprobs(), "finish_reason": reason})
+        return self._chunk(self.fmt.delta_choice(output.text, self._logprobs(), reason))
 
     def usage(self, last: RequestOutput) -> bytes:
-        return self._chunk({}, usage(last))
+        return self._chunk(None, usage(last))
 
     @staticmethod
     def done() -> bytes:

@@ -11,36 +11,81 @@ free KV blocks (not round-robin).
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from engine.params import EngineStats, Role
 
 PREFILL_METHODS = frozenset({"prefill", "prefill_push"})
 DECODE_METHODS = frozenset({"decode_pull", "decode_push", "generate"})
 
 
-def wanted_role(method: str) -> str | None:
+@dataclass(frozen=True)
+class RoutingStats:
+    """One replica's role and load, as the router ranks it."""
+
+    role: Role
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> RoutingStats:
+        return cls(
+            role=stats.role,
+            free_blocks=stats.num_free_blocks,
+            total_blocks=stats.num_total_blocks,
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``record_routing_stats`` returns: Serve keeps a plain dict per replica (read in
+        Serve's controller, which need not import this package: the role goes as its string)."""
+        return {**asdict(self), "role": self.role.value}
+
+
+def parse_routing_stats(raw: dict[str, Any] | None) -> RoutingStats | None:
+    """A replica's stats as Serve holds them (``to_dict``'s output); None before its first report."""
+    if not raw:
+        return None
+    return RoutingStats(
+        role=Role(raw["role"]),
+        free_blocks=raw["free_blocks"],
+        total_blocks=raw["total_blocks"],
+        running=raw["running"],
+        waiting=raw["waiting"],
+    )
+
+
+def wanted_role(method: str) -> Role | None:
     if method in PREFILL_METHODS:
-        return "prefill"
+        return Role.PREFILL
     if method in DECODE_METHODS:
-        return "decode"
+        return Role.DECODE
     return None  # control calls (stats, abort, set_role) go anywhere
 
 
-def eligible(stats: dict[str, Any], role: str | None) -> bool:
-    current = stats.get("role")
-    return role is None or current is None or current in (role, "both")
+def eligible(stats: RoutingStats | None, role: Role | None) -> bool:
+    """A replica that has not reported yet takes any call."""
+    return role is None or stats is None or stats.role in (role, Role.BOTH)
 
 
-def load_key(stats: dict[str, Any]) -> tuple[int, int, int]:
-    return (stats.get("waiting", 0), stats.get("running", 0), -stats.get("free_blocks", 0))
+def load_key(stats: RoutingStats | None) -> tuple[int, int, int]:
+    if stats is None:
+        return (0, 0, 0)
+    return (stats.waiting, stats.running, -stats.free_blocks)
 
 
 def rank_replicas(replicas: list[Any], method: str) -> list[list[Any]]:
     """Pure ranking over objects with ``routing_stats`` (unit-tested without Serve)."""
     role = wanted_role(method)
-    chosen = [r for r in replicas if eligible(r.routing_stats or {}, role)]
-    return [[r] for r in sorted(chosen, key=lambda r: load_key(r.routing_stats or {}))]
+    stats = [parse_routing_stats(r.routing_stats) for r in replicas]
+    chosen = [(s, r) for s, r in zip(stats, replicas) if eligible(s, role)]
+    return [[r] for _, r in sorted(chosen, key=lambda pair: load_key(pair[0]))]
 
 
 class RoleAwareRouter(FIFOMixin, RequestRouter):

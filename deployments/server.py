@@ -3,7 +3,8 @@
 
 Thin: it builds the engine and its KV link from the config once, then forwards each call
 to ``KVEngineLink`` / ``AsyncEngine``. ``record_routing_stats`` feeds the role-aware
-request router (``deployments.router``).
+request router (``deployments.router``) from the engine thread's stats snapshot (every
+``EngineCore`` call stays on the engine thread).
 """
 
 from __future__ import annotations
@@ -12,37 +13,50 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.config import AppConfig
+from app.settings import AppConfig
 from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+    from kv_transport.engine_link import KVEngineLink
+
+
+def _load_core(config: AppConfig, role: Role) -> EngineCore:
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.loader import ModelSpec, load_model
+
+    spec = config.model
+    loaded = load_model(ModelSpec(source=spec.source, dtype=spec.dtype, device=spec.device))
+    settings = config.engine.model_dump()
+    return EngineCore(loaded, EngineConfig(role=role, max_model_len=spec.max_model_len, **settings))
+
 
 class EngineServer:
-    def __init__(self, config: dict[str, Any], role: str, pool: str) -> None:
+    def __init__(self, config: dict[str, Any], role: str, section: str) -> None:
+        """``role``: the initial role, a ``Role`` value (Serve's bind arguments stay plain data);
+        ``section``: this replica's deployment section of the config (``prefill``, ``decode`` or
+        ``colocated``), also its metrics' ``pool`` label."""
         import torch
 
-        self.config = AppConfig.model_validate(config)
-        self.pool_config = getattr(self.config, pool)
-        torch.set_num_threads(self.pool_config.torch_threads)
-        from engine.config import EngineConfig
-        from engine.core import EngineCore
-        from engine.loader import ModelSpec, load_model
-
-        spec = self.config.model
-        loaded = load_model(ModelSpec(source=spec.source, dtype=spec.dtype, device=spec.device))
-        settings = self.config.engine.model_dump()
-        self.core = EngineCore(loaded, EngineConfig(role=Role(role), max_model_len=spec.max_model_len, **settings))
-        self.engine_id = f"{pool}-{os.getpid()}-{id(self):x}"
         from deployments.metrics import EngineMetrics
+        from engine.async_engine import AsyncEngine
 
-        self.metrics = EngineMetrics(pool)
-        self._link = None
+        self.config = AppConfig.model_validate(config)
+        torch_threads = getattr(self.config, section).torch_threads
+        torch.set_num_threads(torch_threads)
+        self.core = _load_core(self.config, Role(role))
+        self.engine = AsyncEngine(self.core, torch_threads)
+        self.engine_id = f"{section}-{os.getpid()}-{id(self):x}"
+        self.metrics = EngineMetrics(section)
+        self._link: KVEngineLink | None = None
         self._start_lock = asyncio.Lock()
 
-    async def _started(self):
+    async def _started(self) -> KVEngineLink:
         """The engine loop and the transport need the replica's event loop: start on first use."""
         if self._link is None:
             async with self._start_lock:
@@ -50,23 +64,12 @@ class EngineServer:
                     self._link = self._make_link()
         return self._link
 
-    def _make_link(self):
-        from engine.async_engine import AsyncEngine
+    def _make_link(self) -> KVEngineLink:
         from kv_transport.engine_link import KVEngineLink
-        from kv_transport.handle import KVLayoutSignature
+        from kv_transport.factory import make_transport
 
-        layout = KVLayoutSignature.of(self.core.layout)
-        timeout_s = self.config.transport.kv_transfer_timeout_s
-        if self.config.transport.kind == "nixl":
-            from kv_transport.nixl_transport import NixlTransport
-            from kv_transport.registry import RayPeerRegistry
-
-            transport = NixlTransport(self.engine_id, layout, RayPeerRegistry(), timeout_s)
-        else:
-            from kv_transport.object_store import ObjectStoreTransport
-
-            transport = ObjectStoreTransport(self.engine_id, layout, timeout_s)
-        return KVEngineLink(AsyncEngine(self.core, self.pool_config.torch_threads), transport)
+        transport = make_transport(self.config.transport, self.engine_id, self.engine.pool_view().layout)
+        return KVEngineLink(self.engine, transport)
 
     # ---- the calls the ingress makes ----------------------------------------------------
 
@@ -74,7 +77,7 @@ class EngineServer:
         link = await self._started()
         start = time.perf_counter()
         result = await link.prefill_pull(request)
-        self.metrics.prefill.observe(time.perf_counter() - start, self.metrics.pool)
+        self.metrics.prefill_call(time.perf_counter() - start)
         self.metrics.prefill_parts(result[0].queue_s, result[0].compute_s)
         return result
 
@@ -84,26 +87,26 @@ class EngineServer:
         link = await self._started()
         try:
             async for output in link.decode_pull(request, handle, first_logprobs):
-                parts = link.ttft_parts.pop(request.request_id, None)
-                if parts is not None:
-                    self.metrics.decode_queue.observe(parts["decode_queue_s"], self.metrics.pool)
-                    self.metrics.transfer(parts["kv_transfer_s"], int(parts["kv_bytes"]))
+                timings = link.pop_decode_timings(request.request_id)
+                if timings is not None:
+                    self.metrics.decode_parts(timings)
                 yield output
         finally:
-            link.ttft_parts.pop(request.request_id, None)
+            link.pop_decode_timings(request.request_id)
 
     async def decode_push(self, request: GenerationRequest) -> AsyncIterator[KVDestination | RequestOutput]:
         """One stream: first the destination (blocks reserved here), then the tokens."""
         link = await self._started()
         try:
             destination = await link.reserve_push(request)
-            parts = link.ttft_parts.pop(request.request_id)
-            self.metrics.decode_queue.observe(parts["decode_queue_s"], self.metrics.pool)
+            timings = link.pop_decode_timings(request.request_id)
+            if timings is not None:
+                self.metrics.decode_parts(timings)
             yield destination
             async for output in link.decode_push(request, destination):
                 yield output
         finally:
-            link.ttft_parts.pop(request.request_id, None)
+            link.pop_decode_timings(request.request_id)
 
     async def prefill_push(
         self, request: GenerationRequest, destination: KVDestination
@@ -111,14 +114,14 @@ class EngineServer:
         link = await self._started()
         start = time.perf_counter()
         result, stats = await link.prefill_push(request, destination)
-        self.metrics.prefill.observe(time.perf_counter() - start, self.metrics.pool)
+        self.metrics.prefill_call(time.perf_counter() - start)
         self.metrics.prefill_parts(result.queue_s, result.compute_s)
         self.metrics.transfer(stats.seconds, stats.num_bytes)
         return result, stats
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        link = await self._started()
-        async for output in link.engine.generate(request):
+        await self._started()
+        async for output in self.engine.generate(request):
             if output.prefill_timing is not None:
                 self.metrics.prefill_parts(*output.prefill_timing)
             yield output
@@ -128,12 +131,12 @@ class EngineServer:
         await link.abort(request_id)
 
     async def stats(self) -> EngineStats:
-        link = await self._started()
-        return await link.engine.stats()
+        await self._started()
+        return await self.engine.stats()
 
-    async def set_role(self, role: str) -> None:
-        link = await self._started()
-        await link.engine.set_role(role)
+    async def set_role(self, role: Role) -> None:
+        await self._started()
+        await self.engine.set_role(Role(role))
 
     async def model_info(self) -> dict[str, Any]:
         import ray
@@ -152,14 +155,10 @@ class EngineServer:
         return None if stats is None else {"seconds": stats.seconds, "bytes": stats.num_bytes}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Read by Serve every ``request_routing_stats_period_s`` for the request router."""
-        stats = self.core.stats()
-        routing = {
-            "role": stats.role.value,
-            "free_blocks": stats.num_free_blocks,
-            "total_blocks": stats.num_total_blocks,
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-        }
-        self.metrics.replica(routing)
-        return routing
+        """Read by Serve every ``request_routing_stats_period_s`` for the request router: the
+        engine thread's latest snapshot (no call into the core from Serve's thread)."""
+        from deployments.router import RoutingStats
+
+        stats = self.engine.latest_stats()
+        self.metrics.replica(stats)
+        return RoutingStats.of(stats).to_dict()

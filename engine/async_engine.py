@@ -4,8 +4,10 @@ All EngineCore calls run on one engine thread (the core is single-threaded by de
 thread steps back to back while there is work: commands queued from the event loop are
 applied between steps, and each step's outputs reach the per-request asyncio queues with
 one ``call_soon_threadsafe``. The next step never waits for the event loop, which is busy
-streaming the previous token meanwhile. A cancelled ``generate`` or ``decode`` iterator
-(client gone) aborts its request and frees its blocks.
+streaming the previous token meanwhile. After each round that stepped or applied a
+command the thread publishes an ``EngineStats`` snapshot (``latest_stats``), so other
+threads (Serve's routing-stats call) read the load without calling the core. A cancelled
+``generate`` or ``decode`` iterator (client gone) aborts its request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 import torch
 
 from engine.core import EngineCore
+from engine.kv_pool import KVPoolView
+from engine.model_runner import LayerHook
 from engine.params import (
     EngineStats,
     FinishReason,
@@ -33,8 +37,9 @@ _Result = tuple[asyncio.Future, Any, BaseException | None]
 IDLE_RECHECK_S = 0.05  # a stuck step is retried this often even without a command
 
 
-class EngineDeadError(RuntimeError):
-    """The step loop hit an unexpected error; every request in flight was ended with it."""
+class EngineStepError(RuntimeError):
+    """A step hit an unexpected error; every request in flight was ended with it (the engine
+    keeps serving new requests)."""
 
 
 class AsyncEngine:
@@ -52,6 +57,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._latest_stats = core.stats()  # replaced (never mutated) by the engine thread
 
     def start(self) -> None:
         """Start the engine thread; it delivers to the event loop this is called from.
@@ -120,11 +126,28 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.core.abort(request_id))
 
-    async def set_role(self, role: Role | str) -> None:
+    async def set_role(self, role: Role) -> None:
         await self._call(lambda: self.core.set_role(role))
 
     async def stats(self) -> EngineStats:
+        """Exact stats, taken on the engine thread between steps."""
         return await self._call(self.core.stats)
+
+    def latest_stats(self) -> EngineStats:
+        """The snapshot published after the engine thread's latest step or command; any thread,
+        no waiting (it may lag ``stats()`` by the step in progress)."""
+        return self._latest_stats
+
+    def pool_view(self) -> KVPoolView:
+        """The KV pool's tensor and layout (fixed for the engine's life: any thread)."""
+        return self.core.pool.view()
+
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        """Call ``hook(layer_idx, chunks)`` on the engine thread after each decoder layer's
+        forward. Only before the engine thread starts: the hooks are read inside the forward pass."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("add layer hooks before the engine serves requests")
+        self.core.runner.add_layer_hook(hook)
 
     # ---- plumbing ---------------------------------------------------------------------
 
@@ -175,31 +198,40 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         """The engine thread: apply commands, step, hand the results to the event loop; repeat."""
         torch.set_num_threads(self._torch_threads)
-        core = self.core
         while not self._stopping:
             self._wakeup.clear()  # cleared before the check: a command queued after it sets it again
-            if not self._commands and not core.has_work():
+            if not self._commands and not self.core.has_work():
                 self._wakeup.wait()
                 continue
-            results = self._apply_commands()
-            outputs: list[RequestOutput] = []
-            error = None
-            model_steps = core.num_model_steps
-            if core.has_work():
-                try:
-                    outputs = core.step()
-                except Exception as exc:  # a bug in the step: fail loudly, keep serving new requests
-                    core.abort_all()
-                    error = exc
-            if results or outputs or error is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self._deliver, results, outputs, error)
-                except RuntimeError:  # the event loop is closed: nobody is left to serve
-                    return
-            elif core.num_model_steps == model_steps:
-                # nothing could run (every waiting request needs blocks that pinned or reserved
-                # KV holds): only a command (release, abort) changes that, so sleep until one
-                self._wakeup.wait(IDLE_RECHECK_S)
+            if not self._round():
+                return
+
+    def _round(self) -> bool:
+        """One round of the engine thread; False once the event loop is closed."""
+        core = self.core
+        results = self._apply_commands()
+        outputs: list[RequestOutput] = []
+        error = None
+        model_steps = core.num_model_steps
+        if core.has_work():
+            try:
+                outputs = core.step()
+            except Exception as exc:  # a bug in the step: fail loudly, keep serving new requests
+                core.abort_all()
+                error = exc
+        stepped = core.num_model_steps != model_steps
+        if results or outputs or error is not None or stepped:
+            self._latest_stats = core.stats()  # before delivery: an answered command is in it
+        if results or outputs or error is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, results, outputs, error)
+            except RuntimeError:  # the event loop is closed: nobody is left to serve
+                return False
+        elif not stepped:
+            # nothing could run (every waiting request needs blocks that pinned or reserved
+            # KV holds): only a command (release, abort) changes that, so sleep until one
+            self._wakeup.wait(IDLE_RECHECK_S)
+        return True
 
     def _deliver(self, results: list[_Result], outputs: list[RequestOutput], error: Exception | None) -> None:
         """On the event loop: answer the commands, then route the step's outputs."""
@@ -214,6 +246,6 @@ class AsyncEngine:
             self._fail_all(error)
 
     def _fail_all(self, exc: Exception) -> None:
-        error = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
+        error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
         for queue in self._streams.values():
             queue.put_nowait(error)

@@ -1,47 +1,59 @@
-"""Engine settings: a frozen dataclass with the values the engine needs, nothing else."""
+"""Engine settings, declared once: ``EngineSettings`` holds the fields an operator sets (the
+application's ``engine`` section is this class with the app's own default pool size);
+``EngineConfig`` adds what only the engine's caller knows (role, fixed pool, context)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from engine.params import Role
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # the engine's own default; the served app uses 256 MiB
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Scheduling and KV-pool settings of one engine.
+class EngineSettings(BaseModel):
+    """Scheduling and KV-pool settings of one engine (validated on construction).
 
-    ``num_blocks`` fixes the pool size; otherwise it is ``kv_cache_bytes`` divided by
-    the bytes of one block. ``max_model_len`` defaults to the model's context length.
-    ``recompute_remote_kv`` allows a decode replica to re-run prefill for a preempted
-    request whose KV came from another replica (off: such requests are never preempted
-    by recompute; see ``engine.scheduler``). ``cpu_packed_weights`` (CPU only) keeps a
-    second, oneDNN-blocked copy of the weights for batched decode and prefill: about 30%
-    off a 4-sequence decode step for the weights' memory once more (``engine.cpu_matmul``).
+    ``recompute_remote_kv`` allows a decode replica to re-run prefill for a preempted request
+    whose KV came from another replica (off: such requests are never preempted by recompute;
+    see ``engine.scheduler``). ``cpu_packed_weights`` (CPU only) keeps a second, oneDNN-blocked
+    copy of the weights for batched decode and prefill (``engine.cpu_matmul``).
     """
 
-    block_size: int = 16
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    num_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = False
-    role: Role = Role.BOTH
-    recompute_remote_kv: bool = False
-    cpu_packed_weights: bool = True
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        object.__setattr__(self, "role", Role(self.role))
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    kv_cache_bytes: int = Field(DEFAULT_KV_CACHE_BYTES, ge=1, description="KV pool size per replica, in bytes")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running at once per replica")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of one engine step")
+    enable_chunked_prefill: bool = Field(False, description="split long prompts across steps")
+    recompute_remote_kv: bool = Field(False, description="let decode replicas recompute preempted remote KV")
+    cpu_packed_weights: bool = Field(
+        True, description="CPU: keep a oneDNN-packed copy of the weights for batched steps (faster, 2x weight memory)"
+    )
+
+
+class EngineConfig(EngineSettings):
+    """``EngineSettings`` plus the engine-only values: ``num_blocks`` fixes the pool size
+    (otherwise ``kv_cache_bytes`` / bytes per block), ``max_model_len`` defaults to the
+    model's context length, ``role`` is the initial role."""
+
+    num_blocks: int | None = Field(None, ge=1, description="pool size in blocks (overrides kv_cache_bytes)")
+    max_model_len: int | None = Field(None, ge=1, description="context length served (default: the model's)")
+    role: Role = Field(Role.BOTH, description="initial role (it can change while the engine runs)")
+
+
+def check_token_budget(budget: int | None, chunked: bool, max_model_len: int, section: str = "") -> None:
+    """Without chunked prefill a whole prompt runs in one step, so the step's token budget must
+    hold a full-context prompt. ``section`` prefixes the field names (``engine.`` in the app)."""
+    if budget is not None and not chunked and budget < max_model_len:
+        raise ValueError(
+            f"{section}max_num_batched_tokens={budget} < max_model_len={max_model_len}: without chunked "
+            f"prefill a full-context prompt could never be scheduled; needs {section}enable_chunked_prefill=true "
+            "or a larger budget"
+        )
 
 
 @dataclass(frozen=True)
@@ -70,9 +82,5 @@ def resolve_limits(config: EngineConfig, model_max_len: int, bytes_per_block: in
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = 512 if config.enable_chunked_prefill else max(2048, max_model_len)
-    if not config.enable_chunked_prefill and budget < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: without chunked prefill a "
-            "full-context prompt could never be scheduled; enable chunked prefill or raise the budget"
-        )
+    check_token_budget(budget, config.enable_chunked_prefill, max_model_len)
     return ResolvedLimits(max_model_len=max_model_len, num_blocks=num_blocks, max_num_batched_tokens=budget)

@@ -30,6 +30,7 @@ from engine.kv_pool import KVPool, layout_for
 from engine.loader import LoadedModel, ModelSpec, load_model
 from engine.model_runner import ModelRunner
 from engine.params import (
+    ContextLimits,
     EngineStats,
     FinishReason,
     GenerationRequest,
@@ -37,9 +38,10 @@ from engine.params import (
     Role,
     SamplingParams,
     TokenLogprobs,
+    check_fits,
 )
 from engine.sampling import sample_batch, token_logprobs
-from engine.scheduler import Scheduler, Sequence
+from engine.scheduler import Scheduler, SequenceState
 from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
 
 
@@ -50,7 +52,7 @@ class RoleError(RuntimeError):
 @dataclass(eq=False)
 class _Request:
     request: GenerationRequest
-    seq: Sequence
+    seq: SequenceState
     stream: TextStream
     generator: torch.Generator | None
     prefill_only: bool
@@ -167,7 +169,7 @@ class EngineCore:
             self.abort(request_id)
         self._pending.clear()
 
-    def set_role(self, role: Role | str) -> None:
+    def set_role(self, role: Role) -> None:
         self.role = Role(role)
 
     def _require_role(self, accepted: Role, what: str) -> None:
@@ -180,7 +182,7 @@ class EngineCore:
             raise ValueError(f"request_id {rid!r} already exists on this engine")
         self._validate_length(request)
         prompt = list(request.prompt_token_ids)
-        seq = Sequence(rid, prompt, len(prompt), remote_kv=remote_blocks is not None)
+        seq = SequenceState(rid, prompt, len(prompt), remote_kv=remote_blocks is not None)
         if remote_blocks is not None:
             seq.block_ids = list(remote_blocks)
             seq.num_computed_tokens = len(prompt)
@@ -195,20 +197,9 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def _validate_length(self, request: GenerationRequest) -> None:
-        """Prompt ids and lengths that the model can take (before anything is allocated: a bad id
-        found inside a step would fail every request in the batch)."""
-        too_big = max(request.prompt_token_ids)
-        if too_big >= self.vocab_size:
-            raise ValueError(f"prompt: token id {too_big} is out of vocabulary (the model has {self.vocab_size} ids)")
-        limit = self.limits.max_model_len
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt >= limit:
-            raise ValueError(f"prompt is {num_prompt} tokens, the context (max_model_len) is {limit} tokens")
-        if num_prompt + request.sampling.max_tokens > limit:
-            raise ValueError(
-                f"max_tokens={request.sampling.max_tokens} is beyond the context: prompt {num_prompt} tokens + "
-                f"max_tokens > max_model_len {limit}"
-            )
+        """Ids and lengths the model can take, checked before anything is allocated."""
+        limits = ContextLimits(max_model_len=self.limits.max_model_len, vocab_size=self.vocab_size)
+        check_fits(request.prompt_token_ids, request.sampling.max_tokens, limits)
 
     # ---- the step ---------------------------------------------------------------------
 

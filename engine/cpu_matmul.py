@@ -3,28 +3,15 @@
 PyTorch sends a float32 ``x @ W_t`` to MKL. For one row (batch-1 decode, a matrix-vector
 product bound by memory bandwidth) MKL on the column-major weights of ``engine/weights.py``
 is the fastest call here. For a few rows it is not: MKL's skinny products read the weights
-far slower, so a decode step of 4 sequences cost 2.2x the step of one. oneDNN's matmul
+far slower (a decode step of 4 sequences cost 2.2x the step of one), while oneDNN's matmul
 (``torch.ops.mkldnn._linear_pointwise``, the op TorchInductor's CPU backend emits) on the
-same bytes, in the same layout, does much better from 2 rows up. Measured on the 2-core dev
-machine, 1 thread, default model, one process alternating both forms (same tokens):
-
-    decode step, 4 sequences      94.9 -> 72.7 ms
-    decode step, 32 sequences    216.6 -> 185.0 ms
-    2,048-token prefill           6.95 -> 6.6 s
-    decode step, 1 sequence       42.2 -> 42.6 ms (MKL kept)
+same bytes, in the same layout, does much better from 2 rows up.
 
 oneDNN is faster again on its own blocked copy of the weights (``pack``), which the
 engine keeps beside the column-major bytes when ``EngineConfig.cpu_packed_weights`` is on
-(the default): the weights' memory once more, for (same machine and method, final code,
-``cpu_packed_weights`` off -> on)
-
-    decode step, sequences:  1: 42.8 -> 43.3   2: 64.0 -> 47.9   4: 69.7 -> 47.1 ms
-                             8: 86.2 -> 62.7  16: 141.5 -> 95.1  32: 216.8 -> 188.7 ms
-    2,048-token prefill      6.73 -> 6.67 s
-
-oneDNN's kernel for exactly two rows streams the weights slowly here (the LM head: 8.0 ms
-for 2 rows, 5.5 ms for 3), so a 2-row product runs as 3 rows, the third zero: a 2-sequence
-decode step 62.4 -> 48.2 ms, same tokens.
+(the default), at the cost of the weights' memory once more. oneDNN's kernel for exactly
+two rows streams the weights slowly, so a 2-row product runs as 3 rows, the third zero.
+The figures: ``docs/benchmarks/cpu_kernels.md``.
 
 All of this is float32, the CPU default. Other dtypes (bfloat16, float16) keep
 ``torch.matmul`` for every product: oneDNN's low-precision paths need CPU features

@@ -47,6 +47,24 @@ def layout_for(config: object, block_size: int, dtype: torch.dtype) -> KVLayout:
     )
 
 
+@dataclass(frozen=True)
+class KVPoolView:
+    """What a KV transport needs of a pool: the tensor it registers and addresses, and the
+    layout peers must share. Fixed for the pool's life, so readable from any thread."""
+
+    tensor: torch.Tensor
+    layout: KVLayout
+    num_blocks: int
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def base_address(self) -> int:
+        return self.tensor.data_ptr()
+
+
 class KVPool:
     """Owns the pool tensor; per-layer flat views index it by slot (block * size + offset)."""
 
@@ -67,6 +85,9 @@ class KVPool:
         self._v = [self.tensor[i, 1].view(flat) for i in range(layout.num_layers)]
         self._k_blocks = [self.tensor[i, 0] for i in range(layout.num_layers)]
         self._v_blocks = [self.tensor[i, 1] for i in range(layout.num_layers)]
+
+    def view(self) -> KVPoolView:
+        return KVPoolView(tensor=self.tensor, layout=self.layout, num_blocks=self.num_blocks)
 
     def key_slots(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s keys as ``[num_slots, num_kv_heads, head_dim]``."""

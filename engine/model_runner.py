@@ -21,7 +21,8 @@ from engine.weights import optimize_cpu_layout, packed_bytes
 
 logger = logging.getLogger(__name__)
 
-LayerHook = Callable[[int], None]
+# called after each decoder layer's forward: (layer index, the step's chunks in plan order)
+LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
 
 
 class ModelRunner:
@@ -42,12 +43,12 @@ class ModelRunner:
         self._decoder = getattr(model, model.base_model_prefix)
         self._lm_head = model.get_output_embeddings()
         self._layer_hooks: list[LayerHook] = []
-        # the plan being executed, readable by layer hooks (empty outside ``execute``)
-        self.current_chunks: Sequence[ScheduledChunk] = ()
+        self._chunks: Sequence[ScheduledChunk] = ()  # the step being executed, for the layer hooks
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def add_layer_hook(self, hook: LayerHook) -> None:
-        """Call ``hook(layer_idx)`` after each decoder layer's forward (its K/V is in the pool).
+        """Call ``hook(layer_idx, chunks)`` after each decoder layer's forward (its K/V is in the
+        pool); ``chunks`` is the step's plan as given to ``execute``.
 
         Forward hooks are attached only while a layer hook exists, so the plain decode
         path carries no hook overhead.
@@ -66,7 +67,7 @@ class ModelRunner:
 
     def _after_layer(self, idx: int, module: torch.nn.Module, args: object, output: object) -> None:
         for hook in self._layer_hooks:
-            hook(idx)
+            hook(idx, self._chunks)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -74,7 +75,7 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, last_index = self._build(ordered)
-        self.current_chunks = chunks
+        self._chunks = chunks
         try:
             hidden = self._decoder(
                 input_ids=input_ids.unsqueeze(0),
@@ -83,7 +84,7 @@ class ModelRunner:
                 paged_metadata=meta,
             ).last_hidden_state[0]
         finally:
-            self.current_chunks = ()
+            self._chunks = ()
         sampled_rows = {order[i]: last_index[i] for i in range(len(ordered)) if ordered[i].sample}
         rows = [sampled_rows[i] for i in range(len(chunks)) if i in sampled_rows]
         if not rows:

@@ -1,12 +1,15 @@
 """Request-level parameters and the result types that cross the engine's seams.
 
-``SamplingParams`` validates itself on construction: every invalid field raises a
-``ValueError`` that names the field, before the engine allocates anything.
+``SamplingParams`` and ``GenerationRequest`` validate themselves on construction: every
+invalid field raises a ``FieldError`` (a ``ValueError``) that carries the field's name as
+data, before the engine allocates anything. ``check_fits`` is the one length and
+vocabulary check, used by the ingress (before a request leaves it) and by the engine.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -34,6 +37,20 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # aborted by the caller
     ERROR = "error"  # the engine could not finish it (see RequestOutput.error)
+
+
+class FieldError(ValueError):
+    """Bad input, naming the request field it is about as data (``param``: the field of an
+    OpenAI error body, None when no single field is to blame). Keeps its type and fields
+    across Ray (pickled by ``__reduce__``), so callers catch it by type, never by text."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self) -> tuple:
+        return (self.__class__, (self.message, self.param))
 
 
 def _is_int(value: object) -> bool:
@@ -66,29 +83,52 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _require(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "an integer in [0, max_tokens]",
+            self.min_tokens,
+        )
+        _require(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a finite number >= 0",
+            self.temperature,
+        )
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a finite number in (0, 1]", self.top_p)
+        _require(
+            self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
+            "top_k",
+            "an integer >= 1 or None",
+            self.top_k,
+        )
+        _require(
+            self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+            "seed",
+            "an integer in [-2**63, 2**64) or None",
+            self.seed,
+        )
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        valid_ids = not isinstance(ids, (str, bytes)) and all(_is_int(t) and t >= 0 for t in ids)
+        _require(valid_ids, "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        _require(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "an integer in [0, 20] or None",
+            self.logprobs,
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _require(valid: bool, param: str, expected: str, value: object) -> None:
+    if not valid:
+        raise FieldError(f"{param} must be {expected}, got {value!r}", param)
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...]:
@@ -97,7 +137,7 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+        raise FieldError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}", "stop")
     return tuple(stop)
 
 
@@ -110,14 +150,53 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        _require(
+            isinstance(self.request_id, str) and bool(self.request_id),
+            "request_id",
+            "a non-empty string",
+            self.request_id,
+        )
         ids = self.prompt_token_ids
         if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError("prompt must be a list of non-negative token ids")
+            raise FieldError("prompt must be a list of non-negative token ids", "prompt")
         if len(ids) == 0:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt must not be empty", "prompt")
         object.__setattr__(self, "prompt_token_ids", tuple(ids))
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    """What a request must fit: the context served and the vocabulary (``vocab_size`` None:
+    ids are not checked, e.g. a model without a tokenizer at the ingress)."""
+
+    max_model_len: int
+    vocab_size: int | None = None
+
+
+def check_fits(
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    limits: ContextLimits,
+    prompt_field: str = "prompt",
+    max_tokens_field: str = "max_tokens",
+) -> None:
+    """Refuse ids outside the vocabulary, a prompt that fills the context, and ``max_tokens``
+    beyond the room left (``FieldError`` naming the client's field: ``messages`` for a chat,
+    ``max_completion_tokens`` when that was set). Called before anything is allocated: a bad
+    id found inside a step would fail every request in the batch."""
+    num_prompt, limit = len(prompt_token_ids), limits.max_model_len
+    if limits.vocab_size is not None and (largest := max(prompt_token_ids)) >= limits.vocab_size:
+        message = f"token id {largest} is out of vocabulary (the model has {limits.vocab_size} ids)"
+        raise FieldError(f"{prompt_field}: {message}", prompt_field)
+    if num_prompt >= limit:
+        message = f"the prompt is {num_prompt} tokens, the context (max_model_len) is {limit} tokens"
+        raise FieldError(f"{prompt_field}: {message}", prompt_field)
+    if num_prompt + max_tokens > limit:
+        message = (
+            f"{max_tokens} is beyond the context: prompt {num_prompt} tokens + {max_tokens_field} > "
+            f"max_model_len {limit}"
+        )
+        raise FieldError(f"{max_tokens_field}: {message}", max_tokens_field)
 
 
 @dataclass(frozen=True)
@@ -129,7 +208,7 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestOutput:
     """What one step produced for one request: new tokens, their text, and the end."""
 
@@ -148,7 +227,7 @@ class RequestOutput:
     prefill_timing: tuple[float, float] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefillResult:
     """The outcome of ``prefill``: the first token and where the prompt's KV sits.
 
@@ -167,6 +246,19 @@ class PrefillResult:
     queue_s: float = 0.0  # admitted -> first prompt chunk scheduled
     compute_s: float = 0.0  # first prompt chunk -> first token
 
+    def final_output(self) -> RequestOutput:
+        """The whole request's one output, for a request that ended at its first token."""
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=(self.first_token,),
+            text=self.first_text,
+            finished=True,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_tokens,
+            num_output_tokens=1,
+            logprobs=(self.first_logprobs,) if self.first_logprobs is not None else (),
+        )
+
     @classmethod
     def from_output(cls, output: RequestOutput) -> PrefillResult:
         """Build from the final output of a prefill-only request."""
@@ -183,7 +275,7 @@ class PrefillResult:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineStats:
     role: Role
     num_total_blocks: int

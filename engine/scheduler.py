@@ -33,7 +33,7 @@ class SeqStatus(Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """Scheduling state of one request. ``token_ids`` is prompt + generated tokens."""
 
     request_id: str
@@ -80,9 +80,9 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class SchedulerPlan:
     chunks: tuple[ScheduledChunk, ...]
-    scheduled: tuple[Sequence, ...]
+    scheduled: tuple[SequenceState, ...]
     preempted: tuple[str, ...]
-    failed: tuple[tuple[Sequence, str], ...]
+    failed: tuple[tuple[SequenceState, str], ...]
 
 
 class Scheduler:
@@ -99,18 +99,18 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.recompute_remote_kv = recompute_remote_kv
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence, free_blocks: bool = True) -> list[int]:
+    def remove(self, seq: SequenceState, free_blocks: bool = True) -> list[int]:
         """Take a sequence out of the queues; returns its blocks (freed unless told not to)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
@@ -125,9 +125,9 @@ class Scheduler:
     def schedule(self) -> SchedulerPlan:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        scheduled: list[Sequence] = []
+        scheduled: list[SequenceState] = []
         preempted: list[str] = []
-        stalled: list[Sequence] = []
+        stalled: list[SequenceState] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -143,13 +143,13 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit(budget, chunks, scheduled)
-        failed: list[tuple[Sequence, str]] = []
+        failed: list[tuple[SequenceState, str]] = []
         if not chunks and stalled:
             victim = stalled[-1]
             failed.append((victim, self._exhausted_message(victim)))
         return SchedulerPlan(tuple(chunks), tuple(scheduled), tuple(preempted), tuple(failed))
 
-    def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: list[Sequence]) -> int:
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: list[SequenceState]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens
@@ -169,7 +169,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _grow(self, seq: Sequence, num_tokens: int, scheduled: list[Sequence], preempted: list[str]) -> bool:
+    def _grow(self, seq: SequenceState, num_tokens: int, scheduled: list[SequenceState], preempted: list[str]) -> bool:
         """Make ``seq``'s blocks cover ``num_tokens``, preempting newer sequences if needed."""
         needed = self.allocator.blocks_needed(num_tokens) - len(seq.block_ids)
         while not self.allocator.can_allocate(needed):
@@ -184,16 +184,16 @@ class Scheduler:
         seq.block_ids.extend(self.allocator.allocate(needed))
         return True
 
-    def _preemptible(self, seq: Sequence) -> bool:
+    def _preemptible(self, seq: SequenceState) -> bool:
         return not seq.remote_kv or self.recompute_remote_kv
 
-    def _pick_victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence | None:
+    def _pick_victim(self, seq: SequenceState, scheduled: list[SequenceState]) -> SequenceState | None:
         for candidate in reversed(self.running):
             if candidate is not seq and candidate not in scheduled and self._preemptible(candidate):
                 return candidate
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
@@ -203,7 +203,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _chunk(self, seq: SequenceState, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
             request_id=seq.request_id,
@@ -213,7 +213,7 @@ class Scheduler:
             sample=start + n == seq.num_tokens,
         )
 
-    def _exhausted_message(self, seq: Sequence) -> str:
+    def _exhausted_message(self, seq: SequenceState) -> str:
         return (
             f"KV cache exhausted: request {seq.request_id} needs a block for token {seq.num_tokens} but all "
             f"{self.allocator.num_blocks} blocks are held by requests whose KV came from another replica "

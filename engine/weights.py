@@ -2,27 +2,16 @@
 
 A decode step is a chain of matrix-vector products, so its speed is the speed at which
 the weights stream from memory. On CPU that speed depends on the weight's memory layout,
-its shape and the call (measured on the 2-core dev machine, float32, GB/s of weights read,
-``F.linear``):
-
-    shape (out x in)   row-major W   W.t() contiguous (column-major)
-    576 x 576              9.4            10.5
-    1536 x 576            11.1            18.6
-    576 x 1536            15.3            12.1
-    192 x 576             10.4             7.4
-    49152 x 576           11.0            23.4
-
-For a column-major weight ``x @ W_t`` is faster again than ``F.linear`` on the transposed
-view, and a layer's products as 4 fused ones (``engine/fused_linear.py``: q/k/v 960 x 576,
-o 576 x 576 and gate/up 3072 x 576 column-major through ``x @ W_t``, down 576 x 1536
-row-major) take less time than the 7 separate ones (30 layers, 1 thread, random weights of
-the default model's shapes: through ``F.linear`` 7 separate 35.3 ms, 4 fused 28.4 ms in
-one process; the layout here 23.7 to 26.3 ms in later runs).
+its shape and the call: of this model's shapes, those with ``out_features >= in_features``
+stream faster column-major (and faster again through ``x @ W_t`` than ``F.linear``), the
+others row-major, and a layer's products run faster as 4 fused ones
+(``engine/fused_linear.py``) than as the 7 separate ones. The figures:
+``docs/benchmarks/cpu_kernels.md``.
 
 So, on CPU: sibling projections are fused; the other matrices with ``out_features >=
 in_features`` are stored column-major (the parameter becomes a transposed view of a
 contiguous ``[in, out]`` tensor) and multiplied as ``x @ W_t``; the rest stay row-major.
-All these are one-row figures: products of two rows or more go to oneDNN, on its own
+All this is about one-row products: products of two rows or more go to oneDNN, on its own
 packed copy of the weights where the engine keeps one, else on the same bytes
 (``engine/cpu_matmul.py``). The modules' code is untouched, only the bytes and the
 product call change. A tied LM head gets its own copy so the embedding lookup keeps its

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -57,14 +57,24 @@ class LayoutMismatchError(KVTransferError):
     """The two pools differ in dtype, layers, block size, heads or head dim."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class LayerTiming:
+    """One pushed layer's write, in unix seconds: its forward ended, the write was posted, done."""
+
+    layer: int
+    compute_end: float
+    posted: float
+    done: float
+
+
+@dataclass(frozen=True)
 class TransferStats:
-    """What one request's transfer cost; ``layer_times`` only for push."""
+    """What one request's transfer cost; ``layer_times`` only for push (in push order)."""
 
     num_bytes: int
     seconds: float
     num_descriptors: int
-    layer_times: list[dict[str, float]] = field(default_factory=list)
+    layer_times: tuple[LayerTiming, ...] = ()
 
 
 @dataclass(frozen=True)

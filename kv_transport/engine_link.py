@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
 from engine.params import GenerationRequest, PrefillResult, RequestOutput, TokenLogprobs
+from engine.scheduler import ScheduledChunk
 from kv_transport.base import BaseKVTransport, KVTransferError, TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
@@ -32,7 +34,21 @@ LEASE_MARGIN_S = 1.0  # time kept for the fetch itself when waiting for decode b
 
 
 class KVCapacityError(RuntimeError):
-    """This engine has no free blocks for the request's KV right now (retry elsewhere or later)."""
+    """This engine has no free blocks for the request's KV right now (retry elsewhere or later).
+
+    Built from its message alone, so it pickles as itself: through Ray the caller gets this
+    type (as the ``cause`` of Ray's task error) and can catch it by type.
+    """
+
+
+@dataclass(frozen=True)
+class DecodeTimings:
+    """A decode request's parts of TTFT on this replica: the wait for KV blocks and, for a
+    pull, the fetch (a push's transfer is timed by its producer)."""
+
+    decode_queue_s: float
+    kv_transfer_s: float | None = None
+    kv_bytes: int | None = None
 
 
 class KVEngineLink:
@@ -50,14 +66,21 @@ class KVEngineLink:
         self._pushing: set[str] = set()
         self._push_errors: dict[str, BaseException] = {}
         self.last_fetch: TransferStats | None = None
-        # per request until its first token leaves: seconds waiting for blocks, KV transfer
-        self.ttft_parts: dict[str, dict[str, float]] = {}
-        transport.register_pool(engine.core.pool.tensor, self._release_from_transport)
+        self._timings: dict[str, DecodeTimings] = {}  # until taken, or the request ends
+        pool = engine.pool_view()
+        self._block_size = pool.block_size
+        self._num_layers = pool.layout.num_layers
+        transport.register_pool(pool.tensor, self._release_from_transport)
         if transport.supports_push:
-            engine.core.runner.add_layer_hook(self._after_layer)
+            engine.add_layer_hook(self._after_layer)
 
     def close(self) -> None:
         self.transport.close()
+
+    def pop_decode_timings(self, request_id: str) -> DecodeTimings | None:
+        """The request's ``DecodeTimings``, once: there from the moment its KV is in place (pull)
+        or its blocks are reserved (push) until taken or the request ends."""
+        return self._timings.pop(request_id, None)
 
     # ---- pull -------------------------------------------------------------------------
 
@@ -88,23 +111,21 @@ class KVEngineLink:
         except BaseException:
             await self.engine.release(request.request_id)
             raise
-        self.ttft_parts[request.request_id] = {
-            "decode_queue_s": reserved - start,
-            "kv_transfer_s": stats.seconds,
-            "kv_bytes": stats.num_bytes,
-        }
+        self._timings[request.request_id] = DecodeTimings(
+            decode_queue_s=reserved - start, kv_transfer_s=stats.seconds, kv_bytes=stats.num_bytes
+        )
         try:
             async for output in self.engine.decode(request, blocks, handle.first_token, first_logprobs):
                 yield output
         finally:
-            self.ttft_parts.pop(request.request_id, None)
+            self._timings.pop(request.request_id, None)
 
     # ---- push -------------------------------------------------------------------------
 
     async def reserve_push(self, request: GenerationRequest) -> KVDestination:
         start = time.perf_counter()
         blocks = await self._reserve(request, len(request.prompt_token_ids))
-        self.ttft_parts[request.request_id] = {"decode_queue_s": time.perf_counter() - start}
+        self._timings[request.request_id] = DecodeTimings(decode_queue_s=time.perf_counter() - start)
         return self.transport.destination(request.request_id, blocks, len(request.prompt_token_ids))
 
     async def prefill_push(
@@ -126,7 +147,7 @@ class KVEngineLink:
                 self.transport.abort_push(rid)
                 raise error
             if not self.push_pipelined and result.block_ids:
-                for layer in range(self.engine.core.layout.num_layers):
+                for layer in range(self._num_layers):
                     self.transport.push_layer(rid, layer, list(result.block_ids), 0)
             stats = await self.transport.finish_push(rid, result.first_token, result.first_logprobs)
         finally:
@@ -137,7 +158,7 @@ class KVEngineLink:
         try:
             completion = await self.transport.wait_push(destination)
         except BaseException:
-            self.ttft_parts.pop(request.request_id, None)
+            self._timings.pop(request.request_id, None)
             self.transport.abort_push(request.request_id)
             await self.engine.release(request.request_id)
             raise
@@ -146,11 +167,11 @@ class KVEngineLink:
             async for output in self.engine.decode(request, destination.block_ids, *first):
                 yield output
         finally:
-            self.ttft_parts.pop(request.request_id, None)
+            self._timings.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Drop the request on this engine: running, pinned for export, reserved, or pushing."""
-        self.ttft_parts.pop(request_id, None)
+        self._timings.pop(request_id, None)
         self.transport.abort_push(request_id)
         self.transport.release(request_id)
         await self.engine.abort(request_id)
@@ -177,12 +198,12 @@ class KVEngineLink:
         """Called from the transport's thread: free the pinned blocks on the engine's loop."""
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.engine.release(request_id)))
 
-    def _after_layer(self, layer: int) -> None:
+    def _after_layer(self, layer: int, chunks: Sequence[ScheduledChunk]) -> None:
         """Engine thread, inside the forward pass: post this layer's writes for pushing requests."""
         if not self._pushing or not self.push_pipelined:
             return
-        block_size = self.engine.core.config.block_size
-        for chunk in self.engine.core.runner.current_chunks:
+        block_size = self._block_size
+        for chunk in chunks:
             rid = chunk.request_id
             if rid not in self._pushing or chunk.is_decode:
                 continue

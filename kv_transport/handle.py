@@ -1,7 +1,8 @@
 """What Ray carries about KV: small, versioned handles (never the bytes themselves).
 
 ``KVHandle`` (pull): the producer's engine id and incarnation, where the prompt's KV sits
-(block ranges), the token count, the first token, the layout and an expiry.
+(block ranges), the token count, the first token, the pool's ``engine.kv_pool.KVLayout``
+(which must match exactly on both sides) and an expiry.
 ``KVDestination`` (push): the same for blocks a consumer reserved for incoming KV.
 Block ids travel as ``(start, count)`` ranges: a fresh request's blocks are mostly
 contiguous, so a 4,096-token request is a few ranges, not 256 numbers.
@@ -11,34 +12,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from engine.kv_pool import KVLayout
 
 HANDLE_VERSION = 1
 
 
-class KVLayoutSignature(BaseModel):
-    """KV pool facts that must match exactly on both sides (never converted)."""
+class BlockOwner(Protocol):
+    """The engine side that describes its blocks (a transport): who it is and its pool's layout."""
 
-    model_config = ConfigDict(frozen=True)
-
-    dtype: str = Field(description="torch dtype name of the pool, e.g. float32")
-    num_layers: int = Field(description="decoder layers")
-    block_size: int = Field(description="tokens per block")
-    num_kv_heads: int = Field(description="key/value heads")
-    head_dim: int = Field(description="dimension of one head")
-
-    @classmethod
-    def of(cls, layout: object) -> KVLayoutSignature:
-        """From an ``engine.kv_pool.KVLayout``."""
-        return cls(
-            dtype=layout.dtype,
-            num_layers=layout.num_layers,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-        )
+    engine_id: str
+    incarnation: str
+    layout: KVLayout
 
 
 def to_ranges(block_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -65,8 +53,30 @@ class _BlocksOf(BaseModel):
     incarnation: str = Field(description="start of that engine (a restarted engine has a new one)")
     block_ranges: tuple[tuple[int, int], ...] = Field(description="(first block, count) runs of the blocks")
     num_tokens: int = Field(description="tokens of KV the blocks hold (the prompt)")
-    layout: KVLayoutSignature = Field(description="layout of the owner's pool")
+    layout: KVLayout = Field(description="layout of the owner's pool (must equal the peer's)")
     expires_at: float = Field(description="unix time after which the owner frees the blocks")
+
+    @classmethod
+    def of_blocks(
+        cls,
+        owner: BlockOwner,
+        request_id: str,
+        block_ids: Iterable[int],
+        num_tokens: int,
+        expires_at: float,
+        **fields: Any,
+    ) -> Self:
+        """Describe ``owner``'s blocks of one request; ``fields``: those of the subclass."""
+        return cls(
+            request_id=request_id,
+            engine_id=owner.engine_id,
+            incarnation=owner.incarnation,
+            block_ranges=to_ranges(block_ids),
+            num_tokens=num_tokens,
+            layout=owner.layout,
+            expires_at=expires_at,
+            **fields,
+        )
 
     @property
     def block_ids(self) -> list[int]:

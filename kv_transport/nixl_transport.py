@@ -6,30 +6,31 @@ incarnation), so a restarted peer is re-handshaken and never reused stale.
 
 Layer pushes, polling and completion run on the progress thread of
 ``nixl_worker.NixlWorker`` and a pull's READ is posted by its caller (see there why); all
-agent calls hold its lock. Notices, always between the two processes' notice agents and
-never attached to a transfer (see ``NixlWorker``): ``R:<id>`` consumer -> producer (release
-the exported blocks), ``P:[<id>, <first token>, <its log-probabilities or null>]`` (JSON)
-producer -> consumer (push complete), ``F:<id>`` producer -> consumer (push failed).
+agent calls hold its lock. Notices (``kv_transport.notices``: release, push complete, push
+failed) always go between the two processes' notice agents, never attached to a transfer
+(see ``NixlWorker``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
+from kv_transport import notices
 from kv_transport.base import (
     BaseKVTransport,
     KVTransferError,
     KVTransferTimeout,
+    LayerTiming,
     LayoutMismatchError,
     PushCompletion,
     ReleaseBlocks,
@@ -38,11 +39,13 @@ from kv_transport.base import (
 )
 from kv_transport.descriptors import Descs, PoolGeometry, coalesce, id_ranges, pair_ranges
 from kv_transport.faults import NO_FAULTS, FaultPoints
-from kv_transport.handle import KVDestination, KVHandle, KVLayoutSignature, to_ranges
-from kv_transport.nixl_worker import NixlWorker, Post
+from kv_transport.handle import KVDestination, KVHandle
+from kv_transport.nixl_worker import NixlWorker, Post, PostedAt
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
 logger = logging.getLogger(__name__)
+
+PEER_CHECK_INTERVAL_S = 5.0  # a cached peer is re-confirmed in the registry at most this often
 
 
 @dataclass
@@ -54,12 +57,19 @@ class _Peer:
     geometry: PoolGeometry  # where its blocks are
 
 
+@dataclass(frozen=True)
+class _LayerPush:
+    layer: int
+    compute_end: float  # unix time
+    posted_at: PostedAt  # filled by the progress thread
+
+
 @dataclass
 class _PushOut:
     destination: KVDestination
     peer: _Peer
     remote_ids: list[int]
-    layers: list[dict[str, float]] = field(default_factory=list)
+    layers: list[_LayerPush] = field(default_factory=list)
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     num_bytes: int = 0
     num_descriptors: int = 0
@@ -69,11 +79,11 @@ class NixlTransport(BaseKVTransport):
     def __init__(
         self,
         engine_id: str,
-        layout: KVLayoutSignature,
+        layout: KVLayout,
         registry: BasePeerRegistry,
         kv_transfer_timeout_s: float = 60.0,
         faults: FaultPoints = NO_FAULTS,
-        peer_check_interval_s: float = 5.0,
+        peer_check_interval_s: float = PEER_CHECK_INTERVAL_S,
     ) -> None:
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex[:12]
@@ -144,16 +154,7 @@ class NixlTransport(BaseKVTransport):
         self.faults.hit("export", request_id, self.engine_id)
         expires_at = time.time() + self.timeout_s
         self._exports[request_id] = expires_at
-        return KVHandle(
-            request_id=request_id,
-            engine_id=self.engine_id,
-            incarnation=self.incarnation,
-            block_ranges=to_ranges(block_ids),
-            num_tokens=num_tokens,
-            first_token=first_token,
-            layout=self.layout,
-            expires_at=expires_at,
-        )
+        return KVHandle.of_blocks(self, request_id, block_ids, num_tokens, expires_at, first_token=first_token)
 
     async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
         # the copy runs in this thread once posted: every step before the post adds to the pull
@@ -176,9 +177,9 @@ class NixlTransport(BaseKVTransport):
         # 16 MB pull here). The progress thread sends it (the KV is here already): from
         # here, in a process whose caches the copy has just flushed, it took ~20 us.
         if not self.faults.drop_release:
-            self._worker.notify_soon(peer.notice_agent, b"R:" + rid.encode())
+            self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
         num_bytes = sum(n for _, _, n in runs) * self._block_bytes * len(self._geometry.bases)
-        return TransferStats(num_bytes, time.perf_counter() - start, len(local))
+        return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=len(local))
 
     def release(self, request_id: str) -> None:
         if self._exports.pop(request_id, None) is not None and self._release_blocks is not None:
@@ -188,15 +189,7 @@ class NixlTransport(BaseKVTransport):
 
     def destination(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDestination:
         self._push_in[request_id] = concurrent.futures.Future()
-        return KVDestination(
-            request_id=request_id,
-            engine_id=self.engine_id,
-            incarnation=self.incarnation,
-            block_ranges=to_ranges(block_ids),
-            num_tokens=num_tokens,
-            layout=self.layout,
-            expires_at=time.time() + self.timeout_s,
-        )
+        return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, time.time() + self.timeout_s)
 
     def begin_push(self, destination: KVDestination) -> None:
         rid = destination.request_id
@@ -214,7 +207,7 @@ class NixlTransport(BaseKVTransport):
         runs = coalesce(local_block_ids, remote_ids)
         local = self._geometry.descs([(s, n) for s, _, n in runs], [layer])
         remote = push.peer.geometry.descs([(d, n) for _, d, n in runs], [layer])
-        record = {"layer": layer, "compute_end": compute_end}
+        record = _LayerPush(layer=layer, compute_end=compute_end, posted_at=PostedAt())
         push.layers.append(record)
         push.num_bytes += sum(length for _, length, _ in local)
         push.num_descriptors += len(local)
@@ -222,7 +215,7 @@ class NixlTransport(BaseKVTransport):
         if self._pool.is_cuda:  # post once the layer's kernels are done, without a device sync
             event = torch.cuda.Event()
             event.record()
-        push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record, event))
+        push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record.posted_at, event))
 
     async def finish_push(
         self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
@@ -232,18 +225,26 @@ class NixlTransport(BaseKVTransport):
         try:
             await self.faults.hit_async("finish_push", request_id, peer_id)
             timeout = max(0.0, min(self.timeout_s, push.destination.seconds_left()))
-            for record, future in zip(push.layers, push.futures):
-                record["done"] = await self._await_xfer(future, timeout, request_id, peer_id, "WRITE")
+            done = [await self._await_xfer(f, timeout, request_id, peer_id, "WRITE") for f in push.futures]
         except BaseException:
-            self._notify(push.peer, b"F:" + request_id.encode())
+            self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
             raise
-        logprobs = None
-        if first_logprobs is not None:
-            logprobs = [first_logprobs.token_id, first_logprobs.logprob, first_logprobs.top]
-        self._notify(push.peer, b"P:" + json.dumps([request_id, first_token, logprobs]).encode())
-        first = push.layers[0]["compute_end"] if push.layers else time.time()
-        last = max((r["done"] for r in push.layers), default=first)
-        return TransferStats(push.num_bytes, last - first, push.num_descriptors, push.layers)
+        done_notice = notices.PushDoneNotice(
+            request_id=request_id, first_token=first_token, first_logprobs=first_logprobs
+        )
+        self._notify(push.peer, done_notice)
+        layer_times = tuple(
+            LayerTiming(layer=r.layer, compute_end=r.compute_end, posted=r.posted_at.unix_s, done=d)
+            for r, d in zip(push.layers, done)
+        )
+        first = layer_times[0].compute_end if layer_times else time.time()
+        last = max((t.done for t in layer_times), default=first)
+        return TransferStats(
+            num_bytes=push.num_bytes,
+            seconds=last - first,
+            num_descriptors=push.num_descriptors,
+            layer_times=layer_times,
+        )
 
     async def wait_push(self, destination: KVDestination) -> PushCompletion:
         rid = destination.request_id
@@ -262,7 +263,7 @@ class NixlTransport(BaseKVTransport):
     def abort_push(self, request_id: str) -> None:
         push = self._push_out.pop(request_id, None)
         if push is not None:
-            self._notify(push.peer, b"F:" + request_id.encode())
+            self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
         waiter = self._push_in.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
@@ -305,11 +306,11 @@ class NixlTransport(BaseKVTransport):
             peer = self._peers.pop(key)
             self._worker.remove_peer(peer.agent_name, peer.notice_agent)
 
-    def _check_layout(self, theirs: KVLayoutSignature, request_id: str, peer: str) -> None:
-        # the fields alone: a pydantic comparison costs ~25 us on a pull's critical path
-        if theirs.__dict__ != self.layout.__dict__:
+    def _check_layout(self, theirs: KVLayout, request_id: str, peer: str) -> None:
+        # a frozen dataclass compares its fields as one tuple: cheap on a pull's critical path
+        if theirs != self.layout:
             raise LayoutMismatchError(
-                f"KV layout mismatch: theirs {theirs.model_dump()} != ours {self.layout.model_dump()}",
+                f"KV layout mismatch: theirs {asdict(theirs)} != ours {asdict(self.layout)}",
                 request_id,
                 peer,
             )
@@ -321,7 +322,7 @@ class NixlTransport(BaseKVTransport):
         remote: Descs,
         peer: _Peer,
         request_id: str,
-        record: dict[str, float] | None = None,
+        posted_at: PostedAt | None = None,
         event: object | None = None,
     ) -> concurrent.futures.Future:
         """Queue a transfer for the progress thread; the future yields (state, done time)."""
@@ -334,7 +335,7 @@ class NixlTransport(BaseKVTransport):
             peer.info.mem_type,
             request_id,
             concurrent.futures.Future(),
-            record,
+            posted_at,
             event,
         )
         return self._worker.post(post)
@@ -353,8 +354,8 @@ class NixlTransport(BaseKVTransport):
             raise KVTransferError(f"NIXL {op} ended in state {state}", request_id, peer)
         return done_at
 
-    def _notify(self, peer: _Peer, message: bytes) -> None:
-        self._worker.notify(peer.notice_agent, message)
+    def _notify(self, peer: _Peer, notice: notices.Notice) -> None:
+        self._worker.notify(peer.notice_agent, notices.encode(notice))
 
     def _expire_exports(self, now: float) -> None:
         """Progress thread, every round: free exports nobody claimed in time."""
@@ -362,19 +363,21 @@ class NixlTransport(BaseKVTransport):
             logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
             self.release(request_id)
 
-    def _on_notif(self, message: str) -> None:
-        kind, _, rest = message.partition(":")
-        if kind == "R":
-            self.release(rest)
-        elif kind == "P":
-            request_id, token, logprobs = json.loads(rest)
-            if logprobs is not None:
-                token_id, logprob, top = logprobs
-                logprobs = TokenLogprobs(token_id, logprob, tuple((t, lp) for t, lp in top))
-            waiter = self._push_in.get(request_id)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(PushCompletion(token, logprobs))
-        elif kind == "F":
-            waiter = self._push_in.get(rest)
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(KVTransferError("the producer's push failed", rest, "producer of push"))
+    def _on_notif(self, message: bytes) -> None:
+        """Progress thread: one notice from a peer (see ``kv_transport.notices``)."""
+        try:
+            notice = notices.decode(message)
+        except ValueError:
+            logger.warning("ignored a malformed notice %r", message[:40])
+            return
+        if isinstance(notice, notices.ReleaseNotice):
+            self.release(notice.request_id)
+            return
+        waiter = self._push_in.get(notice.request_id)
+        if waiter is None or waiter.done():
+            return
+        if isinstance(notice, notices.PushDoneNotice):
+            waiter.set_result(PushCompletion(first_token=notice.first_token, first_logprobs=notice.first_logprobs))
+        else:
+            error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
+            waiter.set_exception(error)

@@ -8,11 +8,10 @@ A READ its caller awaits anyway (a pull) is posted by the caller itself (``read_
 on GPU memory ``transfer()`` only posts; on CPU memory the copy runs in the caller (in
 the post, and what UCX left unfinished there in the caller's polls after it), and its
 future is complete on return. That is two thread hand-offs fewer on the TTFT path,
-and on this project's 2-core machine a copy run in a helper thread while the caller
-waits took 0.5 to 1.8 ms longer at 64 to 256 MB than the same copy in the caller. The
-cost: on CPU the caller's event loop is blocked for the copy (about 1 ms per 10 MB here);
-the engine steps on its own thread meanwhile, so only the delivery of other requests'
-tokens on that replica waits.
+and on CPU a copy run in a helper thread while the caller waits took longer than the same
+copy in the caller. The cost: on CPU the caller's event loop is blocked for the copy; the
+engine steps on its own thread meanwhile, so only the delivery of other requests' tokens
+on that replica waits. The figures: ``docs/benchmarks/kv_transfer_probes.md``.
 
 The thread polls in-flight transfers and notifications 0.1 ms apart while
 transfers are in flight, ``wait_poll_s`` while the owner waits for a notice, 5 ms when
@@ -43,11 +42,18 @@ INLINE_LOCK_WAIT_S = 0.002
 # (as a raw NIXL READ is) before the progress thread takes over
 INLINE_POLL_S = 0.0005
 # ... and, between CPU memories, this much longer per byte: there UCX copies (CMA) inside
-# the progress calls, so a READ it left unfinished in the post advances only while polled.
-# Handed to the progress thread after 0.5 ms (its polls 0.1 ms apart), a quarter of 16 MB
-# pulls here took 0.4 to 1.5 ms longer. 1 GB/s is far below any copy rate seen (7-13 GB/s),
-# so the bound only cuts off a transfer that is stuck.
+# the progress calls, so a READ it left unfinished in the post advances only while polled
+# (handed to the progress thread after INLINE_POLL_S, some 16 MB pulls took longer). 1 GB/s
+# is far below any copy rate seen, so the bound only cuts off a transfer that is stuck
+# (figures: docs/benchmarks/kv_transfer_probes.md).
 INLINE_CPU_POLL_S_PER_BYTE = 1e-9
+
+
+@dataclass
+class PostedAt:
+    """When the progress thread posted a transfer (unix s; None until then): push layer timings."""
+
+    unix_s: float | None = None
 
 
 @dataclass
@@ -62,7 +68,7 @@ class Post:
     remote_mem_type: str
     request_id: str
     future: concurrent.futures.Future
-    record: dict[str, float] | None = None  # push layer timestamps: "posted" is set when posted
+    posted_at: PostedAt | None = None  # set when posted
     event: object | None = None  # CUDA: post only once this event has fired
 
 
@@ -84,12 +90,13 @@ class NixlWorker:
         # Notices (release, push done, push failed) go between a second pair of agents. Once
         # a notice has gone over the connection that carries the data, UCX completes the
         # next transfer on it only after a round trip with the peer, that is at the peer's
-        # next progress call: a 16 MB pull took 40 ms with the peer polling 50 ms apart,
-        # 1.6 ms with the notices on their own agents (two-process probe, no Ray).
+        # next progress call: a pull would wait for the peer's poll interval
+        # (figures: docs/benchmarks/kv_transfer_probes.md).
         self.notices = nixl_agent(f"{name}.notices", config)
         self.local_mem_type = local_mem_type
         # descriptor lists built by the binding itself: ``get_xfer_descs`` only dispatches on
-        # the input's type, and that took ~10 us of a pull in a process that had just idled
+        # the input's type, a measurable cost on a pull's critical path
+        # (docs/benchmarks/kv_transfer_probes.md)
         self._xfer_dlist = nixlBind.nixlXferDList
         self._segments = self.agent.nixl_mems
         self.lock = threading.Lock()
@@ -104,7 +111,7 @@ class NixlWorker:
         self._thread: threading.Thread | None = None
 
     def start(
-        self, on_notif: Callable[[str], None], on_tick: Callable[[float], None], waiting: Callable[[], bool]
+        self, on_notif: Callable[[bytes], None], on_tick: Callable[[float], None], waiting: Callable[[], bool]
     ) -> None:
         """Run the progress thread: ``on_notif`` per notice, ``on_tick(now)`` per round."""
         self._thread = threading.Thread(
@@ -271,7 +278,7 @@ class NixlWorker:
                 xfer.future.set_result((state, now))
         for messages in notifs.values():
             for message in messages:
-                on_notif(message.decode())
+                on_notif(message)
         on_tick(now)
         if self._in_flight or self._outbox:
             return BUSY_POLL_S
@@ -300,8 +307,8 @@ class NixlWorker:
     def _start(self, post: Post) -> None:
         """Post one transfer (``self.lock`` held); one that UCX finished within the post
         completes its future here, any other joins the in-flight list."""
-        if post.record is not None:
-            post.record["posted"] = time.time()
+        if post.posted_at is not None:
+            post.posted_at.unix_s = time.time()
         try:
             state, handle = self._transfer(
                 post.op,

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, Field
 
+from engine.kv_pool import KVLayout
+from engine.params import TokenLogprobs
 from kv_transport.base import (
     BaseKVTransport,
     KVTransferError,
@@ -24,7 +26,7 @@ from kv_transport.base import (
     ReleaseBlocks,
     TransferStats,
 )
-from kv_transport.handle import KVDestination, KVHandle, KVLayoutSignature, to_ranges
+from kv_transport.handle import KVDestination, KVHandle
 
 
 class ObjectStoreKVHandle(KVHandle):
@@ -36,7 +38,7 @@ class ObjectStoreKVHandle(KVHandle):
 class ObjectStoreTransport(BaseKVTransport):
     supports_push = False
 
-    def __init__(self, engine_id: str, layout: KVLayoutSignature, kv_transfer_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine_id: str, layout: KVLayout, kv_transfer_timeout_s: float = 60.0) -> None:
         self.engine_id = engine_id
         self.incarnation = f"{time.time_ns():x}"
         self.layout = layout
@@ -54,16 +56,9 @@ class ObjectStoreTransport(BaseKVTransport):
         index = torch.tensor(block_ids, device=self._pool.device)
         ref = ray.put(self._pool[:, :, index].cpu())
         self._release_blocks(request_id)  # the copy in the object store holds the KV now
-        return ObjectStoreKVHandle(
-            request_id=request_id,
-            engine_id=self.engine_id,
-            incarnation=self.incarnation,
-            block_ranges=to_ranges(block_ids),
-            num_tokens=num_tokens,
-            first_token=first_token,
-            layout=self.layout,
-            expires_at=time.time() + self.timeout_s,
-            object_ref=ref,
+        expires_at = time.time() + self.timeout_s
+        return ObjectStoreKVHandle.of_blocks(
+            self, request_id, block_ids, num_tokens, expires_at, first_token=first_token, object_ref=ref
         )
 
     async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
@@ -80,7 +75,8 @@ class ObjectStoreTransport(BaseKVTransport):
             raise KVTransferTimeout("object store get timed out", handle.request_id, handle.engine_id) from None
         index = torch.tensor(local_block_ids, device=self._pool.device)
         self._pool[:, :, index] = blocks.to(self._pool.device)
-        return TransferStats(blocks.numel() * blocks.element_size(), time.perf_counter() - start, 1)
+        num_bytes = blocks.numel() * blocks.element_size()
+        return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=1)
 
     def release(self, request_id: str) -> None:
         """Nothing is pinned after ``export``."""
@@ -100,7 +96,9 @@ class ObjectStoreTransport(BaseKVTransport):
     def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
         raise self._no_push(request_id)
 
-    async def finish_push(self, request_id: str, first_token: int, first_logprobs=None) -> TransferStats:
+    async def finish_push(
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+    ) -> TransferStats:
         raise self._no_push(request_id)
 
     async def wait_push(self, destination: KVDestination) -> PushCompletion:

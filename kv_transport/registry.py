@@ -16,8 +16,8 @@ import pickle
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from engine.kv_pool import KVLayout
 from kv_transport.base import StalePeerError
-from kv_transport.handle import KVLayoutSignature
 
 _NAMESPACE = "tandem_kv_peers"
 
@@ -29,7 +29,7 @@ class PeerInfo:
     agent_name: str
     agent_metadata: bytes  # the agent that moves the data
     notice_agent_metadata: bytes  # the agent that sends and receives notices
-    layout: KVLayoutSignature
+    layout: KVLayout
     pool_address: int  # base address of the pool tensor in the owner's process
     num_blocks: int
     device_id: int

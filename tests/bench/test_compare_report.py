@@ -3,7 +3,17 @@ keeps the hand-written text around the generated block."""
 
 from __future__ import annotations
 
-from bench.compare import BEGIN, END, load_previous, ratio_text, write_report
+from bench.goodput_report import (
+    BEGIN,
+    END,
+    Calibration,
+    CrossCheck,
+    Report,
+    WorkloadCalibration,
+    load_previous,
+    ratio_text,
+    write_report,
+)
 from bench.slo import SLO
 
 
@@ -33,6 +43,19 @@ def _sweep(rate: float, bound: str, rates=(0.1, 0.2)) -> dict:
     return {"points": points, "goodput": {"rate": rate, "bound": bound, "text": str(rate)}}
 
 
+def _calibration(prompt_tokens: int, ttft_s: float, tpot_s: float, slo: SLO) -> WorkloadCalibration:
+    return WorkloadCalibration(
+        prompt_tokens=prompt_tokens,
+        ttft_s=ttft_s,
+        tpot_s=tpot_s,
+        median_output_tokens=30,
+        e2e_s=ttft_s + 29 * tpot_s,
+        multipliers=(0.5, 1.0),
+        rates=(0.1, 0.2),
+        slo=slo,
+    )
+
+
 def test_ratio_text_states_bounds():
     colocated = _sweep(0.1, "exact")
     assert ratio_text(_sweep(0.25, "exact"), colocated) == "2.50x"
@@ -47,19 +70,21 @@ def test_ratio_text_states_bounds():
 def test_report_is_regenerated_between_its_markers(tmp_path):
     (tmp_path / "goodput.md").write_text(f"# Title\n\nBefore.\n\n{BEGIN}\nold table\n{END}\n\nAnalysis after.\n")
     results = {"summarization": {"colocated": _sweep(0.1, "exact"), "disagg-pull": _sweep(0.25, "exact")}}
-    calibration = {"summarization": {"prompt_tokens": 400, "ttft_s": 1.2, "tpot_s": 0.05, "rates": [0.1, 0.2]}}
-    checks = [
-        {
-            "prompt_tokens": 400,
-            "max_tokens": 30,
-            "harness_ttft_s": 1.2,
-            "openai_ttft_s": 1.21,
-            "harness_e2e_s": 2.6,
-            "openai_e2e_s": 2.61,
-        }
-    ]
-    slos = {"summarization": SLO(6.0, 0.1)}
-    write_report(tmp_path, tmp_path / "raw", results, calibration, slos, checks, "python -m bench.compare", 600, "m")
+    check = CrossCheck(
+        prompt_tokens=400,
+        max_tokens=30,
+        harness_ttft_s=1.2,
+        openai_ttft_s=1.21,
+        harness_e2e_s=2.6,
+        openai_e2e_s=2.61,
+    )
+    calibration = Calibration(
+        workloads={"summarization": _calibration(400, 1.2, 0.05, SLO(6.0, 0.1))}, crosscheck=(check,)
+    )
+    report = Report(
+        command="python -m bench.compare", elapsed_s=600, model="m", calibration=calibration, results=results
+    )
+    write_report(report, tmp_path, tmp_path / "raw")
     text = (tmp_path / "goodput.md").read_text()
     assert text.startswith("# Title\n\nBefore.\n\n") and text.endswith("\n\nAnalysis after.\n")
     assert "old table" not in text
@@ -72,12 +97,77 @@ def test_report_is_regenerated_between_its_markers(tmp_path):
 
 def test_merge_keeps_the_other_workloads(tmp_path):
     results = {"summarization": {"colocated": _sweep(0.1, "exact")}, "code": {"colocated": _sweep(0.5, "exact")}}
-    calibration = {
-        w: {"prompt_tokens": 100, "ttft_s": 0.5, "tpot_s": 0.05, "rates": [0.1, 0.2]} for w in ("summarization", "code")
-    }
     slos = {"summarization": SLO(6.0, 0.1), "code": SLO(2.5, 0.1)}
-    write_report(tmp_path, tmp_path / "raw", results, calibration, slos, [], "python -m bench.compare", 60, "m")
+    calibration = Calibration(
+        workloads={w: _calibration(100, 0.5, 0.05, slo) for w, slo in slos.items()}, crosscheck=()
+    )
+    report = Report(
+        command="python -m bench.compare", elapsed_s=60, model="m", calibration=calibration, results=results
+    )
+    write_report(report, tmp_path, tmp_path / "raw")
     previous = load_previous(tmp_path, tmp_path / "raw", skip=["code"])
-    assert list(previous["results"]) == ["summarization"] and previous["slos"]["summarization"] == SLO(6.0, 0.1)
-    assert previous["results"]["summarization"]["colocated"]["goodput"]["rate"] == 0.1
-    assert previous["command"] == "python -m bench.compare" and previous["elapsed_s"] == 60
+    workloads = previous.calibration.workloads
+    assert list(previous.results) == ["summarization"] and workloads["summarization"].slo == SLO(6.0, 0.1)
+    assert workloads["summarization"] == calibration.workloads["summarization"] and list(workloads) == ["summarization"]
+    assert previous.results["summarization"]["colocated"]["goodput"]["rate"] == 0.1
+    assert previous.command == "python -m bench.compare" and previous.elapsed_s == 60
+
+
+def test_main_calibrates_once_then_rewrites_the_report_after_every_sweep(tmp_path, monkeypatch):
+    """The three stages with the servers and measurements stubbed: calibration on the plain
+    colocated system only (started first even when not compared), one sweep per system and
+    workload, the report rewritten after each."""
+    import bench.compare as compare
+    from bench.workloads import BenchRequest
+
+    started, swept, written = [], [], []
+
+    class FakeServer:
+        def __init__(self, application, args, index):
+            self.application, self.url, self.metrics_url = application, "http://fake", f"http://fake/{index}"
+            started.append((application, args.get("transport.mode"), index))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def model(self):
+            return "m"
+
+    def fake_sweep(target, requests, rates, slo, seed, metrics_url, label):
+        swept.append((label, tuple(rates), metrics_url))
+        return _sweep(rates[0], "exact", rates)
+
+    requests = [BenchRequest([1] * 100, 100, 31), BenchRequest([1] * 200, 200, 11), BenchRequest([1] * 300, 300, 21)]
+    check = CrossCheck(
+        prompt_tokens=1, max_tokens=2, harness_ttft_s=0.1, openai_ttft_s=0.1, harness_e2e_s=0.2, openai_e2e_s=0.2
+    )
+    base = {"prompt_tokens": 200, "ttft_s": 0.2, "tpot_s": 0.05}  # of the median request (200 tokens)
+    monkeypatch.setattr(compare, "Server", FakeServer)
+    monkeypatch.setattr(compare, "workload_requests", lambda options: {w: requests for w in options.workloads})
+    monkeypatch.setattr(compare, "uncontended", lambda target, request, max_tokens: base)
+    monkeypatch.setattr(compare, "crosscheck", lambda target, requests: (check,))
+    monkeypatch.setattr(compare, "sweep", fake_sweep)
+    monkeypatch.setattr(compare, "write_report", lambda report, out, raw: written.append(report))
+    argv = ["--workloads", "code,chatbot", "--systems", "disagg-pull,disagg-push", "--multipliers", "code=1,2"]
+    compare.main([*argv, "--out", str(tmp_path), "--raw", str(tmp_path / "raw")])
+
+    assert started == [("colocated", None, 0), ("disagg", "pull", 1), ("disagg", "push", 2)]
+    e2e = 0.2 + 20 * 0.05  # median output 21 tokens
+    code_rates = (round(2 / e2e, 4), round(4 / e2e, 4))
+    assert swept[0] == ("disagg-pull/code", code_rates, "http://fake/1") and len(swept) == 4
+    assert [list(r.results["code"]) for r in written] == [
+        ["disagg-pull"],
+        ["disagg-pull"],
+        ["disagg-pull", "disagg-push"],
+        ["disagg-pull", "disagg-push"],
+    ]
+    final = written[-1]
+    code = final.calibration.workloads["code"]
+    assert code.slo == SLO(1.0, 0.1) and code.rates == code_rates and code.prompt_tokens == 200
+    assert list(final.calibration.workloads) == ["code", "chatbot"] and final.calibration.crosscheck == (check,)
+    assert final.command == "python -m bench.compare " + " ".join(
+        argv + ["--out", str(tmp_path), "--raw", str(tmp_path / "raw")]
+    )

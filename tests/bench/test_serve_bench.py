@@ -5,40 +5,34 @@ attainment and goodput."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
-from bench.ray_local import start_local_ray
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from bench.workloads import make_requests, median_request
+from tests.serving import ServeApp, local_serve
 
 PORT = 18436
 CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def target():
+def target() -> Iterator[Target]:
     from app.config import disagg_app
 
-    start_local_ray()
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
         "model.max_model_len": str(CONTEXT),
         "engine.kv_cache_bytes": str(64 << 20),
         "prefill.num_cpus": "0.25",
         "decode.num_cpus": "0.25",
     }
-    serve.run(disagg_app(args), name="bench", route_prefix="/")
-    url = f"http://127.0.0.1:{PORT}"
-    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
-    assert model["max_model_len"] == CONTEXT
-    yield Target(url, model["id"])
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve([ServeApp("bench", disagg_app, args)], port=PORT) as served:
+        model = httpx.get(served.base_url + "/v1/models", timeout=30).json()["data"][0]
+        assert model["max_model_len"] == CONTEXT
+        yield Target(served.base_url, model["id"])
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
-from bench.ray_local import start_local_ray
+from tests.serving import ServeApp, local_serve
+from tests.waiting import wait_until
 
 PORT = 18434
 MODEL = "SmolLM2-135M-Instruct"
@@ -17,21 +16,17 @@ MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
 
 
 @pytest.fixture(scope="module")
-def url():
+def url() -> Iterator[str]:
     from app.config import colocated_app
 
-    start_local_ray()
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {
         "model.max_model_len": "512",
         "engine.kv_cache_bytes": str(32 << 20),
         "colocated.num_replicas": "1",
         "max_queued_requests": "1",
     }
-    serve.run(colocated_app(args), name="busy", route_prefix="/")
-    yield f"http://127.0.0.1:{PORT}/v1/chat/completions"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve([ServeApp("busy", colocated_app, args)], port=PORT) as served:
+        yield served.base_url + "/v1/chat/completions"
 
 
 def test_full_ingress_answers_503_with_retry_after(url):
@@ -50,10 +45,10 @@ def test_full_ingress_answers_503_with_retry_after(url):
         "param": None,
         "code": None,
     }
-    deadline = time.monotonic() + 20  # the closed stream leaves the ingress asynchronously
-    while time.monotonic() < deadline:
-        after = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}, timeout=60)
-        if after.status_code != 503:
-            break
-        time.sleep(0.2)
+    after = wait_until(  # the closed stream leaves the ingress asynchronously
+        lambda: httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}, timeout=60),
+        20,
+        "the ingress to take a request again after the first stream closed",
+        until=lambda r: r.status_code != 503,
+    )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2

@@ -1,20 +1,27 @@
-"""Pinning: each pool lands on the node group that carries its custom resource."""
+"""Pinning: each pool lands on the node group that carries its custom resource.
+
+Ray here is a two-node ``cluster_utils`` cluster, not ``local_serve``'s single node: the
+module starts it, and only running the application (and Serve's teardown) is shared.
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import ray
-from ray import serve
 from ray.cluster_utils import Cluster
 
 from bench.ray_local import repo_on_pythonpath
+from tests.serving import ServeApp, ServedApps, run_apps
+
+PORT = 18432
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes() -> Iterator[Cluster]:
     repo_on_pythonpath()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     with pytest.MonkeyPatch.context() as env:
@@ -31,20 +38,17 @@ def two_nodes():
                 "include_dashboard": False,
             },
         )
-        cluster.add_node(num_cpus=1, resources={"decode_node": 1})
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        try:
+            cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+            ray.init(address=cluster.address, log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
-def _node_of(deployment: str) -> str:
-    handle = serve.get_deployment_handle(deployment, app_name="pinned")
-    return handle.model_info.remote().result()["node_id"]
-
-
-def test_each_pool_lands_on_its_node(two_nodes):
+@pytest.fixture(scope="module")
+def pinned(two_nodes) -> Iterator[ServedApps]:
     from app.config import disagg_app
 
     args = {
@@ -55,8 +59,15 @@ def test_each_pool_lands_on_its_node(two_nodes):
         "prefill.resources": "{prefill_node: 0.5}",
         "decode.resources": "{decode_node: 0.5}",
     }
-    serve.start(http_options={"host": "127.0.0.1", "port": 18432})
-    serve.run(disagg_app(args), name="pinned", route_prefix="/")
+    with run_apps([ServeApp("pinned", disagg_app, args)], port=PORT) as served:
+        yield served
+
+
+def _node_of(served: ServedApps, deployment: str) -> str:
+    return served.handle(deployment, app="pinned").model_info.remote().result()["node_id"]
+
+
+def test_each_pool_lands_on_its_node(pinned):
     by_resource = {
         name: node["NodeID"]
         for node in ray.nodes()
@@ -65,5 +76,5 @@ def test_each_pool_lands_on_its_node(two_nodes):
         if name in node["Resources"]
     }
     assert by_resource["prefill_node"] != by_resource["decode_node"]
-    assert _node_of("PrefillServer") == by_resource["prefill_node"]
-    assert _node_of("DecodeServer") == by_resource["decode_node"]
+    assert _node_of(pinned, "PrefillServer") == by_resource["prefill_node"]
+    assert _node_of(pinned, "DecodeServer") == by_resource["decode_node"]

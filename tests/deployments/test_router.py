@@ -1,8 +1,9 @@
-"""The role-aware ranking, on plain objects with routing stats."""
+"""The role-aware ranking, on plain objects with routing stats (as Serve holds them: dicts)."""
 
 from dataclasses import dataclass, field
 
-from deployments.router import rank_replicas
+from deployments.router import RoutingStats, parse_routing_stats, rank_replicas
+from engine.params import EngineStats, Role
 
 
 @dataclass
@@ -11,16 +12,21 @@ class Replica:
     routing_stats: dict = field(default_factory=dict)
 
 
+def _stats(role: Role, waiting: int = 0, running: int = 0, free_blocks: int = 0) -> dict:
+    stats = RoutingStats(role=role, free_blocks=free_blocks, total_blocks=32, running=running, waiting=waiting)
+    return stats.to_dict()
+
+
 def _names(ranks):
     return [r.name for rank in ranks for r in rank]
 
 
 def test_calls_go_only_to_replicas_in_a_fitting_role():
     replicas = [
-        Replica("p", {"role": "prefill", "waiting": 0, "running": 0, "free_blocks": 10}),
-        Replica("d", {"role": "decode", "waiting": 0, "running": 5, "free_blocks": 3}),
-        Replica("flipped", {"role": "decode", "waiting": 0, "running": 1, "free_blocks": 9}),
-        Replica("b", {"role": "both", "waiting": 2, "running": 0, "free_blocks": 10}),
+        Replica("p", _stats(Role.PREFILL, waiting=0, running=0, free_blocks=10)),
+        Replica("d", _stats(Role.DECODE, waiting=0, running=5, free_blocks=3)),
+        Replica("flipped", _stats(Role.DECODE, waiting=0, running=1, free_blocks=9)),
+        Replica("b", _stats(Role.BOTH, waiting=2, running=0, free_blocks=10)),
     ]
     assert _names(rank_replicas(replicas, "prefill")) == ["p", "b"]
     assert _names(rank_replicas(replicas, "decode_pull")) == ["flipped", "d", "b"]
@@ -29,8 +35,30 @@ def test_calls_go_only_to_replicas_in_a_fitting_role():
 
 def test_ties_broken_by_free_blocks_and_unknown_roles_accepted():
     replicas = [
-        Replica("few", {"role": "decode", "free_blocks": 2}),
-        Replica("many", {"role": "decode", "free_blocks": 20}),
+        Replica("few", _stats(Role.DECODE, free_blocks=2)),
+        Replica("many", _stats(Role.DECODE, free_blocks=20)),
         Replica("new", {}),
     ]
     assert _names(rank_replicas(replicas, "generate")) == ["many", "few", "new"]
+
+
+def test_routing_stats_travel_as_plain_data_and_parse_back():
+    engine_stats = EngineStats(
+        role=Role.DECODE,
+        num_total_blocks=32,
+        num_free_blocks=7,
+        num_pinned_blocks=0,
+        num_reserved_blocks=4,
+        num_running=3,
+        num_waiting=1,
+        block_size=16,
+        num_preemptions=0,
+        median_step_ms=0.0,
+    )
+    wire = RoutingStats.of(engine_stats).to_dict()
+    assert wire == {"role": "decode", "free_blocks": 7, "total_blocks": 32, "running": 3, "waiting": 1}
+    assert type(wire["role"]) is str  # Serve's controller need not import engine.params
+    assert parse_routing_stats(wire) == RoutingStats(
+        role=Role.DECODE, free_blocks=7, total_blocks=32, running=3, waiting=1
+    )
+    assert parse_routing_stats({}) is None

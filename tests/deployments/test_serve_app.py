@@ -7,14 +7,14 @@ with push (at /push), and ``colocated_app`` with one replica (at /colo).
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 import ray
-from ray import serve
 
-from bench.ray_local import start_local_ray
+from tests.serving import ServeApp, ServedApps, local_serve
+from tests.waiting import wait_until
 
 PORT = 18431
 MODEL = "SmolLM2-135M-Instruct"
@@ -22,13 +22,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    from app.config import disagg_app
+def served() -> Iterator[ServedApps]:
+    from app.config import colocated_app, disagg_app
 
-    start_local_ray()
-    from app.config import colocated_app
-
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     common = {
         "model.max_model_len": "1024",
         "engine.kv_cache_bytes": str(64 << 20),
@@ -37,27 +33,18 @@ def base_url():
         "colocated.num_cpus": "0.25",
         "colocated.num_replicas": "1",
     }
-    serve.run(disagg_app(common), name="disagg", route_prefix="/", blocking=False)
-    serve.run(disagg_app({**common, "transport.mode": "push"}), name="push", route_prefix="/push", blocking=False)
-    serve.run(colocated_app(common), name="colo", route_prefix="/colo")
-    _wait_ready(f"http://127.0.0.1:{PORT}", ["", "/push", "/colo"])
-    yield f"http://127.0.0.1:{PORT}"
-    serve.shutdown()
-    ray.shutdown()
+    apps = [
+        ServeApp("disagg", disagg_app, common, route_prefix="/"),
+        ServeApp("push", disagg_app, {**common, "transport.mode": "push"}, route_prefix="/push"),
+        ServeApp("colo", colocated_app, common, route_prefix="/colo"),
+    ]
+    with local_serve(apps, port=PORT) as served:
+        yield served
 
 
-def _wait_ready(url: str, prefixes: list[str], timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    pending = list(prefixes)
-    while pending and time.monotonic() < deadline:
-        try:
-            if httpx.get(url + pending[0] + "/ready", timeout=5).status_code == 200:
-                pending.pop(0)
-                continue
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    assert not pending, f"applications not ready: {pending}"
+@pytest.fixture(scope="module")
+def base_url(served: ServedApps) -> str:
+    return served.base_url
 
 
 @pytest.fixture(params=["", "/push", "/colo"], ids=["pull", "push", "colocated"])
@@ -83,8 +70,8 @@ def _sse_events(response: httpx.Response) -> list[str]:
     return events
 
 
-def _stats(name: str):
-    return ray.get(serve.get_deployment_handle(name, app_name="disagg").stats.remote()._to_object_ref_sync())
+def _stats(served: ServedApps, deployment: str):
+    return ray.get(served.handle(deployment, app="disagg").stats.remote()._to_object_ref_sync())
 
 
 def test_models_and_health(base_url):
@@ -260,7 +247,7 @@ def test_duplicate_client_request_id_is_refused_while_in_flight(base_url):
     assert again.status_code == 200 and again.json()["id"] == "same-id"
 
 
-def test_client_disconnect_frees_blocks_on_both_replicas(base_url):
+def test_client_disconnect_frees_blocks_on_both_replicas(served):
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Write a long story."}],
@@ -268,15 +255,15 @@ def test_client_disconnect_frees_blocks_on_both_replicas(base_url):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 10:
                 break
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        decode, prefill = _stats("DecodeServer"), _stats("PrefillServer")
-        if decode.num_free_blocks == decode.num_total_blocks and prefill.num_free_blocks == prefill.num_total_blocks:
-            break
-        time.sleep(0.2)
+    decode, prefill = wait_until(
+        lambda: (_stats(served, "DecodeServer"), _stats(served, "PrefillServer")),
+        20,
+        "the decode and prefill replicas to free all their blocks",
+        until=lambda both: all(s.num_free_blocks == s.num_total_blocks for s in both),
+    )
     assert (decode.num_running, decode.num_free_blocks) == (0, decode.num_total_blocks)
     assert (prefill.num_pinned_blocks, prefill.num_free_blocks) == (0, prefill.num_total_blocks)

@@ -9,6 +9,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.core import RoleError
 from engine.params import FinishReason, Role, SamplingParams
+from tests.waiting import wait_until_async
 
 
 def _collect(engine, request):
@@ -53,8 +54,7 @@ def test_consumer_leaving_aborts_and_frees_blocks(smol, make_engine):
                 seen.append(out)
 
         task = asyncio.create_task(consume())
-        while len(seen) < 3:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(seen), 30, "three streamed outputs", until=lambda n: n >= 3)
         busy = await engine.stats()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -131,3 +131,34 @@ def test_a_request_waiting_for_blocks_sleeps_until_a_release(smol, make_engine):
     # a 50 ms recheck gives about 10 steps in 0.5 s; a spinning thread makes thousands
     assert stuck_steps < 40
     assert idle.num_free_blocks == idle.num_total_blocks == 4
+
+
+def test_stats_snapshot_and_layer_hooks_come_from_the_engine_thread(smol, make_engine):
+    core = make_engine(smol)
+    request = core.make_request("Count to 5:", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    seen: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
+
+    async def main():
+        engine = AsyncEngine(core)
+        engine.add_layer_hook(lambda layer, chunks: seen.append((layer, *_chunk_facts(chunks))))
+        before = engine.latest_stats()
+        outs = await _collect(engine, request)
+        after = engine.latest_stats()
+        with pytest.raises(RuntimeError, match="before the engine serves requests"):
+            engine.add_layer_hook(lambda layer, chunks: None)
+        await engine.stop()
+        return before, outs, after
+
+    before, outs, after = asyncio.run(main())
+    num_layers = core.layout.num_layers
+    assert before.num_free_blocks == before.num_total_blocks and after == core.stats()
+    assert [o.num_output_tokens for o in outs] == [1, 2, 3]
+    # one forward for the prompt and one per further token, each calling every layer in order
+    num_prompt = len(request.prompt_token_ids)
+    assert [layer for layer, _, _ in seen] == list(range(num_layers)) * 3
+    assert {(ids, sizes) for _, ids, sizes in seen[:num_layers]} == {((request.request_id,), (num_prompt,))}
+    assert {(ids, sizes) for _, ids, sizes in seen[num_layers:]} == {((request.request_id,), (1,))}
+
+
+def _chunk_facts(chunks) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    return tuple(c.request_id for c in chunks), tuple(len(c.token_ids) for c in chunks)

@@ -1,7 +1,7 @@
 """The scheduler alone (no model): admission, budgets, preemption order, remote-KV rule."""
 
 from engine.block_allocator import BlockAllocator
-from engine.scheduler import Scheduler, SeqStatus, Sequence
+from engine.scheduler import Scheduler, SeqStatus, SequenceState
 
 
 def _sched(num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=False, recompute_remote=False):
@@ -9,7 +9,7 @@ def _sched(num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=False, rec
 
 
 def _seq(rid, n, remote=False):
-    return Sequence(rid, list(range(1, n + 1)), n, remote_kv=remote)
+    return SequenceState(rid, list(range(1, n + 1)), n, remote_kv=remote)
 
 
 def _advance(sched, plan, new_token=7):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -18,10 +20,14 @@ from bench.ray_local import start_local_ray
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
 from tests.same_output import assert_same_output, trace_from_outputs
+from tests.waiting import wait_until
 
 TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 3.0
 LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
+IDLE_TIMEOUT_S = 10.0  # release notices, aborts and cancellations free blocks asynchronously
+START_TIMEOUT_S = 30.0  # a request reaching the decode engine
+HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lease is TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +58,67 @@ def _request(prefix: str, i: int, prompt: list[int], max_tokens: int = 32) -> Ge
     return GenerationRequest(f"{prefix}-{i}", tuple(prompt), sp)
 
 
+def _stats(actor):
+    return ray.get(actor.stats.remote())
+
+
+def _wait_for(actor, what: str, until) -> None:
+    wait_until(lambda: _stats(actor), START_TIMEOUT_S, what, until=until)
+
+
+def _is_idle(stats) -> bool:
+    blocks_held = (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running)
+    return stats.num_free_blocks == stats.num_total_blocks and blocks_held == (0, 0, 0)
+
+
 def _assert_idle(*actors):
+    """Idle right now: for frees that happen before the call that caused them returns."""
     for stats in ray.get([a.stats.remote() for a in actors]):
-        assert stats.num_free_blocks == stats.num_total_blocks, stats
-        assert (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running) == (0, 0, 0), stats
+        assert _is_idle(stats), stats
+
+
+def _wait_idle(*actors, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Idle within ``timeout_s``: for frees that arrive later (release notices, aborts, lease ends)."""
+    read = lambda: ray.get([a.stats.remote() for a in actors])  # noqa: E731
+    wait_until(
+        read, timeout_s, "all blocks free and nothing running", until=lambda all_stats: all(map(_is_idle, all_stats))
+    )
+
+
+@contextmanager
+def _transport_timeout(timeout_s: float, *actors) -> Iterator[None]:
+    """Set the KV transfer timeout of module-shared actors; put ``TIMEOUT_S`` back even if the test fails."""
+    ray.get([a.set_timeout.remote(timeout_s) for a in actors])
+    try:
+        yield
+    finally:
+        ray.get([a.set_timeout.remote(TIMEOUT_S) for a in actors])
+
+
+@contextmanager
+def _faults(actor, **faults) -> Iterator[None]:
+    """Fault points on a module-shared actor, cleared even if the test fails."""
+    ray.get(actor.set_faults.remote(**faults))
+    try:
+        yield
+    finally:
+        ray.get(actor.set_faults.remote())
+
+
+@pytest.fixture
+def spawn(cluster):
+    """Start extra engine actors for one test; all killed at its end, passed or failed."""
+    from bench.engine_actor import EngineActor
+
+    spawned = []
+
+    def start(engine_id: str, role: str, timeout_s: float):
+        spawned.append(EngineActor.remote(engine_id, role, timeout_s=timeout_s))
+        return spawned[-1]
+
+    yield start
+    for actor in spawned:
+        ray.kill(actor)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +139,7 @@ def test_pull_matches_single_engine(actors, prompts, reference):
         # the first token and its log-probabilities come from prefill
         assert outputs[0].token_ids == (result.first_token,) and outputs[0].logprobs == (result.first_logprobs,)
         assert_same_output(reference[i], trace_from_outputs(outputs), exact=False, label=f"pull {i}")
-    time.sleep(0.2)  # release notices are asynchronous
-    _assert_idle(prefill, decode)
+    _wait_idle(prefill, decode)  # release notices are asynchronous
 
 
 def test_push_matches_single_engine(actors, prompts, reference):
@@ -89,7 +151,7 @@ def test_push_matches_single_engine(actors, prompts, reference):
     runs = ray.get(decoding)
     for i, ((result, stats), outputs) in enumerate(zip(pushed, runs)):
         assert stats.num_bytes == 30 * 2 * len(destinations[i].block_ids) * 16 * 3 * 64 * 4
-        assert [t["layer"] for t in stats.layer_times] == list(range(30))
+        assert [t.layer for t in stats.layer_times] == list(range(30))
         # the first token's log-probabilities came inside the completion notice (JSON: exact)
         assert outputs[0].logprobs == (result.first_logprobs,) and result.first_logprobs is not None
         assert_same_output(reference[i], trace_from_outputs(outputs), exact=False, label=f"push {i}")
@@ -101,7 +163,7 @@ def test_abort_on_either_side_frees_blocks(actors, prompts):
     request = _request("abort-d", 0, prompts[3], max_tokens=400)
     _, handle = ray.get(prefill.prefill_pull.remote(request))
     running = decode.decode_pull.remote(request, handle)
-    time.sleep(1.0)
+    _wait_for(decode, "decode running the request", lambda s: s.num_running == 1)
     ray.cancel(running)
     with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
         ray.get(running)
@@ -109,89 +171,90 @@ def test_abort_on_either_side_frees_blocks(actors, prompts):
     _, handle = ray.get(prefill.prefill_pull.remote(request))
     assert ray.get(prefill.stats.remote()).num_pinned_blocks == len(handle.block_ids)
     ray.get(prefill.abort.remote(request.request_id))
-    time.sleep(0.2)
-    _assert_idle(prefill, decode)
+    _wait_idle(prefill, decode)
 
 
-def _fill_decode_pool(decode, prefix: str) -> list[str]:
-    """Reserve decode blocks until fewer than 8 (128 tokens) are free."""
+@contextmanager
+def _filled_decode_pool(decode, prefix: str) -> Iterator[list[str]]:
+    """Reserve decode blocks until fewer than 8 (128 tokens) are free; all released on exit
+    (releasing one the test released already is a no-op), so a failure leaves the pool empty."""
     fillers = []
-    while (free := ray.get(decode.stats.remote()).num_free_blocks) >= 8:
-        fillers.append(f"{prefix}-{len(fillers)}")
-        assert ray.get(decode.reserve.remote(fillers[-1], min(2000, (free - 4) * 16)))
-    return fillers
+    try:
+        while (free := ray.get(decode.stats.remote()).num_free_blocks) >= 8:
+            fillers.append(f"{prefix}-{len(fillers)}")
+            assert ray.get(decode.reserve.remote(fillers[-1], min(2000, (free - 4) * 16)))
+        yield fillers
+    finally:
+        _release(decode, fillers)
+
+
+def _release(decode, request_ids: list[str]) -> None:
+    ray.get([decode.release.remote(rid) for rid in request_ids])
 
 
 def test_pull_waits_for_decode_blocks_within_the_lease(actors, prompts, reference):
     """A full decode pool holds the request (producer KV pinned) until blocks free up; a pool
     that stays full past the lease fails it with KVCapacityError, and nothing leaks."""
     prefill, decode = actors
-    fillers = _fill_decode_pool(decode, "filler")
-    request = _request("wait", 5, prompts[5])
-    result, handle = ray.get(prefill.prefill_pull.remote(request))
-    running = decode.decode_pull.remote(request, handle, result.first_logprobs)
-    time.sleep(1.5)
-    assert ray.get(prefill.stats.remote()).num_pinned_blocks == len(handle.block_ids)  # still waiting
-    for rid in fillers:
-        ray.get(decode.release.remote(rid))
-    outputs = ray.get(running)
+    with _filled_decode_pool(decode, "filler") as fillers:
+        request = _request("wait", 5, prompts[5])
+        result, handle = ray.get(prefill.prefill_pull.remote(request))
+        running = decode.decode_pull.remote(request, handle, result.first_logprobs)
+        # the scenario, not a synchronization: the request must still be held (not failed) HOLD_S later
+        done, _ = ray.wait([running], timeout=HOLD_S)
+        assert not done and _stats(prefill).num_pinned_blocks == len(handle.block_ids)  # still waiting
+        _release(decode, fillers)
+        outputs = ray.get(running)
     assert_same_output(reference[5], trace_from_outputs(outputs), exact=False, label="waited")
-    time.sleep(0.2)
-    _assert_idle(prefill, decode)
+    _wait_idle(prefill, decode)
     # a pool that stays full: the wait ends with the lease (SHORT_TIMEOUT_S - 1 s margin)
-    ray.get([prefill.set_timeout.remote(SHORT_TIMEOUT_S), decode.set_timeout.remote(SHORT_TIMEOUT_S)])
-    fillers = _fill_decode_pool(decode, "stuck")
-    request = _request("nowait", 5, prompts[5])
-    _, handle = ray.get(prefill.prefill_pull.remote(request))
-    with pytest.raises(ray.exceptions.RayTaskError, match=f"KVCapacityError.*no room for {LENGTHS[5]} tokens"):
-        ray.get(decode.decode_pull.remote(request, handle))
-    for rid in fillers:
-        ray.get(decode.release.remote(rid))
-    time.sleep(SHORT_TIMEOUT_S)  # the producer's unclaimed KV is freed at its timeout
-    _assert_idle(prefill, decode)
-    ray.get([prefill.set_timeout.remote(TIMEOUT_S), decode.set_timeout.remote(TIMEOUT_S)])
+    with _transport_timeout(SHORT_TIMEOUT_S, prefill, decode):
+        with _filled_decode_pool(decode, "stuck"):
+            request = _request("nowait", 5, prompts[5])
+            _, handle = ray.get(prefill.prefill_pull.remote(request))
+            with pytest.raises(ray.exceptions.RayTaskError, match=f"KVCapacityError.*no room for {LENGTHS[5]} tokens"):
+                ray.get(decode.decode_pull.remote(request, handle))
+        # the producer's unclaimed KV is freed at its timeout
+        _wait_idle(prefill, decode, timeout_s=SHORT_TIMEOUT_S + IDLE_TIMEOUT_S)
 
 
 def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
     prefill, decode = actors
-    ray.get([prefill.set_timeout.remote(SHORT_TIMEOUT_S), decode.set_timeout.remote(SHORT_TIMEOUT_S)])
-    _, handle = ray.get(prefill.prefill_pull.remote(_request("unclaimed", 0, prompts[2])))
-    assert ray.get(prefill.stats.remote()).num_pinned_blocks > 0
-    time.sleep(SHORT_TIMEOUT_S + 0.5)
-    _assert_idle(prefill, decode)
-    # a push that never comes: decode gives up after the timeout and frees its reservation
-    request = _request("nopush", 0, prompts[2])
-    destination = ray.get(decode.reserve_push.remote(request))
-    with pytest.raises(ray.exceptions.RayTaskError, match="KVTransferTimeout.*no push completion"):
-        ray.get(decode.decode_push.remote(request, destination))
-    _assert_idle(prefill, decode)
-    ray.get([prefill.set_timeout.remote(TIMEOUT_S), decode.set_timeout.remote(TIMEOUT_S)])
+    with _transport_timeout(SHORT_TIMEOUT_S, prefill, decode):
+        _, handle = ray.get(prefill.prefill_pull.remote(_request("unclaimed", 0, prompts[2])))
+        assert _stats(prefill).num_pinned_blocks > 0
+        _wait_idle(prefill, decode, timeout_s=SHORT_TIMEOUT_S + IDLE_TIMEOUT_S)
+        # a push that never comes: decode gives up after the timeout and frees its reservation
+        request = _request("nopush", 0, prompts[2])
+        destination = ray.get(decode.reserve_push.remote(request))
+        with pytest.raises(ray.exceptions.RayTaskError, match="KVTransferTimeout.*no push completion"):
+            ray.get(decode.decode_push.remote(request, destination))
+        _assert_idle(prefill, decode)
 
 
-def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference):
-    from bench.engine_actor import EngineActor
-
+def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference, spawn):
     _, decode = actors
-    victim = EngineActor.remote("victim", "prefill", timeout_s=SHORT_TIMEOUT_S)
-    ray.get(decode.set_timeout.remote(SHORT_TIMEOUT_S))
+    victim = spawn("victim", "prefill", timeout_s=SHORT_TIMEOUT_S)
     first_incarnation = ray.get(victim.start.remote())
     handshakes = ray.get(decode.num_handshakes.remote())
     request = _request("killed", 0, prompts[5])
     _, handle = ray.get(victim.prefill_pull.remote(request))
-    ray.get(decode.set_faults.remote(delay_s={"fetch": 1.5}))
-    started = time.monotonic()
-    fetching = decode.decode_pull.remote(request, handle)
-    time.sleep(0.5)
-    ray.kill(victim)
-    with pytest.raises(ray.exceptions.RayTaskError) as info:
-        ray.get(fetching)
-    assert isinstance(info.value.cause, KVTransferError), info.value
-    assert "request killed-0" in str(info.value.cause) and "victim" in str(info.value.cause)
-    assert time.monotonic() - started < 1.5 + SHORT_TIMEOUT_S + 2
-    ray.get([decode.set_faults.remote(), decode.set_timeout.remote(TIMEOUT_S)])
+    with _transport_timeout(SHORT_TIMEOUT_S, decode), _faults(decode, delay_s={"fetch": 1.5}):
+        started = time.monotonic()
+        fetching = decode.decode_pull.remote(request, handle)
+        # blocks reserved: the fetch has begun and sits in its 1.5 s fault delay, before the READ
+        _wait_for(
+            decode, "decode reserving blocks for the fetch", lambda s: s.num_reserved_blocks == len(handle.block_ids)
+        )
+        ray.kill(victim)
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(fetching)
+        assert isinstance(info.value.cause, KVTransferError), info.value
+        assert "request killed-0" in str(info.value.cause) and "victim" in str(info.value.cause)
+        assert time.monotonic() - started < 1.5 + SHORT_TIMEOUT_S + 2
     _assert_idle(decode)
 
-    restarted = EngineActor.remote("victim", "prefill", timeout_s=TIMEOUT_S)
+    restarted = spawn("victim", "prefill", timeout_s=TIMEOUT_S)
     assert ray.get(restarted.start.remote()) != first_incarnation
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         ray.get(decode.decode_pull.remote(_request("stale", 0, prompts[5]), handle))
@@ -201,16 +264,15 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
     outputs = ray.get(decode.decode_pull.remote(request, handle, result.first_logprobs))
     assert_same_output(reference[5], trace_from_outputs(outputs), exact=False, label="restarted")
     assert ray.get(decode.num_handshakes.remote()) == handshakes + 2
-    time.sleep(0.2)
-    _assert_idle(decode, restarted)
+    _wait_idle(decode, restarted)
     ray.get(restarted.close.remote())
 
 
 def test_object_store_baseline_moves_the_same_bytes(cluster):
-    from kv_transport.handle import KVLayoutSignature
+    from engine.kv_pool import KVLayout
     from kv_transport.object_store import ObjectStoreTransport
 
-    layout = KVLayoutSignature(dtype="float32", num_layers=2, block_size=4, num_kv_heads=1, head_dim=8)
+    layout = KVLayout(dtype="float32", num_layers=2, block_size=4, num_kv_heads=1, head_dim=8)
     src = torch.rand(2, 2, 6, 4, 1, 8)
     dst = torch.zeros(2, 2, 5, 4, 1, 8)
     released = []

@@ -8,10 +8,11 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from engine.kv_pool import KVLayout
 from kv_transport.descriptors import PoolGeometry, coalesce, id_ranges, pair_ranges
-from kv_transport.handle import KVHandle, KVLayoutSignature, from_ranges, to_ranges
+from kv_transport.handle import KVHandle, from_ranges, to_ranges
 
-SMOL = KVLayoutSignature(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+SMOL = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
 
 
 def test_ranges_round_trip():

@@ -5,19 +5,20 @@ cross-process tests with engines are in test_disaggregated.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
 import torch
 
+from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
 from kv_transport.base import KVTransferTimeout, LayoutMismatchError, StalePeerError
 from kv_transport.faults import FaultPoints
-from kv_transport.handle import KVLayoutSignature
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry
 
-LAYOUT = KVLayoutSignature(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
+LAYOUT = KVLayout(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 
 
 def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
@@ -88,7 +89,7 @@ def test_dropped_release_notice_falls_back_to_the_timeout():
 def test_layout_mismatch_is_refused(pair):
     producer, consumer, *_ = pair
     handle = producer.export("r", [0], 2, 1)
-    other = handle.model_copy(update={"layout": LAYOUT.model_copy(update={"dtype": "bfloat16"})})
+    other = handle.model_copy(update={"layout": dataclasses.replace(LAYOUT, dtype="bfloat16")})
     with pytest.raises(LayoutMismatchError, match="KV layout mismatch.*request r, peer prod"):
         asyncio.run(consumer.fetch(other, [0]))
 
@@ -130,8 +131,8 @@ def test_push_writes_layers_and_notifies(pair):
     stats, done = asyncio.run(run())
     assert done.first_token == 42 and done.first_logprobs == first_logprobs
     assert torch.equal(dst[:, :, [4, 5]], src[:, :, [6, 7]])
-    assert [t["layer"] for t in stats.layer_times] == [0, 1, 2]
-    assert all(t["compute_end"] <= t["posted"] <= t["done"] for t in stats.layer_times)
+    assert [t.layer for t in stats.layer_times] == [0, 1, 2]
+    assert all(t.compute_end <= t.posted <= t.done for t in stats.layer_times)
 
 
 def test_push_wait_times_out_with_a_typed_error(pair):

@@ -1,0 +1,123 @@
+"""The application's settings schema: every setting, validated once at the edge.
+
+Sources, later ones winning: the defaults below, a YAML file (``config=path.yaml``),
+environment variables (``TANDEM__<SECTION>__<FIELD>``, e.g. ``TANDEM__TRANSPORT__MODE=push``),
+and Serve builder arguments (``serve run app.config:disagg_app transport.mode=push``).
+Sections used by one package are declared there (``engine.config.EngineSettings``,
+``kv_transport.config.TransportConfig``); this module assembles them. The deployments import
+it; the entry points live in ``app.config``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineSettings, check_token_budget
+from kv_transport.config import TransportConfig
+
+ENV_PREFIX = "TANDEM__"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    source: str = Field("default", description="'default' (embedded SmolLM2), a HF model directory, or a .gguf file")
+    served_name: str | None = Field(None, description="model name clients send; defaults to the model's own name")
+    dtype: str | None = Field(None, description="float32 (CPU default), bfloat16 or float16")
+    device: str = Field("cpu", description="'cpu' or 'cuda'")
+    max_model_len: int = Field(2048, ge=16, description="context length served (prompt + generated tokens)")
+
+
+class EngineSection(EngineSettings):
+    """``engine.config.EngineSettings`` with the served app's default pool: 256 MiB per replica
+    (the engine's own default is 1 GiB), and at least 1 MiB."""
+
+    kv_cache_bytes: int = Field(256 << 20, ge=1 << 20, description="KV pool size per replica, in bytes")
+
+
+class DeploymentConfig(_Section):
+    num_replicas: int = Field(1, ge=0, description="replicas of this deployment")
+    num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per replica (Ray)")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica (Ray)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources that pin replicas to a node group, e.g. prefill_node"
+    )
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
+    max_ongoing_requests: int = Field(64, ge=1, description="Serve's bound on requests in flight per replica")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            options["num_gpus"] = self.num_gpus
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+class SLOConfig(_Section):
+    ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token objective (benchmarks, autoscaling)")
+    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token objective")
+
+
+class AppConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="what to serve")
+    engine: EngineSection = Field(default_factory=EngineSection, description="per-replica engine settings")
+    prefill: DeploymentConfig = Field(default_factory=DeploymentConfig, description="the prefill deployment")
+    decode: DeploymentConfig = Field(default_factory=DeploymentConfig, description="the decode deployment")
+    colocated: DeploymentConfig = Field(
+        default_factory=lambda: DeploymentConfig(num_replicas=2),
+        description="colocated_app: replicas doing both phases",
+    )
+    transport: TransportConfig = Field(default_factory=TransportConfig, description="KV transport")
+    disagg_min_prompt_tokens: int = Field(
+        0, ge=0, description="conditional disaggregation: shorter prompts are prefilled on the decode replica"
+    )
+    max_queued_requests: int = Field(256, ge=1, description="requests the ingress holds before answering 503")
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="service-level objectives")
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.transport.kind == "object_store" and self.transport.mode == "push":
+            raise ValueError("transport.mode=push needs transport.kind=nixl (the object store supports pull only)")
+        engine = self.engine
+        check_token_budget(
+            engine.max_num_batched_tokens, engine.enable_chunked_prefill, self.model.max_model_len, "engine."
+        )
+        if self.disagg_min_prompt_tokens >= self.model.max_model_len:
+            raise ValueError("disagg_min_prompt_tokens must be below model.max_model_len")
+        return self
+
+    @classmethod
+    def load(cls, args: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> AppConfig:
+        """Defaults < YAML file (``args['config']``) < environment < the other builder args."""
+        args = dict(args or {})
+        data: dict[str, Any] = {}
+        path = args.pop("config", None)
+        if path:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping at the top level")
+            data = loaded
+        env = os.environ if environ is None else environ
+        for key, value in env.items():
+            if key.startswith(ENV_PREFIX):
+                _set_dotted(data, key[len(ENV_PREFIX) :].lower().replace("__", "."), yaml.safe_load(value))
+        for key, value in args.items():
+            _set_dotted(data, key, yaml.safe_load(value) if isinstance(value, str) else value)
+        return cls.model_validate(data)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+        if not isinstance(data, dict):
+            raise ValueError(f"{dotted}: {part} is not a section")
+    data[leaf] = value

@@ -1,0 +1,68 @@
+"""Wait for a condition with a deadline instead of sleeping for a guessed time.
+
+A fixed sleep is either too short on a loaded CI machine (the test flakes) or longer than
+needed everywhere else (CI time grows). These poll every ``POLL_S`` and return as soon as
+the condition holds; past the deadline they fail with what was awaited and the last value
+read, so a failure says what state the system was stuck in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+POLL_S = 0.02
+
+
+def _timed_out(what: str, timeout_s: float, last: object) -> AssertionError:
+    return AssertionError(f"timed out after {timeout_s:g} s waiting for {what}; last value: {last!r}")
+
+
+def wait_until(
+    read: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    until: Callable[[T], bool] = bool,
+    poll_s: float = POLL_S,
+) -> T:
+    """Call ``read`` until ``until(value)`` holds (by default: the value is truthy); return that value.
+
+    ``read`` is called at least once, even with ``timeout_s=0``. Raises ``AssertionError``
+    naming ``what`` and the last value once ``timeout_s`` has passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if until(value):
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(what, timeout_s, value)
+        time.sleep(poll_s)
+
+
+async def wait_until_async(
+    read: Callable[[], T | Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    *,
+    until: Callable[[T], bool] = bool,
+    poll_s: float = POLL_S,
+) -> T:
+    """``wait_until`` for code on an event loop: ``read`` may be a plain or an async function,
+    and the poll yields to the loop (``asyncio.sleep``) instead of blocking it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if inspect.isawaitable(value):
+            value = await value
+        if until(value):
+            return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(what, timeout_s, value)
+        await asyncio.sleep(poll_s)
