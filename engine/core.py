@@ -87,7 +87,8 @@ class EngineCore:
         self._pinned: dict[str, list[int]] = {}
         self._reserved: dict[str, list[int]] = {}
         self._pending: list[RequestOutput] = []
-        self._default_generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63))
+        # sampling runs where the logits are, so the generators live on the model's device
+        self._default_generator = torch.Generator(device=self.device).manual_seed(random.getrandbits(63))
         self._ids = itertools.count()
         self._step_times: deque[float] = deque(maxlen=64)  # seconds of recent steps that ran the model
         self.num_model_steps = 0  # steps that ran the model (a step may run none: all waiting for blocks)
@@ -189,7 +190,7 @@ class EngineCore:
         sp = request.sampling
         generator = None
         if sp.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(sp.seed)
+            generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         elif not sp.greedy:
             generator = self._default_generator
         stream = TextStream(self.tokenizer, prompt, sp.stop)

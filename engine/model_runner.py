@@ -71,10 +71,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[num_sampled, vocab]`` in ``chunks`` order."""
+        """Run one step; returns float32 logits ``[num_sampled, vocab]`` in ``chunks`` order.
+
+        Every index tensor is built from Python lists and copied to the device before the
+        forward is queued: on CUDA each such copy waits for the stream, which is idle then
+        (the previous step ended reading its sampled tokens)."""
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, last_index = self._build(ordered)
+        sampled_rows = {order[i]: last_index[i] for i in range(len(ordered)) if ordered[i].sample}
+        rows = [sampled_rows[i] for i in range(len(chunks)) if i in sampled_rows]
+        index = torch.tensor(rows, device=self.device) if rows else None
         self._chunks = chunks
         try:
             hidden = self._decoder(
@@ -85,53 +92,49 @@ class ModelRunner:
             ).last_hidden_state[0]
         finally:
             self._chunks = ()
-        sampled_rows = {order[i]: last_index[i] for i in range(len(ordered)) if ordered[i].sample}
-        rows = [sampled_rows[i] for i in range(len(chunks)) if i in sampled_rows]
-        if not rows:
+        if index is None:
             return hidden.new_empty(0, self._lm_head.out_features, dtype=torch.float32)
-        index = torch.tensor(rows, device=self.device)
         return self._lm_head(hidden.index_select(0, index)).float()
 
     def _build(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[PagedAttentionMetadata, torch.Tensor, torch.Tensor, list[int]]:
-        bs = self.block_size
         decode = [c for c in chunks if c.is_decode]
         token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         last_index: list[int] = []
         segments: list[PrefillSegment] = []
         for c in chunks:
             n = len(c.token_ids)
-            table = torch.tensor(c.block_ids, device=self.device)
-            pos = torch.arange(c.start_pos, c.start_pos + n, device=self.device)
             q_start = len(token_ids)
+            span = range(c.start_pos, c.start_pos + n)
             token_ids.extend(c.token_ids)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            positions.extend(span)
+            slots.extend(_slots(c.block_ids, span, self.block_size))
             last_index.append(q_start + n - 1)
             if not c.is_decode:
-                segments.append(self._segment(q_start, c, table))
+                segments.append(self._segment(q_start, c))
+        # one host-to-device copy for the three per-token rows
+        input_ids, position_ids, slot_mapping = torch.tensor([token_ids, positions, slots], device=self.device)
         decode_blocks, decode_mask = self._decode_blocks(decode)
         meta = PagedAttentionMetadata(
             pool=self.pool,
-            slot_mapping=torch.cat(slots),
+            slot_mapping=slot_mapping,
             num_decode=len(decode),
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefill_segments=tuple(segments),
         )
-        input_ids = torch.tensor(token_ids, device=self.device)
-        return meta, input_ids, torch.cat(positions), last_index
+        return meta, input_ids, position_ids, last_index
 
-    def _segment(self, q_start: int, chunk: ScheduledChunk, table: torch.Tensor) -> PrefillSegment:
+    def _segment(self, q_start: int, chunk: ScheduledChunk) -> PrefillSegment:
         n = len(chunk.token_ids)
         if chunk.start_pos == 0:
             return PrefillSegment(q_start, q_start + n)
         context_len = chunk.start_pos + n
+        context_slots = torch.tensor(_slots(chunk.block_ids, range(context_len), self.block_size), device=self.device)
         ctx = torch.arange(context_len, device=self.device)
-        context_slots = table[ctx // self.block_size] * self.block_size + ctx % self.block_size
         q_pos = torch.arange(chunk.start_pos, context_len, device=self.device)
         mask = (ctx[None, :] <= q_pos[:, None]).view(1, 1, n, context_len)
         return PrefillSegment(q_start, q_start + n, context_slots, mask)
@@ -155,3 +158,8 @@ class ModelRunner:
         length = torch.tensor(lengths, device=self.device)
         mask = (pos[None, :] < length[:, None]).view(len(decode), 1, 1, max_blocks * bs)
         return tables, mask
+
+
+def _slots(block_ids: Sequence[int], positions: range, block_size: int) -> list[int]:
+    """Pool slot of each position: ``block_ids[pos // block_size] * block_size + pos % block_size``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in positions]

@@ -28,27 +28,29 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from a 1-D float32 logits row."""
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token from a 1-D float32 logits row: a 0-d tensor on the row's device, not read
+    back (``generator``, when given, lives on that device)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     logits = logits / params.temperature
     if params.top_k is not None:
         logits = apply_top_k(logits, params.top_k)
     logits = apply_top_p(logits, params.top_p)
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def sample_batch(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> list[int]:
-    """One token per row; greedy rows in one argmax, the others row by row with their generator."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    """One token per row; greedy rows in one argmax, the others row by row with their generator.
+    The ids are read back from the logits' device once, at the end (one sync on CUDA)."""
+    tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = sample_row(logits[i], p, generators[i])
-    return tokens
+    return tokens.tolist()
 
 
 def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

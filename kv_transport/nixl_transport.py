@@ -120,6 +120,8 @@ class NixlTransport(BaseKVTransport):
             pool.data_ptr(), self.layout.num_layers, self._num_blocks, self._block_bytes, self._device_id
         )
         self._worker.local_mem_type = self._mem_type
+        self._worker.cuda_device = self._device_id if pool.is_cuda else None
+        self._worker.bind_cuda()  # this thread registers the pool and may handshake
         self._reg_descs = self._agent.register_memory(pool)
         self._registry.publish(
             PeerInfo(
@@ -286,6 +288,7 @@ class NixlTransport(BaseKVTransport):
         if cached is not None:
             cached.checked_at = now
             return cached
+        self._worker.bind_cuda()  # the handshake unpacks the peer's (GPU) memory keys here
         with self._lock:
             self._forget(engine_id)
             try:

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kv_transport.base import KVTransferError
 from kv_transport.descriptors import Descs
 
@@ -94,6 +96,8 @@ class NixlWorker:
         # (figures: docs/benchmarks/kv_transfer_probes.md).
         self.notices = nixl_agent(f"{name}.notices", config)
         self.local_mem_type = local_mem_type
+        self.cuda_device: int | None = None  # the pool's GPU; None for a CPU pool
+        self._bound = threading.local()  # per thread: the device made current there
         # descriptor lists built by the binding itself: ``get_xfer_descs`` only dispatches on
         # the input's type, a measurable cost on a pull's critical path
         # (docs/benchmarks/kv_transfer_probes.md)
@@ -118,6 +122,17 @@ class NixlWorker:
             target=self._loop, args=(on_notif, on_tick, waiting), name=f"nixl-{self.agent.name}", daemon=True
         )
         self._thread.start()
+
+    def bind_cuda(self) -> None:
+        """Make ``cuda_device`` current in the calling thread, once per thread (see the module
+        docstring); a no-op for a CPU pool. Cheap after the first call: a pull calls it."""
+        if self.cuda_device is None or getattr(self._bound, "device", None) == self.cuda_device:
+            return
+        torch.cuda.set_device(self.cuda_device)  # may skip cudaSetDevice when already "current"
+        # the thread's first runtime call that needs a context makes the device's primary
+        # context current in it; a stream query is one that never waits
+        torch.cuda.current_stream(self.cuda_device).query()
+        self._bound.device = self.cuda_device
 
     def stop(self) -> None:
         self._closed.set()
@@ -148,6 +163,7 @@ class NixlWorker:
         for it). Nothing is allocated for a READ that ends here, and its handle is released
         by the progress thread: this is a pull's critical path.
         """
+        self.bind_cuda()
         # keep posting order; wait out a polling round, never a long post of the progress thread
         if self._outbox or not self.lock.acquire(timeout=INLINE_LOCK_WAIT_S):
             post = Post(
@@ -244,6 +260,7 @@ class NixlWorker:
             logger.warning("could not notify %s (%s)", peer_notice_agent, message[:40])
 
     def _loop(self, on_notif, on_tick, waiting) -> None:
+        self.bind_cuda()
         while not self._closed.is_set():
             try:
                 interval = self._round(on_notif, on_tick, waiting)

@@ -26,7 +26,8 @@ class GreedyTrace:
 
 
 def trace_from_logits(tokens: Sequence[int], logits: Sequence[torch.Tensor]) -> GreedyTrace:
-    top = tuple(tuple(torch.topk(row.float(), TOP_N).indices.tolist()) for row in logits)
+    # rows of one sequence: ``generate``'s scores are ``[1, vocab]`` each
+    top = tuple(tuple(torch.topk(row.float().flatten(), TOP_N).indices.tolist()) for row in logits)
     return GreedyTrace(tuple(tokens), top)
 
 

@@ -1,0 +1,385 @@
+"""The engine on one GPU: ``python3 -m bench.gpu_engine [--out PATH] [--tiny]``.
+
+Prints one markdown table row per measurement (and JSON with ``--out``):
+  * device-to-device copy bandwidth: ``copy_`` of a 2 GiB tensor, bytes read + written,
+    median of several after warm-up, timed with CUDA events;
+  * bfloat16 matmul TFLOP/s at 8192^3;
+  * for a 1B-class and an 8B-class Llama config with random bfloat16 weights made on the GPU
+    (``engine.loader``'s dummy weights): how long that took; decode tokens/s through
+    ``EngineCore`` at batch 1 and 64 (greedy, ``ignore_eos``, 128-token prompts, 64 new
+    tokens, after a warm-up run), the step time, and the HBM floor of a step;
+    prefill tokens/s of one 2,048-token prompt against the FLOP floor.
+
+Floors. Decode: the bytes of the weights one step reads (every parameter once; the input
+embedding only where it is the tied LM head, as an untied one is read one row per token)
+divided by the measured copy bandwidth counted as bytes read + written, i.e. assuming reads
+alone stream at the copy's total traffic rate (the lower floor; a copy-read-only bound would
+be twice it). KV reads are not in it. Prefill: 2 x (decoder-layer parameters) x prompt
+tokens / the measured matmul FLOP/s; the LM head runs for the last token only and the
+attention score FLOPs (T^2) are left out.
+
+Every row is computed in its own ``try``: a failure prints ``failed: <error>`` and the rest
+go on. ``--tiny`` runs the same code with tiny sizes on the CPU (the dry run of the path).
+No Ray: this module runs on machines without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loader import LoadedModel, ModelSpec, load_model
+from engine.params import GenerationRequest, SamplingParams
+
+LLAMA_1B = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+TINY_LLAMA = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    device: str
+    copy_bytes: int
+    matmul_n: int
+    reps: int  # timed repetitions of the copy and the matmul (after 3 warm-ups)
+    models: tuple[tuple[str, dict], ...]
+    decode_batches: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+    prefill_len: int
+    prefill_reps: int
+    kv_cache_bytes: int
+    max_model_len: int = 4096
+
+
+GPU_SIZES = Sizes(
+    device="cuda",
+    copy_bytes=2 << 30,
+    matmul_n=8192,
+    reps=10,
+    models=(("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B)),
+    decode_batches=(1, 64),
+    prompt_len=128,
+    new_tokens=64,
+    prefill_len=2048,
+    prefill_reps=3,
+    kv_cache_bytes=4 << 30,
+)
+TINY_SIZES = Sizes(
+    device="cpu",
+    copy_bytes=64 << 20,
+    matmul_n=256,
+    reps=5,
+    models=(
+        ("tiny-tied", {**TINY_LLAMA, "vocab_size": 512, "tie_word_embeddings": True}),
+        ("tiny-untied", {**TINY_LLAMA, "vocab_size": 512, "tie_word_embeddings": False}),
+    ),
+    decode_batches=(1, 8),
+    prompt_len=16,
+    new_tokens=8,
+    prefill_len=256,
+    prefill_reps=2,
+    kv_cache_bytes=16 << 20,
+    max_model_len=512,
+)
+
+
+@dataclass
+class Row:
+    """One measurement: ``value`` in ``unit``; ``time_ms`` the operation's (or step's) median
+    time; ``floor_ms`` the bound it is compared with."""
+
+    name: str
+    value: float | None = None
+    unit: str = ""
+    time_ms: float | None = None
+    floor_ms: float | None = None
+    notes: str = ""
+    error: str | None = None
+    ratio: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.time_ms is not None and self.floor_ms:
+            self.ratio = self.time_ms / self.floor_ms
+
+    def markdown(self) -> str:
+        def num(x: float | None, fmt: str) -> str:
+            return "" if x is None else format(x, fmt)
+
+        fmt = ",.0f" if self.value is not None and abs(self.value) >= 1000 else ".4g"
+        value = f"failed: {self.error}" if self.error else num(self.value, fmt)
+        cells = [self.name, value, self.unit, num(self.time_ms, ".3f"), num(self.floor_ms, ".3f")]
+        return "| " + " | ".join([*cells, num(self.ratio, ".2f"), self.notes]) + " |"
+
+
+HEADER = "| measurement | value | unit | time ms | floor ms | time / floor | notes |\n|---|---|---|---|---|---|---|"
+
+
+def error_row(name: str, exc: Exception) -> Row:
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return Row(name, error=f"{type(exc).__name__}: {message}"[:300])
+
+
+def guarded(name: str, measure: Callable[[], Row]) -> Row:
+    """Run one measurement; any error becomes its row, so the others still run."""
+    try:
+        return measure()
+    except Exception as exc:  # a benchmark row reports every failure and goes on
+        return error_row(name, exc)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 3) -> float:
+    """Median time of ``fn`` in ms: CUDA events around each call on CUDA, the wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    if device.type == "cuda":
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in pairs)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(sizes: Sizes, device: torch.device) -> Row:
+    src = torch.ones(sizes.copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), sizes.reps, device)
+    gb = sizes.copy_bytes / 1e9
+    return Row("copy bandwidth", 2 * gb / (ms / 1e3), "GB/s", ms, notes=f"copy_ of {gb:.2f} GB, read + written")
+
+
+def matmul_flops(sizes: Sizes, device: torch.device) -> Row:
+    n = sizes.matmul_n
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(a)
+    ms = median_ms(lambda: torch.mm(a, b, out=out), sizes.reps, device)
+    return Row("bf16 matmul", 2 * n**3 / (ms / 1e3) / 1e12, "TFLOP/s", ms, notes=f"{n}^3")
+
+
+def build_model(name: str, overrides: dict, sizes: Sizes) -> tuple[LoadedModel, Row]:
+    """Random bfloat16 weights made on the device itself, through the engine's loader."""
+    config = LlamaConfig(**overrides, max_position_embeddings=sizes.max_model_len)
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        synchronize(torch.device(sizes.device))
+        start = time.perf_counter()
+        loaded = load_model(ModelSpec(source=folder, dtype="bfloat16", device=sizes.device, dummy_weights=True))
+        synchronize(torch.device(sizes.device))
+        seconds = time.perf_counter() - start
+    num_params = sum(p.numel() for p in loaded.model.parameters())
+    row = Row(f"{name} dummy weights on {sizes.device}", seconds, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
+    return loaded, row
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step reads: each parameter once, except an untied input embedding
+    (read one row per token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight
+    if model.get_output_embeddings().weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def layer_params(model: torch.nn.Module) -> int:
+    """Parameters every prompt token multiplies through (the decoder layers)."""
+    return sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters())
+
+
+def make_engine(loaded: LoadedModel, sizes: Sizes) -> EngineCore:
+    config = EngineConfig(
+        max_model_len=sizes.max_model_len,
+        kv_cache_bytes=sizes.kv_cache_bytes,
+        max_num_seqs=max(sizes.decode_batches),
+        # every batch's prompts in one step, so all its requests decode from the same step on
+        max_num_batched_tokens=max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len),
+    )
+    return EngineCore(loaded, config)
+
+
+def make_requests(core: EngineCore, tag: str, count: int, prompt_len: int, new_tokens: int) -> list[GenerationRequest]:
+    rng = random.Random(f"{tag}-{count}-{prompt_len}")
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    return [
+        GenerationRequest(f"{tag}-{i}", tuple(rng.randrange(core.vocab_size) for _ in range(prompt_len)), sampling)
+        for i in range(count)
+    ]
+
+
+def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[float, int, int]:
+    """Admit ``requests``, step until each has its first token (the prefill step), then time
+    the rest, which decode the whole batch. Returns (seconds, steps, tokens)."""
+    for request in requests:
+        core.add_request(request)
+    started: set[str] = set()
+    while len(started) < len(requests):
+        started.update(out.request_id for out in core.step() if out.token_ids)
+    synchronize(core.device)
+    start = time.perf_counter()
+    steps = tokens = 0
+    while core.has_work():
+        tokens += sum(len(out.token_ids) for out in core.step())
+        steps += 1
+    synchronize(core.device)
+    return time.perf_counter() - start, steps, tokens
+
+
+def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row) -> Row:
+    run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
+    seconds, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
+    step_ms = seconds / steps * 1e3
+    weight_bytes = decode_weight_bytes(core.runner.model)
+    floor_ms = weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
+    notes = f"{steps} steps, ctx {sizes.prompt_len}-{sizes.prompt_len + sizes.new_tokens}; "
+    notes += f"floor: {weight_bytes / 1e6:,.1f} MB of weights / copy GB/s (read+written)"
+    return Row(f"{name} decode batch {batch}", tokens / seconds, "tok/s", step_ms, floor_ms, notes)
+
+
+def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
+    def once(tag: str) -> float:
+        (request,) = make_requests(core, tag, 1, sizes.prefill_len, 1)
+        core.add_request(request)
+        synchronize(core.device)
+        start = time.perf_counter()
+        while core.has_work():
+            core.step()
+        synchronize(core.device)
+        return time.perf_counter() - start
+
+    once("prefill-warm")
+    seconds = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
+    flops = 2 * layer_params(core.runner.model) * sizes.prefill_len
+    floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
+    notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
+    return Row(
+        f"{name} prefill {sizes.prefill_len} tokens",
+        sizes.prefill_len / seconds,
+        "tok/s",
+        seconds * 1e3,
+        floor_ms,
+        notes,
+    )
+
+
+def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> list[Row]:
+    """The build row, then decode at each batch size and prefill, each guarded on its own."""
+    built: list[LoadedModel] = []
+
+    def build() -> Row:
+        loaded, row = build_model(name, overrides, sizes)
+        built.append(loaded)
+        return row
+
+    rows = [guarded(f"{name} dummy weights", build)]
+    if built:
+        rows += engine_rows(name, built.pop(), sizes, copy, matmul)
+    gc.collect()  # the model's memory back before the next model is made
+    if sizes.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def engine_rows(name: str, loaded: LoadedModel, sizes: Sizes, copy: Row, matmul: Row) -> list[Row]:
+    try:
+        core = make_engine(loaded, sizes)
+    except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
+        return [error_row(f"{name} engine", exc)]
+    rows = []
+    for batch in sizes.decode_batches:
+        rows.append(guarded(f"{name} decode batch {batch}", lambda b=batch: decode_row(name, core, b, sizes, copy)))
+        core.abort_all()  # a failed row must not leave requests behind for the next
+    rows.append(guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul)))
+    core.abort_all()
+    return rows
+
+
+def run(sizes: Sizes, emit: Callable[[Row], None]) -> list[Row]:
+    device = torch.device(sizes.device)
+    rows = [guarded("copy bandwidth", lambda: copy_bandwidth(sizes, device))]
+    emit(rows[-1])
+    rows.append(guarded("bf16 matmul", lambda: matmul_flops(sizes, device)))
+    emit(rows[-1])
+    copy, matmul = rows
+    for name, overrides in sizes.models:
+        for row in model_rows(name, overrides, sizes, copy, matmul):
+            rows.append(row)
+            emit(row)
+    return rows
+
+
+def describe(sizes: Sizes) -> str:
+    if sizes.device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a dry run of the code path")
+    args = parser.parse_args(argv)
+    sizes = TINY_SIZES if args.tiny else GPU_SIZES
+    if sizes.device == "cuda" and not torch.cuda.is_available():
+        print(HEADER)
+        print(Row("all rows", notes="skipped: no CUDA (use --tiny for the CPU dry run)").markdown())
+        return 0
+    start = time.perf_counter()
+    print(f"{describe(sizes)}\n\n{HEADER}", flush=True)
+    rows = run(sizes, lambda row: print(row.markdown(), flush=True))
+    total_s = time.perf_counter() - start
+    print(f"\ntotal {total_s:.1f} s")
+    if args.out:
+        report = {"device": describe(sizes), "tiny": args.tiny, "total_s": total_s, "rows": [asdict(r) for r in rows]}
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

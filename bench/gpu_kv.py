@@ -1,0 +1,394 @@
+"""KV over NIXL on GPU memory, two processes on one GPU, no Ray:
+``python3 -m bench.gpu_kv [--out PATH] [--cpu]``.
+
+One markdown table row per measurement (and JSON at ``--out``):
+
+* raw NIXL READ VRAM -> VRAM of 16, 64 and 256 MB (one contiguous descriptor; an agent
+  made as ``NixlWorker`` makes its own, UCX backend) against our ``NixlTransport`` pull of
+  the same bytes in the pool layout (32 layers x K/V: 64 descriptors). Target: pull / raw
+  >= 0.9. Also the raw READ split into as many descriptors as our pull's, none of our code
+  around it: what the layout's descriptors cost by themselves;
+* push: 32 layers pushed one by one, each right after a simulated forward of known
+  duration (a GPU sleep on the compute stream, then ``push_layer``, which records the
+  layer's event there). Tail = the last layer's compute end -> the completion notice at the
+  consumer, against one layer's transfer (median write done - posted). Target: tail <= 2x
+  one layer. Also the tail to the last write's completion, and the last layers' timestamps;
+* which UCX transports carried the data (``UCX_PROTO_INFO=y`` in the two processes).
+
+The two processes (``bench.gpu_kv_side``) are spawned, never forked (CUDA), and find each
+other through a registry in a ``multiprocessing.Manager`` dict. Every row has its own
+timeout: a hung transfer kills both processes, its row reads "failed: ...", and the next
+row starts a fresh pair. ``--cpu``: the same code on CPU pools (DRAM) and small sizes, the
+dry run for a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.gpu_kv_side import CONSUMER, PRODUCER, Plan, PushRun, child_main
+from engine.kv_pool import KVLayout
+
+ROLES = (PRODUCER, CONSUMER)
+_UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
+GPU_PLAN = Plan(
+    device="cuda",
+    # an 8B-class model's KV (32 layers, 8 KV heads of 128, bfloat16): 2 MB per 16-token block
+    layout=KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+    sizes_mb=(16, 64, 256),
+    num_repeats=20,
+    push_blocks=128,  # a 2,048-token prompt: 8 MB per layer
+    num_push_repeats=5,
+    compute_ms=1.0,  # about one layer of such a prefill on one GPU
+    start_timeout_s=45.0,
+    row_timeout_s=20.0,
+    budget_s=60.0,  # the GPU check gives this section 80 s (closing and the manager take a few)
+)
+CPU_PLAN = Plan(
+    device="cpu",
+    layout=KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16"),
+    sizes_mb=(1, 4),
+    num_repeats=8,
+    push_blocks=16,
+    num_push_repeats=3,
+    compute_ms=2.0,
+    start_timeout_s=30.0,
+    row_timeout_s=10.0,
+    budget_s=50.0,
+)
+
+
+class _Pair:
+    """The producer and consumer processes: started on first use, killed after a failed row."""
+
+    def __init__(self, plan: Plan, entries, log_dir: Path) -> None:
+        self.plan = plan
+        self.entries = entries
+        self.log_dir = log_dir
+        self.num_starts = 0
+        self._procs: dict[str, multiprocessing.Process] = {}
+        self._conns: dict = {}
+
+    @property
+    def started(self) -> bool:
+        return bool(self._procs)
+
+    def log_path(self, role: str, start: int) -> Path:
+        return self.log_dir / f"{role}-{start}.log"
+
+    def ensure_started(self, deadline: float) -> None:
+        if self._procs:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        self.num_starts += 1
+        for role in ROLES:
+            ours, theirs = ctx.Pipe()
+            log = str(self.log_path(role, self.num_starts))
+            proc = ctx.Process(
+                target=child_main, args=(role, self.plan, self.entries, theirs, log), name=role, daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self._procs[role], self._conns[role] = proc, ours
+        for role in ROLES:
+            self.recv(role, deadline)  # each answers once its pool and transport are up
+
+    def send(self, role: str, command: str, *args: object) -> None:
+        self._conns[role].send((command, args))
+
+    def recv(self, role: str, deadline: float) -> object:
+        conn = self._conns[role]
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"no answer from the {role} within the row's time")
+        try:
+            status, value = conn.recv()
+        except EOFError:
+            self._procs[role].join(1)
+            raise RuntimeError(f"the {role} process died (exit code {self._procs[role].exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"{role}: {value}")
+        return value
+
+    def call(self, role: str, command: str, *args: object, deadline: float) -> object:
+        self.send(role, command, *args)
+        return self.recv(role, deadline)
+
+    def kill(self) -> None:
+        for proc in self._procs.values():
+            proc.kill()
+        for proc in self._procs.values():
+            proc.join(5)
+        self._procs.clear()
+        self._conns.clear()
+
+    def close(self) -> None:
+        """Close both transports (memory deregistered, registry left), then end the processes."""
+        deadline = time.monotonic() + 5
+        for role in list(self._conns):
+            with contextlib.suppress(Exception):
+                self.call(role, "close", deadline=deadline)
+        self.kill()
+
+    def log_tails(self, num_lines: int = 8) -> str:
+        """The last lines each process logged, without UCX's protocol tables."""
+        lines = []
+        for role in ROLES:
+            path = self.log_path(role, self.num_starts)
+            if path.exists():
+                logged = [line for line in path.read_text(errors="replace").splitlines() if not _UCX_TABLE.match(line)]
+                lines += [f"  [{role}] {line}" for line in logged[-num_lines:]]
+        return "\n".join(lines)
+
+
+def bandwidth_row(pair: _Pair, size_mb: int, deadline: float) -> dict:
+    """Raw READ and our pull of ``size_mb`` MB, taking turns, medians after one warm-up each."""
+    plan = pair.plan
+    pair.ensure_started(deadline)
+    num_blocks = plan.blocks_for(size_mb)
+    num_bytes = num_blocks * plan.layout.bytes_per_block
+    handles = pair.call(PRODUCER, "export", num_blocks, plan.num_repeats + 1, f"pull{size_mb}", deadline=deadline)
+    raw_peer = pair.call(PRODUCER, "raw_meta", deadline=deadline)
+    num_pieces = 2 * plan.layout.num_layers  # our pull's descriptors: one run per layer and K/V
+    result = pair.call(CONSUMER, "bandwidth", handles, raw_peer, num_bytes, num_pieces, deadline=deadline)
+    raw_s, split_s, pull_s = (statistics.median(t[1:]) for t in (result.raw_s, result.raw_split_s, result.pull_s))
+    return {
+        "size_mb": num_bytes / 2**20,
+        "num_blocks": num_blocks,
+        "num_descriptors": result.num_descriptors,
+        "raw_us": raw_s * 1e6,
+        "raw_split_us": split_s * 1e6,
+        "pull_us": pull_s * 1e6,
+        "raw_gb_per_s": num_bytes / raw_s / 1e9,
+        "raw_split_gb_per_s": num_bytes / split_s / 1e9,
+        "pull_gb_per_s": num_bytes / pull_s / 1e9,
+        "pull_vs_raw": raw_s / pull_s,
+        "pull_vs_raw_split": split_s / pull_s,
+        "bytes_ok": result.bytes_ok,
+    }
+
+
+def push_row(pair: _Pair, deadline: float) -> dict:
+    """Pushes of ``plan.push_blocks`` blocks, layer by layer; medians after one warm-up, which
+    also checks the bytes that arrived."""
+    plan = pair.plan
+    pair.ensure_started(deadline)
+    figures = []
+    for rep in range(plan.num_push_repeats + 1):
+        dest = pair.call(CONSUMER, "destination", f"push-{rep}", plan.push_blocks, deadline=deadline)
+        pair.send(CONSUMER, "wait_push", dest, rep == 0)  # waits while the producer pushes
+        run = pair.call(PRODUCER, "push", dest, deadline=deadline)
+        notice_at, bytes_ok = pair.recv(CONSUMER, deadline)
+        figures.append(push_figures(run, notice_at) | {"bytes_ok": bytes_ok})
+    timed = figures[1:]
+    medians = {k: statistics.median(f[k] for f in timed) for k, v in timed[0].items() if isinstance(v, float)}
+    return figures[-1] | medians | {"bytes_ok": figures[0]["bytes_ok"], "num_layers": plan.layout.num_layers}
+
+
+def push_figures(run: PushRun, notice_at: float) -> dict:
+    """One push's figures in ms, from one clock (both processes' unix time on one machine)."""
+    times, ends = run.layer_times, run.compute_end
+    last_end = ends[-1]
+    one_layer = max(statistics.median(t.done - t.posted for t in times), 1e-9)
+    to_notice = notice_at - last_end
+    to_last_write = max(t.done for t in times) - last_end
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1e3, 3)
+
+    return {
+        "layer_bytes": run.num_bytes // len(times),
+        "one_layer_ms": one_layer * 1e3,
+        "tail_to_notice_ms": to_notice * 1e3,
+        "tail_to_last_write_ms": to_last_write * 1e3,
+        "tail_in_layers": to_notice / one_layer,
+        "last_write_in_layers": to_last_write / one_layer,
+        "compute_per_layer_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
+        "posted_after_compute_ms": statistics.median(t.posted - e for t, e in zip(times, ends)) * 1e3,
+        "call_before_compute_end_ms": statistics.median(e - t.compute_end for t, e in zip(times, ends)) * 1e3,
+        "last_layers": [
+            {
+                "layer": t.layer,
+                "compute_end_ms": ms(e - last_end),
+                "push_layer_called_ms": ms(t.compute_end - last_end),
+                "posted_ms": ms(t.posted - last_end),
+                "done_ms": ms(t.done - last_end),
+            }
+            for t, e in zip(times[-3:], ends[-3:])
+        ],
+    }
+
+
+_RANGE = re.compile(r"^\d[\dKMGT]*(\.\.(\d[\dKMGT]*|inf))?$")  # "0", "1..16515", "8K..inf"
+
+
+def ucx_transports(log_dir: Path) -> list[str]:
+    """The UCX protocols chosen for remote memory access (READ: ucp_get, WRITE: ucp_put),
+    from the ``UCX_PROTO_INFO`` tables in the two processes' logs, GPU memory first:
+    ``<operation>: <protocol> via <transport/device>``. A table is (each line after UCX's
+    time and process prefix; older UCX puts the context and the operation on one line)::
+
+        | <context> intra-node cfg#1                                       |
+        | remote memory read by ucp_get*(multi) into host memory from host |
+        | Range  | Description |              Config                       |
+        | 0..inf | zero-copy   | cma/memory                                |
+    """
+    found: list[str] = []
+    for path in sorted(log_dir.glob("*.log")):
+        operation = None
+        for line in path.read_text(errors="replace").splitlines():
+            cells = [c.strip() for c in line.partition("|")[2].split("|")]
+            cells = [c for c in cells if c]
+            titles = [c for c in cells if c.startswith("remote memory")]
+            if titles:
+                operation = titles[0]
+            elif 0 < len(cells) <= 2:  # the title of another table (or the context's line)
+                operation = None
+            elif operation and len(cells) == 3 and _RANGE.match(cells[0]):
+                entry = f"{operation}: {cells[1]} via {cells[2]}"
+                if entry not in found:
+                    found.append(entry)
+    return sorted(found, key=lambda entry: "cuda" not in entry)
+
+
+def _guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict]) -> dict:
+    """One row: ``measure(deadline)`` within the row's time. Any failure, a hung transfer
+    included, is the row's result and kills the pair, so the next row starts fresh."""
+    plan = pair.plan
+    remaining = budget_deadline - time.monotonic()
+    if remaining < 1:
+        return {"error": "skipped: out of time"}
+    limit = plan.row_timeout_s + (0 if pair.started else plan.start_timeout_s)
+    try:
+        return measure(time.monotonic() + min(limit, remaining))
+    except Exception as exc:
+        print(f"row failed: {type(exc).__name__}: {exc}\n{pair.log_tails()}", file=sys.stderr, flush=True)
+        pair.kill()
+        return {"error": f"failed: {type(exc).__name__}: {exc}".replace("|", "/")}
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_rows(pair: _Pair) -> dict:
+    plan = pair.plan
+    budget_deadline = time.monotonic() + plan.budget_s
+    kind = f"{plan.mem_type} -> {plan.mem_type}"
+    _print(f"## KV over NIXL, {kind}, two processes ({plan.device}), {plan.layout.num_layers} layers x K/V")
+    _print(
+        "| size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s) "
+        "| our pull (GB/s) | pull / raw (>= 0.9) | pull / raw as many | bytes ok |"
+    )
+    _print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for size_mb in plan.sizes_mb:
+        row = _guarded(pair, budget_deadline, functools.partial(bandwidth_row, pair, size_mb))
+        rows.append({"requested_mb": size_mb} | row)
+        _print(_bandwidth_line(size_mb, row))
+    push = _guarded(pair, budget_deadline, functools.partial(push_row, pair))
+    for line in _push_lines(plan, push):
+        _print(line)
+    return {"pull_vs_raw": rows, "push": push}
+
+
+def _bandwidth_line(size_mb: int, row: dict) -> str:
+    if "error" in row:
+        return f"| {size_mb} | {row['error']} |"
+    return (
+        f"| {row['size_mb']:.1f} | {row['num_blocks']} | {row['num_descriptors']} | {row['raw_gb_per_s']:.1f} | "
+        f"{row['raw_split_gb_per_s']:.1f} | {row['pull_gb_per_s']:.1f} | {row['pull_vs_raw']:.2f} | "
+        f"{row['pull_vs_raw_split']:.2f} | {'yes' if row['bytes_ok'] else 'NO'} |"
+    )
+
+
+def _push_lines(plan: Plan, push: dict) -> list[str]:
+    layer_mb = plan.push_blocks * plan.layout.bytes_per_block / plan.layout.num_layers / 2**20
+    lines = [
+        "",
+        f"## push: {plan.layout.num_layers} layers x {layer_mb:.1f} MB, simulated forward {plan.compute_ms:.2f} ms "
+        f"per layer; medians of {plan.num_push_repeats} after one warm-up",
+        "| forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms) | tail / one layer (<= 2) "
+        "| tail to last write (ms) | last write / one layer | bytes ok |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    if "error" in push:
+        return [*lines, f"| {push['error']} |"]
+    lines.append(
+        f"| {push['compute_per_layer_ms']:.3f} | {push['one_layer_ms']:.3f} | {push['tail_to_notice_ms']:.3f} | "
+        f"{push['tail_in_layers']:.2f} | {push['tail_to_last_write_ms']:.3f} | {push['last_write_in_layers']:.2f} | "
+        f"{'yes' if push['bytes_ok'] else 'NO'} |"
+    )
+    lines += [
+        "",
+        "Last layers of the last push, ms from the last layer's compute end (compute end: the layer's",
+        "event on the GPU; push_layer called: the host call, LayerTiming.compute_end):",
+        "| layer | compute end | push_layer called | posted | done |",
+        "|---|---|---|---|---|",
+    ]
+    for t in push["last_layers"]:
+        lines.append(
+            f"| {t['layer']} | {t['compute_end_ms']:.3f} | {t['push_layer_called_ms']:.3f} | {t['posted_ms']:.3f} "
+            f"| {t['done_ms']:.3f} |"
+        )
+    lines.append(
+        f"| median of all layers | 0 | {-push['call_before_compute_end_ms']:.3f} | "
+        f"{push['posted_after_compute_ms']:.3f} | {push['posted_after_compute_ms'] + push['one_layer_ms']:.3f} |"
+    )
+    return lines
+
+
+def _ucx_lines(found: list[str]) -> list[str]:
+    lines = ["", "| UCX protocol (UCX_PROTO_INFO) |", "|---|"]
+    if not found:
+        return [*lines, "| not reported: no protocol tables in the two processes' logs |"]
+    return lines + [f"| {entry.replace('|', '/')} |" for entry in found[:8]]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--cpu", action="store_true", help="CPU pools (DRAM) and small sizes: a dry run")
+    args = parser.parse_args()
+    plan = CPU_PLAN if args.cpu else GPU_PLAN
+    result: dict = {"plan": dataclasses.asdict(plan)}
+    if plan.device == "cuda" and not _cuda_available():
+        _print("| gpu_kv | skipped: no CUDA (use --cpu for the dry run) |")
+        result["skipped"] = "no CUDA"
+    else:
+        os.environ.setdefault("UCX_PROTO_INFO", "y")  # read by UCX in the two processes
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Manager() as manager, tempfile.TemporaryDirectory(prefix="gpu_kv_") as log_dir:
+            pair = _Pair(plan, manager.dict(), Path(log_dir))
+            try:
+                result |= run_rows(pair)
+            finally:
+                pair.close()
+            result["ucx_transports"] = ucx_transports(Path(log_dir))
+        for line in _ucx_lines(result["ucx_transports"]):
+            _print(line)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

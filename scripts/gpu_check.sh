@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One-shot GPU check for a single-GPU machine with no network and no Ray (see
+# docs/benchmarks/gpu.md for the last run's table).
+#
+#   bash scripts/gpu_check.sh --size   # here, before sending: what would travel, and what to drop
+#   bash scripts/gpu_check.sh          # there: install the carried wheels, then every section
+#
+# The machine is expected to have python3 with torch (CUDA), transformers and cupy; what it
+# lacks (nixl, nixl-cu13, pydantic and its three dependencies) travels as wheels in .whl/
+# (git-ignored; `scripts/gpu_wheels.sh` fetches them). Each section has its own timeout; a
+# failing section is a table row, never the end of the script. Logs and JSON go to $OUT
+# (default /tmp/gpu_check), at most 8 files.
+set -u
+cd "$(dirname "$0")/.."
+
+LIMIT_BYTES=$((64 * 1024 * 1024))
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.md"
+
+travelling_files() {
+  # what the device tool sends: tracked files and untracked files git does not ignore, plus .whl/
+  { git ls-files --cached --others --exclude-standard 2>/dev/null; ls .whl/* 2>/dev/null; } | sort -u
+}
+
+size_report() {
+  local total
+  total=$(travelling_files | tr '\n' '\0' | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+  echo "tree that travels: $total bytes (limit $LIMIT_BYTES)"
+  if [ "$total" -gt "$LIMIT_BYTES" ]; then
+    echo "over the limit by $((total - LIMIT_BYTES)) bytes; the largest files (drop or ignore some):"
+    travelling_files | tr '\n' '\0' | xargs -0 du -b 2>/dev/null | sort -rn | head -10
+    return 1
+  fi
+}
+
+if [ "${1:-}" = "--size" ]; then
+  size_report
+  exit $?
+fi
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "wheel install failed: sections that need nixl or pydantic will fail"
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+
+echo "| section | result | seconds |" > "$SUMMARY"
+echo "|---|---|---|" >> "$SUMMARY"
+
+# section NAME TIMEOUT_S COMMAND...: run it, log to $OUT/NAME.log, add a summary row
+section() {
+  local name=$1 limit=$2 start rc result
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) result="ok" ;;
+    124 | 137) result="timed out after ${limit} s" ;;
+    *) result="failed (exit $rc): $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-120 | tr '|' '/')" ;;
+  esac
+  echo "| $name | $result | $(($(date +%s) - start)) |" >> "$SUMMARY"
+  echo "== $name: $result"
+}
+
+section env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+  transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")";
+  python3 -c "import nixl._api, pydantic; print(\"nixl\", nixl.__file__, \"pydantic\", pydantic.VERSION)"'
+section tests_gpu 75 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
+section engine 110 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
+section kv 80 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
+
+echo
+cat "$SUMMARY"
+echo
+echo "### env"
+tail -20 "$OUT/env.log"
+echo
+echo "### tests_gpu"
+grep -E 'passed|failed|skipped|FAILED|ERROR|Error' "$OUT/tests_gpu.log" | tail -25
+for name in engine kv; do
+  echo
+  echo "### $name"
+  grep -E '^\||failed|Error' "$OUT/$name.log" | tail -45
+done
