@@ -11,6 +11,7 @@ unknown fields are ignored, as vLLM does.
 from __future__ import annotations
 
 import uuid
+from abc import abstractmethod
 from typing import Any, ClassVar, Literal
 
 from jinja2 import TemplateError
@@ -107,15 +108,17 @@ class _SamplingFields(_Body):
     def _check_consistent(self) -> None:
         """Cross-field rules that a schema alone does not state."""
 
+    @abstractmethod
     def _prompt(self) -> Any:
-        raise NotImplementedError
+        """What ``encode_prompt`` takes: the chat messages or the completion prompt."""
 
     def _max_tokens(self) -> tuple[str, int | None]:
         """The field that bounds the output, and its value."""
         return "max_tokens", self.max_tokens
 
+    @abstractmethod
     def _num_logprobs(self) -> int | None:
-        raise NotImplementedError
+        """Alternatives per output token (``SamplingParams.logprobs``), None when not asked."""
 
     def _refusals(self) -> list[tuple[str, bool]]:
         """``(field, refused)`` for every field declared only to be refused when set."""

@@ -25,6 +25,24 @@ class GreedyTrace:
     top: tuple[tuple[int, ...], ...]
 
 
+def hf_greedy(model, prompt: list[int], num_tokens: int = MIN_COMPARED_TOKENS) -> GreedyTrace:
+    """transformers' own greedy ``generate`` of ``num_tokens`` tokens (EOS ignored), on the
+    model's device: the reference every engine run is compared with."""
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return trace_from_logits(out.sequences[0, len(prompt) :].tolist(), out.scores)
+
+
 def trace_from_logits(tokens: Sequence[int], logits: Sequence[torch.Tensor]) -> GreedyTrace:
     # rows of one sequence: ``generate``'s scores are ``[1, vocab]`` each
     top = tuple(tuple(torch.topk(row.float().flatten(), TOP_N).indices.tolist()) for row in logits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -66,3 +67,16 @@ async def wait_until_async(
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, value)
         await asyncio.sleep(poll_s)
+
+
+class CallRecorder:
+    """A callback that records its arguments (e.g. the request ids a transport releases) and
+    sets ``event`` on each call, so a test can wait for the first one."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.event = threading.Event()
+
+    def __call__(self, request_id: str) -> None:
+        self.ids.append(request_id)
+        self.event.set()

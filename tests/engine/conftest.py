@@ -13,7 +13,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
-from tests.same_output import GreedyTrace, trace_from_logits
+from tests import same_output
+from tests.same_output import GreedyTrace
 
 NUM_COMPARED = 32
 PROMPT_LENGTHS = (1, 9, 120, 300, 640, 1000, 1500)
@@ -61,19 +62,7 @@ def run_to_completion(core: EngineCore, arrivals: dict[int, list[GenerationReque
 
 
 def hf_greedy(loaded: LoadedModel, prompt: list[int], num_tokens: int = NUM_COMPARED) -> GreedyTrace:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = loaded.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=num_tokens,
-            min_new_tokens=num_tokens,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    return trace_from_logits(out.sequences[0, len(prompt) :].tolist(), out.scores)
+    return same_output.hf_greedy(loaded.model, prompt, num_tokens)
 
 
 @pytest.fixture(scope="session")

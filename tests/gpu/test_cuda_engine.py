@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel
 from engine.params import GenerationRequest, PrefillResult, RequestOutput, Role, SamplingParams
-from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, trace_from_logits
+from tests import same_output
+from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output
 from tests.same_output import trace_from_outputs as trace_of
 
 PROMPT_LENGTHS = (1, 5, 40, 130, 300)
@@ -50,20 +51,8 @@ def prompts() -> list[list[int]]:
     return [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
-def hf_greedy(reference: LoadedModel, prompt: list[int], num_tokens: int = MIN_COMPARED_TOKENS) -> GreedyTrace:
-    ids = torch.tensor([prompt], device=reference.model.device)
-    with torch.inference_mode():
-        out = reference.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=num_tokens,
-            min_new_tokens=num_tokens,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    return trace_from_logits(out.sequences[0, len(prompt) :].tolist(), out.scores)
+def hf_greedy(reference: LoadedModel, prompt: list[int]) -> GreedyTrace:
+    return same_output.hf_greedy(reference.model, prompt, MIN_COMPARED_TOKENS)
 
 
 def requests(prefix: str) -> list[GenerationRequest]:

@@ -17,6 +17,7 @@ from engine.kv_pool import KVLayout
 from kv_transport.descriptors import PoolGeometry
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry
+from tests.waiting import CallRecorder
 
 pytestmark = pytest.mark.cuda
 
@@ -33,16 +34,6 @@ def _pool(num_blocks: int, fill: float | None = None, seed: int = 0) -> torch.Te
     return torch.randn(shape, generator=generator, device="cuda").to(torch.bfloat16)
 
 
-class _Released:
-    def __init__(self):
-        self.ids: list[str] = []
-        self.event = threading.Event()
-
-    def __call__(self, request_id: str) -> None:
-        self.ids.append(request_id)
-        self.event.set()
-
-
 @pytest.fixture
 def pair(monkeypatch):
     # both agents are in this process: UCX's cuda_ipc serves its own process only when asked
@@ -53,7 +44,7 @@ def pair(monkeypatch):
     consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=5.0)
     src, dst = _pool(8), _pool(6, fill=-1.0)
     torch.cuda.synchronize()  # the pools' contents are written before any transfer reads them
-    released = _Released()
+    released = CallRecorder()
     producer.register_pool(src, released)
     consumer.register_pool(dst, lambda rid: None)
     yield producer, consumer, src, dst, released, registry

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from kv_transport.base import KVTransferTimeout, LayoutMismatchError, StalePeerE
 from kv_transport.faults import FaultPoints
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry
+from tests.waiting import CallRecorder
 
 LAYOUT = KVLayout(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 
@@ -28,23 +28,13 @@ def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
     return torch.full(shape, fill)
 
 
-class _Released:
-    def __init__(self):
-        self.ids: list[str] = []
-        self.event = threading.Event()
-
-    def __call__(self, request_id: str) -> None:
-        self.ids.append(request_id)
-        self.event.set()
-
-
 @pytest.fixture
 def pair():
     registry = LocalPeerRegistry()
     producer = NixlTransport("prod", LAYOUT, registry, kv_transfer_timeout_s=2.0)
     consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=2.0, peer_check_interval_s=0.0)
     src, dst = _pool(8), _pool(6, fill=-1.0)
-    released = _Released()
+    released = CallRecorder()
     producer.register_pool(src, released)
     consumer.register_pool(dst, lambda rid: None)
     yield producer, consumer, src, dst, released, registry
@@ -74,7 +64,7 @@ def test_dropped_release_notice_falls_back_to_the_timeout():
     registry = LocalPeerRegistry()
     producer = NixlTransport("p2", LAYOUT, registry, kv_transfer_timeout_s=1.0)
     consumer = NixlTransport("c2", LAYOUT, registry, faults=FaultPoints(drop_release=True))
-    released = _Released()
+    released = CallRecorder()
     producer.register_pool(_pool(4), released)
     consumer.register_pool(_pool(4, fill=0.0), lambda rid: None)
     try:
