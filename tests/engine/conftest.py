@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from bench.corpus import CHAT_QUESTIONS, prompt_of_length
 from engine.config import EngineConfig
@@ -15,6 +15,7 @@ from engine.loader import LoadedModel
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
 from tests import same_output
 from tests.same_output import GreedyTrace
+from tests.tiny_models import tiny_config
 
 NUM_COMPARED = 32
 PROMPT_LENGTHS = (1, 9, 120, 300, 640, 1000, 1500)
@@ -82,17 +83,7 @@ def smol_hf_traces(smol_reference: LoadedModel, smol_prompts: list[list[int]]) -
 
 def tiny_loaded(family: str, seed: int = 0) -> tuple[LoadedModel, LoadedModel]:
     """A random-weight model of a real family, twice (engine copy, reference copy)."""
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    config = LlamaConfig(**common) if family == "llama" else Qwen2Config(**common)
-    config.eos_token_id = None
+    config = tiny_config(family)
     pair = []
     for _ in range(2):
         torch.manual_seed(seed)

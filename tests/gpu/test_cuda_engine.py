@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -19,25 +19,16 @@ from engine.params import GenerationRequest, PrefillResult, RequestOutput, Role,
 from tests import same_output
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output
 from tests.same_output import trace_from_outputs as trace_of
+from tests.tiny_models import FAMILIES, tiny_config
 
 PROMPT_LENGTHS = (1, 5, 40, 130, 300)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
 
 def tiny_pair(family: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[LoadedModel, LoadedModel]:
     """A random-weight model of a real family made on ``device`` (as tests/engine's
     ``tiny_loaded``), and an untouched copy for ``generate``."""
-    config = FAMILIES[family](
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    config.eos_token_id = None
+    config = tiny_config(family)
     torch.manual_seed(seed)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

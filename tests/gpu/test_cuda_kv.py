@@ -15,9 +15,7 @@ import torch
 
 from engine.kv_pool import KVLayout
 from kv_transport.descriptors import PoolGeometry
-from kv_transport.nixl_transport import NixlTransport
-from kv_transport.registry import LocalPeerRegistry
-from tests.waiting import CallRecorder
+from tests.kv_transport.pairs import transport_pair
 
 pytestmark = pytest.mark.cuda
 
@@ -39,17 +37,10 @@ def pair(monkeypatch):
     # both agents are in this process: UCX's cuda_ipc serves its own process only when asked
     # (UCX's own loopback tests set this), read when each agent's UCX context is made
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", "y")
-    registry = LocalPeerRegistry()
-    producer = NixlTransport("prod", LAYOUT, registry, kv_transfer_timeout_s=5.0)
-    consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=5.0)
     src, dst = _pool(8), _pool(6, fill=-1.0)
     torch.cuda.synchronize()  # the pools' contents are written before any transfer reads them
-    released = CallRecorder()
-    producer.register_pool(src, released)
-    consumer.register_pool(dst, lambda rid: None)
-    yield producer, consumer, src, dst, released, registry
-    producer.close()
-    consumer.close()
+    with transport_pair(LAYOUT, src, dst, 5.0) as transports:
+        yield transports
 
 
 def test_cuda_pool_is_published_as_vram_with_its_device(pair):

@@ -16,6 +16,7 @@ from kv_transport.base import KVTransferTimeout, LayoutMismatchError, StalePeerE
 from kv_transport.faults import FaultPoints
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry
+from tests.kv_transport.pairs import transport_pair
 from tests.waiting import CallRecorder
 
 LAYOUT = KVLayout(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
@@ -30,16 +31,8 @@ def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
 
 @pytest.fixture
 def pair():
-    registry = LocalPeerRegistry()
-    producer = NixlTransport("prod", LAYOUT, registry, kv_transfer_timeout_s=2.0)
-    consumer = NixlTransport("cons", LAYOUT, registry, kv_transfer_timeout_s=2.0, peer_check_interval_s=0.0)
-    src, dst = _pool(8), _pool(6, fill=-1.0)
-    released = CallRecorder()
-    producer.register_pool(src, released)
-    consumer.register_pool(dst, lambda rid: None)
-    yield producer, consumer, src, dst, released, registry
-    producer.close()
-    consumer.close()
+    with transport_pair(LAYOUT, _pool(8), _pool(6, fill=-1.0), 2.0, peer_check_interval_s=0.0) as transports:
+        yield transports
 
 
 def test_pull_copies_exact_blocks_and_releases_the_producer(pair):
