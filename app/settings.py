@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from autoscaling.config import AutoscalingSettings
 from engine.config import EngineSettings, check_token_budget
 from kv_transport.config import TransportConfig
 
@@ -80,7 +81,12 @@ class AppConfig(_Section):
         0, ge=0, description="conditional disaggregation: shorter prompts are prefilled on the decode replica"
     )
     max_queued_requests: int = Field(256, ge=1, description="requests the ingress holds before answering 503")
-    slo: SLOConfig = Field(default_factory=SLOConfig, description="service-level objectives")
+    slo: SLOConfig = Field(
+        default_factory=SLOConfig, description="service-level objectives (when set, in place of the policy's)"
+    )
+    autoscaling: AutoscalingSettings = Field(
+        default_factory=AutoscalingSettings, description="disagg_app's elastic autoscaler (autoscaling/policies/)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

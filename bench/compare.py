@@ -7,7 +7,9 @@ cluster, runs the same rate sweep of each workload on it, and stops it cleanly:
 * ``colocated``          2 replicas doing both phases, plain continuous batching;
 * ``colocated-chunked``  the same with chunked prefill (token budget 256 per step);
 * ``disagg-pull``        1 prefill + 1 decode replica, decode pulls the KV over NIXL;
-* ``disagg-push``        the same, prefill pushes each layer's KV as it is computed.
+* ``disagg-push``        the same, prefill pushes each layer's KV as it is computed;
+* ``elastic``            1 + 1 pull with the elastic autoscaler on (the default policy, its
+                         SLOs set to the workload's: one server per workload).
 
 SLOs are fixed here as multiples of the uncontended latency measured at the start on the
 idle colocated system, one request at a time (Splitwise's method): TTFT <= 5x the TTFT of
@@ -66,9 +68,11 @@ SYSTEMS = {  # name -> (application, its arguments)
         "colocated",
         {"engine.enable_chunked_prefill": "true", "engine.max_num_batched_tokens": "256"},
     ),
-    "disagg-pull": ("disagg", {"transport.mode": "pull"}),
-    "disagg-push": ("disagg", {"transport.mode": "push"}),
+    "disagg-pull": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "false"}),
+    "disagg-push": ("disagg", {"transport.mode": "push", "autoscaling.enabled": "false"}),
+    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true"}),
 }
+SLO_AWARE = frozenset({"elastic"})  # started per workload, with that workload's SLOs
 # rate points, as multiples of 2 / (uncontended E2E of the median request)
 MULTIPLIERS = {
     "summarization": (0.25, 0.5, 0.75, 1.0, 1.25),
@@ -354,18 +358,38 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[SystemRun] = []
     # calibrate on the plain colocated system, then run every system
     order = ["colocated"] + [s for s in options.systems if s != "colocated"]
-    for index, system in enumerate(order):
+    for index, (system, batch) in enumerate(_servers(order, requests)):
         application, extra = SYSTEMS[system]
-        with Server(application, {**COMMON, **extra}, index) as server:
+        slo_args = _slo_args(calibration, batch) if system in SLO_AWARE else {}
+        with Server(application, {**COMMON, **extra, **slo_args}, index) as server:
             target = Target(server.url, server.model())
             if calibration is None:
                 calibration = calibrate(target, requests, options.multipliers, basis.previous_checks)
             if system not in options.systems:
                 continue
-            run = SystemRun(system=system, sweeps={})
-            for run in run_system(target, system, requests, calibration, options.seed, server.metrics_url):
+            done = next((r for r in runs if r.system == system), SystemRun(system=system, sweeps={}))
+            runs = [r for r in runs if r is not done]
+            run = done
+            for run in run_system(target, system, batch, calibration, options.seed, server.metrics_url):
+                run = SystemRun(system=system, sweeps={**done.sweeps, **run.sweeps})
                 write_report(basis.report(calibration, [*runs, run], target.model), options.out, options.raw)
             runs.append(run)
+
+
+def _servers(order: list[str], requests: dict[str, list[BenchRequest]]) -> Iterator[tuple[str, dict]]:
+    """(system, the workloads its server runs): SLO-aware systems get a server per workload."""
+    for system in order:
+        if system in SLO_AWARE:
+            yield from ((system, {w: r}) for w, r in requests.items())
+        else:
+            yield system, requests
+
+
+def _slo_args(calibration: Calibration | None, batch: dict[str, list[BenchRequest]]) -> dict[str, str]:
+    """The app's ``slo`` section from the calibration of the server's one workload."""
+    (workload,) = batch
+    slo = calibration.workloads[workload].slo
+    return {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"}
 
 
 if __name__ == "__main__":

@@ -93,7 +93,12 @@ def main() -> None:
     start_local_ray()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20), "colocated.num_replicas": "1"}
+        common = {
+            "model.max_model_len": "1024",
+            "engine.kv_cache_bytes": str(64 << 20),
+            "colocated.num_replicas": "1",
+            "autoscaling.enabled": "false",
+        }
         serve.run(disagg_app(common), name="disagg", route_prefix="/")
         serve.run(colocated_app(common), name="colo", route_prefix="/colo")
         decode = serve.get_deployment_handle("DecodeServer", app_name="disagg")

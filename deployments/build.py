@@ -40,11 +40,24 @@ def _ingress(config: AppConfig):
     )
 
 
+def _controller():
+    from autoscaling.controller import AutoscalerController
+
+    return serve.deployment(
+        AutoscalerController, name="AutoscalerController", num_replicas=1, ray_actor_options={"num_cpus": 0.05}
+    )
+
+
 def build_disagg(config: AppConfig) -> serve.Application:
     data = config.model_dump()
-    prefill = _engine_deployment("PrefillServer", config.prefill).bind(data, Role.PREFILL.value, "prefill")
-    decode = _engine_deployment("DecodeServer", config.decode).bind(data, Role.DECODE.value, "decode")
-    return _ingress(config).bind(data, prefill=prefill, decode=decode)
+    controller = _controller().bind(data) if config.autoscaling.enabled else None
+    prefill = _engine_deployment("PrefillServer", config.prefill).bind(
+        data, Role.PREFILL.value, "prefill", controller=controller
+    )
+    decode = _engine_deployment("DecodeServer", config.decode).bind(
+        data, Role.DECODE.value, "decode", controller=controller
+    )
+    return _ingress(config).bind(data, prefill=prefill, decode=decode, controller=controller)
 
 
 def build_colocated(config: AppConfig) -> serve.Application:

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,8 +30,10 @@ from app.openai_protocol import (
     validation_error_body,
 )
 from app.settings import AppConfig
+from deployments.elastic_routing import ElasticRouting, Route
 from deployments.metrics import IngressMetrics
 from deployments.openai_format import CHAT, COMPLETION, ChunkWriter, ResponseFormat, full_response, sse, token_text_of
+from engine.core import RoleError
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
 from kv_transport.base import KVTransferError
@@ -38,6 +41,11 @@ from kv_transport.engine_link import KVCapacityError
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+
+
+class RoleRefused(Exception):
+    """The replica the router chose had just changed role and refused the admission (nothing
+    was admitted there): the request takes another path."""
 
 
 class HTTPError(Exception):
@@ -75,7 +83,14 @@ def _http_error(cause: BaseException) -> HTTPError:
 
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, config: dict[str, Any], prefill: Any = None, decode: Any = None, colocated: Any = None):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        prefill: Any = None,
+        decode: Any = None,
+        colocated: Any = None,
+        controller: Any = None,
+    ):
         self.config = AppConfig.model_validate(config)
         spec = ModelSpec(source=self.config.model.source)
         self.tokenizer = load_tokenizer(spec)
@@ -88,6 +103,10 @@ class OpenAIIngress:
         self.in_flight = 0
         self._active_ids: set[str] = set()
         self.metrics = IngressMetrics()
+        self.elastic = None
+        if controller is not None:
+            slo = self.config.slo
+            self.elastic = ElasticRouting(controller, self.config.autoscaling.load(slo.ttft_ms, slo.tpot_ms))
 
     # ---- endpoints ----------------------------------------------------------------------
 
@@ -109,6 +128,13 @@ class OpenAIIngress:
             "object": "list",
             "data": [{"id": self.model, "object": "model", "owned_by": "tandem", "max_model_len": self.max_model_len}],
         }
+
+    @api.get("/admin/autoscaler")
+    async def autoscaler(self) -> dict:
+        """The policy, each engine replica's role and load, the last decisions with reasons."""
+        if self.elastic is None:
+            return {"enabled": False, "policy": None, "replicas": [], "decisions": []}
+        return await self.elastic.view()
 
     @api.post("/v1/chat/completions")
     async def chat(self, raw: Request):
@@ -211,29 +237,74 @@ class OpenAIIngress:
     async def _timed(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """``_outputs`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here)."""
         start, first, num_tokens = time.perf_counter(), None, 0
+        route = self._route(request)
         try:
-            async for output in self._outputs(request):
+            async for output in self._outputs(request, route):
                 if first is None and output.token_ids:
                     first = time.perf_counter()
                 num_tokens += len(output.token_ids)
                 yield output
         finally:
             self._active_ids.discard(request.request_id)
+        end = time.perf_counter()
         path = "colocated" if self.colocated is not None else "disaggregated"
-        self.metrics.observe(path, start, first, time.perf_counter(), num_tokens)
+        self.metrics.observe(path, start, first, end, num_tokens)
         self.metrics.requests.inc(1, {"status": "200"})
+        if self.elastic is not None and first is not None:
+            tpot = (end - first) / (num_tokens - 1) if num_tokens > 1 else None
+            self.elastic.observe(first - start, tpot, first - start if route is Route.DISAGGREGATED else None)
 
     # ---- the paths through the replicas ---------------------------------------------------
 
-    def _outputs(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Route one request: colocated, prefilled on decode (short prompt), pull or push."""
-        if self.colocated is not None:
-            return self._generate(self.colocated, request)
-        if len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
+    def _route(self, request: GenerationRequest) -> Route | None:
+        """None: colocated, or a short prompt prefilled on decode (``disagg_min_prompt_tokens``)."""
+        if self.colocated is not None or len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
+            return None
+        if self.elastic is None:
+            return Route.DISAGGREGATED
+        return self.elastic.route(len(request.prompt_token_ids))
+
+    async def _outputs(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
+        """Route one request: colocated, prefilled on decode, on a lent replica, pull or push."""
+        if route is Route.LENT:
+            try:
+                async with aclosing(self._tracked(route, request)) as outputs:
+                    async for output in outputs:
+                        yield output
+                return
+            except RoleRefused:  # reclaimed meanwhile, before admitting anything there
+                route = Route.DISAGGREGATED
+        try:
+            async with aclosing(self._tracked(route, request)) as outputs:
+                async for output in outputs:
+                    yield output
+        except RoleRefused as exc:  # a replica outside its role: not expected off the lent path
+            raise HTTPError.busy(f"replica role changed, retry: {exc}") from None
+
+    def _path(self, route: Route | None, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if route is None:
+            return self._generate(self.colocated or self.decode, request)
+        if route is Route.LENT:
+            return self._generate(self.prefill, request)
+        if route is Route.ON_DECODE:
             return self._generate(self.decode, request)
-        if self.config.transport.mode == "pull":
-            return self._pull(request)
-        return self._push(request)
+        return self._pull(request) if self.config.transport.mode == "pull" else self._push(request)
+
+    async def _tracked(self, route: Route | None, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """The route's path; counted in flight on its route, its prompt until the first token."""
+        async with aclosing(self._path(route, request)) as outputs:
+            if self.elastic is None or route is None:
+                async for output in outputs:
+                    yield output
+                return
+            with self.elastic.in_flight(route, request.sampling.max_tokens):
+                with self.elastic.prompt_pending(route, len(request.prompt_token_ids)):
+                    output = await anext(outputs, None)
+                if output is None:
+                    return
+                yield output
+                async for output in outputs:
+                    yield output
 
     async def _generate(self, deployment: Any, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """The whole request on one replica."""
@@ -245,6 +316,8 @@ class OpenAIIngress:
         hop_start = time.perf_counter()
         result, handle = await self._call(self.prefill.prefill.remote(request))
         self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
+        if self.elastic is not None:
+            self.elastic.prefill_speed(len(request.prompt_token_ids), result.compute_s)
         if handle is None:  # ended at its first token
             yield result.final_output()
             return
@@ -263,10 +336,19 @@ class OpenAIIngress:
             stream.cancel()
             raise
         prefill_call = self.prefill.prefill_push.remote(request, destination)
-        async for output in self._relay(stream, prefill_call):
+        async for output in self._relay(stream, prefill_call, self._push_done(request)):
             yield output
 
-    async def _relay(self, stream: Any, companion: Any = None) -> AsyncIterator[RequestOutput]:
+    def _push_done(self, request: GenerationRequest) -> Any:
+        def done(result: Any) -> None:
+            if self.elastic is not None:
+                self.elastic.prefill_speed(len(request.prompt_token_ids), result[0].compute_s)
+
+        return done
+
+    async def _relay(
+        self, stream: Any, companion: Any = None, on_companion: Any = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield a replica stream's outputs, then await ``companion`` (the push's prefill call).
         Unfinished (client gone, an error): cancelling both aborts the request on the replicas."""
         finished = False
@@ -275,7 +357,9 @@ class OpenAIIngress:
                 finished = output.finished
                 yield output
             if companion is not None:
-                await self._call(companion)
+                result = await self._call(companion)
+                if on_companion is not None:
+                    on_companion(result)
         finally:
             if not finished:
                 stream.cancel()
@@ -298,4 +382,7 @@ class OpenAIIngress:
         except (StopAsyncIteration, asyncio.CancelledError):
             raise
         except Exception as exc:
-            raise _http_error(getattr(exc, "cause", exc)) from None
+            cause = getattr(exc, "cause", exc)
+            if isinstance(cause, RoleError):
+                raise RoleRefused(str(cause)) from None
+            raise _http_error(cause) from None

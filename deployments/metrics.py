@@ -12,6 +12,7 @@ Engine metrics carry the label ``pool``: the deployment section (prefill, decode
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -19,6 +20,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from engine.params import EngineStats, Role
 
 if TYPE_CHECKING:
+    from autoscaling.decide import ControllerState
+    from autoscaling.snapshot import ReplicaLoad
     from kv_transport.engine_link import DecodeTimings
 
 LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
@@ -109,3 +112,27 @@ class EngineMetrics:
         self.running.set(stats.num_running, self.tags)
         self.waiting.set(stats.num_waiting, self.tags)
         self.role.set(ROLE_CODES[stats.role], self.tags)
+
+
+class AutoscalerMetrics:
+    """The controller's actions and the replicas per role (``role``: as assigned; ``pool``:
+    the replica's deployment section)."""
+
+    def __init__(self) -> None:
+        self.actions = Counter(
+            "tandem_autoscaler_actions_total", "Autoscaler actions (lend, reclaim, drained)", tag_keys=("action",)
+        )
+        self.replicas = Gauge(
+            "tandem_autoscaler_replicas", "Engine replicas by assigned role", tag_keys=("role", "pool")
+        )
+
+    def action(self, kind: str) -> None:
+        self.actions.inc(1, {"action": kind})
+
+    def roles(self, replicas: Iterable[ReplicaLoad], state: ControllerState) -> None:
+        counts = {(role.value, pool): 0 for role in Role for pool in ("prefill", "decode")}
+        for replica in replicas:
+            pool = replica.home.value
+            counts[(state.role_of(replica).value, pool)] += 1
+        for (role, pool), count in counts.items():
+            self.replicas.set(count, {"role": role, "pool": pool})

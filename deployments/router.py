@@ -81,10 +81,15 @@ def load_key(stats: RoutingStats | None) -> tuple[int, int, int]:
 
 
 def rank_replicas(replicas: list[Any], method: str) -> list[list[Any]]:
-    """Pure ranking over objects with ``routing_stats`` (unit-tested without Serve)."""
+    """Pure ranking over objects with ``routing_stats`` (unit-tested without Serve).
+
+    When no replica's last report shows the wanted role (a role change not reported yet),
+    every replica is ranked: the engine admits or refuses by its role at that moment (a
+    refused admission raises ``RoleError`` before anything is admitted, and the ingress takes
+    another path), rather than the call waiting here for a report."""
     role = wanted_role(method)
     stats = [parse_routing_stats(r.routing_stats) for r in replicas]
-    chosen = [(s, r) for s, r in zip(stats, replicas) if eligible(s, role)]
+    chosen = [(s, r) for s, r in zip(stats, replicas) if eligible(s, role)] or list(zip(stats, replicas))
     return [[r] for _, r in sorted(chosen, key=lambda pair: load_key(pair[0]))]
 
 

@@ -10,6 +10,7 @@ request router (``deployments.router``) from the engine thread's stats snapshot 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from app.settings import AppConfig
 from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -36,11 +39,16 @@ def _load_core(config: AppConfig, role: Role) -> EngineCore:
     return EngineCore(loaded, EngineConfig(role=role, max_model_len=spec.max_model_len, **settings))
 
 
+REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler's controller
+
+
 class EngineServer:
-    def __init__(self, config: dict[str, Any], role: str, section: str) -> None:
+    def __init__(self, config: dict[str, Any], role: str, section: str, controller: Any = None) -> None:
         """``role``: the initial role, a ``Role`` value (Serve's bind arguments stay plain data);
         ``section``: this replica's deployment section of the config (``prefill``, ``decode`` or
-        ``colocated``), also its metrics' ``pool`` label."""
+        ``colocated``), also its metrics' ``pool`` label; ``controller``: the autoscaler's
+        controller handle (disagg_app with autoscaling on), which the replica reports its
+        load to and takes its assigned role from."""
         import torch
 
         from deployments.metrics import EngineMetrics
@@ -55,14 +63,51 @@ class EngineServer:
         self.metrics = EngineMetrics(section)
         self._link: KVEngineLink | None = None
         self._start_lock = asyncio.Lock()
+        self.home = Role(role)
+        self._controller = controller
+        self._reporter: asyncio.Task | None = None
+        self._start_reporting()
 
     async def _started(self) -> KVEngineLink:
         """The engine loop and the transport need the replica's event loop: start on first use."""
+        self._start_reporting()
         if self._link is None:
             async with self._start_lock:
                 if self._link is None:
                     self._link = self._make_link()
         return self._link
+
+    def _start_reporting(self) -> None:
+        """Report to the controller from the replica's event loop (from the constructor when
+        Serve runs it on that loop, else from the first call or health check)."""
+        if self._controller is None or (self._reporter is not None and not self._reporter.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._reporter = loop.create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        replica, deployment = context.replica_id.unique_id, context.deployment
+        while True:
+            try:
+                stats = self.engine.latest_stats()
+                role = Role(await self._controller.report.remote(replica, deployment, self.home.value, stats))
+                if role is not stats.role:
+                    await self._started()
+                    await self.engine.set_role(role)
+                    logger.info("role %s -> %s (assigned by the autoscaler)", stats.role.value, role.value)
+                    continue  # report the new role at once
+            except Exception as exc:  # the controller restarting, say: keep the role, retry
+                logger.warning("autoscaler report failed: %s", exc)
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def check_health(self) -> None:
+        self._start_reporting()
 
     def _make_link(self) -> KVEngineLink:
         from kv_transport.engine_link import KVEngineLink

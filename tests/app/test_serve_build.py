@@ -20,6 +20,6 @@ def test_serve_build_writes_a_deployable_config(tmp_path):
     (app,) = config["applications"]
     assert app["import_path"] == "app.apps:disagg"
     deployments = {d["name"]: d for d in app["deployments"]}
-    assert set(deployments) == {"PrefillServer", "DecodeServer", "OpenAIIngress"}
+    assert set(deployments) == {"PrefillServer", "DecodeServer", "OpenAIIngress", "AutoscalerController"}
     router = deployments["DecodeServer"]["request_router_config"]["request_router_class"]
     assert router == "deployments.router.RoleAwareRouter"

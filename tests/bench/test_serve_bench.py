@@ -28,6 +28,7 @@ def target() -> Iterator[Target]:
         "engine.kv_cache_bytes": str(64 << 20),
         "prefill.num_cpus": "0.25",
         "decode.num_cpus": "0.25",
+        "autoscaling.enabled": "false",
     }
     with local_serve([ServeApp("bench", disagg_app, args)], port=PORT) as served:
         model = httpx.get(served.base_url + "/v1/models", timeout=30).json()["data"][0]

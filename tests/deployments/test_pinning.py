@@ -58,6 +58,7 @@ def pinned(two_nodes) -> Iterator[ServedApps]:
         "decode.num_cpus": "0.25",
         "prefill.resources": "{prefill_node: 0.5}",
         "decode.resources": "{decode_node: 0.5}",
+        "autoscaling.enabled": "false",
     }
     with run_apps([ServeApp("pinned", disagg_app, args)], port=PORT) as served:
         yield served

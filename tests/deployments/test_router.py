@@ -62,3 +62,20 @@ def test_routing_stats_travel_as_plain_data_and_parse_back():
         role=Role.DECODE, free_blocks=7, total_blocks=32, running=3, waiting=1
     )
     assert parse_routing_stats({}) is None
+
+
+def test_every_replica_is_ranked_when_none_reports_the_wanted_role():
+    # "p2" was just lent (role both), its report still says prefill: the engines admit or refuse
+    replicas = [
+        Replica("p1", _stats(Role.PREFILL, waiting=1)),
+        Replica("p2", _stats(Role.PREFILL, running=3)),
+        Replica("p3", _stats(Role.PREFILL, free_blocks=5)),
+    ]
+    assert _names(rank_replicas(replicas, "decode_pull")) == ["p3", "p2", "p1"]
+    assert _names(rank_replicas(replicas, "generate")) == ["p3", "p2", "p1"]
+    decode_only = [Replica("d1", _stats(Role.DECODE, running=2)), Replica("d2", _stats(Role.DECODE))]
+    assert _names(rank_replicas(decode_only, "prefill")) == ["d2", "d1"]
+    # once one reports the wanted role (or both), only those are ranked
+    replicas[1] = Replica("p2", _stats(Role.BOTH, running=3))
+    assert _names(rank_replicas(replicas, "decode_pull")) == ["p2"]
+    assert _names(rank_replicas([*replicas, Replica("d", _stats(Role.DECODE, waiting=4))], "generate")) == ["p2", "d"]

@@ -32,6 +32,7 @@ def served() -> Iterator[ServedApps]:
         "decode.num_cpus": "0.25",
         "colocated.num_cpus": "0.25",
         "colocated.num_replicas": "1",
+        "autoscaling.enabled": "false",  # fixed pools: these tests are not about autoscaling
     }
     apps = [
         ServeApp("disagg", disagg_app, common, route_prefix="/"),

@@ -1,0 +1,172 @@
+"""The autoscaler's controller: a small Serve deployment started with ``disagg_app``.
+
+Mechanism: engine replicas **report** to it (``report``, every ``REPORT_PERIOD_S``) and get
+their assigned role in the answer; the ingress **syncs** with it (``sync``), sending the
+latencies it observed and getting the routing plan (how many replicas serve each role).
+Serve has no call addressed to one replica, so the assignment travels back on the
+replica's own call; a controller restart loses only the lending state (replicas keep their
+roles until the new controller's first answer, which returns each to its home role).
+
+Each ``interval_s`` it builds a ``Snapshot`` from the fresh reports and the window of
+observations, runs ``decide`` and applies the actions to its state; every action is logged,
+counted (``tandem_autoscaler_actions_total``) and kept for ``GET /admin/autoscaler``.
+With ``autoscaling.record`` each snapshot is appended to a JSONL trace for replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from app.settings import AppConfig
+from autoscaling.decide import Action, ControllerState, decide
+from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
+from engine.params import EngineStats, Role
+
+logger = logging.getLogger(__name__)
+MAX_DECISIONS = 100
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """What the ingress routes by: replicas per role, as applied on the replicas."""
+
+    prefill: int  # replicas taking prompts
+    decode: int  # decode-deployment replicas
+    lent: int  # prefill-deployment replicas in role both (taking whole requests)
+    decode_kv_usage: float | None
+    tpot_p90_s: float | None
+
+    @classmethod
+    def of(cls, snapshot: Snapshot, state: ControllerState) -> RoutingPlan:
+        decode = [r for r in snapshot.replicas if r.home is Role.DECODE]
+        blocks = sum(r.total_blocks for r in decode)
+        return cls(
+            prefill=sum(r.serves_prefill for r in snapshot.replicas),
+            decode=len(decode),
+            lent=sum(r.replica in state.lent and r.role is Role.BOTH for r in snapshot.replicas),
+            decode_kv_usage=sum(r.decode_blocks for r in decode) / blocks if blocks else None,
+            tpot_p90_s=snapshot.observed.tpot_p90_s,
+        )
+
+
+class AutoscalerController:
+    def __init__(self, config: dict[str, Any]) -> None:
+        from deployments.metrics import AutoscalerMetrics
+
+        app = AppConfig.model_validate(config)
+        self.settings = app.autoscaling
+        self.policy = app.autoscaling.load(app.slo.ttft_ms, app.slo.tpot_ms)
+        self.state = ControllerState()
+        self._reports: dict[str, tuple[float, ReplicaLoad]] = {}
+        self._samples: deque[tuple[float, float, float | None, float | None]] = deque()
+        self._decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
+        self._snapshot = Snapshot(time=time.monotonic())
+        self._task: asyncio.Task | None = None
+        self.metrics = AutoscalerMetrics()
+        logger.info("autoscaler policy %r: %s", self.policy.name, self.policy.model_dump_json())
+
+    # ---- calls from the replicas and the ingress -----------------------------------------
+
+    async def report(self, replica: str, deployment: str, home: str, stats: EngineStats) -> str:
+        """An engine replica's load; answers the role it must have."""
+        self._start()
+        load = ReplicaLoad.of(replica, deployment, Role(home), stats)
+        self._reports[replica] = (time.monotonic(), load)
+        return self.state.role_of(load).value
+
+    async def sync(self, samples: list[tuple[float, float | None, float | None]]) -> dict[str, Any]:
+        """The ingress's finished requests since its last sync (ttft_s, tpot_s, prefill_s);
+        answers the routing plan."""
+        self._start()
+        now = time.monotonic()
+        self._samples.extend((now, *sample) for sample in samples)
+        return asdict(RoutingPlan.of(self._snapshot, self.state))
+
+    async def view(self) -> dict[str, Any]:
+        """``GET /admin/autoscaler``: the policy, each replica's role and load, the decisions."""
+        self._start()
+        snapshot = self._snapshot
+        replicas = [
+            {
+                "deployment": r.deployment,
+                "replica_id": r.replica,
+                "role": r.role.value,
+                "assigned_role": self.state.role_of(r).value,
+                "draining": r.replica in self.state.draining,
+                "load": {
+                    "running": r.running,
+                    "decoding": r.decoding,
+                    "waiting": r.waiting,
+                    "queued_prompt_tokens": r.queued_prompt_tokens,
+                    "kv_usage": round(1 - r.free_blocks / r.total_blocks, 4) if r.total_blocks else None,
+                },
+            }
+            for r in snapshot.replicas
+        ]
+        return {
+            "enabled": True,
+            "policy": self.policy.name,
+            "slo": self.policy.slo.model_dump(),
+            "interval_s": self.policy.interval_s,
+            "replicas": replicas,
+            "observed": asdict(snapshot.observed),
+            "decisions": list(self._decisions),
+        }
+
+    # ---- the decision loop -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # a bad tick must not end the loop
+                logger.exception("autoscaler tick failed")
+            await asyncio.sleep(self.policy.interval_s)
+
+    def tick(self, now: float) -> list[Action]:
+        snapshot = self._take_snapshot(now)
+        self.state = self.state.forget_missing(r.replica for r in snapshot.replicas)
+        actions = decide(snapshot, self.policy, self.state)
+        self.state = self.state.after(actions, now)
+        for action in actions:
+            self._record_action(now, action)
+        self.metrics.roles(snapshot.replicas, self.state)
+        if self.settings.record:
+            with open(self.settings.record, "a") as trace:
+                trace.write(json.dumps(snapshot.to_json()) + "\n")
+        return actions
+
+    def _take_snapshot(self, now: float) -> Snapshot:
+        fresh = {k: v for k, v in self._reports.items() if now - v[0] <= self.policy.stale_after_s}
+        self._reports = fresh
+        while self._samples and now - self._samples[0][0] > self.policy.window_s:
+            self._samples.popleft()
+        samples = [s[1:] for s in self._samples]
+        observed = Observed.of(samples, self.policy.min_samples)
+        replicas = tuple(sorted((load for _, load in fresh.values()), key=lambda r: (r.deployment, r.replica)))
+        self._snapshot = Snapshot(time=now, replicas=replicas, observed=observed)
+        return self._snapshot
+
+    def _record_action(self, now: float, action: Action) -> None:
+        logger.info("autoscaler %s %s: %s", action.kind.value, action.replica, action.reason)
+        self.metrics.action(action.kind.value)
+        self._decisions.append(
+            {
+                "time": time.time(),
+                "monotonic_s": round(now, 3),
+                "action": action.kind.value,
+                "replica": action.replica,
+                "role": action.role.value,
+                "reason": action.reason,
+            }
+        )

@@ -1,0 +1,122 @@
+"""What the controller decides from: every engine replica's load and the latencies the
+ingress observed, at one instant. Plain frozen data with a JSON form (the recorded
+trace that ``python -m autoscaling.replay`` reads back)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.params import EngineStats, Role
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaLoad:
+    """One engine replica as the controller sees it."""
+
+    replica: str  # Serve's replica id
+    deployment: str  # PrefillServer / DecodeServer
+    home: Role  # the deployment's role: what the replica returns to
+    role: Role  # its role now
+    running: int
+    decoding: int  # running requests past their prompt
+    waiting: int
+    queued_prompt_tokens: int
+    free_blocks: int
+    pinned_blocks: int
+    total_blocks: int
+    median_step_ms: float
+
+    @classmethod
+    def of(cls, replica: str, deployment: str, home: Role, stats: EngineStats) -> ReplicaLoad:
+        return cls(
+            replica=replica,
+            deployment=deployment,
+            home=home,
+            role=stats.role,
+            running=stats.num_running,
+            decoding=stats.num_decoding,
+            waiting=stats.num_waiting,
+            queued_prompt_tokens=stats.num_queued_prompt_tokens,
+            free_blocks=stats.num_free_blocks,
+            pinned_blocks=stats.num_pinned_blocks,
+            total_blocks=stats.num_total_blocks,
+            median_step_ms=stats.median_step_ms,
+        )
+
+    @property
+    def lent(self) -> bool:
+        return self.home is Role.PREFILL and self.role is not Role.PREFILL
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in (Role.DECODE, Role.BOTH)
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.role in (Role.PREFILL, Role.BOTH)
+
+    @property
+    def decode_blocks(self) -> int:
+        """Blocks held by decodes (a lent replica's pinned blocks are its prompts' exports)."""
+        return max(self.total_blocks - self.free_blocks - self.pinned_blocks, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "home": self.home.value, "role": self.role.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReplicaLoad:
+        return cls(**{**data, "home": Role(data["home"]), "role": Role(data["role"])})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observed:
+    """Latencies the ingress saw over the policy's window (None: fewer than its min_samples)."""
+
+    num_requests: int = 0
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+    prefill_p90_s: float | None = None  # the prefill part of TTFT (queue + compute + hop)
+
+    @classmethod
+    def of(cls, samples: list[tuple[float, float | None, float | None]], min_samples: int) -> Observed:
+        """``samples``: (ttft_s, tpot_s or None, prefill_s or None) per finished request."""
+        if len(samples) < min_samples:
+            return cls(num_requests=len(samples))
+        return cls(
+            num_requests=len(samples),
+            ttft_p90_s=_p90([s[0] for s in samples]),
+            tpot_p90_s=_p90([s[1] for s in samples if s[1] is not None]),
+            prefill_p90_s=_p90([s[2] for s in samples if s[2] is not None]),
+        )
+
+
+def _p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    time: float  # seconds, the controller's clock (monotonic in a trace)
+    replicas: tuple[ReplicaLoad, ...] = ()
+    observed: Observed = field(default_factory=Observed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "replicas": [r.to_json() for r in self.replicas],
+            "observed": asdict(self.observed),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Snapshot:
+        return cls(
+            time=data["time"],
+            replicas=tuple(ReplicaLoad.from_json(r) for r in data["replicas"]),
+            observed=Observed(**data.get("observed", {})),
+        )

@@ -1,0 +1,145 @@
+"""The ingress's side of the elastic autoscaler.
+
+It syncs with the controller every ``SYNC_PERIOD_S`` (sending the latencies of the requests
+that finished, getting the routing plan back), counts exactly what it has in flight, and
+picks a route per request (``autoscaling.placement``'s rules):
+
+* ``LENT``: the whole request on a lent prefill replica (role ``both``), through the prefill
+  deployment's handle (its role-aware router picks a replica in the decode or both role);
+* ``ON_DECODE``: prefilled on a decode replica, because the prefill queue would break the
+  TTFT SLO and the decode side has room;
+* ``DISAGGREGATED``: prefill, then decode (pull or push), as without the autoscaler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from typing import Any
+
+from autoscaling.controller import RoutingPlan
+from autoscaling.placement import PromptLoad, place_prompt, prefer_lent
+from autoscaling.policy import Policy
+
+logger = logging.getLogger(__name__)
+SYNC_PERIOD_S = 0.25
+SPEED_WEIGHT = 0.2  # weight of the newest prefill in the seconds-per-token average
+
+
+class Route(StrEnum):
+    DISAGGREGATED = "disaggregated"
+    LENT = "lent"
+    ON_DECODE = "on_decode"
+
+
+class ElasticRouting:
+    def __init__(self, controller: Any, policy: Policy) -> None:
+        self.controller, self.policy = controller, policy
+        self.plan = RoutingPlan(prefill=1, decode=1, lent=0, decode_kv_usage=None, tpot_p90_s=None)
+        self.seconds_per_prompt_token: float | None = None
+        self._samples: list[tuple[float, float | None, float | None]] = []
+        self._prefill_tokens = 0  # prompt tokens of disaggregated requests before their first token
+        self._prompts_on_decode = 0  # prompts prefilling on decode replicas
+        self._in_flight = {Route.DISAGGREGATED: 0, Route.LENT: 0, Route.ON_DECODE: 0}
+        self._routed = dict.fromkeys(Route, 0)  # requests per route since start
+        self._decoding: Counter[int] = Counter()  # output lengths of requests on the decode pool
+        self._task: asyncio.Task | None = None
+
+    # ---- choosing ------------------------------------------------------------------------
+
+    def route(self, prompt_tokens: int) -> Route:
+        self._start()
+        plan = self.plan
+        decode_in_flight = self._in_flight[Route.DISAGGREGATED] + self._in_flight[Route.ON_DECODE]
+        if prefer_lent(decode_in_flight, plan.decode, self._in_flight[Route.LENT], plan.lent):
+            return Route.LENT
+        load = PromptLoad(
+            prompt_tokens=prompt_tokens,
+            prefill_tokens_in_flight=self._prefill_tokens,
+            prefill_replicas=plan.prefill,
+            decode_prompts_in_flight=self._prompts_on_decode,
+            decode_replicas=plan.decode,
+            seconds_per_prompt_token=self.seconds_per_prompt_token,
+            tpot_p90_s=plan.tpot_p90_s,
+            decode_kv_usage=plan.decode_kv_usage,
+            decode_min_output_tokens=min(self._decoding) if self._decoding else None,
+        )
+        placement = place_prompt(load, self.policy)
+        if placement.on_decode:
+            logger.debug("prompt of %d tokens prefilled on decode: %s", prompt_tokens, placement.reason)
+            return Route.ON_DECODE
+        return Route.DISAGGREGATED
+
+    @contextmanager
+    def in_flight(self, route: Route, output_tokens: int) -> Iterator[None]:
+        self._in_flight[route] += 1
+        self._routed[route] += 1
+        on_decode_pool = route is not Route.LENT
+        if on_decode_pool:
+            self._decoding[output_tokens] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[route] -= 1
+            if on_decode_pool:
+                self._decoding[output_tokens] -= 1
+                if not self._decoding[output_tokens]:
+                    del self._decoding[output_tokens]
+
+    @contextmanager
+    def prompt_pending(self, route: Route, prompt_tokens: int) -> Iterator[None]:
+        """Held from the request's start until its first token (or its end)."""
+        if route is Route.DISAGGREGATED:
+            self._prefill_tokens += prompt_tokens
+        elif route is Route.ON_DECODE:
+            self._prompts_on_decode += 1
+        try:
+            yield
+        finally:
+            if route is Route.DISAGGREGATED:
+                self._prefill_tokens -= prompt_tokens
+            elif route is Route.ON_DECODE:
+                self._prompts_on_decode -= 1
+
+    # ---- what was measured -----------------------------------------------------------------
+
+    def prefill_speed(self, prompt_tokens: int, compute_s: float) -> None:
+        if prompt_tokens <= 0 or compute_s <= 0:
+            return
+        sample = compute_s / prompt_tokens
+        old = self.seconds_per_prompt_token
+        self.seconds_per_prompt_token = sample if old is None else old + SPEED_WEIGHT * (sample - old)
+
+    def observe(self, ttft_s: float | None, tpot_s: float | None, prefill_s: float | None) -> None:
+        if ttft_s is not None:
+            self._samples.append((ttft_s, tpot_s, prefill_s))
+
+    # ---- the sync with the controller -------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._sync_loop())
+
+    async def _sync_loop(self) -> None:
+        while True:
+            samples, self._samples = self._samples, []
+            try:
+                self.plan = RoutingPlan(**await self.controller.sync.remote(samples))
+            except Exception as exc:  # the controller restarting: route by the last plan
+                logger.warning("autoscaler sync failed: %s", exc)
+            await asyncio.sleep(SYNC_PERIOD_S)
+
+    async def view(self) -> dict[str, Any]:
+        view = await self.controller.view.remote()
+        view["ingress"] = {
+            "plan": self.plan.__dict__,
+            "in_flight": {route.value: n for route, n in self._in_flight.items()},
+            "routed": {route.value: n for route, n in self._routed.items()},
+            "prefill_tokens_in_flight": self._prefill_tokens,
+            "seconds_per_prompt_token": self.seconds_per_prompt_token,
+        }
+        return view

@@ -1,0 +1,169 @@
+"""The elastic autoscaler on the default app (1 prefill + 1 decode, the default policy).
+
+A decode-heavy burst (short prompts, long outputs) makes the controller lend the prefill
+replica; every request completes with the same greedy output as the engine alone
+(tests/same_output.py's rule, compared on the tokens' texts the API returns), including
+the ones admitted while the flip happens and the ones served whole on the lent replica.
+After the burst the replica is reclaimed and prompts are prefilled there again; ``GET
+/admin/autoscaler`` shows both decisions with the signals behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from app.config import disagg_app
+from deployments.openai_format import token_text_of
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loader import ModelSpec, load_model
+from engine.params import GenerationRequest, SamplingParams
+from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, trace_from_outputs
+from tests.serving import ServeApp, local_serve
+from tests.waiting import wait_until
+
+PORT = 18560
+NUM_TOKENS = MIN_COMPARED_TOKENS + 8
+NUM_BURST = 24
+STAGGER_S = 0.25
+QUESTIONS = (
+    "Write a long story about a lighthouse keeper.",
+    "Explain how a steam engine works, step by step.",
+    "List the planets of the solar system and describe each one.",
+    "Describe a walk through an old city at night.",
+)
+ARGS = {
+    "model.max_model_len": "512",
+    "engine.kv_cache_bytes": str(64 << 20),
+    "prefill.num_cpus": "0.25",
+    "decode.num_cpus": "0.25",
+}
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts():
+    loaded = load_model(ModelSpec(source="default"))
+    prompts = [loaded.tokenizer(q).input_ids for q in QUESTIONS]
+    return loaded, prompts
+
+
+@pytest.fixture(scope="module")
+def reference(model_and_prompts) -> list[GreedyTrace]:
+    """The engine alone, one request at a time, as the tokens' texts (what the API returns)."""
+    loaded, prompts = model_and_prompts
+    core = EngineCore(loaded, EngineConfig(max_model_len=512, kv_cache_bytes=64 << 20))
+    text_of = token_text_of(loaded.tokenizer)
+    traces = []
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+        core.add_request(GenerationRequest(f"ref-{i}", tuple(prompt), sampling))
+        outputs = []
+        while core.has_work():
+            outputs += core.step()
+        trace = trace_from_outputs(outputs)
+        traces.append(
+            GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, top)) for top in trace.top))
+        )
+    return traces
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with local_serve([ServeApp("elastic", disagg_app, ARGS)], port=PORT) as served:
+        yield served.base_url
+
+
+def _trace(choice: dict) -> GreedyTrace:
+    logprobs = choice["logprobs"]
+    return GreedyTrace(tuple(logprobs["tokens"]), tuple(tuple(top) for top in logprobs["top_logprobs"]))
+
+
+async def _burst(base_url: str, model: str, prompts: list[list[int]]) -> list[httpx.Response]:
+    body = {"model": model, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 5}
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+
+        async def one(i: int) -> httpx.Response:
+            await asyncio.sleep(i * STAGGER_S)
+            return await client.post("/v1/completions", json={**body, "prompt": prompts[i % len(prompts)]})
+
+        return await asyncio.gather(*(one(i) for i in range(NUM_BURST)))
+
+
+def _admin(base_url: str) -> dict:
+    response = httpx.get(base_url + "/admin/autoscaler", timeout=30)
+    assert response.status_code == 200
+    return response.json()
+
+
+def _actions(view: dict) -> list[str]:
+    return [d["action"] for d in view["decisions"]]
+
+
+def _check_same(responses: list[httpx.Response], reference: list[GreedyTrace], offset: int = 0) -> None:
+    for i, response in enumerate(responses):
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert choice["finish_reason"] == "length"
+        k = (i + offset) % len(reference)
+        assert_same_output(reference[k], _trace(choice), exact=False, label=f"request {i}")
+
+
+def test_burst_lends_then_reclaims_and_every_output_is_the_engines(base_url, model_and_prompts, reference):
+    _, prompts = model_and_prompts
+    model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+    view = _admin(base_url)
+    assert view["enabled"] is True and view["policy"] == "default"
+    assert {r["deployment"]: r["role"] for r in view["replicas"]} == {
+        "PrefillServer": "prefill",
+        "DecodeServer": "decode",
+    }
+
+    responses = asyncio.run(_burst(base_url, model, prompts))
+    _check_same(responses, reference)
+
+    view = _admin(base_url)
+    lends = [d for d in view["decisions"] if d["action"] == "lend"]
+    assert lends, view["decisions"]
+    assert lends[0]["role"] == "both" and "decode" in lends[0]["reason"] and ">= enter" in lends[0]["reason"]
+    prefill_replica = next(r["replica_id"] for r in view["replicas"] if r["deployment"] == "PrefillServer")
+    assert lends[0]["replica"] == prefill_replica
+    routed = view["ingress"]["routed"]
+    assert routed["lent"] >= 1, routed  # whole requests served on the lent replica, checked above
+
+    wait_until(lambda: "reclaim" in _actions(_admin(base_url)), 90, "the lent replica to be reclaimed")
+    wait_until(
+        lambda: {r["deployment"]: r["role"] for r in _admin(base_url)["replicas"]}["PrefillServer"] == "prefill",
+        30,
+        "the reclaimed replica to report the prefill role",
+    )
+    view = _admin(base_url)
+    (reclaim,) = [d for d in view["decisions"] if d["action"] == "reclaim"]
+    assert reclaim["replica"] == prefill_replica and reclaim["role"] == "prefill"
+    assert "<= leave" in reclaim["reason"] or ">= enter" in reclaim["reason"]
+    assert _actions(view).index("lend") < _actions(view).index("reclaim")
+
+    # prompts are prefilled on the reclaimed replica again (the disaggregated path)
+    before = view["ingress"]["routed"]
+    body = {"model": model, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 5}
+    after_burst = [
+        httpx.post(base_url + "/v1/completions", json={**body, "prompt": p}, timeout=120) for p in prompts[:2]
+    ]
+    _check_same(after_burst, reference)
+    routed = _admin(base_url)["ingress"]["routed"]
+    assert routed["disaggregated"] == before["disaggregated"] + 2
+    assert routed["lent"] == before["lent"]
+
+
+def test_autoscaling_off_binds_no_controller():
+    """``autoscaling.enabled=false`` gives fixed pools: no controller deployment, no reports."""
+    off = disagg_app({**ARGS, "autoscaling.enabled": "false"})._bound_deployment
+    assert off.init_kwargs["controller"] is None
+    on = disagg_app(ARGS)._bound_deployment
+    controller = on.init_kwargs["controller"]._bound_deployment
+    assert controller.name == "AutoscalerController"
+    prefill = on.init_kwargs["prefill"]._bound_deployment
+    assert prefill.init_kwargs["controller"]._bound_deployment.name == "AutoscalerController"

@@ -1,0 +1,190 @@
+"""bench.elastic's report on hand-made records (no Ray): attainment per phase against each
+class's SLO, the timeline's bins and in-flight counts, the targets, and a report rendered from
+the raw folder that keeps the hand-written text around its generated block."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+
+import pytest
+
+from bench.elastic_report import (
+    BEGIN,
+    END,
+    Calibration,
+    ClassCalibration,
+    Floor,
+    Phase,
+    SystemRun,
+    attainment_bins,
+    floor_lines,
+    in_flight,
+    load_raw,
+    phase_scores,
+    save_calibration,
+    save_json,
+    save_trace,
+    targets,
+    write_report,
+)
+
+PHASES = (
+    Phase("prompt-heavy 1", "prompt", (380, 440), (24, 40), 0.45, 0.0, 30.0),
+    Phase("decode burst", "burst", (32, 64), (160, 220), 1.0, 30.0, 60.0),
+    Phase("prompt-heavy 2", "prompt", (380, 440), (24, 40), 0.45, 60.0, 90.0),
+)
+# prompt class: TTFT SLO 5 x 1.0 = 5 s; burst: 5 x 0.2 = 1 s; TPOT SLO 2 x mean(0.04, 0.06) = 0.1 s
+CALIBRATION = Calibration(
+    classes={"prompt": ClassCalibration(410, 1.0, 0.04), "burst": ClassCalibration(48, 0.2, 0.06)}, model="m"
+)
+
+
+def _row(phase: int, arrival_s: float, ttft_s: float, tpot_s: float, tokens: int = 11, error: str | None = None):
+    """A request sent at its arrival; ``tokens`` chunks, the first at ``ttft_s``, then every ``tpot_s``."""
+    chunks = [] if error else [round(ttft_s + k * tpot_s, 6) for k in range(tokens)]
+    record = {
+        "prompt_tokens": 400,
+        "max_tokens": tokens,
+        "sent": 0.0,
+        "chunks": chunks,
+        "last": chunks[-1] if chunks else None,
+        "usage_prompt_tokens": 400,
+        "usage_output_tokens": None if error else tokens,
+        "error": error,
+    }
+    return {"phase": phase, "arrival_s": arrival_s, "sent_s": arrival_s, "record": record}
+
+
+def _run(system: str, rows: list[dict], **extra) -> SystemRun:
+    return SystemRun(system=system, command="cmd", elapsed_s=120.0, duration_s=95.0, rows=rows, **extra)
+
+
+def _static() -> SystemRun:
+    return _run(
+        "static",
+        [
+            _row(0, 1.0, 2.0, 0.05),  # met
+            _row(0, 20.0, 6.0, 0.05),  # TTFT over the prompt class's 5 s
+            _row(1, 31.0, 0.5, 0.3),  # TPOT over 0.1 s
+            _row(1, 40.0, 2.0, 0.05),  # TTFT 2 s: within the prompt SLO, over the burst class's 1 s
+            _row(2, 61.0, 1.0, 0.05, error="HTTP 503"),  # failed: a miss
+            _row(2, 70.0, 4.9, 0.09),  # met
+        ],
+    )
+
+
+def _elastic() -> SystemRun:
+    rows = [_row(0, 1.0, 2.0, 0.05), _row(0, 20.0, 2.0, 0.05), _row(1, 31.0, 0.5, 0.08), _row(1, 40.0, 0.9, 0.05)]
+    rows += [_row(2, 61.0, 1.0, 0.05), _row(2, 70.0, 6.0, 0.05)]
+    timeline = [
+        {"t": 32.0, "replicas": [{"deployment": "PrefillServer", "role": "prefill"}], "in_flight": {}, "observed": {}},
+        {"t": 36.0, "replicas": [{"deployment": "PrefillServer", "role": "both"}], "in_flight": {}, "observed": {}},
+    ]
+    decisions = [{"t": 35.2, "action": "lend", "replica": "r1", "role": "both", "reason": "decode running 7 >= 6"}]
+    return _run("elastic", rows, timeline=timeline, decisions=decisions)
+
+
+def test_attainment_per_phase_uses_each_class_slo():
+    scores = phase_scores(_static(), PHASES, CALIBRATION)
+    assert [s.attainment for s in scores.values()] == [0.5, 0.0, 0.5, 2 / 6]
+    assert scores["prompt-heavy 2"].failed == 1
+    assert scores["overall"].requests == 6 and scores["overall"].failed == 1
+    assert scores["decode burst"].tpot_p90_s == pytest.approx(0.05 + 0.9 * 0.25)  # numpy linear p90 of 0.05, 0.3
+
+
+def test_attainment_bins_group_requests_by_arrival():
+    bins = attainment_bins(_static(), PHASES, CALIBRATION, bin_s=15.0)
+    assert [t for t, _ in bins] == [0.0, 15.0, 30.0, 45.0, 60.0, 75.0]
+    values = [a for _, a in bins]
+    assert values[:3] == [1.0, 0.0, 0.0] and math.isnan(values[3]) and values[4] == 0.5 and math.isnan(values[5])
+
+
+def test_in_flight_counts_requests_between_send_and_last_token():
+    rows = [_row(0, 0.0, 1.0, 0.5, tokens=5), _row(0, 1.5, 0.5, 0.75, tokens=3), _row(0, 2.0, 1.0, 0.1, error="x")]
+    times, counts = in_flight(_run("static", rows))  # ends at 3.0 and 3.5; the failed one has no span
+    assert times == [0.0, 1.0, 2.0, 3.0]
+    assert counts == [1, 1, 2, 1]
+
+
+def test_targets_compare_elastic_with_the_others():
+    scores = {s.system: phase_scores(s, PHASES, CALIBRATION) for s in (_static(), _elastic())}
+    scores["colocated"] = phase_scores(_run("colocated", _elastic().rows[:3]), PHASES, CALIBRATION)
+    (overall, overall_value, overall_bar), (burst, burst_value, burst_bar) = targets(scores, "decode burst")
+    assert overall == "elastic overall >= max(static, colocated) + 10 points"
+    assert overall_value == pytest.approx(5 / 6) and overall_bar == pytest.approx(1.0 + 0.1)  # colocated 3/3
+    assert burst == "elastic in the decode burst >= static + 20 points"
+    assert burst_value == 1.0 and burst_bar == pytest.approx(0.2)
+    assert targets({"elastic": scores["elastic"]}, "decode burst")[0][2] is None  # no static: no bar
+
+
+def _floor() -> Floor:
+    return Floor(
+        command="python -m bench.elastic --stage floor",
+        batch=8,
+        rounds=4,
+        steps=100,
+        prefill_prompt_tokens=400,
+        decode_step_idle_ms=80.0,
+        decode_step_with_prefill_ms=100.0,
+        prefill_alone_s=1.2,
+        prefill_beside_decode_s=1.4,
+        busy_cores_idle=1.02,
+        busy_cores_with_prefill=1.98,
+        streams=8,
+        client_tpot_idle_ms=45.0,
+        replica_step_idle_ms=42.0,
+        client_tpot_loaded_ms=90.0,
+        replica_step_loaded_ms=84.0,
+    )
+
+
+def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_path):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    save_trace(raw, PHASES, seed=3, command="python -m bench.elastic --phase-s 30")
+    save_calibration(raw, CALIBRATION)
+    for run in (_static(), _elastic()):
+        save_json(raw / f"system_{run.system}.json", asdict(run))
+    save_json(raw / "floor.json", asdict(_floor()))
+    out.mkdir()
+    (out / "elastic.md").write_text(f"# Title\n\n{BEGIN}\nstale table\n{END}\n\n## Reading the results\n\nMine.\n")
+
+    report = load_raw(raw)
+    assert report.phases == PHASES and report.calibration == CALIBRATION and list(report.runs) == ["static", "elastic"]
+    write_report(report, out)
+
+    text = (out / "elastic.md").read_text()
+    assert text.startswith("# Title\n\n" + BEGIN) and text.endswith(END + "\n\n## Reading the results\n\nMine.\n")
+    assert "stale table" not in text
+    assert "| static | 50% | 0% | 50% | 33% | 1 | 2.0 |" in text
+    assert "| elastic | 100% | 100% | 50% | 83% | 0 | 2.0 |" in text
+    assert "| elastic in the decode burst >= static + 20 points | 100% | 20% | ok |" in text
+    assert "| elastic overall >= max(static, colocated) + 10 points | n/a | n/a | n/a |" in text
+    assert "| 35.2 | decode burst | lend | r1 | both | decode running 7 >= 6 |" in text
+    assert "`slo.ttft_ms=5000`" in text and "`slo.tpot_ms=100`" in text
+    assert "| (b) the same while another process prefills 400-token prompts back to back | 100.0 ms (+25%) |" in text
+    assert "| the machine's busy cores (all processes, /proc/stat) during (a) / (b) | 1.02 / 1.98 |" in text
+    assert "On this machine a decode step is +25% slower while the other core prefills" in text
+    assert (out / "elastic.png").stat().st_size > 0
+
+    summary = json.loads((out / "elastic.json").read_text())
+    assert summary["slo_s"]["burst"] == {"ttft": pytest.approx(1.0), "tpot": pytest.approx(0.1)}
+    assert summary["results"]["static"]["overall"]["failed"] == 1
+    assert summary["attainment_bins"]["static"][3] == [45.0, None]
+    assert summary["decisions"][0]["action"] == "lend"
+    assert summary["floor"]["decode_step_with_prefill_ms"] == 100.0
+
+
+def test_report_without_an_md_starts_from_the_template(tmp_path):
+    raw = tmp_path / "raw"
+    save_trace(raw, PHASES, seed=0, command="")
+    write_report(load_raw(raw), tmp_path)
+    text = (tmp_path / "elastic.md").read_text()
+    assert text.index(BEGIN) < text.index(END) < text.index("## Reading the results")
+    assert "| prompt-heavy 1 | 0-30 | n/a | 380-440 | 24-40 | 0.45 | n/a | n/a |" in text
+
+
+def test_floor_with_a_stranger_on_the_machine_says_so():
+    text = "\n".join(floor_lines(replace(_floor(), busy_cores_idle=1.6)))
+    assert "**Not a clean measurement**: 1.60 cores were busy during (a)" in text
