@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from app.settings import AppConfig
-from autoscaling.decide import Action, ControllerState, decide
+from autoscaling.decide import Action, ActionKind, ControllerState, decide
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
 from engine.params import EngineStats, Role
 
@@ -86,7 +86,10 @@ class AutoscalerController:
         self._start()
         now = time.monotonic()
         self._samples.extend((now, *sample) for sample in samples)
-        return asdict(RoutingPlan.of(self._snapshot, self.state))
+        # from the latest reports, not the last tick's snapshot: a lent replica that reported
+        # its new role is routed to within a report period, not an interval later
+        current = Snapshot(time=now, replicas=self._fresh(now), observed=self._snapshot.observed)
+        return asdict(RoutingPlan.of(current, self.state))
 
     async def view(self) -> dict[str, Any]:
         """``GET /admin/autoscaler``: the policy, each replica's role and load, the decisions."""
@@ -135,7 +138,11 @@ class AutoscalerController:
 
     def tick(self, now: float) -> list[Action]:
         snapshot = self._take_snapshot(now)
-        self.state = self.state.forget_missing(r.replica for r in snapshot.replicas)
+        present = {r.replica for r in snapshot.replicas}
+        for replica in sorted(self.state.lent - present):  # silent: it returns home on its next report
+            silent = Action(ActionKind.RECLAIM, replica, f"no report for over {self.policy.stale_after_s:g}s")
+            self._record_action(now, silent)
+        self.state = self.state.forget_missing(present)
         actions = decide(snapshot, self.policy, self.state)
         self.state = self.state.after(actions, now)
         for action in actions:
@@ -146,14 +153,17 @@ class AutoscalerController:
                 trace.write(json.dumps(snapshot.to_json()) + "\n")
         return actions
 
+    def _fresh(self, now: float) -> tuple[ReplicaLoad, ...]:
+        """The replicas that reported within ``stale_after_s``, in a stable order."""
+        fresh = [load for seen, load in self._reports.values() if now - seen <= self.policy.stale_after_s]
+        return tuple(sorted(fresh, key=lambda r: (r.deployment, r.replica)))
+
     def _take_snapshot(self, now: float) -> Snapshot:
-        fresh = {k: v for k, v in self._reports.items() if now - v[0] <= self.policy.stale_after_s}
-        self._reports = fresh
+        replicas = self._fresh(now)
+        self._reports = {k: v for k, v in self._reports.items() if now - v[0] <= self.policy.stale_after_s}
         while self._samples and now - self._samples[0][0] > self.policy.window_s:
             self._samples.popleft()
-        samples = [s[1:] for s in self._samples]
-        observed = Observed.of(samples, self.policy.min_samples)
-        replicas = tuple(sorted((load for _, load in fresh.values()), key=lambda r: (r.deployment, r.replica)))
+        observed = Observed.of([s[1:] for s in self._samples], self.policy.min_samples)
         self._snapshot = Snapshot(time=now, replicas=replicas, observed=observed)
         return self._snapshot
 

@@ -137,11 +137,14 @@ def _entered(bands: list[tuple[str, float | None, Band]]) -> list[str]:
 
 
 def _all_left(bands: list[tuple[str, float | None, Band]]) -> str | None:
-    """A reason when every band is at or below its ``leave``; None otherwise."""
+    """A reason when every band is at or below its ``leave``; None otherwise, and None when no
+    signal in use was measured (stale replicas are not calm ones)."""
     if not all(b.left(v) for _, v, b in bands):
         return None
     used = [f"{name} {_fmt(v)} <= leave {_fmt(b.leave)}" for name, v, b in bands if b.on and v is not None]
-    return ", ".join(used) or "no signal measured"
+    if used:
+        return ", ".join(used)
+    return None if any(b.on for _, _, b in bands) else "no signal used"  # on but unmeasured: unknown
 
 
 def _drained(snapshot: Snapshot, policy: Policy, state: ControllerState) -> list[Action]:
@@ -152,7 +155,7 @@ def _drained(snapshot: Snapshot, policy: Policy, state: ControllerState) -> list
         if load is None:
             continue
         if load.decoding == 0 and load.role is Role.PREFILL:
-            actions.append(Action(ActionKind.DRAINED, replica, "its decodes ended: back to prefill only"))
+            actions.append(Action(ActionKind.DRAINED, replica, "decoding 0: its decodes ended, prefill only"))
         elif snapshot.time - since >= policy.drain_timeout_s:
             reason = f"drain bound {policy.drain_timeout_s:g}s reached; {load.decoding} decodes still finishing there"
             actions.append(Action(ActionKind.DRAINED, replica, reason))

@@ -7,8 +7,11 @@
   tokens - 1)`` to each decoding request's TPOT (TPOT is a mean over the request): the room
   is checked for the shortest request decoding there, from the observed TPOT p90 plus that
   share. At most ``max_prompts_per_replica`` prompts run there at once.
-* **Lent replicas**: while prefill replicas are lent (role ``both``), a whole request goes to
-  the lent pool when it has fewer requests in flight per replica than the decode pool.
+* **Lent replicas**: while prefill replicas are lent (role ``both``), a decode-heavy request
+  (no more prompt tokens than output tokens) goes whole to the lent pool when it has fewer
+  requests in flight per replica than the decode pool. A prompt-heavy one stays on the
+  disaggregated path, so a lent replica's decodes are not stalled by long prompts it also
+  decodes, and it drains sooner once reclaimed.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def place_prompt(load: PromptLoad, policy: Policy) -> Placement:
     if not rule.enabled or load.decode_replicas <= 0:
         return Placement(False, "prompt placement off")
     if load.prefill_replicas <= 0:
-        return Placement(True, "no replica takes prompts")
+        return Placement(False, "no prefill replica reported yet")
     predicted = predicted_prefill_ttft_s(load)
     if predicted is None:
         return Placement(False, "prefill speed not measured yet")
@@ -86,6 +89,11 @@ def _tpot_room(load: PromptLoad, stall_s: float, limit_s: float) -> str | None:
             f"{load.decode_min_output_tokens} tokens leaves no room"
         )
     return None
+
+
+def decode_heavy(prompt_tokens: int, output_tokens: int) -> bool:
+    """A request that belongs on a lent replica: no more prompt tokens than output tokens."""
+    return prompt_tokens <= output_tokens
 
 
 def prefer_lent(decode_in_flight: int, decode_replicas: int, lent_in_flight: int, lent_replicas: int) -> bool:

@@ -77,6 +77,10 @@ class PrefillPressure(_Strict):
 
 
 class RoleBounds(_Strict):
+    """Lending reads ``prefill.min`` and ``decode.max``; a lent replica still takes prompts
+    and no decode replica is lent, so ``prefill.max`` and ``decode.min`` bound only the replica
+    counts (checked for consistency here, read by replica-count scaling)."""
+
     min: int = Field(0, ge=0, description="replicas kept in this role only (never lent)")
     max: int = Field(64, ge=1, description="replicas serving this role at most (lent ones included)")
 

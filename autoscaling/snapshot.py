@@ -20,7 +20,7 @@ class ReplicaLoad:
     home: Role  # the deployment's role: what the replica returns to
     role: Role  # its role now
     running: int
-    decoding: int  # running requests past their prompt
+    decoding: int  # requests that decode here (whole or decode requests), waiting or running
     waiting: int
     queued_prompt_tokens: int
     free_blocks: int
@@ -77,23 +77,22 @@ class Observed:
     num_requests: int = 0
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
-    prefill_p90_s: float | None = None  # the prefill part of TTFT (queue + compute + hop)
+    prefill_p90_s: float | None = None  # the prefill call (pull) or TTFT (push) of disaggregated requests
 
     @classmethod
     def of(cls, samples: list[tuple[float, float | None, float | None]], min_samples: int) -> Observed:
-        """``samples``: (ttft_s, tpot_s or None, prefill_s or None) per finished request."""
-        if len(samples) < min_samples:
-            return cls(num_requests=len(samples))
+        """``samples``: (ttft_s, tpot_s or None, prefill_s or None) per finished request; each
+        p90 needs ``min_samples`` values of its own."""
         return cls(
             num_requests=len(samples),
-            ttft_p90_s=_p90([s[0] for s in samples]),
-            tpot_p90_s=_p90([s[1] for s in samples if s[1] is not None]),
-            prefill_p90_s=_p90([s[2] for s in samples if s[2] is not None]),
+            ttft_p90_s=_p90([s[0] for s in samples], min_samples),
+            tpot_p90_s=_p90([s[1] for s in samples if s[1] is not None], min_samples),
+            prefill_p90_s=_p90([s[2] for s in samples if s[2] is not None], min_samples),
         )
 
 
-def _p90(values: list[float]) -> float | None:
-    if not values:
+def _p90(values: list[float], min_samples: int = 1) -> float | None:
+    if not values or len(values) < min_samples:
         return None
     if len(values) == 1:
         return values[0]

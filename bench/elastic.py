@@ -386,7 +386,7 @@ def _start_decodes(core, max_tokens: int) -> None:
     for i in range(FLOOR_BATCH):
         prompt = builder.code(FLOOR_DECODE_PROMPT, 37 * i)
         core.add_request(GenerationRequest(f"d{i}", tuple(prompt), sampling))
-    while core.stats().num_decoding < FLOOR_BATCH:
+    while core.stats().num_queued_prompt_tokens:  # every prompt computed: the batch decodes
         core.step()
     for _ in range(3):  # warm-up
         core.step()
@@ -472,7 +472,7 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
         tasks = [asyncio.create_task(send(client, target, s)) for s in streams]
         try:
             deadline = time.monotonic() + 120
-            while (await decode.stats.remote()).num_decoding < len(streams):
+            while (await decode.stats.remote()).num_running < len(streams):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the background streams never all reached the decode replica")
                 await asyncio.sleep(0.2)

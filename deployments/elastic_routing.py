@@ -22,11 +22,12 @@ from enum import StrEnum
 from typing import Any
 
 from autoscaling.controller import RoutingPlan
-from autoscaling.placement import PromptLoad, place_prompt, prefer_lent
+from autoscaling.placement import PromptLoad, decode_heavy, place_prompt, prefer_lent
 from autoscaling.policy import Policy
 
 logger = logging.getLogger(__name__)
 SYNC_PERIOD_S = 0.25
+VIEW_TIMEOUT_S = 10.0
 SPEED_WEIGHT = 0.2  # weight of the newest prefill in the seconds-per-token average
 
 
@@ -47,15 +48,18 @@ class ElasticRouting:
         self._in_flight = {Route.DISAGGREGATED: 0, Route.LENT: 0, Route.ON_DECODE: 0}
         self._routed = dict.fromkeys(Route, 0)  # requests per route since start
         self._decoding: Counter[int] = Counter()  # output lengths of requests on the decode pool
+        self._pending: dict[str, tuple[Route, int]] = {}  # request id -> its route and prompt tokens
+        self._prefill_s: dict[str, float] = {}  # request id -> its prefill call's seconds (pull)
         self._task: asyncio.Task | None = None
 
     # ---- choosing ------------------------------------------------------------------------
 
-    def route(self, prompt_tokens: int) -> Route:
+    def route(self, prompt_tokens: int, output_tokens: int) -> Route:
         self._start()
         plan = self.plan
         decode_in_flight = self._in_flight[Route.DISAGGREGATED] + self._in_flight[Route.ON_DECODE]
-        if prefer_lent(decode_in_flight, plan.decode, self._in_flight[Route.LENT], plan.lent):
+        lent_has_room = prefer_lent(decode_in_flight, plan.decode, self._in_flight[Route.LENT], plan.lent)
+        if lent_has_room and decode_heavy(prompt_tokens, output_tokens):
             return Route.LENT
         load = PromptLoad(
             prompt_tokens=prompt_tokens,
@@ -91,8 +95,10 @@ class ElasticRouting:
                     del self._decoding[output_tokens]
 
     @contextmanager
-    def prompt_pending(self, route: Route, prompt_tokens: int) -> Iterator[None]:
-        """Held from the request's start until its first token (or its end)."""
+    def prompt_pending(self, request_id: str, route: Route, prompt_tokens: int) -> Iterator[None]:
+        """Counts the prompt as queued from the request's start until its prefill call returns
+        (``prefill_returned``, pull) or its first token (or its end)."""
+        self._pending[request_id] = (route, prompt_tokens)
         if route is Route.DISAGGREGATED:
             self._prefill_tokens += prompt_tokens
         elif route is Route.ON_DECODE:
@@ -100,12 +106,29 @@ class ElasticRouting:
         try:
             yield
         finally:
-            if route is Route.DISAGGREGATED:
-                self._prefill_tokens -= prompt_tokens
-            elif route is Route.ON_DECODE:
-                self._prompts_on_decode -= 1
+            self._end_prompt(request_id)
+
+    def _end_prompt(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return
+        route, prompt_tokens = pending
+        if route is Route.DISAGGREGATED:
+            self._prefill_tokens -= prompt_tokens
+        elif route is Route.ON_DECODE:
+            self._prompts_on_decode -= 1
 
     # ---- what was measured -----------------------------------------------------------------
+
+    def prefill_returned(self, request_id: str, call_s: float, prompt_tokens: int, compute_s: float) -> None:
+        """A pull's prefill call returned after ``call_s``: its prompt is no longer queued, and
+        ``call_s`` is the request's prefill part of TTFT (what a lend or reclaim changes)."""
+        self._end_prompt(request_id)
+        self._prefill_s[request_id] = call_s
+        self.prefill_speed(prompt_tokens, compute_s)
+
+    def pop_prefill_s(self, request_id: str) -> float | None:
+        return self._prefill_s.pop(request_id, None)
 
     def prefill_speed(self, prompt_tokens: int, compute_s: float) -> None:
         if prompt_tokens <= 0 or compute_s <= 0:
@@ -131,10 +154,14 @@ class ElasticRouting:
                 self.plan = RoutingPlan(**await self.controller.sync.remote(samples))
             except Exception as exc:  # the controller restarting: route by the last plan
                 logger.warning("autoscaler sync failed: %s", exc)
+                self._samples = samples + self._samples  # sent with the next sync
             await asyncio.sleep(SYNC_PERIOD_S)
 
     async def view(self) -> dict[str, Any]:
-        view = await self.controller.view.remote()
+        """The controller's view (``TimeoutError`` when it does not answer in ``VIEW_TIMEOUT_S``)
+        and this ingress's routing state."""
+        self._start()
+        view = await asyncio.wait_for(self.controller.view.remote(), VIEW_TIMEOUT_S)
         view["ingress"] = {
             "plan": self.plan.__dict__,
             "in_flight": {route.value: n for route, n in self._in_flight.items()},

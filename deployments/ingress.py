@@ -129,12 +129,15 @@ class OpenAIIngress:
             "data": [{"id": self.model, "object": "model", "owned_by": "tandem", "max_model_len": self.max_model_len}],
         }
 
-    @api.get("/admin/autoscaler")
-    async def autoscaler(self) -> dict:
+    @api.get("/admin/autoscaler", response_model=None)
+    async def autoscaler(self) -> dict | JSONResponse:
         """The policy, each engine replica's role and load, the last decisions with reasons."""
         if self.elastic is None:
             return {"enabled": False, "policy": None, "replicas": [], "decisions": []}
-        return await self.elastic.view()
+        try:
+            return await self.elastic.view()
+        except Exception as exc:  # the controller restarting or wedged
+            return HTTPError.busy(f"the autoscaler's controller did not answer: {type(exc).__name__}").response()
 
     @api.post("/v1/chat/completions")
     async def chat(self, raw: Request):
@@ -246,15 +249,25 @@ class OpenAIIngress:
                 yield output
         finally:
             self._active_ids.discard(request.request_id)
+            prefill_s = self.elastic.pop_prefill_s(request.request_id) if self.elastic is not None else None
         end = time.perf_counter()
         path = "colocated" if self.colocated is not None else "disaggregated"
         self.metrics.observe(path, start, first, end, num_tokens)
         self.metrics.requests.inc(1, {"status": "200"})
         if self.elastic is not None and first is not None:
-            tpot = (end - first) / (num_tokens - 1) if num_tokens > 1 else None
-            self.elastic.observe(first - start, tpot, first - start if route is Route.DISAGGREGATED else None)
+            self._observe(route, prefill_s, first - start, end - first, num_tokens)
 
     # ---- the paths through the replicas ---------------------------------------------------
+
+    def _observe(
+        self, route: Route | None, prefill_s: float | None, ttft_s: float, decode_s: float, num_tokens: int
+    ) -> None:
+        """Hand a finished request's latencies to the autoscaler: TTFT, TPOT and its prefill
+        part (a pull's prefill call; in push mode, where the prefill call ends with the
+        transfer, the TTFT)."""
+        if prefill_s is None and route is Route.DISAGGREGATED and self.config.transport.mode == "push":
+            prefill_s = ttft_s
+        self.elastic.observe(ttft_s, decode_s / (num_tokens - 1) if num_tokens > 1 else None, prefill_s)
 
     def _route(self, request: GenerationRequest) -> Route | None:
         """None: colocated, or a short prompt prefilled on decode (``disagg_min_prompt_tokens``)."""
@@ -262,7 +275,7 @@ class OpenAIIngress:
             return None
         if self.elastic is None:
             return Route.DISAGGREGATED
-        return self.elastic.route(len(request.prompt_token_ids))
+        return self.elastic.route(len(request.prompt_token_ids), request.sampling.max_tokens)
 
     async def _outputs(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
         """Route one request: colocated, prefilled on decode, on a lent replica, pull or push."""
@@ -298,7 +311,7 @@ class OpenAIIngress:
                     yield output
                 return
             with self.elastic.in_flight(route, request.sampling.max_tokens):
-                with self.elastic.prompt_pending(route, len(request.prompt_token_ids)):
+                with self.elastic.prompt_pending(request.request_id, route, len(request.prompt_token_ids)):
                     output = await anext(outputs, None)
                 if output is None:
                     return
@@ -317,7 +330,8 @@ class OpenAIIngress:
         result, handle = await self._call(self.prefill.prefill.remote(request))
         self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
         if self.elastic is not None:
-            self.elastic.prefill_speed(len(request.prompt_token_ids), result.compute_s)
+            hop_s = time.perf_counter() - hop_start
+            self.elastic.prefill_returned(request.request_id, hop_s, len(request.prompt_token_ids), result.compute_s)
         if handle is None:  # ended at its first token
             yield result.final_output()
             return

@@ -327,6 +327,6 @@ class EngineCore:
             block_size=self.config.block_size,
             num_preemptions=self.scheduler.num_preemptions,
             median_step_ms=statistics.median(self._step_times) * 1e3 if self._step_times else 0.0,
-            num_decoding=self.scheduler.num_decoding(),
+            num_decoding=sum(not state.prefill_only for state in list(self._requests.values())),
             num_queued_prompt_tokens=self.scheduler.num_queued_prompt_tokens(),
         )

@@ -287,5 +287,5 @@ class EngineStats:
     block_size: int
     num_preemptions: int  # since start
     median_step_ms: float  # median time of the last 64 steps that ran the model
-    num_decoding: int = 0  # running requests past their prompt
+    num_decoding: int = 0  # requests that decode here (whole or decode requests), waiting or running
     num_queued_prompt_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed

@@ -110,10 +110,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_decoding(self) -> int:
-        """Running sequences past their prompt."""
-        return sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in self.running)
-
     def num_queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting and running sequences not computed yet."""
         return sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in (*self.waiting, *self.running))

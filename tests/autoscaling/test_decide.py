@@ -303,7 +303,7 @@ def test_drained_once_the_replica_reports_prefill_with_no_decodes():
     decisions, state = _run(snapshots, policy, state)
     # not lent again while draining (the only candidate); lent the interval after it drained
     assert _kinds(decisions) == [(3.0, ActionKind.DRAINED, "p0"), (4.0, ActionKind.LEND, "p0")]
-    assert decisions[0][1].reason == "its decodes ended: back to prefill only"
+    assert decisions[0][1].reason == "decoding 0: its decodes ended, prefill only"
     assert state.lent == frozenset({"p0"}) and not state.draining
 
 

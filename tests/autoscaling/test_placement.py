@@ -11,7 +11,14 @@ from dataclasses import replace
 
 import pytest
 
-from autoscaling.placement import Placement, PromptLoad, place_prompt, predicted_prefill_ttft_s, prefer_lent
+from autoscaling.placement import (
+    Placement,
+    PromptLoad,
+    decode_heavy,
+    place_prompt,
+    predicted_prefill_ttft_s,
+    prefer_lent,
+)
 from autoscaling.policy import Policy, load_policy
 
 DEFAULT = load_policy("default")
@@ -72,6 +79,7 @@ def test_latency_first_offloads_earlier():
         ({"decode_prompts_in_flight": 2, "decode_replicas": 2}, "2 prompts already prefilling on decode"),
         ({"seconds_per_prompt_token": None}, "prefill speed not measured yet"),
         ({"decode_replicas": 0}, "prompt placement off"),
+        ({"prefill_replicas": 0}, "no prefill replica reported yet"),
         # one long prompt and no queue: no faster on a decode replica
         ({"prompt_tokens": 3000, "prefill_tokens_in_flight": 0}, "no faster on decode"),
     ],
@@ -84,6 +92,7 @@ def test_latency_first_offloads_earlier():
         "max-prompts-2-replicas",
         "speed-unknown",
         "no-decode",
+        "no-prefill-known",
         "no-gain",
     ],
 )
@@ -135,3 +144,9 @@ def test_prefer_lent_compares_requests_per_replica(
     decode_in_flight, decode_replicas, lent_in_flight, lent_replicas, expected
 ):
     assert prefer_lent(decode_in_flight, decode_replicas, lent_in_flight, lent_replicas) is expected
+
+
+def test_only_decode_heavy_requests_go_whole_to_a_lent_replica():
+    assert decode_heavy(prompt_tokens=48, output_tokens=200)
+    assert decode_heavy(prompt_tokens=64, output_tokens=64)
+    assert not decode_heavy(prompt_tokens=400, output_tokens=32)

@@ -25,7 +25,7 @@ RECLAIM_ROW = (
     "| 6.0 | reclaim | p0 | decode burst over: decode kv_usage 0.00 <= leave 0.40, "
     "decode waiting 0.00 <= leave 0.00, decode running_per_replica 0.00 <= leave 2.00 |"
 )
-DRAINED_ROW = "| 7.0 | drained | p0 | its decodes ended: back to prefill only |"
+DRAINED_ROW = "| 7.0 | drained | p0 | decoding 0: its decodes ended, prefill only |"
 
 
 def _replica(name: str, home: Role, role: Role, *, waiting: int = 0, decoding: int = 0) -> ReplicaLoad:
@@ -76,17 +76,22 @@ def test_replay_prints_the_lend_then_the_reclaim_with_reasons(tmp_path, capsys):
     ]
 
 
-def test_replay_as_a_module_prints_the_same_table(tmp_path, capsys):
-    trace = _write_trace(tmp_path / "trace.jsonl", _burst_then_calm())
-    assert main(["default", str(trace)]) == 0
-    in_process = capsys.readouterr().out
-    done = subprocess.run(
+def _replay_module(trace) -> subprocess.CompletedProcess:
+    """``python -m autoscaling.replay default TRACE`` in a fresh interpreter."""
+    return subprocess.run(
         [sys.executable, "-m", "autoscaling.replay", "default", str(trace)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_replay_as_a_module_prints_the_same_table(tmp_path, capsys):
+    trace = _write_trace(tmp_path / "trace.jsonl", _burst_then_calm())
+    assert main(["default", str(trace)]) == 0
+    in_process = capsys.readouterr().out
+    done = _replay_module(trace)
     assert done.returncode == 0, done.stderr
     assert done.stdout == in_process
 
@@ -134,13 +139,7 @@ def test_a_malformed_line_exits_2_naming_the_line(tmp_path, capsys, bad_line):
 def test_a_malformed_line_exits_2_as_a_module(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text(json.dumps(_burst_then_calm()[0].to_json()) + "\n{oops\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "autoscaling.replay", "default", str(trace)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _replay_module(trace)
     assert done.returncode == 2
     assert f"{trace}:2: not a snapshot" in done.stderr and done.stdout == ""
 
