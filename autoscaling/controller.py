@@ -28,7 +28,7 @@ from autoscaling.decide import Action, ActionKind, ControllerState, decide
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
 from engine.params import EngineStats, Role
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
 MAX_DECISIONS = 100
 
 

@@ -1,7 +1,8 @@
 """Try a policy on a recorded trace before it runs: ``python -m autoscaling.replay POLICY TRACE.jsonl``.
 
 ``POLICY`` is a shipped policy's name or a YAML path; ``TRACE.jsonl`` is what the controller
-wrote with ``autoscaling.record=PATH`` (one snapshot per decision interval). Prints the
+wrote with ``autoscaling.record=PATH`` (one snapshot per decision interval). When the app set
+``slo.ttft_ms`` / ``slo.tpot_ms``, pass them as ``--slo-ttft-ms`` / ``--slo-tpot-ms``. Prints the
 decisions the policy takes on that trace: time (seconds from the trace's start), action,
 replica and reason. The decisions depend only on the snapshots, so the same trace and
 policy always print the same table.
@@ -51,9 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoscaling.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("policy", help="a shipped policy's name (default, latency_first, cost_first) or a YAML path")
     parser.add_argument("trace", type=Path, help="JSONL written with autoscaling.record=PATH")
+    parser.add_argument(
+        "--slo-ttft-ms", type=float, help="the app's slo.ttft_ms, if it set one (in place of the policy's)"
+    )
+    parser.add_argument("--slo-tpot-ms", type=float, help="the app's slo.tpot_ms, if it set one")
     args = parser.parse_args(argv)
     try:
-        policy = load_policy(args.policy)
+        policy = load_policy(args.policy).with_slo(args.slo_ttft_ms, args.slo_tpot_ms)
         snapshots = list(read_trace(args.trace))
     except (PolicyError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

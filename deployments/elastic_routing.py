@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -25,10 +25,10 @@ from autoscaling.controller import RoutingPlan
 from autoscaling.placement import PromptLoad, decode_heavy, place_prompt, prefer_lent
 from autoscaling.policy import Policy
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
 SYNC_PERIOD_S = 0.25
 VIEW_TIMEOUT_S = 10.0
-SPEED_WEIGHT = 0.2  # weight of the newest prefill in the seconds-per-token average
+SPEED_SAMPLES = 32  # prefills the seconds-per-token estimate looks back on
 
 
 class Route(StrEnum):
@@ -48,6 +48,7 @@ class ElasticRouting:
         self._in_flight = {Route.DISAGGREGATED: 0, Route.LENT: 0, Route.ON_DECODE: 0}
         self._routed = dict.fromkeys(Route, 0)  # requests per route since start
         self._decoding: Counter[int] = Counter()  # output lengths of requests on the decode pool
+        self._speeds: deque[float] = deque(maxlen=SPEED_SAMPLES)
         self._pending: dict[str, tuple[Route, int]] = {}  # request id -> its route and prompt tokens
         self._prefill_s: dict[str, float] = {}  # request id -> its prefill call's seconds (pull)
         self._task: asyncio.Task | None = None
@@ -131,11 +132,13 @@ class ElasticRouting:
         return self._prefill_s.pop(request_id, None)
 
     def prefill_speed(self, prompt_tokens: int, compute_s: float) -> None:
+        """Seconds per prompt token: the least of the last ``SPEED_SAMPLES`` prefills. A prompt
+        batched with others reports the whole step's compute, so an average would count the
+        same tokens several times; the least is a prompt that ran (nearly) alone."""
         if prompt_tokens <= 0 or compute_s <= 0:
             return
-        sample = compute_s / prompt_tokens
-        old = self.seconds_per_prompt_token
-        self.seconds_per_prompt_token = sample if old is None else old + SPEED_WEIGHT * (sample - old)
+        self._speeds.append(compute_s / prompt_tokens)
+        self.seconds_per_prompt_token = min(self._speeds)
 
     def observe(self, ttft_s: float | None, tpot_s: float | None, prefill_s: float | None) -> None:
         if ttft_s is not None:

@@ -21,7 +21,7 @@ from engine.params import EngineStats, GenerationRequest, PrefillResult, Request
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -93,18 +93,22 @@ class EngineServer:
 
         context = serve.get_replica_context()
         replica, deployment = context.replica_id.unique_id, context.deployment
+        changing: asyncio.Task | None = None
         while True:
             try:
                 stats = self.engine.latest_stats()
                 role = Role(await self._controller.report.remote(replica, deployment, self.home.value, stats))
-                if role is not stats.role:
-                    await self._started()
-                    await self.engine.set_role(role)
-                    logger.info("role %s -> %s (assigned by the autoscaler)", stats.role.value, role.value)
-                    continue  # report the new role at once
+                if role is not stats.role and (changing is None or changing.done()):
+                    # applied between engine steps (a step may take seconds): keep reporting meanwhile
+                    changing = asyncio.get_running_loop().create_task(self._apply_role(stats.role, role))
             except Exception as exc:  # the controller restarting, say: keep the role, retry
                 logger.warning("autoscaler report failed: %s", exc)
             await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def _apply_role(self, old: Role, role: Role) -> None:
+        await self._started()
+        await self.engine.set_role(role)
+        logger.info("role %s -> %s (assigned by the autoscaler)", old.value, role.value)
 
     async def check_health(self) -> None:
         self._start_reporting()

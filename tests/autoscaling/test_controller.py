@@ -56,5 +56,5 @@ def test_report_tick_sync_and_view():
     controller._reports["p0"] = (seen - 100, load)
     controller.tick(seen + 1)
     last = asyncio.run(controller.view())["decisions"][-1]
-    assert (last["action"], last["replica"], last["reason"]) == ("reclaim", "p0", "no report for over 5s")
+    assert (last["action"], last["replica"], last["reason"]) == ("reclaim", "p0", "no report for over 10s")
     assert controller.state.lent == frozenset()

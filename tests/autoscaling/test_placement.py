@@ -1,7 +1,7 @@
 """Prompt placement (conditional disaggregation by load) and the lent pool's share of whole requests.
 
 Under the default policy a prompt moves to a decode replica once its predicted prefill TTFT
-reaches 0.8 x 3000 ms = 2.4 s, while the decode TPOT p90 is below 0.8 x 120 ms = 96 ms, the
+reaches 1.0 x 3000 ms = 3 s, while the decode TPOT p90 is below 0.8 x 120 ms = 96 ms, the
 decode KV usage below 0.8, and no decode replica already prefills a prompt.
 """
 
@@ -42,12 +42,12 @@ def _with_placement(policy: Policy, **fields: object) -> Policy:
 
 def test_a_queued_prefill_pool_sends_the_prompt_to_decode():
     assert predicted_prefill_ttft_s(QUEUED) == pytest.approx(4.5)
-    assert place_prompt(QUEUED, DEFAULT) == Placement(True, "predicted prefill TTFT 4.50s >= 2.40s, decode has room")
+    assert place_prompt(QUEUED, DEFAULT) == Placement(True, "predicted prefill TTFT 4.50s >= 3.00s, decode has room")
 
 
 def test_a_short_queue_keeps_the_prompt_at_prefill():
     load = replace(QUEUED, prefill_tokens_in_flight=1000)  # 1.5 s
-    assert place_prompt(load, DEFAULT) == Placement(False, "predicted prefill TTFT 1.50s < 2.40s")
+    assert place_prompt(load, DEFAULT) == Placement(False, "predicted prefill TTFT 1.50s < 3.00s")
 
 
 def test_the_queue_is_shared_by_the_prefill_replicas():

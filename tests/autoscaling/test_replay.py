@@ -182,3 +182,29 @@ def test_a_snapshot_survives_its_json_form():
     assert back == snapshot
     assert back.replicas[0].role is Role.BOTH and back.replicas[0].lent
     assert Snapshot.from_json({"time": 1.0, "replicas": []}) == Snapshot(time=1.0)
+
+
+def test_the_apps_slo_replaces_the_policys_in_a_replay(tmp_path, capsys):
+    """Decode requests wait throughout; from t=110 the prefill part of TTFT is 2.4 s: 0.8x the
+    default policy's 3 s target (below its enter 1.0: the replica stays lent), 1.2x a 2 s
+    target set by the app (reclaimed, naming the ratio)."""
+    slow_prefill = Observed(num_requests=9, prefill_p90_s=2.4)
+    snapshots = [
+        Snapshot(
+            time=float(t),
+            replicas=(
+                _replica("p0", Role.PREFILL, Role.BOTH if t > 100 else Role.PREFILL),
+                _replica("d0", Role.DECODE, Role.DECODE, waiting=5),
+            ),
+            observed=slow_prefill if t >= 110 else Observed(),
+        )
+        for t in range(100, 121)
+    ]
+    trace = _write_trace(tmp_path / "trace.jsonl", snapshots)
+    assert main(["default", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "| lend | p0 |" in out and "reclaim" not in out
+    assert main(["default", str(trace), "--slo-ttft-ms", "2000"]) == 0
+    assert (
+        "| 10.0 | reclaim | p0 | prompts press: prefill ttft_slo_ratio 1.20 >= enter 1.00 |" in capsys.readouterr().out
+    )
