@@ -98,7 +98,26 @@ class AppConfig(_Section):
         )
         if self.disagg_min_prompt_tokens >= self.model.max_model_len:
             raise ValueError("disagg_min_prompt_tokens must be below model.max_model_len")
+        if self.replica_scaling:
+            self._check_scaling_bounds()
         return self
+
+    @property
+    def replica_scaling(self) -> bool:
+        """disagg_app scales its pools' replica counts (autoscaling on, its policy's scaling on)."""
+        settings = self.autoscaling
+        return settings.enabled and settings.replica_scaling and settings.load().scaling.enabled
+
+    def _check_scaling_bounds(self) -> None:
+        scaling = self.autoscaling.load().scaling
+        for pool, bounds in (("prefill", scaling.prefill), ("decode", scaling.decode)):
+            initial = getattr(self, pool).num_replicas
+            if not bounds.min_replicas <= initial <= bounds.max_replicas:
+                raise ValueError(
+                    f"{pool}.num_replicas ({initial}) must be within the autoscaling policy's"
+                    f" scaling.{pool} min_replicas..max_replicas ({bounds.min_replicas}..{bounds.max_replicas});"
+                    " or autoscaling.replica_scaling=false for a fixed count"
+                )
 
     @classmethod
     def load(cls, args: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> AppConfig:

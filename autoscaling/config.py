@@ -12,6 +12,9 @@ class AutoscalingSettings(BaseModel):
 
     enabled: bool = Field(True, description="false: fixed pools, no controller (disagg_app only)")
     policy: str = Field("default", description="a policy in autoscaling/policies/ by name, or a YAML path")
+    replica_scaling: bool = Field(
+        True, description="false: each pool keeps its num_replicas (lending still works); true: the policy's scaling"
+    )
     record: str | None = Field(None, description="append each decision's snapshot to this JSONL file (for replay)")
 
     @model_validator(mode="after")

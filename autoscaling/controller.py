@@ -25,6 +25,7 @@ from typing import Any
 
 from app.settings import AppConfig
 from autoscaling.decide import Action, ActionKind, ControllerState, decide
+from autoscaling.scale import POOLS, ScaleEvent, ScaleState, decide_counts
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
 from engine.params import EngineStats, Role
 
@@ -63,6 +64,9 @@ class AutoscalerController:
         self.settings = app.autoscaling
         self.policy = app.autoscaling.load(app.slo.ttft_ms, app.slo.tpot_ms)
         self.state = ControllerState()
+        self.scaling = self.settings.replica_scaling and self.policy.scaling.enabled
+        self.scale_state = ScaleState()
+        self._relay: dict[str, Any] = {}  # pool -> target, with "seq": the decision's wall time
         self._reports: dict[str, tuple[float, ReplicaLoad]] = {}
         self._samples: deque[tuple[float, float, float | None, float | None]] = deque()
         self._decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
@@ -73,12 +77,20 @@ class AutoscalerController:
 
     # ---- calls from the replicas and the ingress -----------------------------------------
 
-    async def report(self, replica: str, deployment: str, home: str, stats: EngineStats) -> str:
-        """An engine replica's load; answers the role it must have."""
+    async def report(
+        self, replica: str, deployment: str, home: str, stats: EngineStats, stopping: bool = False
+    ) -> dict[str, Any]:
+        """An engine replica's load; answers the role it must have and, with replica scaling,
+        its deployment's target replica count (``target``, ``seq``: the decision's time) for
+        it to relay to Serve. ``stopping``: the replica is being stopped (left out at once)."""
         self._start()
         load = ReplicaLoad.of(replica, deployment, Role(home), stats)
+        if stopping:
+            self._reports.pop(replica, None)
+            return {"role": load.home.value, "target": None, "seq": None}
         self._reports[replica] = (time.monotonic(), load)
-        return self.state.role_of(load).value
+        target = self._relay.get(home)
+        return {"role": self.state.role_of(load).value, "target": target, "seq": self._relay.get("seq")}
 
     async def sync(self, samples: list[tuple[float, float | None, float | None]]) -> dict[str, Any]:
         """The ingress's finished requests since its last sync (ttft_s, tpot_s, prefill_s);
@@ -120,7 +132,23 @@ class AutoscalerController:
             "replicas": replicas,
             "observed": asdict(snapshot.observed),
             "decisions": list(self._decisions),
+            "scaling": self._scaling_view(snapshot),
         }
+
+    def _scaling_view(self, snapshot: Snapshot) -> dict[str, Any]:
+        scale = self.scale_state
+        pools = {}
+        for pool in POOLS:
+            reporting = sum(r.home is pool for r in snapshot.replicas)
+            target = scale.targets.get(pool)
+            until = scale.backoff_until.get(pool)
+            pools[pool.value] = {
+                "target": target,
+                "reporting": reporting,
+                "pending": max((target or 0) - reporting, 0),
+                "backoff_s": round(until - snapshot.time, 1) if until and until > snapshot.time else 0,
+            }
+        return {"enabled": self.scaling, "pools": pools}
 
     # ---- the decision loop -----------------------------------------------------------------
 
@@ -148,10 +176,42 @@ class AutoscalerController:
         for action in actions:
             self._record_action(now, action)
         self.metrics.roles(snapshot.replicas, self.state)
+        if self.scaling:
+            self._scale(snapshot)
         if self.settings.record:
             with open(self.settings.record, "a") as trace:
                 trace.write(json.dumps(snapshot.to_json()) + "\n")
         return actions
+
+    def _scale(self, snapshot: Snapshot) -> None:
+        """Both pools' replica counts from the same snapshot; the targets go back to the
+        replicas in their report answers, which relay them to Serve."""
+        before = dict(self.scale_state.targets)
+        self.scale_state, events = decide_counts(snapshot, self.policy, self.scale_state, self.state.lent)
+        for event in events:
+            self._record_scale(snapshot.time, event)
+        targets = dict(self.scale_state.targets)
+        if targets != before or not self._relay:
+            if targets:
+                self._relay = {pool.value: n for pool, n in targets.items()} | {"seq": time.time()}
+        reporting = {pool: sum(r.home is pool for r in snapshot.replicas) for pool in POOLS}
+        self.metrics.scaling(targets, reporting)
+
+    def _record_scale(self, now: float, event: ScaleEvent) -> None:
+        logger.info("autoscaler %s %s: %s", event.kind.value, event.pool.value, event.reason)
+        self.metrics.action(event.kind.value)
+        self._decisions.append(
+            {
+                "time": time.time(),
+                "monotonic_s": round(now, 3),
+                "action": event.kind.value,
+                "replica": None,
+                "role": event.pool.value,
+                "pool": event.pool.value,
+                "replicas": [event.old, event.new],
+                "reason": event.reason,
+            }
+        )
 
     def _fresh(self, now: float) -> tuple[ReplicaLoad, ...]:
         """The replicas that reported within ``stale_after_s``, in a stable order."""

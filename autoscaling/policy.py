@@ -111,6 +111,54 @@ class PromptPlacement(_Strict):
     max_prompts_per_replica: int = Field(1, ge=1, description="prompts prefilling on one decode replica at once")
 
 
+class PoolScaling(_Strict):
+    """One pool's replica count: Serve's min/max and the load one replica is sized for
+    (``None`` turns a signal off)."""
+
+    min_replicas: int = Field(1, ge=1, description="replicas of the deployment at least")
+    max_replicas: int = Field(1, ge=1, description="replicas of the deployment at most")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PoolScaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not be above max_replicas ({self.max_replicas})")
+        return self
+
+
+class PrefillScaling(PoolScaling):
+    queued_prompt_tokens: float | None = Field(
+        None, gt=0, description="target prompt tokens not yet computed, per prefill-role replica"
+    )
+
+
+class DecodeScaling(PoolScaling):
+    running_per_replica: float | None = Field(None, gt=0, description="target decoding requests per decode replica")
+    kv_usage: float | None = Field(None, gt=0, le=1, description="target share of decode KV blocks in use")
+
+
+class Scaling(_Strict):
+    """Replica counts of both pools, decided together (``autoscaling/scale.py``): a pool grows
+    to the replicas its load needs at the targets once that need has lasted
+    ``scale_up_delay_s``, and shrinks by one once the load would stay under
+    ``scale_down_below`` of the targets on one replica fewer for ``scale_down_delay_s``."""
+
+    enabled: bool = Field(True, description="false: each pool keeps its num_replicas (lending still works)")
+    prefill: PrefillScaling = Field(default_factory=PrefillScaling)
+    decode: DecodeScaling = Field(default_factory=DecodeScaling)
+    scale_up_delay_s: float = Field(10.0, ge=0, description="a need for more replicas must last this long")
+    scale_down_delay_s: float = Field(60.0, ge=0, description="a surplus must last this long")
+    scale_down_below: float = Field(
+        0.6, gt=0, lt=1, description="shrink only when one replica fewer would run below this share of the targets"
+    )
+    pending_timeout_s: float = Field(
+        120.0, gt=0, description="replicas asked for but not reporting after this are given up (a pod left Pending)"
+    )
+    max_backoff_s: float = Field(600.0, gt=0, description="after giving up, wait at most this long before asking again")
+    graceful_shutdown_timeout_s: float = Field(
+        120.0, gt=0, description="Serve's bound on a stopping replica's drain: its decodes and exported KV"
+    )
+
+
 class Policy(_Strict):
     name: str = Field("custom", description="shown by GET /admin/autoscaler (the file's name by default)")
     slo: SLOTargets
@@ -127,6 +175,7 @@ class Policy(_Strict):
     decode_pressure: DecodePressure = Field(default_factory=DecodePressure)
     prefill_pressure: PrefillPressure = Field(default_factory=PrefillPressure)
     prompt_placement: PromptPlacement = Field(default_factory=PromptPlacement)
+    scaling: Scaling = Field(default_factory=lambda: Scaling(enabled=False))
 
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
@@ -141,6 +190,11 @@ class Policy(_Strict):
         ):
             if self.max_lent > 0:
                 raise ValueError("decode_pressure: no signal is on, so max_lent must be 0")
+        if self.replicas.prefill.min > self.scaling.prefill.min_replicas:
+            raise ValueError(
+                f"replicas.prefill.min ({self.replicas.prefill.min}) never-lent replicas need"
+                f" scaling.prefill.min_replicas ({self.scaling.prefill.min_replicas}) at least as high"
+            )
         if pressure.kv_usage.on and pressure.kv_usage.enter > 1:
             raise ValueError(f"decode_pressure.kv_usage.enter ({pressure.kv_usage.enter}) is a share: at most 1")
         return self

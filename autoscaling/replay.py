@@ -3,8 +3,9 @@
 ``POLICY`` is a shipped policy's name or a YAML path; ``TRACE.jsonl`` is what the controller
 wrote with ``autoscaling.record=PATH`` (one snapshot per decision interval). When the app set
 ``slo.ttft_ms`` / ``slo.tpot_ms``, pass them as ``--slo-ttft-ms`` / ``--slo-tpot-ms``. Prints the
-decisions the policy takes on that trace: time (seconds from the trace's start), action,
-replica and reason. The decisions depend only on the snapshots, so the same trace and
+decisions the policy takes on that trace -- lending (lend, reclaim, drained: the replica) and
+replica counts (scale_up, scale_down, give_up: the pool and its counts) -- with the time
+(seconds from the trace's start) and the reason. The decisions depend only on the snapshots, so the same trace and
 policy always print the same table.
 """
 
@@ -18,7 +19,10 @@ from pathlib import Path
 
 from autoscaling.decide import Action, ControllerState, decide
 from autoscaling.policy import Policy, PolicyError, load_policy
+from autoscaling.scale import ScaleEvent, ScaleState, decide_counts
 from autoscaling.snapshot import Snapshot
+
+Decision = Action | ScaleEvent
 
 
 def read_trace(path: Path) -> Iterator[Snapshot]:
@@ -31,20 +35,28 @@ def read_trace(path: Path) -> Iterator[Snapshot]:
                     raise ValueError(f"{path}:{number}: not a snapshot ({exc})") from None
 
 
-def replay(snapshots: Iterable[Snapshot], policy: Policy) -> list[tuple[float, Action]]:
-    """Every decision ``policy`` takes on the trace, with the snapshot's time."""
-    state, decisions = ControllerState(), []
+def replay(snapshots: Iterable[Snapshot], policy: Policy) -> list[tuple[float, Decision]]:
+    """Every decision ``policy`` takes on the trace, with the snapshot's time, in the
+    controller's order: lending first, then the replica counts from the same snapshot."""
+    state, scale, decisions = ControllerState(), ScaleState(), []
     for snapshot in snapshots:
         state = state.forget_missing(r.replica for r in snapshot.replicas)
         actions = decide(snapshot, policy, state)
         state = state.after(actions, snapshot.time)
-        decisions.extend((snapshot.time, action) for action in actions)
+        scale, events = decide_counts(snapshot, policy, scale, state.lent)
+        decisions.extend((snapshot.time, decision) for decision in (*actions, *events))
     return decisions
 
 
-def table(decisions: list[tuple[float, Action]], start: float) -> str:
-    rows = ["| time (s) | action | replica | reason |", "|---|---|---|---|"]
-    rows += [f"| {t - start:.1f} | {a.kind.value} | {a.replica} | {a.reason} |" for t, a in decisions]
+def _subject(decision: Decision) -> str:
+    if isinstance(decision, ScaleEvent):
+        return f"{decision.pool.value} pool: {decision.old} -> {decision.new}"
+    return decision.replica
+
+
+def table(decisions: list[tuple[float, Decision]], start: float) -> str:
+    rows = ["| time (s) | action | replica or pool | reason |", "|---|---|---|---|"]
+    rows += [f"| {t - start:.1f} | {d.kind.value} | {_subject(d)} | {d.reason} |" for t, d in decisions]
     return "\n".join(rows)
 
 

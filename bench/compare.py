@@ -70,7 +70,10 @@ SYSTEMS = {  # name -> (application, its arguments)
     ),
     "disagg-pull": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "false"}),
     "disagg-push": ("disagg", {"transport.mode": "push", "autoscaling.enabled": "false"}),
-    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true"}),
+    "elastic": (
+        "disagg",
+        {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "false"},
+    ),
 }
 SLO_AWARE = frozenset({"elastic"})  # started per workload, with that workload's SLOs
 # rate points, as multiples of 2 / (uncontended E2E of the median request)

@@ -72,7 +72,15 @@ PHASE_S = 180.0
 SYSTEMS = {  # name -> (application, its arguments on top of bench.compare's COMMON)
     "static": COMPARE_SYSTEMS["disagg-pull"],
     "colocated": COMPARE_SYSTEMS["colocated"],
-    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.policy": "default"}),
+    "elastic": (
+        "disagg",
+        {
+            "transport.mode": "pull",
+            "autoscaling.enabled": "true",
+            "autoscaling.policy": "default",
+            "autoscaling.replica_scaling": "false",  # lending alone: fixed 1 + 1 (replica counts: bench.scaling)
+        },
+    ),
 }
 POLL_S = 1.0  # GET /admin/autoscaler period while the elastic system runs
 PROBE_TOKENS = 32  # output tokens of the calibration probes (as bench.compare)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.settings import AppConfig, DeploymentConfig
+from autoscaling.serve_policy import serve_autoscaling_config
 from deployments.ingress import OpenAIIngress
 from deployments.server import EngineServer
 from engine.params import Role
@@ -15,11 +18,13 @@ ROUTING_STATS_PERIOD_S = 0.5
 INGRESS_SPARE = 16  # room above max_queued_requests so the ingress itself answers 503
 
 
-def _engine_deployment(name: str, deployment: DeploymentConfig):
+def _engine_deployment(name: str, deployment: DeploymentConfig, scaling: dict[str, Any] | None = None):
+    """``scaling``: Serve options for replica scaling (``_scaling_options``), else a fixed count."""
+    counts = scaling or {"num_replicas": deployment.num_replicas}
     return serve.deployment(
         EngineServer,
         name=name,
-        num_replicas=deployment.num_replicas,
+        **counts,
         ray_actor_options=deployment.ray_actor_options(),
         max_ongoing_requests=deployment.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
@@ -48,13 +53,26 @@ def _controller():
     )
 
 
+def _scaling_options(config: AppConfig, pool: str) -> dict[str, Any] | None:
+    """With replica scaling on: the pool's Serve autoscaling config, following the
+    controller's decision, and a graceful-stop bound that covers the drain."""
+    if not config.replica_scaling:
+        return None
+    policy = config.autoscaling.load(config.slo.ttft_ms, config.slo.tpot_ms)
+    initial = getattr(config, pool).num_replicas
+    return {
+        "autoscaling_config": serve_autoscaling_config(policy, pool, initial),
+        "graceful_shutdown_timeout_s": policy.scaling.graceful_shutdown_timeout_s,
+    }
+
+
 def build_disagg(config: AppConfig) -> serve.Application:
     data = config.model_dump()
     controller = _controller().bind(data) if config.autoscaling.enabled else None
-    prefill = _engine_deployment("PrefillServer", config.prefill).bind(
+    prefill = _engine_deployment("PrefillServer", config.prefill, _scaling_options(config, "prefill")).bind(
         data, Role.PREFILL.value, "prefill", controller=controller
     )
-    decode = _engine_deployment("DecodeServer", config.decode).bind(
+    decode = _engine_deployment("DecodeServer", config.decode, _scaling_options(config, "decode")).bind(
         data, Role.DECODE.value, "decode", controller=controller
     )
     return _ingress(config).bind(data, prefill=prefill, decode=decode, controller=controller)

@@ -154,7 +154,8 @@ class OpenAIIngress:
             body = self._check_body(schema, await self._read_json(raw))
             request = self._to_engine(body, raw.headers.get("x-request-id"))
             self._admit(request)
-        except HTTPError as exc:
+        except HTTPError as exc:  # refused before any replica saw it: counted too
+            self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
         headers = {"X-Request-Id": request.request_id}
         text_of = self._text_of if request.sampling.logprobs is not None else None

@@ -12,7 +12,7 @@ Engine metrics carry the label ``pool``: the deployment section (prefill, decode
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -120,10 +120,20 @@ class AutoscalerMetrics:
 
     def __init__(self) -> None:
         self.actions = Counter(
-            "tandem_autoscaler_actions_total", "Autoscaler actions (lend, reclaim, drained)", tag_keys=("action",)
+            "tandem_autoscaler_actions_total",
+            "Autoscaler actions (lend, reclaim, drained, scale_up, scale_down, give_up)",
+            tag_keys=("action",),
         )
         self.replicas = Gauge(
             "tandem_autoscaler_replicas", "Engine replicas by assigned role", tag_keys=("role", "pool")
+        )
+        self.target_replicas = Gauge(
+            "tandem_autoscaler_target_replicas", "Replicas the autoscaler decided per pool", tag_keys=("pool",)
+        )
+        self.pending_replicas = Gauge(
+            "tandem_autoscaler_pending_replicas",
+            "Replicas asked for that do not report yet, per pool",
+            tag_keys=("pool",),
         )
 
     def action(self, kind: str) -> None:
@@ -136,3 +146,9 @@ class AutoscalerMetrics:
             counts[(state.role_of(replica).value, pool)] += 1
         for (role, pool), count in counts.items():
             self.replicas.set(count, {"role": role, "pool": pool})
+
+    def scaling(self, targets: Mapping[Role, int], reporting: Mapping[Role, int]) -> None:
+        for pool, target in targets.items():
+            tags = {"pool": pool.value}
+            self.target_replicas.set(target, tags)
+            self.pending_replicas.set(max(target - reporting.get(pool, 0), 0), tags)

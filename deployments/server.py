@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from app.settings import AppConfig
+from autoscaling.serve_policy import SEQ_METRIC, TARGET_METRIC
 from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
@@ -40,6 +41,7 @@ def _load_core(config: AppConfig, role: Role) -> EngineCore:
 
 
 REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler's controller
+DRAIN_POLL_S = 0.1
 
 
 class EngineServer:
@@ -66,6 +68,8 @@ class EngineServer:
         self.home = Role(role)
         self._controller = controller
         self._reporter: asyncio.Task | None = None
+        self._relayed: dict[str, float] = {}  # the replica-count decision for Serve (record_autoscaling_stats)
+        self._stopping = False
         self._start_reporting()
 
     async def _started(self) -> KVEngineLink:
@@ -80,7 +84,7 @@ class EngineServer:
     def _start_reporting(self) -> None:
         """Report to the controller from the replica's event loop (from the constructor when
         Serve runs it on that loop, else from the first call or health check)."""
-        if self._controller is None or (self._reporter is not None and not self._reporter.done()):
+        if self._controller is None or self._stopping or (self._reporter is not None and not self._reporter.done()):
             return
         try:
             loop = asyncio.get_running_loop()
@@ -97,7 +101,10 @@ class EngineServer:
         while True:
             try:
                 stats = self.engine.latest_stats()
-                role = Role(await self._controller.report.remote(replica, deployment, self.home.value, stats))
+                answer = await self._controller.report.remote(replica, deployment, self.home.value, stats)
+                role = Role(answer["role"])
+                if answer["target"] is not None:
+                    self._relayed = {TARGET_METRIC: answer["target"], SEQ_METRIC: answer["seq"]}
                 if role is not stats.role and (changing is None or changing.done()):
                     # applied between engine steps (a step may take seconds): keep reporting meanwhile
                     changing = asyncio.get_running_loop().create_task(self._apply_role(stats.role, role))
@@ -112,6 +119,51 @@ class EngineServer:
 
     async def check_health(self) -> None:
         self._start_reporting()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by Serve (deployments with replica scaling): the controller's decision for
+        this replica's deployment, relayed to Serve's policy (``autoscaling/serve_policy.py``)."""
+        return dict(self._relayed)
+
+    async def __del__(self) -> None:
+        """Serve's graceful stop (scale-down, redeploy, shutdown) calls this once the replica's
+        ongoing calls have ended (their decodes finished): return a lent replica home, then
+        keep the KV this replica exported until its decode replica fetched it (or its lease
+        ran out), so a scale-down loses nothing; bounded by the transfer timeout."""
+        self._stopping = True
+        if self._reporter is not None:
+            self._reporter.cancel()
+        if self._link is None:
+            return
+        await self._report_stopping()
+        if self.engine.latest_stats().role is not self.home:
+            await self.engine.set_role(self.home)
+        deadline = time.monotonic() + self.config.transport.kv_transfer_timeout_s + 1
+        stats = await self.engine.stats()
+        while (stats.num_pinned_blocks or stats.num_running or stats.num_waiting) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+            stats = await self.engine.stats()
+        logger.info(
+            "stopped: %d exported block(s) left unfetched, %d request(s) left",
+            stats.num_pinned_blocks,
+            stats.num_running + stats.num_waiting,
+        )
+
+    async def _report_stopping(self) -> None:
+        """Tell the controller at once, so its counts leave this replica out."""
+        if self._controller is None:
+            return
+        from ray import serve
+
+        context = serve.get_replica_context()
+        stats = self.engine.latest_stats()
+        report = self._controller.report.remote(
+            context.replica_id.unique_id, context.deployment, self.home.value, stats, stopping=True
+        )
+        try:
+            await asyncio.wait_for(report, timeout=2.0)
+        except Exception as exc:  # the controller already stopped (the whole app going down)
+            logger.info("stopping: the autoscaler's controller did not answer (%s)", type(exc).__name__)
 
     def _make_link(self) -> KVEngineLink:
         from kv_transport.engine_link import KVEngineLink

@@ -41,6 +41,7 @@ ARGS = {
     "engine.kv_cache_bytes": str(64 << 20),
     "prefill.num_cpus": "0.25",
     "decode.num_cpus": "0.25",
+    "autoscaling.replica_scaling": "false",  # lending alone here (replica counts: test_replica_scaling_app)
 }
 
 

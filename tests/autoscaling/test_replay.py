@@ -68,7 +68,7 @@ def test_replay_prints_the_lend_then_the_reclaim_with_reasons(tmp_path, capsys):
     assert captured.err == ""
     assert captured.out.splitlines() == [
         "policy default: 21 snapshots, 3 decisions",
-        "| time (s) | action | replica | reason |",
+        "| time (s) | action | replica or pool | reason |",
         "|---|---|---|---|",
         LEND_ROW,
         RECLAIM_ROW,
