@@ -10,6 +10,7 @@ and free its blocks on every replica. Errors from replicas are mapped by type (`
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -41,6 +42,11 @@ from kv_transport.engine_link import KVCapacityError
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+
+
+def _cached(output: RequestOutput, num_cached_tokens: int) -> RequestOutput:
+    """A decode replica's output with the prompt tokens the prefill replica's cache skipped."""
+    return dataclasses.replace(output, num_cached_tokens=num_cached_tokens) if num_cached_tokens else output
 
 
 class RoleRefused(Exception):
@@ -339,7 +345,7 @@ class OpenAIIngress:
         # the decode replica has no logits for the first token: its log-probabilities go along
         stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
         async for output in self._relay(stream):
-            yield output
+            yield _cached(output, result.num_cached_tokens)  # usage counts the prefill replica's cache
 
     async def _push(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Decode reserves blocks and answers with a destination first; prefill writes into it
@@ -355,26 +361,31 @@ class OpenAIIngress:
             yield output
 
     def _push_done(self, request: GenerationRequest) -> Any:
-        def done(result: Any) -> None:
+        def done(result: Any, last: RequestOutput) -> RequestOutput:
             if self.elastic is not None:
                 self.elastic.prefill_speed(len(request.prompt_token_ids), result[0].compute_s)
+            return _cached(last, result[0].num_cached_tokens)
 
         return done
 
     async def _relay(
         self, stream: Any, companion: Any = None, on_companion: Any = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a replica stream's outputs, then await ``companion`` (the push's prefill call).
+        """Yield a replica stream's outputs; with a ``companion`` (the push's prefill call), the
+        last one waits for it and goes through ``on_companion(result, last)`` (its usage needs
+        the prefill's figures; the prefill ends before the decode in practice).
         Unfinished (client gone, an error): cancelling both aborts the request on the replicas."""
         finished = False
         try:
             async for output in self._iterate(stream):
                 finished = output.finished
+                if finished and companion is not None:
+                    result = await self._call(companion)
+                    companion = None
+                    output = on_companion(result, output) if on_companion is not None else output
                 yield output
             if companion is not None:
-                result = await self._call(companion)
-                if on_companion is not None:
-                    on_companion(result)
+                await self._call(companion)
         finally:
             if not finished:
                 stream.cancel()

@@ -33,6 +33,7 @@ def usage(last: RequestOutput) -> dict:
         "prompt_tokens": last.num_prompt_tokens,
         "completion_tokens": last.num_output_tokens,
         "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -105,6 +105,9 @@ class AsyncEngine:
 
     async def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         return await self._call(lambda: self.core.reserve(request_id, num_tokens))
+
+    async def reserve_prefix(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[list[int], int] | None:
+        return await self._call(lambda: self.core.reserve_prefix(request_id, prompt_token_ids))
 
     async def decode(
         self,

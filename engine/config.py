@@ -29,6 +29,9 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="most requests running at once per replica")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of one engine step")
     enable_chunked_prefill: bool = Field(False, description="split long prompts across steps")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV of cached full blocks of a prompt's prefix (hash-chained keys)"
+    )
     recompute_remote_kv: bool = Field(False, description="let decode replicas recompute preempted remote KV")
     cpu_packed_weights: bool = Field(
         True, description="CPU: keep a oneDNN-packed copy of the weights for batched steps (faster, 2x weight memory)"

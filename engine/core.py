@@ -14,16 +14,18 @@ recomputed here unless ``EngineConfig.recompute_remote_kv``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, hash_blocks
 from engine.config import EngineConfig, resolve_limits
 from engine.detokenizer import TextStream
 from engine.kv_pool import KVPool, layout_for
@@ -40,8 +42,9 @@ from engine.params import (
     TokenLogprobs,
     check_fits,
 )
-from engine.sampling import sample_batch, token_logprobs
+from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties, sample_batch, token_logprobs
 from engine.scheduler import Scheduler, SequenceState
+from engine.structured import GrammarCache, GrammarMatcher, apply_grammar_masks
 from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
 
 
@@ -58,6 +61,9 @@ class _Request:
     prefill_only: bool
     admitted_at: float = 0.0  # perf_counter when admitted
     scheduled_at: float | None = None  # when its first prompt chunk ran
+    # sampling state rebuilt from the request and its tokens (so a decode replica rebuilds it)
+    history: TokenHistory | None = None  # token counts, for penalties
+    grammar: GrammarMatcher | None = None  # response_format's position, advanced by each token
 
 
 class EngineCore:
@@ -72,7 +78,7 @@ class EngineCore:
         self.vocab_size = model.get_input_embeddings().num_embeddings  # ids at or above: refused
         self.limits = resolve_limits(config, model.config.max_position_embeddings, self.layout.bytes_per_block)
         self.pool = KVPool(self.layout, self.limits.num_blocks, self.device)
-        self.allocator = BlockAllocator(self.limits.num_blocks, config.block_size)
+        self.allocator = BlockAllocator(self.limits.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator,
             config.max_num_seqs,
@@ -130,6 +136,26 @@ class EngineCore:
         self._reserved[request_id] = self.allocator.allocate(needed)
         return list(self._reserved[request_id])
 
+    def reserve_prefix(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[list[int], int] | None:
+        """``reserve`` for a prompt's KV, sharing the leading full blocks this replica's prefix
+        cache already holds: (the blocks, how many leading ones hold their KV already, which
+        the transport then skips); None if full."""
+        self._require_role(Role.DECODE, "reserve")
+        if request_id in self._reserved or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} already exists on this engine")
+        num_tokens = len(prompt_token_ids)
+        if not 1 <= num_tokens <= self.limits.max_model_len:
+            raise ValueError(f"num_tokens must be in [1, {self.limits.max_model_len}], got {num_tokens}")
+        allocator = self.allocator
+        shared = allocator.match_prefix(hash_blocks(prompt_token_ids, allocator.block_size))
+        allocator.share(shared)  # an evictable block taken back no longer counts as free
+        needed = allocator.blocks_needed(num_tokens) - len(shared)
+        if not allocator.can_allocate(needed):
+            allocator.free(shared)
+            return None
+        self._reserved[request_id] = shared + allocator.allocate(needed)
+        return list(self._reserved[request_id]), len(shared)
+
     def add_decode(
         self,
         request: GenerationRequest,
@@ -146,6 +172,7 @@ class EngineCore:
             raise ValueError(f"block_ids {list(block_ids)} were not reserved for {request.request_id!r}")
         self._admit(request, prefill_only=False, remote_blocks=held)
         del self._reserved[request.request_id]
+        self.scheduler.cache_computed(self._requests[request.request_id].seq)  # the prefix this replica now holds
         self._pending.append(self._append_token(self._requests[request.request_id], first_token, first_logprobs))
 
     def release(self, request_id: str) -> bool:
@@ -182,20 +209,30 @@ class EngineCore:
         if rid in self._requests or rid in self._pinned:
             raise ValueError(f"request_id {rid!r} already exists on this engine")
         self._validate_length(request)
+        sp = request.sampling
+        sp.check_token_ids(self.vocab_size)
+        grammar = self.grammars.matcher(sp.json_schema) if sp.json_schema is not None else None
         prompt = list(request.prompt_token_ids)
         seq = SequenceState(rid, prompt, len(prompt), remote_kv=remote_blocks is not None)
         if remote_blocks is not None:
             seq.block_ids = list(remote_blocks)
             seq.num_computed_tokens = len(prompt)
-        sp = request.sampling
         generator = None
         if sp.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         elif not sp.greedy:
             generator = self._default_generator
         stream = TextStream(self.tokenizer, prompt, sp.stop)
-        self._requests[rid] = _Request(request, seq, stream, generator, prefill_only, time.perf_counter())
+        history = TokenHistory.build(sp, prompt, self.vocab_size, self.device)
+        self._requests[rid] = _Request(
+            request, seq, stream, generator, prefill_only, time.perf_counter(), history=history, grammar=grammar
+        )
         self.scheduler.add(seq)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCache:
+        """This engine's compiled response_format grammars, by schema (built on first use)."""
+        return GrammarCache(self.tokenizer, self.vocab_size, self._eos_ids)
 
     def _validate_length(self, request: GenerationRequest) -> None:
         """Ids and lengths the model can take, checked before anything is allocated."""
@@ -226,13 +263,14 @@ class EngineCore:
         logits = self.runner.execute(plan.chunks)
         for seq, chunk in zip(plan.scheduled, plan.chunks):
             seq.num_computed_tokens += len(chunk.token_ids)
+            self.scheduler.cache_computed(seq)
             state = self._requests[chunk.request_id]
             if state.scheduled_at is None:
                 state.scheduled_at = start
         sampled = [self._requests[c.request_id] for c in plan.chunks if c.sample]
         params = [s.request.sampling for s in sampled]
-        self._hold_back_stops(logits, sampled)
-        tokens = sample_batch(logits, params, [s.generator for s in sampled])
+        processed = self._processed_logits(logits, sampled)  # logits stay raw: logprobs report them
+        tokens = sample_batch(processed, params, [s.generator for s in sampled])
         for row, (state, token) in enumerate(zip(sampled, tokens)):
             num_top = state.request.sampling.logprobs
             logprobs = token_logprobs(logits[row], token, num_top) if num_top is not None else None
@@ -241,23 +279,54 @@ class EngineCore:
         self.num_model_steps += 1
         return outputs
 
-    def _hold_back_stops(self, logits, sampled: list[_Request]) -> None:
-        """``min_tokens``: EOS and stop token ids cannot be sampled before that many outputs (as vLLM)."""
+    def _processed_logits(self, logits: torch.Tensor, sampled: list[_Request]) -> torch.Tensor:
+        """What to sample from: a copy of ``logits`` with each row's ``logit_bias``, penalties,
+        ``min_tokens`` hold-back and grammar mask applied (in that order, see ``SamplingParams``),
+        or ``logits`` itself when no row asks for any of it. Each is one batched op over the
+        rows that ask for it."""
+        params = [s.request.sampling for s in sampled]
+        held = self._held_back(sampled)
+        if not held and not any(p.logit_bias or s.history or s.grammar for p, s in zip(params, sampled)):
+            return logits
+        with torch.inference_mode():  # logits is an inference tensor
+            processed = logits.clone()
+            apply_logit_bias(processed, params)
+            apply_penalties(processed, params, [s.history for s in sampled])
+            if held:
+                rows = [row for row, ids in held for _ in ids]
+                processed[rows, [t for _, ids in held for t in ids]] = float("-inf")
+            grammars = [s.grammar for s in sampled]
+            if any(grammars):
+                apply_grammar_masks(processed, grammars, self.grammars.executor)
+        return processed
+
+    def _held_back(self, sampled: list[_Request]) -> list[tuple[int, list[int]]]:
+        """``min_tokens``: (row, ids) of EOS and stop token ids that cannot be sampled yet (as vLLM)."""
+        held = []
         for row, state in enumerate(sampled):
             sp = state.request.sampling
             if state.seq.num_output_tokens < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self._eos_ids))
                 if banned:
-                    with torch.inference_mode():  # logits is an inference tensor
-                        logits[row, banned] = float("-inf")
+                    held.append((row, banned))
+        return held
 
     def _append_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """Add one sampled token (or a decode's first token, sampled elsewhere): advance the
+        request's sampling state by it, then end the request if it must end here."""
         seq, sp = state.seq, state.request.sampling
         seq.token_ids.append(token)
-        text, hit_stop = state.stream.push(token)
         lps = (logprobs,) if logprobs is not None else ()
-        if hit_stop or token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos):
-            return self._finish(state, FinishReason.STOP, text, (token,), logprobs=lps)
+        if state.history is not None:
+            state.history.add(token)
+        if state.grammar is not None and not state.grammar.advance(token):
+            message = f"response_format: the grammar refused token {token}: {state.grammar.error}"
+            return self._finish(state, FinishReason.ERROR, "", (token,), message, logprobs=lps)
+        text, hit_stop = state.stream.push(token)
+        complete = state.grammar is not None and state.grammar.done
+        if hit_stop or complete or token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos):
+            # the held-back tail too (nothing is held back after a stop string: it was cut there)
+            return self._finish(state, FinishReason.STOP, text + state.stream.flush(), (token,), logprobs=lps)
         if seq.num_output_tokens >= sp.max_tokens:
             return self._finish(state, FinishReason.LENGTH, text + state.stream.flush(), (token,), logprobs=lps)
         if state.prefill_only:
@@ -311,6 +380,7 @@ class EngineCore:
             error=error,
             pinned_block_ids=pinned,
             prefill_timing=timing,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # ---- introspection ----------------------------------------------------------------
@@ -329,4 +399,8 @@ class EngineCore:
             median_step_ms=statistics.median(self._step_times) * 1e3 if self._step_times else 0.0,
             num_decoding=sum(not state.prefill_only for state in list(self._requests.values())),
             num_queued_prompt_tokens=self.scheduler.num_queued_prompt_tokens(),
+            num_cached_blocks=self.allocator.num_cached_blocks,
+            prefix_query_tokens=self.scheduler.prefix_query_tokens,
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
+            num_evictions=self.allocator.num_evictions,
         )

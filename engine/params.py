@@ -8,8 +8,9 @@ vocabulary check, used by the ingress (before a request leaves it) and by the en
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -17,6 +18,9 @@ from enum import StrEnum
 # smaller one overflows them to inf, and softmax then gives NaN
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+MAX_STOP_STRINGS = 4  # as OpenAI
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class Role(StrEnum):
@@ -69,6 +73,19 @@ class SamplingParams:
     ``top_p=1.0`` disable those filters.
     ``seed`` makes sampling reproducible per request, independent of batch neighbours.
     ``logprobs=n`` returns the top-n log-probabilities of every generated token.
+
+    Logits processing, before temperature, top-k and top-p, and for greedy requests too (it
+    moves the argmax): ``logit_bias`` (token id -> bias added), then ``repetition_penalty``
+    (vLLM's: the logit of a token seen in the prompt or the output is divided by it when
+    positive, multiplied when negative), then ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's: ``presence * [count > 0] + frequency * count`` subtracted, counting the tokens
+    generated so far), then the ``json_schema`` grammar's mask. ``logprobs`` stay those of
+    the raw model distribution, before any of this.
+
+    ``json_schema``: the output must be JSON matching this schema, given as its JSON text
+    (plain data: it pickles through Ray and keys the engine's grammar cache); the client's
+    field is ``response_format``. Every field is plain data, so that a decode replica rebuilds
+    the request's sampling state from the request and the tokens so far.
     """
 
     max_tokens: int = 16
@@ -81,6 +98,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id; a mapping is accepted
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
@@ -120,10 +142,34 @@ class SamplingParams:
             "an integer in [0, 20] or None",
             self.logprobs,
         )
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            valid = _is_number(value) and PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]
+            _require(valid, name, "a finite number in [-2, 2]", value)
+        rp = self.repetition_penalty
+        _require(_is_number(rp) and rp > 0, "repetition_penalty", "a finite number > 0", rp)
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        schema = self.json_schema
+        _require(schema is None or _is_json_object(schema), "response_format", "a JSON schema object as text", schema)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (they need the request's token counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse ``logit_bias`` ids outside the vocabulary (``FieldError`` naming it): an id
+        beyond the logits found inside a step would fail every request in the batch."""
+        if self.logit_bias and (largest := self.logit_bias[-1][0]) >= vocab_size:
+            message = f"token id {largest} is out of vocabulary (the model has {vocab_size} ids)"
+            raise FieldError(f"logit_bias: {message}", "logit_bias")
 
 
 def _require(valid: bool, param: str, expected: str, value: object) -> None:
@@ -138,7 +184,37 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise FieldError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise FieldError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     return tuple(stop)
+
+
+def _normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``{id: bias}`` or ``((id, bias), ...)`` -> ``((id, bias), ...)`` sorted by id; ids as
+    ints or decimal strings (OpenAI's JSON keys), biases in [-100, 100]."""
+    items = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+        raise FieldError(f"logit_bias must map token ids to biases, got {bias!r}", "logit_bias")
+    pairs: dict[int, float] = {}
+    for token, value in items:
+        if isinstance(token, str) and token.isdecimal():
+            token = int(token)
+        if not (_is_int(token) and token >= 0):
+            raise FieldError(f"logit_bias: keys must be token ids (non-negative integers), got {token!r}", "logit_bias")
+        if not (_is_number(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]):
+            message = f"logit_bias: the bias of token {token} must be in [-100, 100], got {value!r}"
+            raise FieldError(message, "logit_bias")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def _is_json_object(text: object) -> bool:
+    if not isinstance(text, str):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -225,6 +301,7 @@ class RequestOutput:
     pinned_block_ids: tuple[int, ...] = ()
     # on the first token of a prompt computed here: (seconds queued, seconds computing)
     prefill_timing: tuple[float, float] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache skipped (where it ran)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +322,7 @@ class PrefillResult:
     first_logprobs: TokenLogprobs | None = None
     queue_s: float = 0.0  # admitted -> first prompt chunk scheduled
     compute_s: float = 0.0  # first prompt chunk -> first token
+    num_cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache skipped
 
     def final_output(self) -> RequestOutput:
         """The whole request's one output, for a request that ended at its first token."""
@@ -257,6 +335,7 @@ class PrefillResult:
             num_prompt_tokens=self.num_tokens,
             num_output_tokens=1,
             logprobs=(self.first_logprobs,) if self.first_logprobs is not None else (),
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     @classmethod
@@ -271,6 +350,7 @@ class PrefillResult:
             finish_reason=output.finish_reason,
             first_logprobs=output.logprobs[0] if output.logprobs else None,
             queue_s=output.prefill_timing[0] if output.prefill_timing else 0.0,
+            num_cached_tokens=output.num_cached_tokens,
             compute_s=output.prefill_timing[1] if output.prefill_timing else 0.0,
         )
 
@@ -289,3 +369,7 @@ class EngineStats:
     median_step_ms: float  # median time of the last 64 steps that ran the model
     num_decoding: int = 0  # requests that decode here (whole or decode requests), waiting or running
     num_queued_prompt_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed
+    num_cached_blocks: int = 0  # evictable blocks keeping a cached prefix (counted in num_free_blocks)
+    prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # since start: ... whose KV was found there
+    num_evictions: int = 0  # since start: cached blocks evicted to make room

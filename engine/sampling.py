@@ -1,8 +1,16 @@
-"""Sampling as small pure functions over a batch of logits rows."""
+"""Sampling as small pure functions over a batch of logits rows.
+
+Logits processing (``logit_bias``, the penalties) works on the whole batch with index and
+scatter ops: rows that ask for none of it are not touched, and no Python loop runs over the
+vocabulary. What a penalty needs from a request's past (token counts, the prompt's tokens)
+is kept per request in ``TokenHistory``, rebuilt from the tokens alone, so a decode replica
+that continues a request rebuilds it from the prompt and the first token it was given.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -59,3 +67,74 @@ def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> Tok
     top = torch.topk(logprobs, num_top) if num_top else None
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
     return TokenLogprobs(token_id=token_id, logprob=float(logprobs[token_id]), top=pairs)
+
+
+@dataclass(eq=False)
+class TokenHistory:
+    """One request's tokens as penalties need them, as tensors of the vocabulary's width on
+    the logits' device: ``counts[t]`` = times ``t`` was generated so far; ``in_prompt[t]`` =
+    ``t`` is in the prompt (only kept when ``repetition_penalty`` != 1)."""
+
+    counts: torch.Tensor
+    in_prompt: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls, params: SamplingParams, prompt: Sequence[int], vocab_size: int, device: torch.device
+    ) -> TokenHistory | None:
+        """None when the request has no penalty (nothing to keep)."""
+        if not params.penalized:
+            return None
+        in_prompt = None
+        if params.repetition_penalty != 1:
+            in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+        return cls(torch.zeros(vocab_size, dtype=torch.float32, device=device), in_prompt)
+
+    def add(self, token: int) -> None:
+        """Count one generated token (called for every token appended, the first included)."""
+        self.counts[token] += 1
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add each row's ``logit_bias`` in place: one ``index_put_`` for the whole batch."""
+    rows, ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(row)
+            ids.append(token)
+            values.append(bias)
+    if not rows:
+        return
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
+) -> None:
+    """Repetition, then presence and frequency penalties, in place, on the rows that have a
+    history (gathered into one ``(rows, vocab)`` block, processed, scattered back)."""
+    rows = [i for i, h in enumerate(histories) if h is not None]
+    if not rows:
+        return
+    device, dtype = logits.device, logits.dtype
+    index = torch.tensor(rows, device=device)
+    block = logits.index_select(0, index)
+    counts = torch.stack([histories[i].counts for i in rows])
+    generated = counts > 0
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], dtype=dtype, device=device).unsqueeze(1)
+
+    repetition = column("repetition_penalty")
+    seen = generated | torch.stack([_prompt_mask(histories[i], generated[0]) for i in rows])
+    penalized = torch.where(block > 0, block / repetition, block * repetition)
+    block = torch.where(seen, penalized, block)
+    block -= column("presence_penalty") * generated + column("frequency_penalty") * counts
+    logits.index_copy_(0, index, block)
+
+
+def _prompt_mask(history: TokenHistory, like: torch.Tensor) -> torch.Tensor:
+    return history.in_prompt if history.in_prompt is not None else torch.zeros_like(like)

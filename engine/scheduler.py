@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, hash_blocks
 
 
 class SeqStatus(Enum):
@@ -44,6 +44,9 @@ class SequenceState:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    num_registered_blocks: int = 0  # leading blocks already in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +105,8 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (first admissions)
+        self.prefix_hit_tokens = 0  # ... found there
 
     def add(self, seq: SequenceState) -> None:
         seq.status = SeqStatus.WAITING
@@ -156,14 +161,15 @@ class Scheduler:
     def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: list[SequenceState]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            shared = self._share_cached_prefix(seq)
             n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
+            if n > budget and self.enable_chunked_prefill:
                 n = budget
             needed = self.allocator.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
-            if not self.allocator.can_allocate(needed):
+            if n > budget or not self.allocator.can_allocate(needed):
+                self._unshare(seq, shared)
                 break
+            self._count_prefix(seq, len(shared))
             seq.block_ids.extend(self.allocator.allocate(needed))
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -172,6 +178,57 @@ class Scheduler:
             scheduled.append(seq)
             budget -= n
         return budget
+
+    # ---- prefix caching ----------------------------------------------------------------
+
+    def keys(self, seq: SequenceState, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of ``seq``'s first ``num_blocks`` full blocks (computed once)."""
+        have, size = len(seq.block_keys), self.allocator.block_size
+        if have < num_blocks:
+            parent = seq.block_keys[-1] if have else b""
+            seq.block_keys += hash_blocks(seq.token_ids[have * size : num_blocks * size], size, parent)
+        return seq.block_keys[:num_blocks]
+
+    def _share_cached_prefix(self, seq: SequenceState) -> list[int]:
+        """Give a sequence with no blocks the cached blocks of its leading full blocks (at
+        least its last token is left to compute: its logits pick the next token)."""
+        allocator = self.allocator
+        if not allocator.enable_caching or seq.block_ids or seq.remote_kv:
+            return []
+        matched = allocator.match_prefix(self.keys(seq, seq.num_tokens // allocator.block_size))
+        if len(matched) * allocator.block_size >= seq.num_tokens:
+            matched = matched[:-1]
+        allocator.share(matched)
+        seq.block_ids = list(matched)
+        seq.num_computed_tokens = seq.num_registered_blocks = len(matched)
+        seq.num_computed_tokens *= allocator.block_size
+        return matched
+
+    def _unshare(self, seq: SequenceState, shared: list[int]) -> None:
+        """Undo ``_share_cached_prefix`` for a sequence that could not be admitted now."""
+        if shared:
+            self.allocator.free(shared)
+            seq.block_ids, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
+
+    def _count_prefix(self, seq: SequenceState, num_shared: int) -> None:
+        if not self.allocator.enable_caching or seq.remote_kv or seq.num_preemptions:
+            return  # a recompute after preemption is not a prompt lookup
+        seq.num_cached_tokens = num_shared * self.allocator.block_size
+        self.prefix_query_tokens += seq.num_prompt_tokens
+        self.prefix_hit_tokens += seq.num_cached_tokens
+
+    def cache_computed(self, seq: SequenceState) -> None:
+        """Put ``seq``'s newly computed full blocks into the prefix cache (after a step, or
+        once KV from another replica is in place)."""
+        if not self.allocator.enable_caching:
+            return
+        full = min(seq.num_computed_tokens // self.allocator.block_size, len(seq.block_ids))
+        if full <= seq.num_registered_blocks:
+            return
+        keys = self.keys(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.allocator.register(seq.block_ids[i], keys[i])
+        seq.num_registered_blocks = full
 
     def _grow(self, seq: SequenceState, num_tokens: int, scheduled: list[SequenceState], preempted: list[str]) -> bool:
         """Make ``seq``'s blocks cover ``num_tokens``, preempting newer sequences if needed."""
@@ -201,7 +258,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

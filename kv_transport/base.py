@@ -101,16 +101,21 @@ class BaseKVTransport(ABC):
         """Producer, pull: hand out pinned blocks; they are released via the callback later."""
 
     @abstractmethod
-    async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
+    async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
         """Consumer, pull: copy the handle's blocks into ``local_block_ids``, then notify the producer.
+        The first ``skip_blocks`` local blocks hold that KV already (the consumer's prefix
+        cache): only the rest is copied (and counted).
 
         Raises ``StalePeerError``, ``LayoutMismatchError``, ``KVTransferTimeout`` or
         ``KVTransferError``; on error the local blocks hold no valid KV.
         """
 
     @abstractmethod
-    def destination(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDestination:
-        """Consumer, push: describe reserved blocks for a producer to write into."""
+    def destination(
+        self, request_id: str, block_ids: list[int], num_tokens: int, skip_blocks: int = 0
+    ) -> KVDestination:
+        """Consumer, push: describe reserved blocks for a producer to write into (the first
+        ``skip_blocks`` hold their KV already: the producer writes none of them)."""
 
     @abstractmethod
     def begin_push(self, destination: KVDestination) -> None:

@@ -104,10 +104,10 @@ class KVEngineLink:
         """Fetch the producer's KV, then decode from its first token (``first_logprobs``: that
         token's log-probabilities, from the prefill result, when the request asked for them)."""
         start = time.perf_counter()
-        blocks = await self._reserve(request, handle.num_tokens, wait_until=handle.expires_at - LEASE_MARGIN_S)
+        blocks, cached = await self._reserve(request, wait_until=handle.expires_at - LEASE_MARGIN_S)
         reserved = time.perf_counter()
         try:
-            self.last_fetch = stats = await self.transport.fetch(handle, blocks)
+            self.last_fetch = stats = await self.transport.fetch(handle, blocks, cached)
         except BaseException:
             await self.engine.release(request.request_id)
             raise
@@ -124,9 +124,9 @@ class KVEngineLink:
 
     async def reserve_push(self, request: GenerationRequest) -> KVDestination:
         start = time.perf_counter()
-        blocks = await self._reserve(request, len(request.prompt_token_ids))
+        blocks, cached = await self._reserve(request)
         self._timings[request.request_id] = DecodeTimings(decode_queue_s=time.perf_counter() - start)
-        return self.transport.destination(request.request_id, blocks, len(request.prompt_token_ids))
+        return self.transport.destination(request.request_id, blocks, len(request.prompt_token_ids), cached)
 
     async def prefill_push(
         self, request: GenerationRequest, destination: KVDestination
@@ -146,9 +146,12 @@ class KVEngineLink:
             if error is not None:
                 self.transport.abort_push(rid)
                 raise error
-            if not self.push_pipelined and result.block_ids:
+            # pipelined, the layer hook wrote the blocks this prefill computed; the ones its
+            # prefix cache supplied go now (the transport skips those the consumer holds)
+            unwritten = result.block_ids if not self.push_pipelined else result.block_ids[: self._cached_blocks(result)]
+            if unwritten:
                 for layer in range(self._num_layers):
-                    self.transport.push_layer(rid, layer, list(result.block_ids), 0)
+                    self.transport.push_layer(rid, layer, list(unwritten), 0)
             stats = await self.transport.finish_push(rid, result.first_token, result.first_logprobs)
         finally:
             await self.engine.release(rid)
@@ -178,21 +181,28 @@ class KVEngineLink:
 
     # ---- internals --------------------------------------------------------------------
 
-    async def _reserve(self, request: GenerationRequest, num_tokens: int, wait_until: float = 0.0) -> list[int]:
-        """Reserve blocks, polling for free ones until ``wait_until`` (unix time)."""
-        pause = 0.01
-        blocks = await self.engine.reserve(request.request_id, num_tokens)
-        while blocks is None and time.time() + pause < wait_until:
+    def _cached_blocks(self, result: PrefillResult) -> int:
+        """Leading blocks of a prefill that its prefix cache supplied (not computed, so never
+        seen by the layer hook)."""
+        return result.num_cached_tokens // self._block_size
+
+    async def _reserve(self, request: GenerationRequest, wait_until: float = 0.0) -> tuple[list[int], int]:
+        """Reserve blocks for the prompt's KV, sharing what this replica's prefix cache holds:
+        (the blocks, how many leading ones hold their KV already). Polls for free blocks until
+        ``wait_until`` (unix time)."""
+        pause, rid, prompt = 0.01, request.request_id, request.prompt_token_ids
+        reserved = await self.engine.reserve_prefix(rid, prompt)
+        while reserved is None and time.time() + pause < wait_until:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
-            blocks = await self.engine.reserve(request.request_id, num_tokens)
-        if blocks is None:
+            reserved = await self.engine.reserve_prefix(rid, prompt)
+        if reserved is None:
             stats = await self.engine.stats()
             raise KVCapacityError(
-                f"no room for {num_tokens} tokens of KV for request {request.request_id}: "
+                f"no room for {len(prompt)} tokens of KV for request {rid}: "
                 f"{stats.num_free_blocks} of {stats.num_total_blocks} blocks free"
             )
-        return blocks
+        return reserved
 
     def _release_from_transport(self, request_id: str) -> None:
         """Called from the transport's thread: free the pinned blocks on the engine's loop."""

@@ -93,4 +93,7 @@ class KVHandle(_BlocksOf):
 
 
 class KVDestination(_BlocksOf):
-    """Push: blocks the consumer reserved; the producer writes the KV into them."""
+    """Push: blocks the consumer reserved; the producer writes the KV into them, except the
+    first ``skip_blocks``, which the consumer's prefix cache already holds."""
+
+    skip_blocks: int = Field(0, ge=0, description="leading blocks that hold their KV already (not written)")

@@ -158,21 +158,25 @@ class NixlTransport(BaseKVTransport):
         self._exports[request_id] = expires_at
         return KVHandle.of_blocks(self, request_id, block_ids, num_tokens, expires_at, first_token=first_token)
 
-    async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
+    async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
         # the copy runs in this thread once posted: every step before the post adds to the pull
         rid, peer_id = handle.request_id, handle.engine_id
         peer = self._peer(peer_id, handle.incarnation, rid)
         self._check_layout(handle.layout, rid, peer_id)
         if self.faults is not NO_FAULTS:
             await self.faults.hit_async("fetch", rid, peer_id)
-        runs = pair_ranges(handle.block_ranges, id_ranges(local_block_ids))
+        if skip_blocks:
+            runs = coalesce(handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:])
+        else:
+            runs = pair_ranges(handle.block_ranges, id_ranges(local_block_ids))
         remote = peer.geometry.descs([(s, n) for s, _, n in runs])
         local = self._geometry.descs([(d, n) for _, d, n in runs])
         start = time.perf_counter()
-        done = self._worker.read_inline(local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid)
-        if not isinstance(done, tuple):  # still in flight: the progress thread completes it
-            timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
-            await self._await_xfer(done, timeout, rid, peer_id, "READ")
+        if runs:  # none: every block was in this replica's prefix cache
+            done = self._worker.read_inline(local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid)
+            if not isinstance(done, tuple):  # still in flight: the progress thread completes it
+                timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
+                await self._await_xfer(done, timeout, rid, peer_id, "READ")
         # The release notice goes on its own, not attached to the READ: NIXL sends an attached
         # notice only once the READ is done, and between CPU memories the READ then stayed
         # in flight until the producer's next progress call (0.4 to 1.3 ms of a 1.5 ms,
@@ -189,9 +193,12 @@ class NixlTransport(BaseKVTransport):
 
     # ---- push -------------------------------------------------------------------------
 
-    def destination(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDestination:
+    def destination(
+        self, request_id: str, block_ids: list[int], num_tokens: int, skip_blocks: int = 0
+    ) -> KVDestination:
         self._push_in[request_id] = concurrent.futures.Future()
-        return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, time.time() + self.timeout_s)
+        expires_at = time.time() + self.timeout_s
+        return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, expires_at, skip_blocks=skip_blocks)
 
     def begin_push(self, destination: KVDestination) -> None:
         rid = destination.request_id
@@ -203,6 +210,11 @@ class NixlTransport(BaseKVTransport):
         push = self._push_out.get(request_id)
         if push is None:
             return
+        skip = push.destination.skip_blocks - start_index  # blocks the consumer holds already
+        if skip > 0:
+            local_block_ids, start_index = local_block_ids[skip:], start_index + skip
+            if not local_block_ids:
+                return
         compute_end = time.time()
         self.faults.hit("push_layer", request_id, push.destination.engine_id)
         remote_ids = push.remote_ids[start_index : start_index + len(local_block_ids)]

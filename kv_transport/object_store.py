@@ -61,7 +61,7 @@ class ObjectStoreTransport(BaseKVTransport):
             self, request_id, block_ids, num_tokens, expires_at, first_token=first_token, object_ref=ref
         )
 
-    async def fetch(self, handle: KVHandle, local_block_ids: list[int]) -> TransferStats:
+    async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
         import asyncio
 
         if handle.layout != self.layout:
@@ -73,7 +73,8 @@ class ObjectStoreTransport(BaseKVTransport):
             blocks = await asyncio.wait_for(handle.object_ref, max(0.0, handle.seconds_left()))
         except TimeoutError:
             raise KVTransferTimeout("object store get timed out", handle.request_id, handle.engine_id) from None
-        index = torch.tensor(local_block_ids, device=self._pool.device)
+        blocks = blocks[:, :, skip_blocks:]  # the leading ones are in this replica's prefix cache
+        index = torch.tensor(local_block_ids[skip_blocks:], device=self._pool.device)
         self._pool[:, :, index] = blocks.to(self._pool.device)
         num_bytes = blocks.numel() * blocks.element_size()
         return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=1)
@@ -87,7 +88,9 @@ class ObjectStoreTransport(BaseKVTransport):
     def _no_push(self, request_id: str) -> KVTransferError:
         return KVTransferError("the object-store transport supports pull only", request_id, self.engine_id)
 
-    def destination(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVDestination:
+    def destination(
+        self, request_id: str, block_ids: list[int], num_tokens: int, skip_blocks: int = 0
+    ) -> KVDestination:
         raise self._no_push(request_id)
 
     def begin_push(self, destination: KVDestination) -> None:

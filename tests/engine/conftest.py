@@ -29,6 +29,7 @@ def assert_pool_idle(core: EngineCore) -> None:
     stats = core.stats()
     assert stats.num_free_blocks == stats.num_total_blocks, stats
     assert (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
+    core.allocator.check()  # free + cached (evictable) + in use == total, keys consistent
 
 
 @pytest.fixture

@@ -1,0 +1,173 @@
+"""Structured outputs: a JSON schema as a token mask, through llguidance.
+
+Why llguidance (measured on this 2-core CPU with SmolLM2's 49,152-token vocabulary, against
+xgrammar 0.2.9; figures in the report of issue 17): both install on Python 3.11 x86_64 next
+to CPU torch, and both mask well under a decode step's time; llguidance is one 8 MB wheel with
+no dependencies, while xgrammar pulls in triton (1 GB) and apache-tvm-ffi on x86_64 Linux; and
+llguidance has no ahead-of-time compile (a matcher is built in about a millisecond and masks
+lazily), so a new schema costs nothing up front.
+
+The parts:
+  * ``check_schema``: the schema as canonical JSON text, refused with a ``FieldError``
+    naming ``response_format`` when llguidance cannot use it (no tokenizer needed: the
+    ingress calls it before a request leaves it);
+  * ``GrammarCache``: one per engine; the tokenizer's llguidance view (about a second to
+    build, so built on the first structured request) and one matcher per schema text, copied
+    for each request (a copy shares the lexer built so far);
+  * ``GrammarMatcher``: one per request; advanced by every token the request accepts, the
+    first included, so a decode replica that is handed a first token resumes in the same
+    state as the prefill replica that sampled it;
+  * ``apply_grammar_masks``: the masks of a batch's grammar rows, filled in parallel by
+    llguidance and applied with one ``masked_fill_``; other rows are not touched.
+
+EOS is in a mask only when the grammar may end there; a request ends (``stop``) as soon as
+its grammar is complete. JSON is generated without free whitespace (``", "`` and ``": "``
+separators): a small model offered free whitespace can emit newlines until ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.params import FieldError
+
+# how JSON is laid out (llguidance's JSON options); see the module docstring
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OBJECT_SCHEMA = '{"type":"object"}'  # what response_format {"type": "json_object"} asks for
+_MAX_CACHED_SCHEMAS = 64
+
+
+def _grammar(schema_json: str) -> str:
+    """llguidance's grammar for a schema given as JSON text; ``FieldError`` if unusable."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults=_JSON_LAYOUT)
+    except ValueError as exc:
+        raise FieldError(f"response_format: the JSON schema is not valid JSON: {exc}", "response_format") from None
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise FieldError(f"response_format: the JSON schema cannot be used: {problem}", "response_format")
+    return grammar
+
+
+def check_schema(schema: dict) -> str:
+    """``schema`` as the JSON text ``SamplingParams.json_schema`` takes, after checking that
+    llguidance can enforce it. Keys keep their order (it is the order properties are written in)."""
+    if not isinstance(schema, dict):
+        raise FieldError("response_format: the JSON schema must be an object", "response_format")
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    _grammar(text)
+    return text
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def advance(self, token: int) -> bool:
+        """Accept one token; False if the grammar refused it (then it stays refused)."""
+        return self._matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but EOS can follow."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+    @property
+    def llmatcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+
+class GrammarCache:
+    """The grammars of one engine's tokenizer, by schema text (least recently used dropped
+    beyond ``max_schemas``)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        max_schemas: int = _MAX_CACHED_SCHEMAS,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_ids = sorted(eos_ids)
+        self._max_schemas = max_schemas
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._matchers: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+        self.num_compiled = 0  # schemas turned into a matcher (cache misses)
+
+    def matcher(self, schema_json: str) -> GrammarMatcher:
+        """A fresh matcher at the start of the schema's grammar; ``FieldError`` naming
+        ``response_format`` if it cannot be used with this tokenizer."""
+        template = self._matchers.get(schema_json)
+        if template is None:
+            template = self._compile(schema_json)
+            self._matchers[schema_json] = template
+            if len(self._matchers) > self._max_schemas:
+                self._matchers.popitem(last=False)
+        self._matchers.move_to_end(schema_json)
+        return GrammarMatcher(template.deep_copy())
+
+    def _compile(self, schema_json: str) -> llguidance.LLMatcher:
+        if self._tokenizer is None:
+            raise FieldError("response_format: this model has no tokenizer to write JSON with", "response_format")
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.hf.from_tokenizer(
+                self._tokenizer,
+                n_vocab=self._vocab_size,
+                eos_token=self._eos_ids or None,
+                slices=llguidance.LLTokenizer.json_slices(),
+            )
+        matcher = llguidance.LLMatcher(self._lltokenizer, _grammar(schema_json), log_level=0)
+        if matcher.is_error():
+            message = f"response_format: the JSON schema cannot be used: {matcher.get_error()}"
+            raise FieldError(message, "response_format")
+        self.num_compiled += 1
+        return matcher
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        """Fills a batch's masks on several threads (the GIL released)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None], executor: llguidance.LLExecutor
+) -> None:
+    """Set to -inf, in place, every token a row's grammar does not allow next; rows without a
+    grammar are left alone. The bitmask (32 tokens per int32) is filled on the CPU and
+    unpacked on the logits' device::
+
+        bit b of word w of a row  ->  token 32 * w + b   (1: allowed)
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab)
+    targets = [(matchers[r].llmatcher, k) for k, r in enumerate(rows)]
+    llguidance.torch.fill_next_token_bitmask_par(executor, targets, bitmask)
+    bitmask = bitmask.to(logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))

@@ -1,0 +1,193 @@
+"""Penalties, ``logit_bias`` and ``stop`` limits: their effect against the model's own logits.
+
+The engine's logprobs are the raw model distribution (before bias and penalties), so a
+run's own logprobs tell what the processed argmax must have been at every step: a
+log-probability differs from the logit by a constant per step, and bias and presence or
+frequency penalties are additive.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.params import FieldError, GenerationRequest, Role, SamplingParams
+from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties
+from tests.engine.conftest import run_to_completion
+from tests.engine.test_roles import _handover
+
+PROMPT = "Write a short poem about the sea, the waves and the sea birds."
+TOP = 20  # logprobs asked for: the candidates a step's processed argmax is read from
+
+
+def _tokens(outputs) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def _tops(outputs) -> list[dict[int, float]]:
+    return [dict(lp.top) for o in outputs for lp in o.logprobs]
+
+
+def _run(core, request) -> list:
+    return run_to_completion(core, {0: [request]})[request.request_id]
+
+
+def _predicted(top: dict[int, float], counts: Counter, sp: SamplingParams) -> int | None:
+    """The processed argmax from a step's raw top-20, or None when it may lie outside them."""
+    bias = dict(sp.logit_bias)
+
+    def adjusted(t: int) -> float:
+        c = counts[t]
+        return top[t] + bias.get(t, 0.0) - sp.presence_penalty * (c > 0) - sp.frequency_penalty * c
+
+    best = max(top, key=adjusted)
+    floor = min(top.values()) + max(bias.values(), default=0.0)  # any token outside the top-20 is below
+    return best if adjusted(best) > floor else None
+
+
+def _check_every_step(tokens: list[int], tops: list[dict[int, float]], sp: SamplingParams, first_counts=None) -> int:
+    """Each token is the processed argmax of its step; returns the steps where the penalty
+    moved the argmax away from the raw one."""
+    counts, moved = Counter(first_counts or {}), 0
+    for step, (token, top) in enumerate(zip(tokens, tops)):
+        predicted = _predicted(top, counts, sp)
+        assert predicted is None or token == predicted, (step, token, predicted)
+        moved += predicted is not None and predicted != max(top, key=top.get)
+        counts[token] += 1
+    return moved
+
+
+def test_logit_bias_moves_the_greedy_argmax_and_logprobs_stay_raw(smol, make_engine):
+    core = make_engine(smol)
+    plain = core.make_request(PROMPT, SamplingParams(max_tokens=1, temperature=0, logprobs=TOP))
+    (out,) = _run(core, plain)
+    ranked = [t for t, _ in out.logprobs[0].top]
+    fifth, best = ranked[4], ranked[0]
+    assert out.token_ids == (best,)
+    boosted = core.make_request(
+        PROMPT, SamplingParams(max_tokens=1, temperature=0, logprobs=TOP, logit_bias={fifth: 100})
+    )
+    (got,) = _run(core, boosted)
+    assert got.token_ids == (fifth,)
+    assert got.logprobs[0].logprob == pytest.approx(dict(out.logprobs[0].top)[fifth], abs=1e-4)  # raw, not biased
+    banned = core.make_request(PROMPT, SamplingParams(max_tokens=1, temperature=0, logit_bias={str(best): -100}))
+    assert _run(core, banned)[0].token_ids == (ranked[1],)
+
+
+def test_logit_bias_applies_to_sampled_requests(smol, make_engine):
+    core = make_engine(smol)
+    only = {17: 100.0}
+    request = core.make_request(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias=only))
+    assert _tokens(_run(core, request)) == [17] * 6
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(max_tokens=40, temperature=0, logprobs=TOP, presence_penalty=2.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, logprobs=TOP, frequency_penalty=1.5, ignore_eos=True),
+    ],
+    ids=["presence", "frequency"],
+)
+def test_penalties_move_the_argmax_off_repeated_tokens(smol, make_engine, sp):
+    """Batched with an unpenalized request: that row gives the same tokens as alone."""
+    core = make_engine(smol)
+    plain_sp = SamplingParams(max_tokens=40, temperature=0, logprobs=TOP, ignore_eos=True)
+    alone = _tokens(_run(core, core.make_request(PROMPT, plain_sp)))
+    plain = core.make_request(PROMPT, plain_sp, request_id="plain")
+    penalized = core.make_request(PROMPT, sp, request_id="penalized")
+    outputs = run_to_completion(core, {0: [plain, penalized]})
+    assert _tokens(outputs["plain"]) == alone
+    got = _tokens(outputs["penalized"])
+    assert got != alone
+    assert _check_every_step(got, _tops(outputs["penalized"]), sp) >= 1
+    assert max(Counter(got).values()) < max(Counter(alone).values())
+
+
+def test_repetition_penalty_divides_a_prompt_tokens_logit(smol, smol_reference, make_engine):
+    """The prompt's own next token is its top-1 and already in it: the penalty moves it."""
+    core = make_engine(smol)
+    request = core.make_request("one two three one two three one two three one two", SamplingParams())
+    with torch.inference_mode():
+        logits = smol_reference.model(torch.tensor([request.prompt_token_ids])).logits[0, -1].float()
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[list(request.prompt_token_ids)] = True
+    raw_best = int(logits.argmax())
+    assert seen[raw_best] and logits[raw_best] > 0
+    penalty = 2.0
+    expected = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    sp = SamplingParams(max_tokens=1, temperature=0, repetition_penalty=penalty)
+    (out,) = _run(core, GenerationRequest("rep", request.prompt_token_ids, sp))
+    assert out.token_ids == (int(expected.argmax()),) and out.token_ids != (raw_best,)
+
+
+def test_batched_processing_touches_only_the_rows_that_ask():
+    """The pure functions on a 3-row batch: bias added, prompt logits divided (positive) or
+    multiplied (negative) by the repetition penalty, presence and frequency subtracted."""
+    logits = torch.tensor([[4.0, -3.0, 1.0, 0.5], [4.0, -3.0, 1.0, 0.5], [4.0, -3.0, 1.0, 0.5]])
+    params = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 1.0}),
+        SamplingParams(logit_bias={"2": -1.0}),
+    ]
+    history = TokenHistory.build(params[1], [0, 1], 4, torch.device("cpu"))
+    for token in (2, 2):
+        history.add(token)
+    apply_logit_bias(logits, params)
+    apply_penalties(logits, params, [None, history, None])
+    assert logits[0].tolist() == [4.0, -3.0, 1.0, 0.5]
+    # token 2 was generated twice: 1.0 / 2 (repetition) - 0.5 (presence) - 0.25 * 2 (frequency)
+    assert logits[1].tolist() == [2.0, -6.0, -0.5, 1.5]
+    assert logits[2].tolist() == [4.0, -3.0, 0.0, 0.5]
+    assert TokenHistory.build(params[2], [0], 4, torch.device("cpu")) is None  # no penalty: nothing kept
+
+
+def test_fields_are_checked_and_pickle(smol, make_engine):
+    with pytest.raises(FieldError, match="^stop must be at most 4 strings, got 5") as info:
+        SamplingParams(stop=["a", "b", "c", "d", "e"])
+    assert info.value.param == "stop"
+    assert SamplingParams(stop=["a", "b", "c", "d"]).stop == ("a", "b", "c", "d")
+    for kwargs, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"json_schema": "[1]"}, "response_format"),
+    ]:
+        with pytest.raises(FieldError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.param == param, kwargs
+    sp = SamplingParams(presence_penalty=1, frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"7": 3, 2: -1})
+    assert sp.logit_bias == ((2, -1.0), (7, 3.0))
+    assert pickle.loads(pickle.dumps(sp)) == sp  # plain data: crosses Ray as it is
+    core = make_engine(smol, max_model_len=128, num_blocks=16)
+    vocab = core.vocab_size
+    for admit in (core.add_request, core.add_prefill):
+        bad = GenerationRequest(f"oov-{admit.__name__}", (1, 2), SamplingParams(logit_bias={vocab: 5}))
+        with pytest.raises(FieldError, match=f"^logit_bias: token id {vocab} is out of vocabulary") as info:
+            admit(bad)
+        assert info.value.param == "logit_bias"
+    assert core.stats().num_free_blocks == 16 and not core.has_work()
+
+
+def test_penalties_and_bias_hold_across_the_prefill_decode_handover(smol, make_engine):
+    """The first token, sampled on the prefill replica, counts for the decode replica's
+    penalties (it rebuilds them from the request and that token): same tokens as one engine."""
+    sp = SamplingParams(
+        max_tokens=32, temperature=0, logprobs=TOP, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={11: 2.0}
+    )
+    both = make_engine(smol)
+    request = both.make_request(PROMPT, sp, request_id="pd-penalties")
+    whole = _run(both, request)
+    prefill_core, decode_core = make_engine(smol, role=Role.PREFILL), make_engine(smol, role=Role.DECODE)
+    result, outputs = _handover(prefill_core, decode_core, request)
+    got = [result.first_token] + _tokens(outputs)[1:]
+    assert _tokens(outputs)[0] == result.first_token
+    assert got == _tokens(whole)
+    # the decode replica's own logprobs agree with penalties that counted the first token
+    assert _check_every_step(got[1:], _tops(outputs)[1:], sp, first_counts={result.first_token: 1}) >= 1
