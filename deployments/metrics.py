@@ -90,6 +90,19 @@ class EngineMetrics:
         self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
         self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
         self.role = Gauge("tandem_role", "Replica role: 0 prefill, 1 decode, 2 both", tag_keys=tags)
+        self.cached_blocks = Gauge(
+            "tandem_kv_cached_blocks", "Free KV blocks that keep a cached prefix (evictable)", tag_keys=tags
+        )
+        self.prefix_queries = Counter(
+            "tandem_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", tag_keys=tags
+        )
+        self.prefix_hits = Counter(
+            "tandem_prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache held", tag_keys=tags
+        )
+        self.evictions = Counter(
+            "tandem_prefix_cache_evictions_total", "Cached KV blocks evicted to make room", tag_keys=tags
+        )
+        self._totals = (0, 0, 0)  # the engine's cumulative figures last seen (the counters add the change)
 
     def prefill_call(self, seconds: float) -> None:
         self.prefill.observe(seconds, self.tags)
@@ -112,6 +125,12 @@ class EngineMetrics:
         self.running.set(stats.num_running, self.tags)
         self.waiting.set(stats.num_waiting, self.tags)
         self.role.set(ROLE_CODES[stats.role], self.tags)
+        self.cached_blocks.set(stats.num_cached_blocks, self.tags)
+        totals = (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.num_evictions)
+        for counter, now, before in zip((self.prefix_queries, self.prefix_hits, self.evictions), totals, self._totals):
+            if now > before:
+                counter.inc(now - before, self.tags)
+        self._totals = totals
 
 
 class AutoscalerMetrics:

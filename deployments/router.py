@@ -6,7 +6,9 @@ replicas in the ``prefill`` (or ``both``) role and decode calls only to ``decode
 ``both``) replicas, so a prefill-deployment replica that the autoscaler flipped to
 ``decode`` receives decode work through the prefill deployment's handle. Among eligible
 replicas the least loaded comes first: fewest waiting, then running requests, then most
-free KV blocks (not round-robin).
+free KV blocks (not round-robin), except that a prompt whose prefix this router sent to a
+replica before goes there while that replica is within a load bound
+(``deployments.prefix_routing``: its prefix cache likely holds those blocks).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from deployments.prefix_routing import PrefixAffinity, prompt_keys
 from engine.params import EngineStats, Role
 
 PREFILL_METHODS = frozenset({"prefill", "prefill_push"})
@@ -93,9 +96,41 @@ def rank_replicas(replicas: list[Any], method: str) -> list[list[Any]]:
     return [[r] for _, r in sorted(chosen, key=lambda pair: load_key(pair[0]))]
 
 
+def with_affinity(ranks: list[list[Any]], keys: list[bytes], affinity: PrefixAffinity) -> list[list[Any]]:
+    """``ranks`` with the replica that got this prompt's prefix first (when it is among them
+    and within the load bound); the prompt is remembered at the replica ranked first."""
+    replicas = [replica for rank in ranks for replica in rank]
+    if not replicas:
+        return ranks
+    loads = {}
+    for replica in replicas:
+        stats = parse_routing_stats(replica.routing_stats)
+        loads[replica.replica_id] = 0 if stats is None else stats.running + stats.waiting
+    preferred = affinity.preferred(keys, loads)
+    if preferred is not None:
+        first = next(r for r in replicas if r.replica_id == preferred)
+        ranks = [[first]] + [[r] for r in replicas if r is not first]
+    affinity.remember(keys, ranks[0][0].replica_id)
+    return ranks
+
+
+def prompt_of(pending_request: PendingRequest | None) -> tuple[int, ...] | None:
+    """The prompt of a call that carries a ``GenerationRequest`` first (prefill, decode, generate)."""
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "prompt_token_ids", None)
+
+
 class RoleAwareRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         method = pending_request.metadata.call_method if pending_request is not None else ""
-        return rank_replicas(candidate_replicas, method)
+        ranks = rank_replicas(candidate_replicas, method)
+        prompt = prompt_of(pending_request) if wanted_role(method) is not None else None
+        keys = prompt_keys(prompt) if prompt else []
+        if not keys:
+            return ranks
+        if not hasattr(self, "_affinity"):
+            self._affinity = PrefixAffinity()
+        return with_affinity(ranks, keys, self._affinity)
