@@ -93,6 +93,9 @@ class EngineActor:
     def last_fetch_ms(self) -> float:
         return self.link.last_fetch.seconds * 1e3
 
+    def last_fetch_bytes(self) -> int:
+        return self.link.last_fetch.num_bytes
+
     def num_handshakes(self) -> int:
         return self.link.transport.num_handshakes
 

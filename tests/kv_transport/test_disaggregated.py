@@ -27,6 +27,7 @@ SHORT_TIMEOUT_S = 3.0
 LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
 IDLE_TIMEOUT_S = 10.0  # release notices, aborts and cancellations free blocks asynchronously
 START_TIMEOUT_S = 30.0  # a request reaching the decode engine
+BLOCK_BYTES = 16 * 3 * 64 * 4  # one layer's K (or V) of one block: 16 tokens x 3 heads x 64 x float32
 HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lease is TIMEOUT_S)
 
 
@@ -149,13 +150,46 @@ def test_push_matches_single_engine(actors, prompts, reference):
     decoding = [decode.decode_push.remote(r, d) for r, d in zip(requests, destinations)]
     pushed = ray.get([prefill.prefill_push.remote(r, d) for r, d in zip(requests, destinations)])
     runs = ray.get(decoding)
+    # the reference ran these prompts on the decode actor: its prefix cache holds their full
+    # blocks, which the destinations list as held; only the rest is written
+    assert sum(d.skip_blocks for d in destinations) > 0
     for i, ((result, stats), outputs) in enumerate(zip(pushed, runs)):
-        assert stats.num_bytes == 30 * 2 * len(destinations[i].block_ids) * 16 * 3 * 64 * 4
+        written = len(destinations[i].block_ids) - destinations[i].skip_blocks
+        assert stats.num_bytes == 30 * 2 * written * BLOCK_BYTES
         assert [t.layer for t in stats.layer_times] == list(range(30))
         # the first token's log-probabilities came inside the completion notice (JSON: exact)
         assert outputs[0].logprobs == (result.first_logprobs,) and result.first_logprobs is not None
         assert_same_output(reference[i], trace_from_outputs(outputs), exact=False, label=f"push {i}")
     _assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_shared_prefix_moves_once(actors, smol, mode):
+    """Two requests sharing a 320-token prefix never seen before: the second one's transfer
+    moves only the blocks past the prefix (the decode replica's cache holds the rest), and
+    its prefill skips the prefix (``num_cached_tokens``); outputs match the single engine."""
+    prefill, decode = actors
+    prefix = prompt_of_length(smol.tokenizer, 320, offset=1400 if mode == "pull" else 1200)
+    tails = [prompt_of_length(smol.tokenizer, 40, offset=100 + 50 * i) for i in range(2)]
+    moved = []
+    for i, tail in enumerate(tails):
+        request = _request(f"prefix-{mode}", i, prefix + tail)
+        if mode == "pull":
+            result, handle = ray.get(prefill.prefill_pull.remote(request))
+            outputs = ray.get(decode.decode_pull.remote(request, handle, result.first_logprobs))
+            moved.append(ray.get(decode.last_fetch_bytes.remote()))
+        else:
+            destination = ray.get(decode.reserve_push.remote(request))
+            decoding = decode.decode_push.remote(request, destination)
+            result, stats = ray.get(prefill.prefill_push.remote(request, destination))
+            outputs = ray.get(decoding)
+            moved.append(stats.num_bytes)
+        assert result.num_cached_tokens == (0 if i == 0 else 320)
+        want = trace_from_outputs(ray.get(decode.generate.remote(_request(f"prefix-{mode}-ref", i, prefix + tail))))
+        assert_same_output(want, trace_from_outputs(outputs), exact=False, label=f"{mode} {i}")
+    blocks = [-(-360 // 16), -(-360 // 16) - 320 // 16]  # all 23 blocks, then the 3 past the prefix
+    assert moved == [30 * 2 * n * BLOCK_BYTES for n in blocks]
+    _wait_idle(prefill, decode)
 
 
 def test_abort_on_either_side_frees_blocks(actors, prompts):
