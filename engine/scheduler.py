@@ -74,9 +74,12 @@ class ScheduledChunk:
     start_pos: int
     block_ids: tuple[int, ...]
     sample: bool
+    in_prompt: bool = False  # it computes prompt tokens (a one-token chunk after a cached prefix too)
 
     @property
     def is_decode(self) -> bool:
+        """One query token over cached context: the decode attention path (also the last prompt
+        token after a cached prefix, which that path computes the same way)."""
         return len(self.token_ids) == 1 and self.start_pos > 0
 
 
@@ -272,6 +275,7 @@ class Scheduler:
             start_pos=start,
             block_ids=tuple(seq.block_ids),
             sample=start + n == seq.num_tokens,
+            in_prompt=start < seq.num_prompt_tokens,
         )
 
     def _exhausted_message(self, seq: SequenceState) -> str:

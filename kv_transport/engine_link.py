@@ -215,7 +215,7 @@ class KVEngineLink:
         block_size = self._block_size
         for chunk in chunks:
             rid = chunk.request_id
-            if rid not in self._pushing or chunk.is_decode:
+            if rid not in self._pushing or not chunk.in_prompt:
                 continue
             first = chunk.start_pos // block_size
             last = -(-(chunk.start_pos + len(chunk.token_ids)) // block_size)
