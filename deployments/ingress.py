@@ -33,7 +33,15 @@ from app.openai_protocol import (
 from app.settings import AppConfig
 from deployments.elastic_routing import ElasticRouting, Route
 from deployments.metrics import IngressMetrics
-from deployments.openai_format import CHAT, COMPLETION, ChunkWriter, ResponseFormat, full_response, sse, token_text_of
+from deployments.openai_format import (
+    CHAT,
+    COMPLETION,
+    ChunkWriter,
+    ResponseFormat,
+    full_response_choices,
+    sse,
+    token_text_of,
+)
 from engine.core import RoleError
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
@@ -42,6 +50,55 @@ from kv_transport.engine_link import KVCapacityError
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+
+
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The engine requests of one body's ``n`` choices: ids ``<id>-<i>``; with a ``seed``,
+    choice i samples with seed + i (distinct choices, reproducible with the same seed)."""
+    if n == 1:
+        return [request]
+    choices = []
+    for i in range(n):
+        sampling = request.sampling
+        if sampling.seed is not None:
+            seed = sampling.seed + i
+            sampling = dataclasses.replace(sampling, seed=seed - 2**64 if seed >= 2**64 else seed)
+        choices.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=sampling))
+    return choices
+
+
+async def merge_after_first(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of ``streams`` as they come, as (stream index, item); stream 0 alone until its
+    first item. An error in one stream ends all of them (each closed on the way out)."""
+    pending: dict[asyncio.Future, int] = {}
+
+    def advance(i: int) -> None:
+        pending[asyncio.ensure_future(anext(streams[i]))] = i
+
+    advance(0)
+    waiting = list(range(1, len(streams)))
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    item = None
+                else:
+                    advance(i)
+                for j in waiting:
+                    advance(j)
+                waiting = []
+                if item is not None:
+                    yield i, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 def _cached(output: RequestOutput, num_cached_tokens: int) -> RequestOutput:
@@ -165,19 +222,23 @@ class OpenAIIngress:
             return exc.response()
         headers = {"X-Request-Id": request.request_id}
         text_of = self._text_of if request.sampling.logprobs is not None else None
+        choices = choice_requests(request, body.n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(fmt, request, include_usage, text_of)
+            stream = self._stream(fmt, request.request_id, choices, include_usage, text_of)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         self.in_flight += 1
+        outputs: list[list[RequestOutput]] = [[] for _ in choices]
         try:
-            outputs = [o async for o in self._timed(request)]
+            async for index, output in self._choice_outputs(request.request_id, choices):
+                outputs[index].append(output)
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
         finally:
             self.in_flight -= 1
-        return JSONResponse(full_response(fmt, request.request_id, self.model, outputs, text_of), headers=headers)
+        body = full_response_choices(fmt, request.request_id, self.model, outputs, text_of)
+        return JSONResponse(body, headers=headers)
 
     @staticmethod
     async def _read_json(raw: Request) -> dict:
@@ -221,28 +282,47 @@ class OpenAIIngress:
         self._active_ids.add(request.request_id)  # discarded when _timed ends
 
     async def _stream(
-        self, fmt: ResponseFormat, request: GenerationRequest, include_usage: bool, text_of: Any
+        self, fmt: ResponseFormat, request_id: str, choices: list[GenerationRequest], include_usage: bool, text_of: Any
     ) -> AsyncIterator[bytes]:
-        writer = ChunkWriter(fmt, request.request_id, self.model, text_of)
+        writers = [ChunkWriter(fmt, request_id, self.model, text_of, index) for index in range(len(choices))]
         self.in_flight += 1
         try:
-            first = writer.start()
-            if first:
-                yield first
-            last = None
-            async for output in self._timed(request):
-                last = output
-                chunk = writer.delta(output)
+            for writer in writers:
+                first = writer.start()
+                if first:
+                    yield first
+            last: dict[int, RequestOutput] = {}
+            async for index, output in self._choice_outputs(request_id, choices):
+                last[index] = output
+                chunk = writers[index].delta(output)
                 if chunk:
                     yield chunk
-            if include_usage and last is not None:
-                yield writer.usage(last)
+            if include_usage and len(last) == len(choices):
+                yield writers[0].usage(*(last[i] for i in range(len(choices))))
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             yield sse(exc.body)
         finally:
             self.in_flight -= 1
-        yield writer.done()
+        yield writers[0].done()
+
+    async def _choice_outputs(
+        self, request_id: str, choices: list[GenerationRequest]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The choices' outputs as they come, with the choice's index. With ``n`` > 1, choice 0
+        runs alone until its first output: its prompt's KV is then in the prefix caches (the
+        prefill replica's, and the decode replica's that fetched it), and the router sends the
+        other choices where that prefix went, so the prompt is computed and moved once."""
+        try:
+            if len(choices) == 1:
+                async for output in self._timed(choices[0]):
+                    yield 0, output
+                return
+            async with aclosing(merge_after_first([self._timed(c) for c in choices])) as merged:
+                async for index, output in merged:
+                    yield index, output
+        finally:
+            self._active_ids.discard(request_id)
 
     async def _timed(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """``_outputs`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here)."""

@@ -28,11 +28,14 @@ def token_text_of(tokenizer) -> TokenText:
     return lambda token_id: tokenizer.decode([token_id])
 
 
-def usage(last: RequestOutput) -> dict:
+def usage(last: RequestOutput, *others: RequestOutput) -> dict:
+    """Usage of a request whose (first) choice ended with ``last``; ``others``: the last
+    outputs of its other choices (``n`` > 1: the prompt counted once, every choice's tokens)."""
+    completion = last.num_output_tokens + sum(o.num_output_tokens for o in others)
     return {
         "prompt_tokens": last.num_prompt_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+        "completion_tokens": completion,
+        "total_tokens": last.num_prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
     }
 
@@ -74,11 +77,11 @@ class ResponseFormat(ABC):
     chunk_object_name: str  # each streamed chunk's ``object``
 
     @abstractmethod
-    def choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
-        """The one choice of a non-streamed body."""
+    def choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
+        """A choice of a non-streamed body."""
 
     @abstractmethod
-    def delta_choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+    def delta_choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
         """The choice of one streamed chunk."""
 
     @abstractmethod
@@ -86,7 +89,7 @@ class ResponseFormat(ABC):
         """The ``logprobs`` object of ``entries`` and the offset after them (``offset``: characters
         of token text sent before them; only completions count it)."""
 
-    def first_chunk(self) -> dict | None:
+    def first_chunk(self, index: int = 0) -> dict | None:
         """A choice sent before any token (chat announces the assistant's role), or None."""
         return None
 
@@ -94,26 +97,26 @@ class ResponseFormat(ABC):
 class ChatFormat(ResponseFormat):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
-    def choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+    def choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
-    def delta_choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
+    def delta_choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def logprobs(self, entries: SequenceOf[TokenLogprobs], text_of: TokenText, offset: int) -> tuple[dict, int]:
         return chat_logprobs(entries, text_of), offset
 
-    def first_chunk(self) -> dict | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def first_chunk(self, index: int = 0) -> dict | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
 class CompletionFormat(ResponseFormat):
     object_name = chunk_object_name = "text_completion"
 
-    def choice(self, text: str, logprobs: dict | None, reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    def choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     delta_choice = choice
 
@@ -133,17 +136,30 @@ def full_response(
     text_of: TokenText | None = None,
 ) -> dict:
     """The non-streamed body; ``text_of`` set when the request asked for log-probabilities."""
-    text = "".join(o.text for o in outputs)
-    last = outputs[-1]
-    entries = [e for o in outputs for e in o.logprobs]
-    logprobs = fmt.logprobs(entries, text_of, 0)[0] if text_of else None
+    return full_response_choices(fmt, request_id, model, [outputs], text_of)
+
+
+def full_response_choices(
+    fmt: ResponseFormat,
+    request_id: str,
+    model: str,
+    choices: SequenceOf[SequenceOf[RequestOutput]],
+    text_of: TokenText | None = None,
+) -> dict:
+    """The non-streamed body of ``n`` choices (each choice's outputs, in index order)."""
+    bodies = []
+    for index, outputs in enumerate(choices):
+        entries = [e for o in outputs for e in o.logprobs]
+        logprobs = fmt.logprobs(entries, text_of, 0)[0] if text_of else None
+        text = "".join(o.text for o in outputs)
+        bodies.append(fmt.choice(text, logprobs, finish_reason(outputs[-1]), index))
     return {
         "id": request_id,
         "object": fmt.object_name,
         "created": int(time.time()),
         "model": model,
-        "choices": [fmt.choice(text, logprobs, finish_reason(last))],
-        "usage": usage(last),
+        "choices": bodies,
+        "usage": usage(*(outputs[-1] for outputs in choices)),
     }
 
 
@@ -157,8 +173,11 @@ class ChunkWriter:
     each chunk carries the log-probabilities of its tokens (those of tokens whose text is
     held back, e.g. part of a character, ride on the next chunk)."""
 
-    def __init__(self, fmt: ResponseFormat, request_id: str, model: str, text_of: TokenText | None = None) -> None:
-        self.fmt, self.request_id, self.model = fmt, request_id, model
+    def __init__(
+        self, fmt: ResponseFormat, request_id: str, model: str, text_of: TokenText | None = None, index: int = 0
+    ) -> None:
+        """``index``: the choice this writer's chunks carry (``n`` > 1: one writer per choice)."""
+        self.fmt, self.request_id, self.model, self.index = fmt, request_id, model, index
         self.created = int(time.time())
         self.text_of = text_of
         self._pending: list[TokenLogprobs] = []
@@ -177,7 +196,7 @@ class ChunkWriter:
         return sse(body)
 
     def start(self) -> bytes | None:
-        first = self.fmt.first_chunk()
+        first = self.fmt.first_chunk(self.index)
         return None if first is None else self._chunk(first)
 
     def _logprobs(self) -> dict | None:
@@ -192,10 +211,10 @@ class ChunkWriter:
         reason = finish_reason(output) if output.finished else None
         if not output.text and reason is None:
             return None
-        return self._chunk(self.fmt.delta_choice(output.text, self._logprobs(), reason))
+        return self._chunk(self.fmt.delta_choice(output.text, self._logprobs(), reason, self.index))
 
-    def usage(self, last: RequestOutput) -> bytes:
-        return self._chunk(None, usage(last))
+    def usage(self, last: RequestOutput, *others: RequestOutput) -> bytes:
+        return self._chunk(None, usage(last, *others))
 
     @staticmethod
     def done() -> bytes:
