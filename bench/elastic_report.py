@@ -9,8 +9,8 @@ in the raw folder, and ``write_report`` renders everything from there, so the re
 re-rendered without running anything (``--stage report``).
 
 Files: ``elastic.json`` (summary), ``elastic.md`` (only the block between ``BEGIN`` and
-``END`` is regenerated; the "Reading the results" section after it is hand-written) and
-``elastic.png`` (the timeline).
+``END`` is regenerated; everything after it is kept: the hand-written "Reading the results"
+and, from its marker on, ``bench.scaling``'s section) and ``elastic.png`` (the timeline).
 """
 
 from __future__ import annotations

@@ -88,14 +88,19 @@ def next_active(steps: tuple[Step, ...], t: float, client: int) -> float:
 
 class Requests:
     """Client ``i``'s ``n``-th request: a code prompt of exactly ``PROMPT_TOKENS`` tokens, cut
-    at an offset of its own, the same for every system."""
+    at an offset of its own, the same for every system. It opens with its own tag, so its
+    first KV block, and so (hash-chained) every block, is its own: no prefix-cache hit, every
+    prompt is prefilled whole and its KV moved, on any replica (the code corpus repeats one
+    function, and the cache of a new replica starts cold, so hits would differ by system)."""
 
     def __init__(self, tokenizer) -> None:
         self.builder = PromptBuilder(tokenizer)
 
     def get(self, client: int, number: int) -> BenchRequest:
         offset = (7919 * client + 131 * number) % 10_000
-        return BenchRequest(self.builder.code(PROMPT_TOKENS, offset), PROMPT_TOKENS, OUTPUT_TOKENS)
+        tag = self.builder.ids(f"# request {client}.{number}\n")
+        prompt = tag + self.builder.code(PROMPT_TOKENS - len(tag), offset)
+        return BenchRequest(prompt, PROMPT_TOKENS, OUTPUT_TOKENS)
 
 
 async def closed_loop(target: Target, steps: tuple[Step, ...], requests: Requests, t0: float) -> list[dict]:

@@ -369,7 +369,8 @@ def cpu_model() -> str:
 def summary_json(
     runs: list[ScalingRun], stats: dict[str, list[StepStats]], timings: dict[str, list[ScaleTiming]], host: str
 ) -> dict:
-    """scaling.json: the figures without the per-request records."""
+    """scaling.json: the figures without the per-request records; the replica counts only
+    where they changed."""
     return {
         "command": runs[0].command,
         "machine": host,
@@ -386,12 +387,21 @@ def summary_json(
                 "scale_timings": [asdict(t) for t in timings[run.system]],
                 "decisions": run.decisions,
                 "decision_counts": lending_counts(run),
-                "replica_counts": replica_series(run),
+                "replica_counts": _changes(replica_series(run)),
                 "log_lines": excerpt(run),
             }
             for run in runs
         },
     }
+
+
+def _changes(series: list[dict]) -> list[dict]:
+    """The polls where anything but the time changed (the first one included)."""
+    kept: list[dict] = []
+    for sample in series:
+        if not kept or {k: v for k, v in sample.items() if k != "t"} != {k: v for k, v in kept[-1].items() if k != "t"}:
+            kept.append(sample)
+    return kept
 
 
 def replica_series(run: ScalingRun) -> list[dict]:

@@ -113,7 +113,8 @@ class EngineMetrics:
 
     def transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_seconds.observe(seconds, self.tags)
-        self.kv_bytes.inc(num_bytes, self.tags)
+        if num_bytes > 0:  # 0 when this replica's prefix cache held every block (Ray refuses inc(0))
+            self.kv_bytes.inc(num_bytes, self.tags)
 
     def decode_parts(self, timings: DecodeTimings) -> None:
         self.decode_queue.observe(timings.decode_queue_s, self.tags)
