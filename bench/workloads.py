@@ -19,6 +19,7 @@ are drawn from a seeded generator:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,3 +156,53 @@ def median_request(requests: list[BenchRequest]) -> BenchRequest:
     """The request with the median prompt length (the Splitwise-style SLO reference)."""
     ordered = sorted(requests, key=lambda r: r.prompt_tokens)
     return ordered[len(ordered) // 2]
+
+
+# ---- closed-loop multi-turn chat (prefix caching) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatConversation:
+    """One conversation of a closed-loop multi-turn chat: the user's text of each turn, fixed
+    in advance; the assistant's answers come from the server while it runs. Turn ``t``'s
+    request is the whole conversation so far (every earlier user text and answer, then user
+    text ``t``), sent when the answer of turn ``t - 1`` has ended, so each prompt carries the
+    previous one as its prefix."""
+
+    index: int
+    user_texts: tuple[str, ...]
+    max_tokens: int  # output tokens per turn (asked with ignore_eos: exactly this many)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.user_texts)
+
+    def messages(self, answers: Sequence[str]) -> list[dict[str, str]]:
+        """The chat messages of turn ``len(answers)`` (0-based): user/assistant alternating."""
+        if len(answers) >= self.num_turns:
+            raise ValueError(f"conversation {self.index} has {self.num_turns} turns, got {len(answers)} answers")
+        messages = []
+        for user, answer in zip(self.user_texts, answers):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": self.user_texts[len(answers)]})
+        return messages
+
+
+def chat_conversations(
+    tokenizer, num_conversations: int = 8, num_turns: int = 5, user_tokens: int = 200, output_tokens: int = 100
+) -> list[ChatConversation]:
+    """``num_conversations`` conversations of ``num_turns`` turns, deterministic: each user text
+    is a tag naming its conversation and turn, then corpus tokens from an offset of its own,
+    ``user_tokens`` tokens in all (as token ids; the decoded text re-encodes to about as many).
+    No two user texts are equal, so conversations share no prefix beyond the chat template's."""
+    builder = PromptBuilder(tokenizer)
+    conversations = []
+    for c in range(num_conversations):
+        texts = []
+        for t in range(num_turns):
+            head = builder.ids(f"[conversation {c + 1}, turn {t + 1}] ")
+            offset = 97 * (c * num_turns + t)  # distinct windows of the corpus
+            ids = builder.fit(head, builder._cut(builder._corpus, user_tokens, offset), [], user_tokens)
+            texts.append(tokenizer.decode(ids))
+        conversations.append(ChatConversation(c, tuple(texts), output_tokens))
+    return conversations

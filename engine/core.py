@@ -154,6 +154,9 @@ class EngineCore:
             allocator.free(shared)
             return None
         self._reserved[request_id] = shared + allocator.allocate(needed)
+        if allocator.enable_caching:  # counted as this replica's lookups (the KV it did not move)
+            self.scheduler.prefix_query_tokens += num_tokens
+            self.scheduler.prefix_hit_tokens += len(shared) * allocator.block_size
         return list(self._reserved[request_id]), len(shared)
 
     def add_decode(
@@ -223,7 +226,7 @@ class EngineCore:
         elif not sp.greedy:
             generator = self._default_generator
         stream = TextStream(self.tokenizer, prompt, sp.stop)
-        history = TokenHistory.build(sp, prompt, self.vocab_size, self.device)
+        history = TokenHistory.build(sp, prompt, self.device)
         self._requests[rid] = _Request(
             request, seq, stream, generator, prefill_only, time.perf_counter(), history=history, grammar=grammar
         )
