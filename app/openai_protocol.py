@@ -5,7 +5,9 @@ Each request schema converts itself into the engine's ``GenerationRequest``
 every refusal a ``FieldError`` naming the client's field. Fields OpenAI defines that this
 server does not implement are declared, so that a request setting one to anything but its
 neutral value is refused naming it (``unsupported``) instead of being silently ignored;
-unknown fields are ignored, as vLLM does.
+unknown fields are ignored, as vLLM does. ``response_format`` (JSON object or JSON schema)
+is checked here, against what the engine's grammar library can enforce, before the request
+leaves the ingress.
 """
 
 from __future__ import annotations
@@ -17,8 +19,20 @@ from typing import Any, ClassVar, Literal
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from engine.params import SEED_RANGE, ContextLimits, FieldError, GenerationRequest, SamplingParams, check_fits
+from engine.params import (
+    LOGIT_BIAS_RANGE,
+    PENALTY_RANGE,
+    SEED_RANGE,
+    ContextLimits,
+    FieldError,
+    GenerationRequest,
+    SamplingParams,
+    check_fits,
+)
+from engine.structured import JSON_OBJECT_SCHEMA, check_schema
 from engine.tokenization import encode_prompt
+
+MAX_CHOICES = 16  # ``n`` at most: each choice is a request of its own on the engines
 
 
 class _Body(BaseModel):
@@ -44,6 +58,35 @@ class StreamOptions(_Body):
     include_usage: bool = Field(False, description="send a final chunk with token usage")
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(description="the schema's name (as OpenAI requires; not used)")
+    description: str | None = Field(None, description="what the output is for (not used)")
+    json_schema: dict[str, Any] | None = Field(
+        None, alias="schema", description="the JSON schema the output must match (none: any JSON object)"
+    )
+    strict: bool | None = Field(None, description="accepted: the schema is always enforced")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(description="text (no constraint) or JSON")
+    json_schema: JsonSchemaFormat | None = Field(None, description="the schema, for type json_schema")
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+    def to_schema(self) -> str | None:
+        """``SamplingParams.json_schema``: None for text; ``FieldError`` naming
+        ``response_format`` for a schema the grammar library cannot enforce."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema is None or self.json_schema.json_schema is None:
+            return JSON_OBJECT_SCHEMA
+        return check_schema(self.json_schema.json_schema)
+
+
 class _SamplingFields(_Body):
     model: str = Field(description="model name from GET /v1/models")
     max_tokens: int | None = Field(None, description="tokens to generate (default: the rest of the context)")
@@ -56,14 +99,25 @@ class _SamplingFields(_Body):
     stop: str | list[str] | None = Field(None, description="stop strings")
     stream: bool = Field(False, description="stream server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
-    n: int = Field(1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate (the prompt's KV computed and moved once)")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence (extension)")
     min_tokens: int = Field(0, description="no EOS or stop token ids before this many tokens (extension)")
     user: str | None = Field(None, description="accepted, not used")
-    # declared so that setting them is refused by name (see ``unsupported``)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(
+        0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], description="subtracted from tokens already generated"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], description="subtracted per time a token was generated"
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="divides positive (multiplies negative) logits of tokens in the prompt or output (extension)",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description=f"token id -> bias added to its logit, in {list(LOGIT_BIAS_RANGE)}"
+    )
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
 
     id_prefix: ClassVar[str]  # of generated request ids, as OpenAI's
     prompt_field: ClassVar[str]  # the field that holds the prompt
@@ -80,10 +134,13 @@ class _SamplingFields(_Body):
             raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
         max_tokens = requested if requested is not None else limits.max_model_len - len(ids)
         check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
+        sampling = self._sampling_params(max_tokens)
+        if limits.vocab_size is not None:
+            sampling.check_token_ids(limits.vocab_size)
         return GenerationRequest(
             request_id=request_id or f"{self.id_prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=tuple(ids),
-            sampling=self._sampling_params(max_tokens),
+            sampling=sampling,
         )
 
     def _sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -97,6 +154,11 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias or (),
+            json_schema=self.response_format.to_schema() if self.response_format is not None else None,
         )
 
     def _prompt_token_ids(self, tokenizer: Any) -> list[int]:
@@ -122,12 +184,7 @@ class _SamplingFields(_Body):
 
     def _refusals(self) -> list[tuple[str, bool]]:
         """``(field, refused)`` for every field declared only to be refused when set."""
-        return [
-            ("n", self.n != 1),
-            ("presence_penalty", self.presence_penalty != 0),
-            ("frequency_penalty", self.frequency_penalty != 0),
-            ("logit_bias", bool(self.logit_bias)),
-        ]
+        return []
 
 
 class TextPart(_Body):
@@ -160,7 +217,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, description="alias of max_tokens")
     logprobs: bool = Field(False, description="return the log-probability of each output token")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -191,7 +247,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _refusals(self) -> list[tuple[str, bool]]:
         return super()._refusals() + [
-            ("response_format", (self.response_format or {}).get("type", "text") != "text"),
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none")),
         ]

@@ -1,16 +1,17 @@
 """Sampling as small pure functions over a batch of logits rows.
 
-Logits processing (``logit_bias``, the penalties) works on the whole batch with index and
-scatter ops: rows that ask for none of it are not touched, and no Python loop runs over the
-vocabulary. What a penalty needs from a request's past (token counts, the prompt's tokens)
-is kept per request in ``TokenHistory``, rebuilt from the tokens alone, so a decode replica
-that continues a request rebuilds it from the prompt and the first token it was given.
+Logits processing (``logit_bias``, the penalties) works on the whole batch with gather and
+scatter ops over the (row, token) pairs concerned: rows that ask for none of it are not
+touched, and nothing runs over the vocabulary (on a 2-core CPU one pass over a batch of 16
+rows of 49,152 logits costs about 0.5 ms, a sizeable share of a decode step). What a penalty
+needs from a request's past is kept per request in ``TokenHistory``, built from the tokens
+alone, so a decode replica that continues a request rebuilds it from the prompt and the first
+token it was given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -69,31 +70,48 @@ def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> Tok
     return TokenLogprobs(token_id=token_id, logprob=float(logprobs[token_id]), top=pairs)
 
 
-@dataclass(eq=False)
 class TokenHistory:
-    """One request's tokens as penalties need them, as tensors of the vocabulary's width on
-    the logits' device: ``counts[t]`` = times ``t`` was generated so far; ``in_prompt[t]`` =
-    ``t`` is in the prompt (only kept when ``repetition_penalty`` != 1)."""
+    """One request's past as its penalties need it, kept sparse (the tokens it holds, not the
+    vocabulary) and updated per token, as 1-D tensors on the logits' device:
 
-    counts: torch.Tensor
-    in_prompt: torch.Tensor | None
+        generated[k]  the k-th distinct token generated so far
+        offsets[k]    what presence and frequency subtract from it:
+                      presence_penalty + frequency_penalty * (times generated)
+        seen          distinct tokens of the prompt and the output (kept only when
+                      repetition_penalty != 1)
+    """
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int], device: torch.device) -> None:
+        self._presence, self._frequency = params.presence_penalty, params.frequency_penalty
+        self._device = device
+        self._position: dict[int, int] = {}  # token -> its index in ``generated``
+        self.generated = torch.zeros(0, dtype=torch.long, device=device)
+        self.offsets = torch.zeros(0, dtype=torch.float32, device=device)
+        self._seen: set[int] | None = None
+        self.seen: torch.Tensor | None = None
+        if params.repetition_penalty != 1:
+            self._seen = set(prompt)
+            self.seen = torch.tensor(sorted(self._seen), dtype=torch.long, device=device)
 
     @classmethod
-    def build(
-        cls, params: SamplingParams, prompt: Sequence[int], vocab_size: int, device: torch.device
-    ) -> TokenHistory | None:
+    def build(cls, params: SamplingParams, prompt: Sequence[int], device: torch.device) -> TokenHistory | None:
         """None when the request has no penalty (nothing to keep)."""
-        if not params.penalized:
-            return None
-        in_prompt = None
-        if params.repetition_penalty != 1:
-            in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
-        return cls(torch.zeros(vocab_size, dtype=torch.float32, device=device), in_prompt)
+        return cls(params, prompt, device) if params.penalized else None
 
     def add(self, token: int) -> None:
         """Count one generated token (called for every token appended, the first included)."""
-        self.counts[token] += 1
+        position = self._position.get(token)
+        if position is not None:
+            self.offsets[position] += self._frequency
+            return
+        self._position[token] = len(self._position)
+        new = torch.tensor([token], dtype=torch.long, device=self._device)
+        self.generated = torch.cat([self.generated, new])
+        offset = torch.tensor([self._presence + self._frequency], dtype=torch.float32, device=self._device)
+        self.offsets = torch.cat([self.offsets, offset])
+        if self._seen is not None and token not in self._seen:
+            self._seen.add(token)
+            self.seen = torch.cat([self.seen, new])
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -114,27 +132,31 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 def apply_penalties(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
 ) -> None:
-    """Repetition, then presence and frequency penalties, in place, on the rows that have a
-    history (gathered into one ``(rows, vocab)`` block, processed, scattered back)."""
+    """The repetition penalty, then presence and frequency, in place, on the rows that have a
+    history: each a gather and a scatter over the (row, token) pairs concerned, built from the
+    histories' tensors, so the cost follows the tokens a request has seen, not the vocabulary."""
     rows = [i for i, h in enumerate(histories) if h is not None]
-    if not rows:
-        return
-    device, dtype = logits.device, logits.dtype
-    index = torch.tensor(rows, device=device)
-    block = logits.index_select(0, index)
-    counts = torch.stack([histories[i].counts for i in rows])
-    generated = counts > 0
-
-    def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(params[i], name) for i in rows], dtype=dtype, device=device).unsqueeze(1)
-
-    repetition = column("repetition_penalty")
-    seen = generated | torch.stack([_prompt_mask(histories[i], generated[0]) for i in rows])
-    penalized = torch.where(block > 0, block / repetition, block * repetition)
-    block = torch.where(seen, penalized, block)
-    block -= column("presence_penalty") * generated + column("frequency_penalty") * counts
-    logits.index_copy_(0, index, block)
+    repeated = [i for i in rows if histories[i].seen is not None]
+    if repeated:
+        index, per_pair = _pairs(logits, [histories[i].seen for i in repeated], repeated)
+        factor = _per_row(logits, [params[i].repetition_penalty for i in repeated], per_pair)
+        values = logits[index]
+        logits[index] = torch.where(values > 0, values / factor, values * factor)
+    counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
+    if counted:
+        index, _ = _pairs(logits, [histories[i].generated for i in counted], counted)
+        offsets = torch.cat([histories[i].offsets for i in counted]).to(logits.dtype)
+        logits.index_put_(index, -offsets, accumulate=True)
 
 
-def _prompt_mask(history: TokenHistory, like: torch.Tensor) -> torch.Tensor:
-    return history.in_prompt if history.in_prompt is not None else torch.zeros_like(like)
+def _pairs(
+    logits: torch.Tensor, ids: list[torch.Tensor], rows: list[int]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(row index, token index)`` of every (row, id) pair, and the pair count per row."""
+    per_row = torch.tensor([len(t) for t in ids], device=logits.device)
+    row_index = torch.repeat_interleave(torch.tensor(rows, device=logits.device), per_row)
+    return (row_index, torch.cat(ids)), per_row
+
+
+def _per_row(logits: torch.Tensor, values: list[float], per_row: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(torch.tensor(values, dtype=logits.dtype, device=logits.device), per_row)

@@ -1,28 +1,30 @@
 """Structured outputs: a JSON schema as a token mask, through llguidance.
 
-Why llguidance (measured on this 2-core CPU with SmolLM2's 49,152-token vocabulary, against
-xgrammar 0.2.9; figures in the report of issue 17): both install on Python 3.11 x86_64 next
-to CPU torch, and both mask well under a decode step's time; llguidance is one 8 MB wheel with
-no dependencies, while xgrammar pulls in triton (1 GB) and apache-tvm-ffi on x86_64 Linux; and
-llguidance has no ahead-of-time compile (a matcher is built in about a millisecond and masks
-lazily), so a new schema costs nothing up front.
+Why llguidance rather than xgrammar (both measured on this 2-core CPU with SmolLM2's
+49,152-token vocabulary; figures in docs/benchmarks/prefix_cache.md): both install on
+Python 3.11 x86_64 beside CPU torch, and both fill a batch's masks in a small share of a
+decode step (xgrammar faster per token). llguidance is one small wheel with no dependencies,
+while xgrammar pulls in triton (about 1 GB) and apache-tvm-ffi on x86_64 Linux for a CPU
+server that uses neither; and llguidance has no ahead-of-time compile (a matcher is built in
+about a millisecond and its lexer grows lazily), so a new schema costs nothing up front.
 
 The parts:
   * ``check_schema``: the schema as canonical JSON text, refused with a ``FieldError``
     naming ``response_format`` when llguidance cannot use it (no tokenizer needed: the
     ingress calls it before a request leaves it);
   * ``GrammarCache``: one per engine; the tokenizer's llguidance view (about a second to
-    build, so built on the first structured request) and one matcher per schema text, copied
-    for each request (a copy shares the lexer built so far);
+    build: on the first structured request, or at start with ``prepare``) and one matcher
+    per schema text, copied for each request;
   * ``GrammarMatcher``: one per request; advanced by every token the request accepts, the
     first included, so a decode replica that is handed a first token resumes in the same
     state as the prefill replica that sampled it;
   * ``apply_grammar_masks``: the masks of a batch's grammar rows, filled in parallel by
-    llguidance and applied with one ``masked_fill_``; other rows are not touched.
+    llguidance and unpacked in one op; other rows are not touched.
 
 EOS is in a mask only when the grammar may end there; a request ends (``stop``) as soon as
-its grammar is complete. JSON is generated without free whitespace (``", "`` and ``": "``
-separators): a small model offered free whitespace can emit newlines until ``max_tokens``.
+its grammar is complete. JSON is written without free whitespace (``", "`` and ``": "`` as
+separators): whitespace offered everywhere lets a small model pad with newlines until
+``max_tokens``, a known failure of JSON-constrained decoding.
 """
 
 from __future__ import annotations
@@ -123,7 +125,13 @@ class GrammarCache:
         self._matchers.move_to_end(schema_json)
         return GrammarMatcher(template.deep_copy())
 
-    def _compile(self, schema_json: str) -> llguidance.LLMatcher:
+    def prepare(self) -> None:
+        """Build the tokenizer's llguidance view now (about a second on a CPU core) rather than
+        on the first structured request, which would hold the engine's step loop that long."""
+        if self._tokenizer is not None:
+            self._tokenizer_view()
+
+    def _tokenizer_view(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             raise FieldError("response_format: this model has no tokenizer to write JSON with", "response_format")
         if self._lltokenizer is None:
@@ -133,7 +141,10 @@ class GrammarCache:
                 eos_token=self._eos_ids or None,
                 slices=llguidance.LLTokenizer.json_slices(),
             )
-        matcher = llguidance.LLMatcher(self._lltokenizer, _grammar(schema_json), log_level=0)
+        return self._lltokenizer
+
+    def _compile(self, schema_json: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._tokenizer_view(), _grammar(schema_json), log_level=0)
         if matcher.is_error():
             message = f"response_format: the JSON schema cannot be used: {matcher.get_error()}"
             raise FieldError(message, "response_format")
@@ -155,8 +166,9 @@ def apply_grammar_masks(
     logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None], executor: llguidance.LLExecutor
 ) -> None:
     """Set to -inf, in place, every token a row's grammar does not allow next; rows without a
-    grammar are left alone. The bitmask (32 tokens per int32) is filled on the CPU and
-    unpacked on the logits' device::
+    grammar are left alone. The bitmask (32 tokens per int32) is filled on the CPU by
+    llguidance's threads, unpacked on the logits' device in one batched op, and applied to
+    each grammar row's view of ``logits`` (no gather or scatter of rows)::
 
         bit b of word w of a row  ->  token 32 * w + b   (1: allowed)
     """
@@ -167,7 +179,7 @@ def apply_grammar_masks(
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab)
     targets = [(matchers[r].llmatcher, k) for k, r in enumerate(rows)]
     llguidance.torch.fill_next_token_bitmask_par(executor, targets, bitmask)
-    bitmask = bitmask.to(logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    refused = (((bitmask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1) == 0).flatten(1)[:, :vocab]
+    for k, row in enumerate(rows):
+        logits[row].masked_fill_(refused[k], float("-inf"))

@@ -78,11 +78,6 @@ def test_text_parts_are_joined_and_developer_is_system():
 @pytest.mark.parametrize(
     ("schema", "extra", "param"),
     [
-        (ChatCompletionRequest, {"n": 2}, "n"),
-        (ChatCompletionRequest, {"presence_penalty": 0.5}, "presence_penalty"),
-        (ChatCompletionRequest, {"frequency_penalty": -1}, "frequency_penalty"),
-        (ChatCompletionRequest, {"logit_bias": {"50256": -100}}, "logit_bias"),
-        (ChatCompletionRequest, {"response_format": {"type": "json_object"}}, "response_format"),
         (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice"),
         (CompletionRequest, {"echo": True}, "echo"),

@@ -132,11 +132,67 @@ def test_completion_with_token_prompt_and_length(url):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 5,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},  # 4 tokens: no full block to cache
+    }
+
+
+def test_n_choices_distinct_reproducible_and_usage_counted_once(url):
+    body = {**TEXT, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3}
+    first, again = (_post(url, "/v1/completions", body) for _ in range(2))
+    assert first.status_code == again.status_code == 200, first.text
+    texts = [c["text"] for c in sorted(first.json()["choices"], key=lambda c: c["index"])]
+    assert [c["index"] for c in first.json()["choices"]] == [0, 1, 2]
+    assert len(set(texts)) == 3  # seed + i per choice: distinct samples
+    assert texts == [c["text"] for c in sorted(again.json()["choices"], key=lambda c: c["index"])]
+    usage = first.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (4, 36)
+
+
+def test_a_prompt_whose_blocks_are_all_cached_on_decode_is_served(url):
+    """Exactly two full blocks: asked twice, the decode replica holds both blocks and the
+    transfer moves nothing (a byte counter once refused that); the prefill replica
+    recomputes the last block (its last token's logits pick the first token)."""
+    prompt = list(range(1000, 1032))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first, second = (_post(url, "/v1/completions", body) for _ in range(2))
+    assert first.status_code == second.status_code == 200, second.text
+    assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TEXT = {"model": MODEL, "prompt": "Once upon a time"}
+JSON_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a person (name, age) as JSON."}]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+def test_json_schema_and_penalties_across_paths(base_url):
+    """Disaggregated, the first token (sampled under the grammar and the penalties on the
+    prefill replica) is where the decode replica resumes: the same JSON as colocated."""
+    body = {**JSON_ASK, "temperature": 0, "max_tokens": 40, "frequency_penalty": 0.5, "logit_bias": {"28": -5}}
+    body["response_format"] = _json_schema(PERSON)
+    contents = []
+    for path in ("", "/push", "/colo"):
+        r = _post(base_url + path, CHAT, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        contents.append(r.json()["choices"][0]["message"]["content"])
+    document = json.loads(contents[0])
+    assert set(document) == {"name", "age"} and isinstance(document["age"], int)
+    assert contents[1:] == contents[:1] * 2
 
 
 @pytest.mark.parametrize(
@@ -186,7 +242,9 @@ TEXT = {"model": MODEL, "prompt": "Once upon a time"}
         (COMPLETIONS, {**TEXT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
         (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
         (COMPLETIONS, {**TEXT, "echo": True}, 400, "echo", "not supported"),
-        (COMPLETIONS, {**TEXT, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+        (COMPLETIONS, {**TEXT, "logit_bias": {"49152": 5}}, 400, "logit_bias", "out of vocabulary"),
+        (COMPLETIONS, {**TEXT, "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "at most 4"),
+        (CHAT, {**JSON_ASK, "response_format": _json_schema({"type": "foo"})}, 400, "response_format", "Invalid type"),
         (COMPLETIONS, {"prompt": "x"}, 400, "model", "model"),
     ],
 )

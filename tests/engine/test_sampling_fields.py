@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.params import FieldError, GenerationRequest, Role, SamplingParams
+from engine.params import FieldError, FinishReason, GenerationRequest, Role, SamplingParams
 from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties
 from tests.engine.conftest import run_to_completion
 from tests.engine.test_roles import _handover
@@ -133,7 +133,7 @@ def test_batched_processing_touches_only_the_rows_that_ask():
         SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 1.0}),
         SamplingParams(logit_bias={"2": -1.0}),
     ]
-    history = TokenHistory.build(params[1], [0, 1], 4, torch.device("cpu"))
+    history = TokenHistory.build(params[1], [0, 1], torch.device("cpu"))
     for token in (2, 2):
         history.add(token)
     apply_logit_bias(logits, params)
@@ -142,7 +142,7 @@ def test_batched_processing_touches_only_the_rows_that_ask():
     # token 2 was generated twice: 1.0 / 2 (repetition) - 0.5 (presence) - 0.25 * 2 (frequency)
     assert logits[1].tolist() == [2.0, -6.0, -0.5, 1.5]
     assert logits[2].tolist() == [4.0, -3.0, 0.0, 0.5]
-    assert TokenHistory.build(params[2], [0], 4, torch.device("cpu")) is None  # no penalty: nothing kept
+    assert TokenHistory.build(params[2], [0], torch.device("cpu")) is None  # no penalty: nothing kept
 
 
 def test_fields_are_checked_and_pickle(smol, make_engine):
@@ -175,19 +175,30 @@ def test_fields_are_checked_and_pickle(smol, make_engine):
     assert core.stats().num_free_blocks == 16 and not core.has_work()
 
 
-def test_penalties_and_bias_hold_across_the_prefill_decode_handover(smol, make_engine):
+def test_penalties_hold_across_the_prefill_decode_handover(smol, make_engine):
     """The first token, sampled on the prefill replica, counts for the decode replica's
     penalties (it rebuilds them from the request and that token): same tokens as one engine."""
-    sp = SamplingParams(
-        max_tokens=32, temperature=0, logprobs=TOP, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={11: 2.0}
-    )
+    penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5}
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=TOP, ignore_eos=True, **penalties)
     both = make_engine(smol)
-    request = both.make_request(PROMPT, sp, request_id="pd-penalties")
+    request = both.make_request("1, 2, 3, 4, 5, 6,", sp, request_id="pd-penalties")
     whole = _run(both, request)
     prefill_core, decode_core = make_engine(smol, role=Role.PREFILL), make_engine(smol, role=Role.DECODE)
     result, outputs = _handover(prefill_core, decode_core, request)
-    got = [result.first_token] + _tokens(outputs)[1:]
-    assert _tokens(outputs)[0] == result.first_token
-    assert got == _tokens(whole)
-    # the decode replica's own logprobs agree with penalties that counted the first token
+    got = _tokens(outputs)
+    assert got[0] == result.first_token and got == _tokens(whole)
+    # the decode replica's own logprobs agree with penalties that counted the first token,
+    # and would not have without it: the case is one where the hand-off must carry it
     assert _check_every_step(got[1:], _tops(outputs)[1:], sp, first_counts={result.first_token: 1}) >= 1
+    with pytest.raises(AssertionError):
+        _check_every_step(got[1:], _tops(outputs)[1:], sp)
+
+
+def test_text_held_back_for_a_stop_string_is_sent_when_eos_ends_the_request(smol, make_engine):
+    """A stop string that never comes holds back its length - 1 characters; EOS flushes them."""
+    core = make_engine(smol)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = SamplingParams(max_tokens=20, temperature=0, stop=["a stop string never written"])
+    outputs = _run(core, core.make_request(question, sp))
+    assert outputs[-1].finish_reason is FinishReason.STOP and outputs[-1].num_output_tokens == 8
+    assert "".join(o.text for o in outputs) == "The capital of France is Paris."
