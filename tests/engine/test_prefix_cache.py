@@ -80,8 +80,8 @@ def _drain(core) -> list:
     return outputs
 
 
-def _run_one(core, request_id: str, prompt: list[int]):
-    request = GenerationRequest(request_id, tuple(prompt), greedy())
+def _run_one(core, request_id: str, prompt: list[int], max_tokens: int = 32):
+    request = GenerationRequest(request_id, tuple(prompt), greedy(max_tokens))
     return run_to_completion(core, {0: [request]})[request_id]
 
 
@@ -143,3 +143,24 @@ def test_a_prefill_replica_caches_and_a_decode_replica_holds_what_it_fetched(smo
         assert_same_output(trace_from_outputs(want), trace_from_outputs(outputs), exact=False, label=f"pd {i}")
     decode.allocator.check()
     prefill.allocator.check()
+
+
+def test_chunked_prefill_and_preemption_keep_working_with_shared_blocks(smol, make_engine):
+    """Three requests sharing a 96-token prefix in a pool too small for all of them, with
+    64-token chunks: the later ones share the first one's blocks, newer ones are preempted
+    and recomputed (from the cache), and every output is the uncached engine's."""
+    tight = make_engine(
+        smol, block_size=16, num_blocks=24, max_model_len=256, enable_chunked_prefill=True, max_num_batched_tokens=64
+    )
+    plain = make_engine(smol, block_size=16, enable_prefix_caching=False, max_model_len=256)
+    prefix = prompt_of_length(smol.tokenizer, 96, offset=500)
+    prompts = [prefix + prompt_of_length(smol.tokenizer, 40, offset=40 * i) for i in range(3)]
+    requests = [GenerationRequest(f"c{i}", tuple(p), greedy(64)) for i, p in enumerate(prompts)]
+    got = run_to_completion(tight, {0: [requests[0]], 3: requests[1:]})
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens >= 2 * 96
+    for i, request in enumerate(requests):
+        want = _run_one(plain, request.request_id, prompts[i], 64)
+        want_trace, got_trace = trace_from_outputs(want), trace_from_outputs(got[request.request_id])
+        assert_same_output(want_trace, got_trace, exact=False, label=f"chunked {i}")
+    tight.allocator.check()
