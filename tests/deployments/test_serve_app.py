@@ -233,7 +233,7 @@ def test_json_schema_and_penalties_across_paths(base_url):
         ),
         (CHAT, {"model": "gpt-9", "messages": QUESTION}, 404, "model", "gpt-9"),
         (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", "min_"),
-        (CHAT, {"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n", "not supported"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "n": 17}, 400, "n", "less than or equal to 16"),
         (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
         (CHAT, {"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
         (COMPLETIONS, {**TEXT, "prompt": [1, 2, 10**6]}, 400, "prompt", "token id 1000000 is out of vocabulary"),
