@@ -14,8 +14,7 @@ from autoscaling.decide import Action, ActionKind, ControllerState, Signals, dec
 from autoscaling.policy import Policy, load_policy
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
 from engine.params import Role
-
-TOTAL_BLOCKS = 100
+from tests.autoscaling.loads import replica_load as _replica
 
 
 def _policy(**fields: Any) -> Policy:
@@ -43,34 +42,6 @@ def _policy(**fields: Any) -> Policy:
 
 def _bounds(prefill_min: int = 0, decode_max: int = 8) -> dict[str, Any]:
     return {"prefill": {"min": prefill_min, "max": 8}, "decode": {"min": 1, "max": decode_max}}
-
-
-def _replica(
-    name: str,
-    role: Role | None = None,
-    *,
-    decoding: int = 0,
-    waiting: int = 0,
-    queued: int = 0,
-    used_blocks: int = 0,
-    pinned_blocks: int = 0,
-) -> ReplicaLoad:
-    """``p*`` replicas are PrefillServer's (home prefill), the others DecodeServer's."""
-    home = Role.PREFILL if name.startswith("p") else Role.DECODE
-    return ReplicaLoad(
-        replica=name,
-        deployment="PrefillServer" if home is Role.PREFILL else "DecodeServer",
-        home=home,
-        role=role or home,
-        running=decoding,
-        decoding=decoding,
-        waiting=waiting,
-        queued_prompt_tokens=queued,
-        free_blocks=TOTAL_BLOCKS - used_blocks - pinned_blocks,
-        pinned_blocks=pinned_blocks,
-        total_blocks=TOTAL_BLOCKS,
-        median_step_ms=20.0,
-    )
 
 
 def _snap(time: float, *replicas: ReplicaLoad, observed: Observed | None = None) -> Snapshot:

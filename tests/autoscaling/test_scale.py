@@ -22,23 +22,13 @@ from autoscaling.serve_policy import (
 )
 from autoscaling.snapshot import ReplicaLoad, Snapshot
 from engine.params import Role
+from tests.autoscaling.loads import replica_load
 
 
 def _replica(name: str, home: Role, *, decoding: int = 0, queued: int = 0, role: Role | None = None) -> ReplicaLoad:
-    return ReplicaLoad(
-        replica=name,
-        deployment="PrefillServer" if home is Role.PREFILL else "DecodeServer",
-        home=home,
-        role=role or home,
-        running=decoding,
-        decoding=decoding,
-        waiting=0,
-        queued_prompt_tokens=queued,
-        free_blocks=1000,
-        pinned_blocks=0,
-        total_blocks=1000,
-        median_step_ms=20.0,
-    )
+    """``p*`` replicas are PrefillServer's, ``d*`` DecodeServer's (``home`` says which, for the reader)."""
+    assert (home is Role.PREFILL) == name.startswith("p")
+    return replica_load(name, role, decoding=decoding, queued=queued, total_blocks=1000)
 
 
 def _pools(t: float, prefill: int, decode: int, decoding: int = 0, queued: int = 0) -> Snapshot:
