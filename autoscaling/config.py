@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from autoscaling.policy import Policy, load_policy
 
@@ -17,12 +17,15 @@ class AutoscalingSettings(BaseModel):
     )
     record: str | None = Field(None, description="append each decision's snapshot to this JSONL file (for replay)")
 
+    _loaded: Policy | None = PrivateAttr(None)  # the file, read once
+
     @model_validator(mode="after")
     def _policy_loads(self) -> AutoscalingSettings:
         if self.enabled:
-            load_policy(self.policy)  # refused at start, naming the file and the fields
+            self._loaded = load_policy(self.policy)  # refused at start, naming the file and the fields
         return self
 
     def load(self, ttft_ms: float | None = None, tpot_ms: float | None = None) -> Policy:
         """The policy, with the app's SLO targets in place of its own where they are set."""
-        return load_policy(self.policy).with_slo(ttft_ms, tpot_ms)
+        policy = self._loaded if self._loaded is not None else load_policy(self.policy)
+        return policy.with_slo(ttft_ms, tpot_ms)

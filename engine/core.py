@@ -125,11 +125,7 @@ class EngineCore:
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Hold blocks for ``num_tokens`` tokens of a request whose KV will arrive; None if full."""
-        self._require_role(Role.DECODE, "reserve")
-        if request_id in self._reserved or request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} already exists on this engine")
-        if not 1 <= num_tokens <= self.limits.max_model_len:
-            raise ValueError(f"num_tokens must be in [1, {self.limits.max_model_len}], got {num_tokens}")
+        self._check_reservable(request_id, num_tokens)
         needed = self.allocator.blocks_needed(num_tokens)
         if not self.allocator.can_allocate(needed):
             return None
@@ -140,12 +136,8 @@ class EngineCore:
         """``reserve`` for a prompt's KV, sharing the leading full blocks this replica's prefix
         cache already holds: (the blocks, how many leading ones hold their KV already, which
         the transport then skips); None if full."""
-        self._require_role(Role.DECODE, "reserve")
-        if request_id in self._reserved or request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} already exists on this engine")
         num_tokens = len(prompt_token_ids)
-        if not 1 <= num_tokens <= self.limits.max_model_len:
-            raise ValueError(f"num_tokens must be in [1, {self.limits.max_model_len}], got {num_tokens}")
+        self._check_reservable(request_id, num_tokens)
         allocator = self.allocator
         shared = allocator.match_prefix(hash_blocks(prompt_token_ids, allocator.block_size))
         allocator.share(shared)  # an evictable block taken back no longer counts as free
@@ -158,6 +150,13 @@ class EngineCore:
             self.scheduler.prefix_query_tokens += num_tokens
             self.scheduler.prefix_hit_tokens += len(shared) * allocator.block_size
         return list(self._reserved[request_id]), len(shared)
+
+    def _check_reservable(self, request_id: str, num_tokens: int) -> None:
+        self._require_role(Role.DECODE, "reserve")
+        if request_id in self._reserved or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} already exists on this engine")
+        if not 1 <= num_tokens <= self.limits.max_model_len:
+            raise ValueError(f"num_tokens must be in [1, {self.limits.max_model_len}], got {num_tokens}")
 
     def add_decode(
         self,
