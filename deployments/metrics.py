@@ -51,6 +51,11 @@ class IngressMetrics:
             boundaries=LATENCY_BOUNDARIES_S,
         )
         self.requests = Counter("tandem_requests_total", "Requests by outcome", tag_keys=("status",))
+        self.retries = Counter(
+            "tandem_request_retries_total",
+            "Requests retried once after a replica died or a KV transfer failed before their first token",
+            tag_keys=("side",),
+        )
 
     def observe(self, path: str, start: float, first: float | None, end: float, num_tokens: int) -> None:
         tags = {"path": path}

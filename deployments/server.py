@@ -10,7 +10,7 @@ request router (``deployments.router``) from the engine thread's stats snapshot 
 from __future__ import annotations
 
 import asyncio
-import logging
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from app.settings import AppConfig
 from autoscaling.serve_policy import SEQ_METRIC, TARGET_METRIC
+from deployments import logs
 from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
-logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
+logger = logs.install()  # Serve's logger: the replica's log file, INFO included; expected errors in one line
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -42,6 +43,38 @@ def _load_core(config: AppConfig, role: Role) -> EngineCore:
 
 REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler's controller
 DRAIN_POLL_S = 0.1
+STALL_S = 60.0  # check_health fails when one engine round has run this long (a wedged step)
+AFTER_EXPORT_CRASH_S = 0.05  # an ``after_export`` crash comes this long after the handle went back
+
+
+def _crash_gate(faults_key: str):
+    """Count crashes in Ray's key-value store, so ``max_times`` holds across restarts: crash
+    number n claims the key ``<faults_key>/<rule>/<n>``; no free slot left, no crash."""
+
+    def gate(index: int, rule: Any) -> bool:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        if rule.max_times is None:
+            return True
+        for n in range(rule.max_times):
+            key = f"{faults_key}/{index}/{n}"
+            if not _internal_kv_put(key, b"1", overwrite=False, namespace="tandem_faults"):
+                return True  # the slot was free: this crash is number n
+        return False
+
+    return gate
+
+
+def _fault_points(config: AppConfig) -> Any:
+    import hashlib
+
+    from kv_transport.faults import NO_FAULTS, FaultPoints
+
+    if not config.faults:
+        return NO_FAULTS
+    rules = json.dumps([rule.model_dump() for rule in config.faults], sort_keys=True)
+    key = hashlib.blake2b(rules.encode(), digest_size=8).hexdigest()  # one count per set of rules
+    return FaultPoints(config.faults, crash_gate=_crash_gate(key))
 
 
 class EngineServer:
@@ -70,6 +103,8 @@ class EngineServer:
         self._reporter: asyncio.Task | None = None
         self._relayed: dict[str, float] = {}  # the replica-count decision for Serve (record_autoscaling_stats)
         self._stopping = False
+        self.faults = _fault_points(self.config)
+        self._kv_publisher: asyncio.Task | None = None
         self._start_reporting()
 
     async def _started(self) -> KVEngineLink:
@@ -82,15 +117,47 @@ class EngineServer:
         return self._link
 
     def _start_reporting(self) -> None:
-        """Report to the controller from the replica's event loop (from the constructor when
-        Serve runs it on that loop, else from the first call or health check)."""
-        if self._controller is None or self._stopping or (self._reporter is not None and not self._reporter.done()):
+        """Report to the controller, and publish the KV accounting, from the replica's event
+        loop (from the constructor when Serve runs it on that loop, else from the first call
+        or health check)."""
+        if self._stopping:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._reporter = loop.create_task(self._report_loop())
+        if self._kv_publisher is None or self._kv_publisher.done():
+            self._kv_publisher = loop.create_task(self._publish_kv_loop())
+        if self._controller is not None and (self._reporter is None or self._reporter.done()):
+            self._reporter = loop.create_task(self._report_loop())
+
+    async def _publish_kv_loop(self) -> None:
+        """``GET /admin/kv``'s data (``deployments.kv_state``), about once a second."""
+        import psutil
+        import ray
+        from ray import serve
+
+        from deployments import kv_state
+
+        process = psutil.Process()
+        context = serve.get_replica_context()
+        replica = {
+            "engine_id": self.engine_id,
+            "app": context.app_name,
+            "deployment": context.deployment,
+            "replica_id": context.replica_id.unique_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+        await self._started()
+        while True:
+            try:
+                report = await self.engine.kv_report()
+                data = kv_state.entry(report, {**replica, "rss_bytes": process.memory_info().rss})
+                await asyncio.to_thread(kv_state.publish, self.engine_id, data)
+            except Exception as exc:  # the GCS briefly away: the entry ages meanwhile
+                logger.warning("KV state not published: %s", exc)
+            await asyncio.sleep(kv_state.PUBLISH_PERIOD_S)
 
     async def _report_loop(self) -> None:
         from ray import serve
@@ -118,7 +185,13 @@ class EngineServer:
         logger.info("role %s -> %s (assigned by the autoscaler)", old.value, role.value)
 
     async def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica. Unhealthy:
+        the engine thread ended, or one engine round has run over ``STALL_S`` (wedged)."""
         self._start_reporting()
+        problem = self.engine.health_problem(STALL_S)
+        if problem is not None:
+            logger.error("unhealthy: %s", problem)
+            raise RuntimeError(problem)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve (deployments with replica scaling): the controller's decision for
@@ -131,8 +204,9 @@ class EngineServer:
         keep the KV this replica exported until its decode replica fetched it (or its lease
         ran out), so a scale-down loses nothing; bounded by the transfer timeout."""
         self._stopping = True
-        if self._reporter is not None:
-            self._reporter.cancel()
+        for task in (self._reporter, self._kv_publisher):
+            if task is not None:
+                task.cancel()
         if self._link is None:
             return
         await self._report_stopping()
@@ -148,6 +222,15 @@ class EngineServer:
             stats.num_pinned_blocks,
             stats.num_running + stats.num_waiting,
         )
+        await self._forget_kv_state()
+
+    async def _forget_kv_state(self) -> None:
+        from deployments import kv_state
+
+        try:
+            await asyncio.to_thread(kv_state.remove, self.engine_id)
+        except Exception as exc:  # the cluster going down
+            logger.info("stopping: KV state entry not removed (%s)", type(exc).__name__)
 
     async def _report_stopping(self) -> None:
         """Tell the controller at once, so its counts leave this replica out."""
@@ -169,7 +252,8 @@ class EngineServer:
         from kv_transport.engine_link import KVEngineLink
         from kv_transport.factory import make_transport
 
-        transport = make_transport(self.config.transport, self.engine_id, self.engine.pool_view().layout)
+        layout = self.engine.pool_view().layout
+        transport = make_transport(self.config.transport, self.engine_id, layout, faults=self.faults)
         return KVEngineLink(self.engine, transport)
 
     # ---- the calls the ingress makes ----------------------------------------------------
@@ -177,17 +261,40 @@ class EngineServer:
     async def prefill(self, request: GenerationRequest) -> tuple[PrefillResult, KVHandle | None]:
         link = await self._started()
         start = time.perf_counter()
+        self._fault("prefill", request.request_id)
         result = await link.prefill_pull(request)
         self.metrics.prefill_call(time.perf_counter() - start)
         self.metrics.prefill_parts(result[0].queue_s, result[0].compute_s)
+        if self.faults and result[1] is not None:
+            asyncio.get_running_loop().call_later(AFTER_EXPORT_CRASH_S, self._fault, "after_export", request.request_id)
         return result
+
+    def _fault(self, point: str, request_id: str) -> None:
+        """A replica fault point (``kv_transport.faults``): only crashes are configured here."""
+        if self.faults:
+            self.faults.hit(point, request_id, self.engine_id)
+
+    async def _crash_mid_decode(
+        self, request_id: str, outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
+        """``outputs``, with the ``mid_decode`` fault point once a rule's ``after_tokens`` went out."""
+        selected = self.faults.selected("mid_decode", request_id) if self.faults else []
+        sent = 0
+        async for output in outputs:
+            yield output
+            sent += len(output.token_ids)
+            for _, rule in selected:
+                if sent >= rule.after_tokens:
+                    self._fault("mid_decode", request_id)
 
     async def decode_pull(
         self, request: GenerationRequest, handle: KVHandle, first_logprobs: TokenLogprobs | None = None
     ) -> AsyncIterator[RequestOutput]:
         link = await self._started()
         try:
-            async for output in link.decode_pull(request, handle, first_logprobs):
+            async for output in self._crash_mid_decode(
+                request.request_id, link.decode_pull(request, handle, first_logprobs)
+            ):
                 timings = link.pop_decode_timings(request.request_id)
                 if timings is not None:
                     self.metrics.decode_parts(timings)
@@ -204,7 +311,7 @@ class EngineServer:
             if timings is not None:
                 self.metrics.decode_parts(timings)
             yield destination
-            async for output in link.decode_push(request, destination):
+            async for output in self._crash_mid_decode(request.request_id, link.decode_push(request, destination)):
                 yield output
         finally:
             link.pop_decode_timings(request.request_id)
@@ -214,6 +321,7 @@ class EngineServer:
     ) -> tuple[PrefillResult, TransferStats]:
         link = await self._started()
         start = time.perf_counter()
+        self._fault("prefill", request.request_id)
         result, stats = await link.prefill_push(request, destination)
         self.metrics.prefill_call(time.perf_counter() - start)
         self.metrics.prefill_parts(result.queue_s, result.compute_s)
@@ -222,7 +330,7 @@ class EngineServer:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         await self._started()
-        async for output in self.engine.generate(request):
+        async for output in self._crash_mid_decode(request.request_id, self.engine.generate(request)):
             if output.prefill_timing is not None:
                 self.metrics.prefill_parts(*output.prefill_timing)
             yield output

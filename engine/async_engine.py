@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from engine.params import (
     EngineStats,
     FinishReason,
     GenerationRequest,
+    KVReport,
     PrefillResult,
     RequestOutput,
     Role,
@@ -58,6 +60,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._latest_stats = core.stats()  # replaced (never mutated) by the engine thread
+        self._round_started: float | None = None  # monotonic start of the round in progress
 
     def start(self) -> None:
         """Start the engine thread; it delivers to the event loop this is called from.
@@ -104,10 +107,10 @@ class AsyncEngine:
         return PrefillResult.from_output(final)
 
     async def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        return await self._call(lambda: self.core.reserve(request_id, num_tokens))
+        return await self._call(lambda: self.core.reserve(request_id, num_tokens), request_id)
 
     async def reserve_prefix(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[list[int], int] | None:
-        return await self._call(lambda: self.core.reserve_prefix(request_id, prompt_token_ids))
+        return await self._call(lambda: self.core.reserve_prefix(request_id, prompt_token_ids), request_id)
 
     async def decode(
         self,
@@ -136,6 +139,22 @@ class AsyncEngine:
         """Exact stats, taken on the engine thread between steps."""
         return await self._call(self.core.stats)
 
+    async def kv_report(self) -> KVReport:
+        """The KV accounting with its invariants checked, taken on the engine thread between steps."""
+        return await self._call(self.core.kv_report)
+
+    def health_problem(self, stall_s: float) -> str | None:
+        """Why this engine cannot serve (any thread): its thread ended, or one round (a step
+        and the commands before it) has run for over ``stall_s``; None when healthy."""
+        if self._thread is None:
+            return None  # not started yet: the first call starts it
+        if not self._thread.is_alive():
+            return "the engine thread is not running"
+        started = self._round_started
+        if started is not None and time.monotonic() - started > stall_s:
+            return f"an engine step has run for {time.monotonic() - started:.0f} s (wedged)"
+        return None
+
     def latest_stats(self) -> EngineStats:
         """The snapshot published after the engine thread's latest step or command; any thread,
         no waiting (it may lag ``stats()`` by the step in progress)."""
@@ -162,16 +181,26 @@ class AsyncEngine:
         return queue
 
     async def _call(self, fn: Callable[[], Any], stream_id: str | None = None) -> Any:
-        """Run ``fn`` on the engine thread between steps; a failure closes ``stream_id``."""
+        """Run ``fn`` on the engine thread between steps; a failure closes ``stream_id``.
+
+        ``stream_id``: the request ``fn`` admits or reserves blocks for. Cancelled while ``fn``
+        waits for the engine thread, the command still runs there: an abort is queued right
+        behind it (commands run in order), else the admitted request would run with nobody
+        reading its stream, a prefill's blocks would stay pinned and a reservation held,
+        for good."""
         self.start()
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._commands.append((fn, future))
         self._wakeup.set()
         try:
             return await future
-        except BaseException:
+        except BaseException as exc:
             if stream_id is not None:
                 self._streams.pop(stream_id, None)
+                if isinstance(exc, asyncio.CancelledError):
+                    self._commands.append((lambda: self.core.abort(stream_id), loop.create_future()))
+                    self._wakeup.set()
             raise
 
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -211,6 +240,13 @@ class AsyncEngine:
 
     def _round(self) -> bool:
         """One round of the engine thread; False once the event loop is closed."""
+        self._round_started = time.monotonic()
+        try:
+            return self._round_once()
+        finally:
+            self._round_started = None
+
+    def _round_once(self) -> bool:
         core = self.core
         results = self._apply_commands()
         outputs: list[RequestOutput] = []

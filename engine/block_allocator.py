@@ -170,6 +170,10 @@ class BlockAllocator:
     def key_of(self, block_id: int) -> bytes | None:
         return self._key_of[block_id]
 
+    def references(self) -> list[int]:
+        """Each block's reference count (a copy: for accounting checks)."""
+        return list(self._ref_counts)
+
     def check(self) -> None:
         """Assert the invariants above (tests, ``GET /admin/kv``-style checks)."""
         in_use = sum(count > 0 for count in self._ref_counts)

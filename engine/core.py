@@ -19,13 +19,13 @@ import itertools
 import random
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.block_allocator import BlockAllocator, hash_blocks
+from engine.block_allocator import BlockAllocator, BlockAllocatorError, hash_blocks
 from engine.config import EngineConfig, resolve_limits
 from engine.detokenizer import TextStream
 from engine.kv_pool import KVPool, layout_for
@@ -36,6 +36,7 @@ from engine.params import (
     EngineStats,
     FinishReason,
     GenerationRequest,
+    KVReport,
     RequestOutput,
     Role,
     SamplingParams,
@@ -92,6 +93,7 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._pinned: dict[str, list[int]] = {}
         self._reserved: dict[str, list[int]] = {}
+        self._held_since: dict[str, float] = {}  # pinned or reserved request -> since (monotonic)
         self._pending: list[RequestOutput] = []
         # sampling runs where the logits are, so the generators live on the model's device
         self._default_generator = torch.Generator(device=self.device).manual_seed(random.getrandbits(63))
@@ -130,6 +132,7 @@ class EngineCore:
         if not self.allocator.can_allocate(needed):
             return None
         self._reserved[request_id] = self.allocator.allocate(needed)
+        self._held_since[request_id] = time.monotonic()
         return list(self._reserved[request_id])
 
     def reserve_prefix(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[list[int], int] | None:
@@ -146,6 +149,7 @@ class EngineCore:
             allocator.free(shared)
             return None
         self._reserved[request_id] = shared + allocator.allocate(needed)
+        self._held_since[request_id] = time.monotonic()
         if allocator.enable_caching:  # counted as this replica's lookups (the KV it did not move)
             self.scheduler.prefix_query_tokens += num_tokens
             self.scheduler.prefix_hit_tokens += len(shared) * allocator.block_size
@@ -174,6 +178,7 @@ class EngineCore:
             raise ValueError(f"block_ids {list(block_ids)} were not reserved for {request.request_id!r}")
         self._admit(request, prefill_only=False, remote_blocks=held)
         del self._reserved[request.request_id]
+        self._held_since.pop(request.request_id, None)
         self.scheduler.cache_computed(self._requests[request.request_id].seq)  # the prefix this replica now holds
         self._pending.append(self._append_token(self._requests[request.request_id], first_token, first_logprobs))
 
@@ -182,6 +187,7 @@ class EngineCore:
         blocks = self._pinned.pop(request_id, None) or self._reserved.pop(request_id, None)
         if blocks is None:
             return False
+        self._held_since.pop(request_id, None)
         self.allocator.free(blocks)
         return True
 
@@ -339,6 +345,7 @@ class EngineCore:
         """End the prefill phase: the blocks move from the request to the pinned set."""
         rid = state.request.request_id
         self._pinned[rid] = self.scheduler.remove(state.seq, free_blocks=False)
+        self._held_since[rid] = time.monotonic()
         del self._requests[rid]
         return self._output(state, (token,), text, True, None, lps, pinned=tuple(self._pinned[rid]))
 
@@ -386,6 +393,45 @@ class EngineCore:
         )
 
     # ---- introspection ----------------------------------------------------------------
+
+    def kv_report(self) -> KVReport:
+        """The KV accounting with its invariants checked (``KVReport``): for ``GET /admin/kv``
+        and the tests that assert nothing leaked after a failure."""
+        allocator = self.allocator
+        problems = []
+        try:
+            allocator.check()
+        except BlockAllocatorError as exc:
+            problems.append(str(exc))
+        holders = [state.seq.block_ids for state in self._requests.values()]
+        holders += [*self._pinned.values(), *self._reserved.values()]
+        owners = Counter(block for blocks in holders for block in blocks)
+        references = allocator.references()
+        orphans = [b for b, count in enumerate(references) if count > owners[b]]
+        if orphans:
+            problems.append(f"{len(orphans)} block(s) in use by no live request, e.g. {orphans[:8]}")
+        over = [b for b, count in owners.items() if count > references[b]]
+        if over:
+            problems.append(f"{len(over)} block(s) held more often than referenced, e.g. {over[:8]}")
+        now = time.monotonic()
+        pinned_ages = [now - self._held_since[r] for r in self._pinned if r in self._held_since]
+        reserved_ages = [now - self._held_since[r] for r in self._reserved if r in self._held_since]
+        in_use = sum(count > 0 for count in references)
+        return KVReport(
+            role=self.role,
+            num_total_blocks=allocator.num_blocks,
+            num_free_blocks=allocator.num_free_blocks - allocator.num_cached_blocks,
+            num_cached_blocks=allocator.num_cached_blocks,
+            num_in_use_blocks=in_use,
+            num_pinned_blocks=sum(len(b) for b in self._pinned.values()),
+            num_reserved_blocks=sum(len(b) for b in self._reserved.values()),
+            num_requests=len(self._requests),
+            num_pinned_requests=len(self._pinned),
+            num_reserved_requests=len(self._reserved),
+            oldest_pinned_s=max(pinned_ages, default=None),
+            oldest_reserved_s=max(reserved_ages, default=None),
+            problems=tuple(problems),
+        )
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -243,10 +243,19 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class ContextLimits:
     """What a request must fit: the context served and the vocabulary (``vocab_size`` None:
-    ids are not checked, e.g. a model without a tokenizer at the ingress)."""
+    ids are not checked, e.g. a model without a tokenizer at the ingress), and the server's
+    own caps on the prompt and the output (``limits.max_prompt_tokens`` / ``limits.max_tokens``
+    at the ingress; None: the context alone bounds them)."""
 
     max_model_len: int
     vocab_size: int | None = None
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """A request's ``max_tokens`` when it sets none: the rest of the context, at most the cap."""
+        room = self.max_model_len - num_prompt_tokens
+        return room if self.max_tokens is None else min(room, self.max_tokens)
 
 
 def check_fits(
@@ -256,17 +265,23 @@ def check_fits(
     prompt_field: str = "prompt",
     max_tokens_field: str = "max_tokens",
 ) -> None:
-    """Refuse ids outside the vocabulary, a prompt that fills the context, and ``max_tokens``
-    beyond the room left (``FieldError`` naming the client's field: ``messages`` for a chat,
-    ``max_completion_tokens`` when that was set). Called before anything is allocated: a bad
-    id found inside a step would fail every request in the batch."""
+    """Refuse ids outside the vocabulary, a prompt over the cap or that fills the context, and
+    ``max_tokens`` over the cap or beyond the room left (``FieldError`` naming the client's
+    field: ``messages`` for a chat, ``max_completion_tokens`` when that was set). Called before
+    anything is allocated: a bad id found inside a step would fail every request in the batch."""
     num_prompt, limit = len(prompt_token_ids), limits.max_model_len
     if limits.vocab_size is not None and (largest := max(prompt_token_ids)) >= limits.vocab_size:
         message = f"token id {largest} is out of vocabulary (the model has {limits.vocab_size} ids)"
         raise FieldError(f"{prompt_field}: {message}", prompt_field)
+    if limits.max_prompt_tokens is not None and num_prompt > limits.max_prompt_tokens:
+        message = f"the prompt is {num_prompt} tokens, over this server's limit of {limits.max_prompt_tokens}"
+        raise FieldError(f"{prompt_field}: {message} (limits.max_prompt_tokens)", prompt_field)
     if num_prompt >= limit:
         message = f"the prompt is {num_prompt} tokens, the context (max_model_len) is {limit} tokens"
         raise FieldError(f"{prompt_field}: {message}", prompt_field)
+    if limits.max_tokens is not None and max_tokens > limits.max_tokens:
+        message = f"{max_tokens} is over this server's limit of {limits.max_tokens} (limits.max_tokens)"
+        raise FieldError(f"{max_tokens_field}: {message}", max_tokens_field)
     if num_prompt + max_tokens > limit:
         message = (
             f"{max_tokens} is beyond the context: prompt {num_prompt} tokens + {max_tokens_field} > "
@@ -353,6 +368,32 @@ class PrefillResult:
             num_cached_tokens=output.num_cached_tokens,
             compute_s=output.prefill_timing[1] if output.prefill_timing else 0.0,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVReport:
+    """One engine's KV accounting, checked: ``free + cached + in_use == total`` and every block
+    in use held by a live request (running, waiting, pinned for export or reserved for a
+    transfer), exactly as often as its reference count says. ``problems`` is empty when
+    both hold."""
+
+    role: Role
+    num_total_blocks: int
+    num_free_blocks: int  # empty (not counting cached ones)
+    num_cached_blocks: int  # evictable, keeping a cached prefix
+    num_in_use_blocks: int
+    num_pinned_blocks: int  # exported, waiting for their consumer
+    num_reserved_blocks: int  # reserved for KV on its way here
+    num_requests: int  # running or waiting
+    num_pinned_requests: int
+    num_reserved_requests: int
+    oldest_pinned_s: float | None  # age of the oldest export still pinned
+    oldest_reserved_s: float | None
+    problems: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
 
 @dataclass(frozen=True, kw_only=True)

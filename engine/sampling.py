@@ -33,7 +33,9 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+    drop = mass_before >= p
+    drop[0] = False  # the most likely token stays even when p rounds to 0 in float32 (all -inf: NaN)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
 
 

@@ -148,6 +148,12 @@ class BaseKVTransport(ABC):
     def release(self, request_id: str) -> None:
         """Producer: the exported blocks are no longer needed (idempotent)."""
 
+    def give_back(self, handle: KVHandle) -> None:
+        """Consumer, pull: the handle will not be fetched (the request failed or went away
+        first): tell its producer to free the blocks now rather than at the lease's end.
+        Best effort; the default does nothing (the lease bounds the wait)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Leave the registry and free transport resources."""

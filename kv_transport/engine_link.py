@@ -104,11 +104,16 @@ class KVEngineLink:
         """Fetch the producer's KV, then decode from its first token (``first_logprobs``: that
         token's log-probabilities, from the prefill result, when the request asked for them)."""
         start = time.perf_counter()
-        blocks, cached = await self._reserve(request, wait_until=handle.expires_at - LEASE_MARGIN_S)
+        try:
+            blocks, cached = await self._reserve(request, wait_until=handle.expires_at - LEASE_MARGIN_S)
+        except BaseException:  # no room, or the request went away: the producer frees its copy now
+            self.transport.give_back(handle)
+            raise
         reserved = time.perf_counter()
         try:
             self.last_fetch = stats = await self.transport.fetch(handle, blocks, cached)
         except BaseException:
+            self.transport.give_back(handle)
             await self.engine.release(request.request_id)
             raise
         self._timings[request.request_id] = DecodeTimings(

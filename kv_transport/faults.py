@@ -1,48 +1,156 @@
-"""Fault points for tests and failure rehearsals; all off by default.
+"""Fault injection for failure rehearsals and tests; nothing is injected by default.
 
-Named points: ``export``, ``fetch`` (consumer, before the READ is posted),
-``push_layer`` (producer, per layer), ``finish_push`` (producer, before the completion
-notice). ``delay_s[point]`` sleeps there, ``fail`` raises ``KVTransferError`` there, and
-``drop_release`` leaves out the consumer's release notice, so the producer frees the
-blocks only when ``kv_transfer_timeout_s`` runs out.
+A fault is a rule: at a named **point**, an **action**, for the requests it selects.
+
+Points on the transport: ``export`` (producer, pull), ``fetch`` (consumer, before the READ
+is posted), ``push_layer`` (producer, per layer; a rule may name one ``layer``),
+``finish_push`` (producer, before the completion notice), ``release`` (consumer, the pull's
+release notice). Points on a replica (``deployments.server``): ``prefill`` (a prefill call
+arrives), ``after_export`` (just after a pull's handle went back), ``mid_decode`` (a decode
+stream has sent ``after_tokens`` tokens).
+
+Actions: ``delay`` (sleep ``seconds`` there), ``fail`` (raise ``KVTransferError``), ``drop``
+(``release`` only: the notice is not sent, so the producer frees the blocks when
+``kv_transfer_timeout_s`` runs out), ``crash`` (the replica's process ends at once, as a
+``kill -9`` would). Selection: ``probability`` decides once per request (a seeded hash of
+the rule and the request id, so a request meets a rule's fault at all its points or at none:
+"5% of transfers fail", not 5% of layers), ``request_id_prefix`` limits a rule to requests
+whose id starts with it (rehearse on a live service with your own requests), and a crash
+happens at most ``max_times`` times (counted across restarts by the ``crash_gate`` the
+replica gives).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+import os
+import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kv_transport.base import KVTransferError
 
-POINTS = ("export", "fetch", "push_layer", "finish_push")
+logger = logging.getLogger(__name__)
+
+TRANSPORT_POINTS = ("export", "fetch", "push_layer", "finish_push")
+REPLICA_POINTS = ("prefill", "after_export", "mid_decode")
+FaultPoint = Literal["export", "fetch", "push_layer", "finish_push", "release", "prefill", "after_export", "mid_decode"]
+FaultAction = Literal["delay", "fail", "drop", "crash"]
 
 
-@dataclass(frozen=True)
+class FaultRule(BaseModel):
+    """One fault: ``faults`` in the application's config is a list of these."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    point: FaultPoint = Field(description="where: a transport point or a replica point (module docstring)")
+    action: FaultAction = Field(description="delay, fail, drop (release only) or crash")
+    seconds: float = Field(0.0, ge=0, le=3600, description="delay: how long")
+    probability: float = Field(1.0, ge=0, le=1, description="share of requests the rule selects")
+    request_id_prefix: str | None = Field(None, min_length=1, description="only requests whose id starts with it")
+    layer: int | None = Field(None, ge=0, description="push_layer: only this layer")
+    after_tokens: int = Field(2, ge=1, description="mid_decode: tokens sent before the crash")
+    max_times: int | None = Field(1, ge=1, description="crash: at most this many times (None: unbounded)")
+
+    @model_validator(mode="after")
+    def _check(self) -> FaultRule:
+        if self.action == "drop" and self.point != "release":
+            raise ValueError(f"action 'drop' applies to point 'release' only, not {self.point!r}")
+        if self.point == "release" and self.action not in ("drop", "crash"):
+            raise ValueError(f"point 'release' takes action 'drop' or 'crash', not {self.action!r}")
+        if self.action in ("delay", "fail") and self.point not in TRANSPORT_POINTS:
+            raise ValueError(
+                f"action {self.action!r} applies to transport points only {TRANSPORT_POINTS}, not {self.point!r}"
+            )
+        if self.action == "delay" and self.seconds <= 0:
+            raise ValueError("action 'delay' needs seconds > 0")
+        if self.layer is not None and self.point != "push_layer":
+            raise ValueError("layer applies to point 'push_layer' only")
+        return self
+
+
+CrashGate = Callable[[int, FaultRule], bool]
+"""``gate(rule index, rule)``: may this crash happen (its ``max_times`` not used up)?"""
+
+
+def crash_now(point: str, request_id: str) -> None:
+    """End this process as ``kill -9`` would (no cleanup, no exit handlers)."""
+    logger.error("fault injection: crashing this replica at %s (request %s)", point, request_id)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FaultPoints:
-    delay_s: dict[str, float] = field(default_factory=dict)
-    fail: frozenset[str] = frozenset()
-    drop_release: bool = False
+    """The rules in force in one process; ``NO_FAULTS`` (no rules) costs one check per point."""
 
-    def __post_init__(self) -> None:
-        unknown = (set(self.delay_s) | set(self.fail)) - set(POINTS)
-        if unknown:
-            raise ValueError(f"unknown fault points {sorted(unknown)}; known: {POINTS}")
+    def __init__(self, rules: Sequence[FaultRule] = (), seed: int = 0, crash_gate: CrashGate | None = None) -> None:
+        self.rules = tuple(rules)
+        self.seed = seed
+        self.crash_gate = crash_gate
 
-    def hit(self, point: str, request_id: str, peer: str) -> None:
-        """Apply the fault at ``point`` (blocking sleep; for the engine thread)."""
-        if point in self.delay_s:
-            time.sleep(self.delay_s[point])
-        self._maybe_fail(point, request_id, peer)
+    @classmethod
+    def of(
+        cls, delay_s: dict[str, float] | None = None, fail: Sequence[str] = (), drop_release: bool = False
+    ) -> FaultPoints:
+        """Rules for every request: delays, failures, dropped release notices (benchmarks, tests)."""
+        rules = [FaultRule(point=p, action="delay", seconds=s) for p, s in (delay_s or {}).items()]
+        rules += [FaultRule(point=p, action="fail") for p in fail]
+        if drop_release:
+            rules.append(FaultRule(point="release", action="drop"))
+        return cls(rules)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def selected(self, point: str, request_id: str, layer: int | None = None) -> list[tuple[int, FaultRule]]:
+        """The rules that apply at ``point`` to this request (and layer)."""
+        return [
+            (index, rule)
+            for index, rule in enumerate(self.rules)
+            if rule.point == point
+            and (rule.layer is None or rule.layer == layer)
+            and (rule.request_id_prefix is None or request_id.startswith(rule.request_id_prefix))
+            and self._drawn(index, rule, request_id)
+        ]
+
+    def _drawn(self, index: int, rule: FaultRule, request_id: str) -> bool:
+        if rule.probability >= 1:
+            return True
+        digest = hashlib.blake2b(f"{self.seed}/{index}/{request_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64 < rule.probability
+
+    def hit(self, point: str, request_id: str, peer: str, layer: int | None = None) -> None:
+        """Apply the faults at ``point`` (a delay blocks: for the engine thread)."""
+        for index, rule in self.selected(point, request_id, layer):
+            if rule.action == "delay":
+                time.sleep(rule.seconds)
+            self._act(index, rule, point, request_id, peer)
 
     async def hit_async(self, point: str, request_id: str, peer: str) -> None:
-        if point in self.delay_s:
-            await asyncio.sleep(self.delay_s[point])
-        self._maybe_fail(point, request_id, peer)
+        for index, rule in self.selected(point, request_id):
+            if rule.action == "delay":
+                await asyncio.sleep(rule.seconds)
+            self._act(index, rule, point, request_id, peer)
 
-    def _maybe_fail(self, point: str, request_id: str, peer: str) -> None:
-        if point in self.fail:
+    def drops(self, point: str, request_id: str) -> bool:
+        """Whether a notice at ``point`` is to be left out for this request (crashing first if asked)."""
+        dropped = False
+        for index, rule in self.selected(point, request_id):
+            self._act(index, rule, point, request_id, "")
+            dropped = dropped or rule.action == "drop"
+        return dropped
+
+    def _act(self, index: int, rule: FaultRule, point: str, request_id: str, peer: str) -> None:
+        if rule.action == "fail":
             raise KVTransferError(f"injected failure at {point}", request_id, peer)
+        if rule.action == "crash" and (self.crash_gate is None or self.crash_gate(index, rule)):
+            crash_now(point, request_id)
 
 
 NO_FAULTS = FaultPoints()

@@ -75,6 +75,13 @@ class _PushOut:
     num_descriptors: int = 0
 
 
+def _check_lease(handle: KVHandle, when: str) -> None:
+    """A handle whose lease ran out names blocks the producer has freed (and may have reused):
+    reading them could answer with another request's KV, so the fetch fails instead."""
+    if handle.seconds_left() <= 0:
+        raise KVTransferTimeout(f"the KV lease expired {when}", handle.request_id, handle.engine_id)
+
+
 class NixlTransport(BaseKVTransport):
     def __init__(
         self,
@@ -153,7 +160,8 @@ class NixlTransport(BaseKVTransport):
     # ---- pull -------------------------------------------------------------------------
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVHandle:
-        self.faults.hit("export", request_id, self.engine_id)
+        if self.faults:
+            self.faults.hit("export", request_id, self.engine_id)
         expires_at = time.time() + self.timeout_s
         self._exports[request_id] = expires_at
         return KVHandle.of_blocks(self, request_id, block_ids, num_tokens, expires_at, first_token=first_token)
@@ -163,8 +171,9 @@ class NixlTransport(BaseKVTransport):
         rid, peer_id = handle.request_id, handle.engine_id
         peer = self._peer(peer_id, handle.incarnation, rid)
         self._check_layout(handle.layout, rid, peer_id)
-        if self.faults is not NO_FAULTS:
+        if self.faults:
             await self.faults.hit_async("fetch", rid, peer_id)
+        _check_lease(handle, "before the READ")
         if skip_blocks:
             runs = coalesce(handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:])
         else:
@@ -177,15 +186,26 @@ class NixlTransport(BaseKVTransport):
             if not isinstance(done, tuple):  # still in flight: the progress thread completes it
                 timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
                 await self._await_xfer(done, timeout, rid, peer_id, "READ")
+            _check_lease(handle, "during the READ")  # the producer may have reused the blocks
         # The release notice goes on its own, not attached to the READ: NIXL sends an attached
         # notice only once the READ is done, and between CPU memories the READ then stayed
         # in flight until the producer's next progress call (0.4 to 1.3 ms of a 1.5 ms,
         # 16 MB pull here). The progress thread sends it (the KV is here already): from
         # here, in a process whose caches the copy has just flushed, it took ~20 us.
-        if not self.faults.drop_release:
+        if not (self.faults and self.faults.drops("release", rid)):
             self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
         num_bytes = sum(n for _, _, n in runs) * self._block_bytes * len(self._geometry.bases)
         return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=len(local))
+
+    def give_back(self, handle: KVHandle) -> None:
+        rid = handle.request_id
+        if self.faults and self.faults.drops("release", rid):
+            return
+        try:
+            peer = self._peer(handle.engine_id, handle.incarnation, rid)
+        except KVTransferError:  # stopped or restarted: its blocks went with it
+            return
+        self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
 
     def release(self, request_id: str) -> None:
         if self._exports.pop(request_id, None) is not None and self._release_blocks is not None:
@@ -216,7 +236,8 @@ class NixlTransport(BaseKVTransport):
             if not local_block_ids:
                 return
         compute_end = time.time()
-        self.faults.hit("push_layer", request_id, push.destination.engine_id)
+        if self.faults:
+            self.faults.hit("push_layer", request_id, push.destination.engine_id, layer)
         remote_ids = push.remote_ids[start_index : start_index + len(local_block_ids)]
         runs = coalesce(local_block_ids, remote_ids)
         local = self._geometry.descs([(s, n) for s, _, n in runs], [layer])
@@ -237,7 +258,8 @@ class NixlTransport(BaseKVTransport):
         push = self._push_out.pop(request_id)
         peer_id = push.destination.engine_id
         try:
-            await self.faults.hit_async("finish_push", request_id, peer_id)
+            if self.faults:
+                await self.faults.hit_async("finish_push", request_id, peer_id)
             timeout = max(0.0, min(self.timeout_s, push.destination.seconds_left()))
             done = [await self._await_xfer(f, timeout, request_id, peer_id, "WRITE") for f in push.futures]
         except BaseException:

@@ -208,8 +208,8 @@ class NixlWorker:
         error and the progress thread goes on with the others."""
         try:
             return self.agent.check_xfer_state(handle)
-        except Exception:
-            logger.warning("NIXL transfer failed", exc_info=True)
+        except Exception as exc:  # e.g. the peer died: expected, one line
+            logger.warning("NIXL transfer failed: %r", exc)
             return "ERR"
 
     def _retire(self, xfer: _InFlight) -> None:

@@ -15,12 +15,12 @@ import pytest
 import ray
 import torch
 
-from bench.corpus import prompt_of_length
 from bench.ray_local import start_local_ray
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
 from tests.same_output import assert_same_output, trace_from_outputs
 from tests.waiting import wait_until
+from workloads.corpus import prompt_of_length
 
 TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 3.0

@@ -56,7 +56,7 @@ def test_unclaimed_export_is_freed_after_the_timeout(pair):
 def test_dropped_release_notice_falls_back_to_the_timeout():
     registry = LocalPeerRegistry()
     producer = NixlTransport("p2", LAYOUT, registry, kv_transfer_timeout_s=1.0)
-    consumer = NixlTransport("c2", LAYOUT, registry, faults=FaultPoints(drop_release=True))
+    consumer = NixlTransport("c2", LAYOUT, registry, faults=FaultPoints.of(drop_release=True))
     released = CallRecorder()
     producer.register_pool(_pool(4), released)
     consumer.register_pool(_pool(4, fill=0.0), lambda rid: None)

@@ -1,0 +1,333 @@
+"""Failures rehearsed through the served application (``faults:`` in its config), real Ray and NIXL.
+
+Two applications, 1 prefill + 1 decode replica each, ``kv_transfer_timeout_s=20``: pull at
+``/`` and push at ``/push``. The faults select requests by id prefix (``X-Request-Id``), so
+every test triggers its own: a prefill replica killed (SIGKILL) during a transfer, the decode
+replica killed mid-stream, transfers failing for 5% of requests, a dropped release notice and
+a stalled fetch (both end at the KV lease); and, on a busy colocated app, a request left
+without output past the stream idle bound.
+Requests with no token sent yet complete with the engine's output (tests/same_output.py's
+rule); a stream that had tokens ends with an error event within ``peer_check_interval_s`` +
+5 s of the kill; the service answers again after the restart; afterwards ``GET /admin/kv``
+shows every live replica's invariants holding and no block held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from app.config import colocated_app, disagg_app
+from app.settings import AppConfig
+from deployments.openai_format import token_text_of
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loader import ModelSpec, load_model
+from engine.params import GenerationRequest, SamplingParams
+from kv_transport.faults import FaultPoints
+from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, trace_from_outputs
+from tests.serving import ServeApp, local_serve
+from tests.waiting import wait_until
+
+PORT = 18640
+NUM_TOKENS = MIN_COMPARED_TOKENS
+TIMEOUT_S = 20.0
+PEER_CHECK_S = 5.0
+ERROR_DEADLINE_S = PEER_CHECK_S + 5.0
+PROMPTS = (
+    "Write a long story about a lighthouse keeper.",
+    "Explain how a steam engine works, step by step.",
+    "List the planets of the solar system and describe each one.",
+)
+PROMPT_IDS: list[list[int]] = []  # filled by the reference fixture
+PULL_FAULTS = [
+    {"point": "after_export", "action": "crash", "request_id_prefix": "kill-prefill-"},
+    {"point": "fetch", "action": "delay", "seconds": 1.0, "request_id_prefix": "kill-prefill-"},
+    {"point": "mid_decode", "action": "crash", "request_id_prefix": "kill-decode-", "after_tokens": 8},
+    {"point": "fetch", "action": "fail", "probability": 0.05},
+    {"point": "release", "action": "drop", "request_id_prefix": "drop-"},
+    {"point": "fetch", "action": "delay", "seconds": TIMEOUT_S + 1, "request_id_prefix": "stall-"},
+]
+PUSH_FAULTS = [
+    {"point": "push_layer", "action": "crash", "layer": 15, "request_id_prefix": "kill-prefill-"},
+    {"point": "push_layer", "action": "fail", "probability": 0.05},
+]
+COMMON = {
+    "model.max_model_len": "512",
+    "engine.kv_cache_bytes": str(64 << 20),
+    "prefill.num_cpus": "0.25",
+    "decode.num_cpus": "0.25",
+    "autoscaling.enabled": "false",
+    "transport.kv_transfer_timeout_s": str(TIMEOUT_S),
+    "transport.peer_check_interval_s": str(PEER_CHECK_S),
+}
+PULL_ARGS = {**COMMON, "faults": json.dumps(PULL_FAULTS)}
+PUSH_ARGS = {**COMMON, "transport.mode": "push", "faults": json.dumps(PUSH_FAULTS)}
+IDLE_S = 4.0
+BUSY_ARGS = {  # one sequence at a time: a second request waits with no output
+    "model.max_model_len": "512",
+    "engine.kv_cache_bytes": str(64 << 20),
+    "engine.max_num_seqs": "1",
+    "colocated.num_replicas": "1",
+    "colocated.num_cpus": "0.25",
+    "limits.stream_idle_timeout_s": str(IDLE_S),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[GreedyTrace]:
+    """The engine alone, one request at a time, as the tokens' texts (what the API returns);
+    the prompts' token ids go in ``PROMPT_IDS`` (what the requests send)."""
+    loaded = load_model(ModelSpec(source="default"))
+    core = EngineCore(loaded, EngineConfig(max_model_len=512, kv_cache_bytes=64 << 20))
+    text_of = token_text_of(loaded.tokenizer)
+    traces = []
+    PROMPT_IDS[:] = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    for i, prompt in enumerate(PROMPT_IDS):
+        sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+        core.add_request(GenerationRequest(f"ref-{i}", tuple(prompt), sampling))
+        outputs = []
+        while core.has_work():
+            outputs += core.step()
+        trace = trace_from_outputs(outputs)
+        texts = GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, t)) for t in trace.top))
+        traces.append(texts)
+    return traces
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    apps = [
+        ServeApp("pull", disagg_app, PULL_ARGS, route_prefix="/"),
+        ServeApp("push", disagg_app, PUSH_ARGS, route_prefix="/push"),
+        ServeApp("busy", colocated_app, BUSY_ARGS, route_prefix="/busy"),
+    ]
+    with local_serve(apps, port=PORT) as served:
+        yield served.base_url
+
+
+@dataclass
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    status: int
+    tokens: list[str] = field(default_factory=list)
+    top: list[tuple[str, ...]] = field(default_factory=list)
+    error: dict | None = None
+    done: bool = False
+    last_token_at: float | None = None
+    error_at: float | None = None
+    body: str = ""
+
+    def trace(self) -> GreedyTrace:
+        return GreedyTrace(tuple(self.tokens), tuple(self.top))
+
+
+async def _stream(client: httpx.AsyncClient, path: str, request_id: str, prompt: int, delay_s: float = 0) -> Streamed:
+    await asyncio.sleep(delay_s)
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": PROMPT_IDS[prompt],
+        "max_tokens": NUM_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 5,
+        "stream": True,
+    }
+    headers = {"X-Request-Id": request_id}
+    async with client.stream("POST", path + "/v1/completions", json=body, headers=headers) as response:
+        result = Streamed(response.status_code)
+        if response.status_code != 200:
+            result.body = (await response.aread()).decode()
+            return result
+        async for line in response.aiter_lines():
+            _take(result, line)
+    return result
+
+
+def _take(result: Streamed, line: str) -> None:
+    if not line.startswith("data: "):
+        return
+    data = line[len("data: ") :]
+    if data == "[DONE]":
+        result.done = True
+        return
+    event = json.loads(data)
+    if "error" in event:
+        result.error, result.error_at = event["error"], time.monotonic()
+        return
+    for choice in event["choices"]:
+        logprobs = choice.get("logprobs") or {}
+        result.tokens += logprobs.get("tokens", [])
+        result.top += [tuple(t) for t in logprobs.get("top_logprobs", [])]
+        if logprobs.get("tokens"):
+            result.last_token_at = time.monotonic()
+
+
+def _run(path: str, requests: list[tuple[str, int, float]], base_url: str) -> list[Streamed]:
+    async def main() -> list[Streamed]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            return await asyncio.gather(*(_stream(client, path, *r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def _kv(base_url: str, path: str) -> dict:
+    response = httpx.get(f"{base_url}{path}/admin/kv", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _live(view: dict, deployment: str) -> list[dict]:
+    return [r for r in view["replicas"] if r["live"] and r["deployment"] == deployment]
+
+
+def _assert_nothing_held(base_url: str, path: str) -> None:
+    """Every live replica: invariants hold, and (once leases ran out) no block is held."""
+
+    def settled() -> bool:
+        view = _kv(base_url, path)
+        live = [r for r in view["replicas"] if r["live"]]
+        held = sum(r["num_in_use_blocks"] + r["num_pinned_blocks"] + r["num_reserved_blocks"] for r in live)
+        return view["ok"] and held == 0 and {r["deployment"] for r in live} == {"PrefillServer", "DecodeServer"}
+
+    wait_until(settled, TIMEOUT_S + 10, f"{path or '/'}: every live replica idle with its invariants holding")
+    for replica in _kv(base_url, path)["replicas"]:
+        if replica["live"]:
+            assert replica["problems"] == [] and replica["ok"], replica
+            assert replica["num_free_blocks"] + replica["num_cached_blocks"] == replica["num_total_blocks"], replica
+
+
+def _assert_same(results: list[Streamed], prompts: list[int], reference: list[GreedyTrace]) -> None:
+    for result, prompt in zip(results, prompts):
+        assert result.status == 200 and result.error is None and result.done, result
+        assert_same_output(reference[prompt], result.trace(), exact=False, label=f"prompt {prompt}")
+
+
+def _drawn(faults: list[dict], point: str, count: int, prefix: str) -> list[str]:
+    """Request ids whose 5% draw hits ``point``'s failure (the rule is deterministic per id)."""
+    points = FaultPoints(AppConfig.model_validate({"faults": faults}).faults)
+    ids = (f"{prefix}{i}" for i in range(10_000))
+    return [rid for rid in ids if any(r.action == "fail" for _, r in points.selected(point, rid))][:count]
+
+
+def _engine_ids(base_url: str, path: str, deployment: str) -> set[str]:
+    return {r["engine_id"] for r in _live(_kv(base_url, path), deployment)}
+
+
+def _restarted(base_url: str, path: str, deployment: str, before: set[str]) -> None:
+    def replaced() -> bool:
+        now = _engine_ids(base_url, path, deployment)
+        return bool(now) and not now & before
+
+    wait_until(replaced, 120, f"{deployment} of {path or '/'} restarted")
+
+
+@pytest.mark.parametrize("path", ["", "/push"], ids=["pull", "push"])
+def test_prefill_killed_during_transfer_requests_complete(base_url, reference, path):
+    """The prefill replica dies (SIGKILL) during a request's transfer, with others in flight
+    there: none had a token yet, so each is retried (prefilled on the decode replica) and
+    completes with the engine's output; the replica restarts and serves again."""
+    _assert_nothing_held(base_url, path)
+    before = _engine_ids(base_url, path, "PrefillServer")
+    requests = [("kill-prefill-1", 0, 0.0)] + [(f"{path}-inflight-{i}", i % 3, 0.05 * i) for i in range(1, 6)]
+    results = _run(path, requests, base_url)
+    _assert_same(results, [r[1] for r in requests], reference)
+    _restarted(base_url, path, "PrefillServer", before)
+    (again,) = _run(path, [(f"{path}-after-restart", 1, 0.0)], base_url)
+    _assert_same([again], [1], reference)
+    _assert_nothing_held(base_url, path)
+
+
+def test_decode_killed_mid_stream(base_url, reference):
+    """The decode replica dies after a stream's 8th token. Streams that had tokens end with
+    an error event (then ``[DONE]``) within ``peer_check_interval_s`` + 5 s; a request with no
+    token yet is retried on the restarted replica (or gets a 503 with ``Retry-After`` once
+    ``recovery.wait_s`` passed); afterwards the service answers with the engine's output."""
+    _assert_nothing_held(base_url, "")
+    before = _engine_ids(base_url, "", "DecodeServer")
+    requests = [("kill-decode-1", 0, 0.0), ("decode-peer-1", 1, 0.0), ("decode-peer-2", 2, 0.2)]
+    results = _run("", requests, base_url)
+    killed = results[0]
+    assert killed.status == 200 and killed.error is not None and killed.done, killed
+    assert killed.error["type"] == "server_error" and "gone" in killed.error["message"], killed.error
+    assert 1 <= len(killed.tokens) <= 8  # the replica died after producing 8: some were still on their way
+    assert killed.error_at - killed.last_token_at <= ERROR_DEADLINE_S
+    for result, (_, prompt, _) in zip(results[1:], requests[1:]):
+        if result.error is not None:  # had tokens when the replica died: an error event, in time
+            assert result.tokens and result.done and result.error_at - killed.last_token_at <= ERROR_DEADLINE_S
+        elif result.status == 503:  # no token, no replica back within recovery.wait_s
+            assert "retry" in result.body.lower()
+        else:
+            _assert_same([result], [prompt], reference)
+    _restarted(base_url, "", "DecodeServer", before)
+    (again,) = _run("", [("after-decode-restart", 2, 0.0)], base_url)
+    _assert_same([again], [2], reference)
+    _assert_nothing_held(base_url, "")
+
+
+@pytest.mark.parametrize(("path", "point"), [("", "fetch"), ("/push", "push_layer")], ids=["pull", "push"])
+def test_five_percent_of_transfers_fail_and_every_request_completes(base_url, reference, path, point):
+    faults = PULL_FAULTS if path == "" else PUSH_FAULTS
+    failing = _drawn(faults, point, 2, f"{path}-five-")
+    requests = [(rid, i % 3, 0.1 * i) for i, rid in enumerate(failing + [f"{path}-ok-{i}" for i in range(3)])]
+    results = _run(path, requests, base_url)
+    _assert_same(results, [r[1] for r in requests], reference)
+    _assert_nothing_held(base_url, path)
+
+
+def test_dropped_release_and_stalled_fetch_end_at_the_lease(base_url, reference):
+    """A dropped release notice leaves the producer's blocks pinned until the lease (20 s)
+    ends, then they are freed; a fetch stalled past the lease is refused (the blocks may have
+    been reused: never read) and the request is retried, completing with the engine's output."""
+    _assert_nothing_held(base_url, "")
+
+    async def main() -> tuple[Streamed, dict, Streamed]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            stalled = asyncio.ensure_future(_stream(client, "", "stall-1", 1))
+            dropped = await _stream(client, "", "drop-1", 0)
+            await asyncio.sleep(2.5)  # two publishing periods of /admin/kv
+            view = (await client.get("/admin/kv")).json()
+            return dropped, view, await stalled
+
+    dropped, view, stalled = asyncio.run(main())
+    _assert_same([dropped, stalled], [0, 1], reference)
+    (prefill,) = _live(view, "PrefillServer")
+    # drop-1's export (no release notice came) and stall-1's (its consumer still asleep)
+    assert prefill["num_pinned_requests"] == 2 and prefill["oldest_pinned_s"] > 2, prefill
+    assert view["ok"], view
+    _assert_nothing_held(base_url, "")  # both freed at their lease's end
+
+
+def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url):
+    """A replica that runs one sequence at a time, busy with a long one: a second request
+    gets no output past ``limits.stream_idle_timeout_s`` (4 s), is aborted with an error
+    event (code ``timeout``) and frees its blocks; the long one completes."""
+
+    async def main() -> tuple[Streamed, Streamed]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            long = _complete(client, "/busy", "busy-long", max_tokens=250)
+            waiting = _stream(client, "/busy", "busy-idle", 0, delay_s=0.5)
+            return await asyncio.gather(long, waiting)
+
+    long, idle = asyncio.run(main())
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 250, long.text
+    assert idle.status == 200 and idle.tokens == [] and idle.done, idle
+    assert idle.error["code"] == "timeout" and "limits.stream_idle_timeout_s" in idle.error["message"], idle.error
+
+    def idle_replica() -> bool:
+        (replica,) = _live(_kv(base_url, "/busy"), "ColocatedServer")
+        return replica["ok"] and replica["num_in_use_blocks"] == 0 and replica["num_requests"] == 0
+
+    wait_until(idle_replica, 30, "the busy replica idle, nothing held")
+
+
+async def _complete(client: httpx.AsyncClient, path: str, request_id: str, max_tokens: int) -> httpx.Response:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT_IDS[0], "max_tokens": max_tokens, "ignore_eos": True}
+    return await client.post(path + "/v1/completions", json=body, headers={"X-Request-Id": request_id})

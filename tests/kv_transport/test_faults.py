@@ -1,0 +1,77 @@
+"""Fault rules (``faults:`` in the app's config): validation, selection, the per-request draw."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from kv_transport.base import KVTransferError
+from kv_transport.faults import NO_FAULTS, FaultPoints, FaultRule
+
+
+def test_rules_are_checked_naming_what_is_wrong():
+    cases = [
+        ({"point": "fetch", "action": "drop"}, "action 'drop' applies to point 'release' only"),
+        ({"point": "mid_decode", "action": "fail"}, "applies to transport points only"),
+        ({"point": "fetch", "action": "delay"}, "action 'delay' needs seconds > 0"),
+        ({"point": "fetch", "action": "fail", "layer": 3}, "layer applies to point 'push_layer' only"),
+        ({"point": "release", "action": "fail"}, "point 'release' takes action 'drop' or 'crash'"),
+        ({"point": "fetch", "action": "fail", "probability": 1.5}, "less than or equal to 1"),
+        ({"point": "nowhere", "action": "fail"}, "Input should be 'export'"),
+    ]
+    for rule, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            FaultRule.model_validate(rule)
+
+
+def test_a_probability_is_drawn_once_per_request_and_is_reproducible():
+    points = FaultPoints([FaultRule(point="push_layer", action="fail", probability=0.05)])
+    ids = [f"r{i}" for i in range(4000)]
+    hit = [rid for rid in ids if points.selected("push_layer", rid, layer=0)]
+    assert 0.035 < len(hit) / len(ids) < 0.065  # about 5% of requests
+    # the same requests at every layer: a request's transfer fails whole or not at all
+    assert all(points.selected("push_layer", rid, layer=layer) for rid in hit[:20] for layer in range(30))
+    again = FaultPoints([FaultRule(point="push_layer", action="fail", probability=0.05)])
+    assert [rid for rid in ids if again.selected("push_layer", rid, layer=0)] == hit
+
+
+def test_prefix_layer_and_actions():
+    rules = [
+        FaultRule(point="fetch", action="fail", request_id_prefix="bad-"),
+        FaultRule(point="push_layer", action="fail", layer=2),
+        FaultRule(point="release", action="drop", request_id_prefix="quiet-"),
+        FaultRule(point="fetch", action="delay", seconds=0.01, request_id_prefix="slow-"),
+    ]
+    points = FaultPoints(rules)
+    with pytest.raises(KVTransferError, match="injected failure at fetch"):
+        asyncio.run(points.hit_async("fetch", "bad-1", "peer"))
+    asyncio.run(points.hit_async("fetch", "good-1", "peer"))  # not selected
+    asyncio.run(points.hit_async("fetch", "slow-1", "peer"))  # delayed only
+    points.hit("push_layer", "any", "peer", layer=1)
+    with pytest.raises(KVTransferError, match="push_layer"):
+        points.hit("push_layer", "any", "peer", layer=2)
+    assert points.drops("release", "quiet-1") and not points.drops("release", "loud-1")
+    assert not NO_FAULTS and points
+
+
+def test_a_crash_asks_its_gate_first():
+    asked = []
+
+    def gate(index: int, rule: FaultRule) -> bool:
+        asked.append((index, rule.point))
+        return False  # its max_times used up: no crash
+
+    points = FaultPoints([FaultRule(point="mid_decode", action="crash")], crash_gate=gate)
+    points.hit("mid_decode", "r", "peer")  # would have ended this process
+    assert asked == [(0, "mid_decode")]
+
+
+def test_of_builds_rules_for_every_request():
+    points = FaultPoints.of({"fetch": 0.5}, ["push_layer"], drop_release=True)
+    assert [(r.point, r.action) for r in points.rules] == [
+        ("fetch", "delay"),
+        ("push_layer", "fail"),
+        ("release", "drop"),
+    ]
