@@ -33,6 +33,9 @@ from engine.structured import JSON_OBJECT_SCHEMA, check_schema
 from engine.tokenization import encode_prompt
 
 MAX_CHOICES = 16  # ``n`` at most: each choice is a request of its own on the engines
+# the engine divides (multiplies) float32 logits by it: far outside this range they overflow
+# to inf, or 0 * inf gives NaN, and sampling fails (vLLM and HF take any value above 0)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class _Body(BaseModel):
@@ -111,7 +114,8 @@ class _SamplingFields(_Body):
     )
     repetition_penalty: float = Field(
         1.0,
-        gt=0,
+        ge=REPETITION_PENALTY_RANGE[0],
+        le=REPETITION_PENALTY_RANGE[1],
         description="divides positive (multiplies negative) logits of tokens in the prompt or output (extension)",
     )
     logit_bias: dict[str, float] | None = Field(
@@ -132,7 +136,7 @@ class _SamplingFields(_Body):
         limit_field, requested = self._max_tokens()
         if requested is not None and requested < 1:
             raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
-        max_tokens = requested if requested is not None else limits.max_model_len - len(ids)
+        max_tokens = requested if requested is not None else limits.default_max_tokens(len(ids))
         check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
         sampling = self._sampling_params(max_tokens)
         if limits.vocab_size is not None:
@@ -292,6 +296,19 @@ def unsupported(body: _SamplingFields) -> tuple[str, str] | None:
             value = repr(getattr(body, name))
             return name, f"{name}: {value if len(value) <= 60 else value[:57] + '...'} is not supported by this server"
     return None
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what went wrong, naming the field when one is to blame")
+    type: str = Field(description="invalid_request_error, server_error, requests (429) ...")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None = Field(description="e.g. model_not_found, invalid_api_key, rate_limit_exceeded")
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as OpenAI's (for the published schema; ``error_body`` builds them)."""
+
+    error: ErrorDetail
 
 
 def error_body(

@@ -17,15 +17,18 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.auth_settings import AuthConfig
 from autoscaling.config import AutoscalingSettings
 from engine.config import EngineSettings, check_token_budget
 from kv_transport.config import TransportConfig
+from kv_transport.faults import TRANSPORT_POINTS, FaultRule
 
 ENV_PREFIX = "TANDEM__"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # hide_input_in_errors: a refused setting is named, never echoed (inline API keys)
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
 
 class ModelConfig(_Section):
@@ -52,6 +55,10 @@ class DeploymentConfig(_Section):
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     max_ongoing_requests: int = Field(64, ge=1, description="Serve's bound on requests in flight per replica")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables of this pool's replicas (Ray runtime_env), e.g. {UCX_TLS: tcp}",
+    )
 
     def ray_actor_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -65,6 +72,33 @@ class DeploymentConfig(_Section):
 class SLOConfig(_Section):
     ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token objective (benchmarks, autoscaling)")
     tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token objective")
+
+
+class LimitsConfig(_Section):
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="a request with no output for this long is aborted (its blocks freed): 504"
+    )
+    max_body_bytes: int = Field(
+        4 << 20, ge=1024, description="request bodies over this many bytes are refused (413), read no further"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="prompts over this many tokens are refused (400); none: the context length"
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens over this is refused (400), and is the default; none: the context"
+    )
+    max_concurrent_per_key: int | None = Field(
+        None, ge=1, description="requests in flight per API key (429 beyond); none: unlimited; needs auth"
+    )
+
+
+class RecoveryConfig(_Section):
+    retry: bool = Field(
+        True, description="retry a request once when a replica dies or its KV transfer fails before its first token"
+    )
+    wait_s: float = Field(
+        30.0, gt=0, le=600, description="how long a retry waits for a replica (e.g. a restarting one) before a 503"
+    )
 
 
 class AppConfig(_Section):
@@ -87,11 +121,21 @@ class AppConfig(_Section):
     autoscaling: AutoscalingSettings = Field(
         default_factory=AutoscalingSettings, description="disagg_app's elastic autoscaler (autoscaling/policies/)"
     )
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="bounds on what one request may ask")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys on /v1 and /admin; none: open")
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig, description="failures before the first token")
+    faults: list[FaultRule] = Field(
+        default_factory=list, description="fault injection for failure rehearsals (kv_transport/faults.py); none"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
         if self.transport.kind == "object_store" and self.transport.mode == "push":
             raise ValueError("transport.mode=push needs transport.kind=nixl (the object store supports pull only)")
+        if self.transport.kind == "object_store" and any(
+            rule.point in (*TRANSPORT_POINTS, "release") for rule in self.faults
+        ):
+            raise ValueError("faults: transport fault points need transport.kind=nixl")
         engine = self.engine
         check_token_budget(
             engine.max_num_batched_tokens, engine.enable_chunked_prefill, self.model.max_model_len, "engine."

@@ -16,21 +16,37 @@ from engine.params import Role
 ROUTER = "deployments.router.RoleAwareRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 INGRESS_SPARE = 16  # room above max_queued_requests so the ingress itself answers 503
+DRAIN_MARGIN_S = 5.0  # a stopping replica's graceful bound: its KV lease plus this
 
 
-def _engine_deployment(name: str, deployment: DeploymentConfig, scaling: dict[str, Any] | None = None):
-    """``scaling``: Serve options for replica scaling (``_scaling_options``), else a fixed count."""
-    counts = scaling or {"num_replicas": deployment.num_replicas}
+def _engine_deployment(
+    name: str, deployment: DeploymentConfig, config: AppConfig, scaling: dict[str, Any] | None = None
+):
+    """``scaling``: Serve options for replica scaling (``_scaling_options``), else a fixed count.
+    A stopping replica (scale-down, redeploy, shutdown) keeps its exported KV until fetched or
+    its lease ends (``EngineServer.__del__``): Serve's graceful-stop bound covers that wait."""
+    options = dict(scaling or {"num_replicas": deployment.num_replicas})
+    drain_s = config.transport.kv_transfer_timeout_s + DRAIN_MARGIN_S
+    options["graceful_shutdown_timeout_s"] = max(options.get("graceful_shutdown_timeout_s", 0.0), drain_s)
     return serve.deployment(
         EngineServer,
         name=name,
-        **counts,
-        ray_actor_options=deployment.ray_actor_options(),
+        **options,
+        ray_actor_options=_actor_options(deployment),
         max_ongoing_requests=deployment.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
         ),
     )
+
+
+def _actor_options(deployment: DeploymentConfig) -> dict[str, Any]:
+    """The pool's Ray actor options; its ``env_vars`` go in through Ray's ``runtime_env``
+    (e.g. ``UCX_TLS=tcp``: UCX reads its settings when NIXL starts, inside the replica)."""
+    options = deployment.ray_actor_options()
+    if deployment.env_vars:
+        options["runtime_env"] = {"env_vars": dict(deployment.env_vars)}
+    return options
 
 
 def _ingress(config: AppConfig):
@@ -69,10 +85,10 @@ def _scaling_options(config: AppConfig, pool: str) -> dict[str, Any] | None:
 def build_disagg(config: AppConfig) -> serve.Application:
     data = config.model_dump()
     controller = _controller().bind(data) if config.autoscaling.enabled else None
-    prefill = _engine_deployment("PrefillServer", config.prefill, _scaling_options(config, "prefill")).bind(
+    prefill = _engine_deployment("PrefillServer", config.prefill, config, _scaling_options(config, "prefill")).bind(
         data, Role.PREFILL.value, "prefill", controller=controller
     )
-    decode = _engine_deployment("DecodeServer", config.decode, _scaling_options(config, "decode")).bind(
+    decode = _engine_deployment("DecodeServer", config.decode, config, _scaling_options(config, "decode")).bind(
         data, Role.DECODE.value, "decode", controller=controller
     )
     return _ingress(config).bind(data, prefill=prefill, decode=decode, controller=controller)
@@ -80,5 +96,5 @@ def build_disagg(config: AppConfig) -> serve.Application:
 
 def build_colocated(config: AppConfig) -> serve.Application:
     data = config.model_dump()
-    colocated = _engine_deployment("ColocatedServer", config.colocated).bind(data, Role.BOTH.value, "colocated")
+    colocated = _engine_deployment("ColocatedServer", config.colocated, config).bind(data, Role.BOTH.value, "colocated")
     return _ingress(config).bind(data, colocated=colocated)

@@ -12,16 +12,18 @@ and free its blocks on every replica. Errors from replicas are mapped by type (`
 import asyncio
 import dataclasses
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from app.openai_protocol import (
     ChatCompletionRequest,
@@ -31,7 +33,10 @@ from app.openai_protocol import (
     validation_error_body,
 )
 from app.settings import AppConfig
+from deployments import logs
+from deployments.auth import KEY_ID, APIKeyMiddleware, ApiKeys
 from deployments.elastic_routing import ElasticRouting, Route
+from deployments.limits import BodyTooLarge, HeldStreamingResponse, KeySlots, Slot, read_body
 from deployments.metrics import IngressMetrics
 from deployments.openai_format import (
     CHAT,
@@ -42,14 +47,35 @@ from deployments.openai_format import (
     sse,
     token_text_of,
 )
+from deployments.openapi import ServedAPI, error_responses
 from engine.core import RoleError
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
 from kv_transport.base import KVTransferError
 from kv_transport.engine_link import KVCapacityError
 
-logger = logging.getLogger(__name__)
-api = FastAPI(title="tandem", docs_url=None, redoc_url=None)
+logger = logs.install()  # Serve's logger: lines land in the replica's log file, with the request id
+api = ServedAPI(title="tandem", docs_url=None, redoc_url=None)
+
+
+def _replica_keys() -> ApiKeys | None:
+    """The serving replica's API keys (None: auth off), for what runs outside its handlers."""
+    return serve.get_replica_context().servable_object.api_keys
+
+
+def _auth_on() -> bool:
+    return _replica_keys() is not None
+
+
+api.add_middleware(APIKeyMiddleware, keys_of=_replica_keys)
+api.auth_on = _auth_on
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _routing_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Routing's own refusals (no such path: 404, wrong method: 405) as OpenAI-style bodies."""
+    body = error_body(f"{exc.detail} ({raw.method} {raw.url.path})", None)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -128,8 +154,29 @@ class HTTPError(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
-def _http_error(cause: BaseException) -> HTTPError:
-    """What a replica call raised (``RayTaskError.cause``), as the client's error: by type."""
+class ReplicaFailure(HTTPError):
+    """A replica died, or the KV transfer failed, on one ``side`` of a request (``prefill``:
+    the prefill call or the transfer; ``decode``: the replica that streams the tokens). Before
+    any token reached the client the ingress retries the request once (``_recovering``);
+    after, the client gets this error."""
+
+    def __init__(self, side: str, reason: str, body: dict) -> None:
+        super().__init__(503, body, {"Retry-After": "1"})
+        self.side, self.reason = side, reason
+
+
+def _replica_died(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return isinstance(exc, RayActorError | ReplicaUnavailableError | DeploymentUnavailableError)
+
+
+def _http_error(exc: BaseException, side: str = "decode") -> HTTPError:
+    """What a replica call raised (``RayTaskError.cause`` when the replica raised it), as the
+    client's error: by type. A dead replica and a failed transfer are ``ReplicaFailure``s
+    (expected events: one log line, no traceback, by ``_recovering``)."""
+    cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, KVCapacityError):
         return HTTPError.busy("no KV capacity on the decode pool, retry later")
     if isinstance(cause, FieldError):  # the engine refused the request's input
@@ -138,9 +185,12 @@ def _http_error(cause: BaseException) -> HTTPError:
         return HTTPError(400, error_body(str(cause), None))
     name = type(cause).__name__
     if isinstance(cause, KVTransferError):
-        logger.warning("KV transfer failed: %s", cause)
-    else:
-        logger.error("request failed", exc_info=cause)
+        message = f"KV transfer failed ({name}): {cause.message}"
+        return ReplicaFailure("prefill", message, error_body(message, None, "server_error", "kv_transfer_failed"))
+    if _replica_died(exc) or _replica_died(cause):
+        message = f"the {side} replica serving this request is gone ({name})"
+        return ReplicaFailure(side, message, error_body(message, None, "server_error", "replica_unavailable"))
+    logger.error("request failed", exc_info=cause)
     return HTTPError(500, error_body(f"internal error ({name})", None, "server_error"))
 
 
@@ -161,11 +211,19 @@ class OpenAIIngress:
         self.model = self.config.model.served_name or model_name(spec)
         self.max_model_len = self.config.model.max_model_len
         vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
-        self.limits = ContextLimits(max_model_len=self.max_model_len, vocab_size=vocab_size)
+        limits = self.config.limits
+        self.limits = ContextLimits(
+            max_model_len=self.max_model_len,
+            vocab_size=vocab_size,
+            max_prompt_tokens=limits.max_prompt_tokens,
+            max_tokens=limits.max_tokens,
+        )
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.in_flight = 0
         self._active_ids: set[str] = set()
         self.metrics = IngressMetrics()
+        self.api_keys, self.key_slots = self._auth(), KeySlots(limits.max_concurrent_per_key)
+        self._app_name = serve.get_replica_context().app_name
         self.elastic = None
         if controller is not None:
             slo = self.config.slo
@@ -185,14 +243,14 @@ class OpenAIIngress:
             mode = f"disaggregated-{self.config.transport.mode}"
         return {"status": "ready", "model": self.model, "mode": mode, "in_flight": self.in_flight}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=error_responses(401))
     async def models(self) -> dict:
         return {
             "object": "list",
             "data": [{"id": self.model, "object": "model", "owned_by": "tandem", "max_model_len": self.max_model_len}],
         }
 
-    @api.get("/admin/autoscaler", response_model=None)
+    @api.get("/admin/autoscaler", response_model=None, responses=error_responses(401, 503))
     async def autoscaler(self) -> dict | JSONResponse:
         """The policy, each engine replica's role and load, the last decisions with reasons."""
         if self.elastic is None:
@@ -202,17 +260,66 @@ class OpenAIIngress:
         except Exception as exc:  # the controller restarting or wedged
             return HTTPError.busy(f"the autoscaler's controller did not answer: {type(exc).__name__}").response()
 
-    @api.post("/v1/chat/completions")
+    @api.get("/admin/kv", response_model=None, responses=error_responses(401, 503))
+    async def kv(self) -> dict | JSONResponse:
+        """Each engine replica's KV accounting with its invariants checked (free + cached + in
+        use == total; every block in use held by a live request), as published about once a
+        second (``deployments/kv_state.py``): totals, pinned, reserved, the oldest pinned
+        export's age; ``live`` false for a replica that stopped publishing (dead or wedged)."""
+        from deployments import kv_state
+
+        try:
+            entries = await asyncio.to_thread(kv_state.read_all, self._app_name)
+        except Exception as exc:  # the GCS briefly away
+            return HTTPError.busy(f"KV state unavailable: {type(exc).__name__}").response()
+        return kv_state.summary(entries)
+
+    @api.post(
+        "/v1/chat/completions",
+        openapi_extra=api.json_body(ChatCompletionRequest),
+        responses=error_responses(400, 401, 404, 413, 429, 503, 504),
+    )
     async def chat(self, raw: Request):
         return await self._serve(raw, ChatCompletionRequest, CHAT)
 
-    @api.post("/v1/completions")
+    @api.post(
+        "/v1/completions",
+        openapi_extra=api.json_body(CompletionRequest),
+        responses=error_responses(400, 401, 404, 413, 429, 503, 504),
+    )
     async def completions(self, raw: Request):
         return await self._serve(raw, CompletionRequest, COMPLETION)
+
+    def _auth(self) -> ApiKeys | None:
+        """The API keys (read now, from ``auth``), None when auth is off."""
+        auth, limit = self.config.auth, self.config.limits.max_concurrent_per_key
+        if not auth.enabled:
+            if limit is not None:
+                logger.warning("limits.max_concurrent_per_key=%d has no effect without auth (API keys)", limit)
+            return None
+        return ApiKeys(auth.keys(), on_refused=lambda: self.metrics.requests.inc(1, {"status": "401"}))
 
     # ---- one request --------------------------------------------------------------------
 
     async def _serve(self, raw: Request, schema: type, fmt: ResponseFormat):
+        """One generation request, holding its API key's slot (``limits.max_concurrent_per_key``)
+        for its whole life: until its answer, or the last of its stream, has been sent."""
+        slot = self.key_slots.take(getattr(raw.state, KEY_ID, None))
+        if slot is None:
+            self.metrics.requests.inc(1, {"status": "429"})
+            message = f"this API key has {self.key_slots.limit} requests in flight (limits.max_concurrent_per_key)"
+            body = error_body(message, None, "requests", "rate_limit_exceeded")
+            return HTTPError(429, body, {"Retry-After": "1"}).response()
+        held = False
+        try:
+            response = await self._respond(raw, schema, fmt, slot)
+            held = isinstance(response, HeldStreamingResponse)  # it releases the slot when sent
+            return response
+        finally:
+            if not held:
+                slot.release()
+
+    async def _respond(self, raw: Request, schema: type, fmt: ResponseFormat, slot: Slot):
         try:
             body = self._check_body(schema, await self._read_json(raw))
             request = self._to_engine(body, raw.headers.get("x-request-id"))
@@ -226,7 +333,11 @@ class OpenAIIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(fmt, request.request_id, choices, include_usage, text_of)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            # the request id is free again when the stream ends, even one that never started
+            done = lambda: self._active_ids.discard(request.request_id)  # noqa: E731
+            return HeldStreamingResponse(
+                stream, media_type="text/event-stream", headers=headers, slot=slot, on_end=done
+            )
         self.in_flight += 1
         outputs: list[list[RequestOutput]] = [[] for _ in choices]
         try:
@@ -240,10 +351,13 @@ class OpenAIIngress:
         body = full_response_choices(fmt, request.request_id, self.model, outputs, text_of)
         return JSONResponse(body, headers=headers)
 
-    @staticmethod
-    async def _read_json(raw: Request) -> dict:
+    async def _read_json(self, raw: Request) -> dict:
         try:
-            data = json.loads(await raw.body())
+            data = json.loads(await read_body(raw, self.config.limits.max_body_bytes))
+        except BodyTooLarge as exc:
+            raise HTTPError(413, error_body(str(exc), None, "invalid_request_error", "request_too_large")) from None
+        except ClientDisconnect:  # the answer goes nowhere; ends the request without a traceback
+            raise HTTPError(400, error_body("the client went away while sending the body", None)) from None
         # JSONDecodeError and UnicodeDecodeError are ValueErrors, as is an integer of over
         # 4,300 digits; very deep nesting is a RecursionError
         except (ValueError, RecursionError) as exc:
@@ -325,15 +439,27 @@ class OpenAIIngress:
             self._active_ids.discard(request_id)
 
     async def _timed(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """``_outputs`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here)."""
+        """``_recovering`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here),
+        and the idle bound: no output for ``limits.stream_idle_timeout_s`` ends the request
+        (its replica calls cancelled, so its blocks are freed) with a 504."""
         start, first, num_tokens = time.perf_counter(), None, 0
         route = self._route(request)
+        idle_s = self.config.limits.stream_idle_timeout_s
         try:
-            async for output in self._outputs(request, route):
-                if first is None and output.token_ids:
-                    first = time.perf_counter()
-                num_tokens += len(output.token_ids)
-                yield output
+            async with aclosing(self._recovering(request, route)) as outputs:
+                while True:
+                    try:
+                        output = await asyncio.wait_for(anext(outputs), idle_s)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        logger.warning("request %s: no output for %.0f s, aborted", request.request_id, idle_s)
+                        message = f"no output for {idle_s:g} s (limits.stream_idle_timeout_s): request aborted"
+                        raise HTTPError(504, error_body(message, None, "server_error", "timeout")) from None
+                    if first is None and output.token_ids:
+                        first = time.perf_counter()
+                    num_tokens += len(output.token_ids)
+                    yield output
         finally:
             self._active_ids.discard(request.request_id)
             prefill_s = self.elastic.pop_prefill_s(request.request_id) if self.elastic is not None else None
@@ -343,6 +469,52 @@ class OpenAIIngress:
         self.metrics.requests.inc(1, {"status": "200"})
         if self.elastic is not None and first is not None:
             self._observe(route, prefill_s, first - start, end - first, num_tokens)
+
+    async def _recovering(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
+        """``_outputs``, retried once when a replica died or the KV transfer failed before any
+        output left here: prefilled on the decode replica when the prefill side failed, else
+        the same path again (Serve picks a live replica, or the restarted one: its first output
+        is awaited ``recovery.wait_s`` at most, then 503 with ``Retry-After``). After an output
+        left, the failure ends the request (a stream gets an error event)."""
+        rid, sent = request.request_id, False
+        try:
+            async with aclosing(self._outputs(request, route)) as outputs:
+                async for output in outputs:
+                    sent = True
+                    yield output
+            return
+        except ReplicaFailure as exc:
+            if sent or not self.config.recovery.retry:
+                logger.warning("request %s: %s; ended with an error", rid, exc.reason)
+                raise
+            failure = exc
+        retry = Route.ON_DECODE if failure.side == "prefill" and route is not None else route
+        where = "on the decode replica" if retry is Route.ON_DECODE else "once more"
+        logger.warning("request %s: %s; no output sent yet: retrying %s", rid, failure.reason, where)
+        self.metrics.retries.inc(1, {"side": failure.side})
+        again = dataclasses.replace(request, request_id=f"{rid}-retry")  # the first try's id may linger there
+        try:
+            async with aclosing(self._retried(again, retry)) as outputs:
+                async for output in outputs:
+                    yield output
+        except ReplicaFailure as exc:
+            logger.warning("request %s: its retry failed too: %s; ended with an error", rid, exc.reason)
+            raise
+
+    async def _retried(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
+        """``_outputs`` with its first output awaited ``recovery.wait_s`` at most (503 beyond)."""
+        async with aclosing(self._outputs(request, route)) as outputs:
+            try:
+                output = await asyncio.wait_for(anext(outputs), self.config.recovery.wait_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                message = f"no replica could take the request within {self.config.recovery.wait_s:g} s; retry later"
+                logger.warning("request %s: %s", request.request_id, message)
+                raise HTTPError(503, error_body(message, None, "server_error"), {"Retry-After": "5"}) from None
+            yield output
+            async for output in outputs:
+                yield output
 
     # ---- the paths through the replicas ---------------------------------------------------
 
@@ -383,11 +555,11 @@ class OpenAIIngress:
 
     def _path(self, route: Route | None, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if route is None:
-            return self._generate(self.colocated or self.decode, request)
+            return self._generate(self.colocated or self.decode, request, "decode")
         if route is Route.LENT:
-            return self._generate(self.prefill, request)
+            return self._generate(self.prefill, request, "prefill")
         if route is Route.ON_DECODE:
-            return self._generate(self.decode, request)
+            return self._generate(self.decode, request, "decode")
         return self._pull(request) if self.config.transport.mode == "pull" else self._push(request)
 
     async def _tracked(self, route: Route | None, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -406,15 +578,15 @@ class OpenAIIngress:
                 async for output in outputs:
                     yield output
 
-    async def _generate(self, deployment: Any, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """The whole request on one replica."""
-        async for output in self._relay(deployment.options(stream=True).generate.remote(request)):
+    async def _generate(self, deployment: Any, request: GenerationRequest, side: str) -> AsyncIterator[RequestOutput]:
+        """The whole request on one replica (``side``: the pool it belongs to, for recovery)."""
+        async for output in self._relay(deployment.options(stream=True).generate.remote(request), side):
             yield output
 
     async def _pull(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Prefill returns a handle; decode reads the KV with it, then streams."""
         hop_start = time.perf_counter()
-        result, handle = await self._call(self.prefill.prefill.remote(request))
+        result, handle = await self._call(self.prefill.prefill.remote(request), "prefill")
         self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
         if self.elastic is not None:
             hop_s = time.perf_counter() - hop_start
@@ -424,7 +596,7 @@ class OpenAIIngress:
             return
         # the decode replica has no logits for the first token: its log-probabilities go along
         stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
-        async for output in self._relay(stream):
+        async for output in self._relay(stream, "decode"):
             yield _cached(output, result.num_cached_tokens)  # usage counts the prefill replica's cache
 
     async def _push(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -437,7 +609,7 @@ class OpenAIIngress:
             stream.cancel()
             raise
         prefill_call = self.prefill.prefill_push.remote(request, destination)
-        async for output in self._relay(stream, prefill_call, self._push_done(request)):
+        async for output in self._relay(stream, "decode", prefill_call, self._push_done(request)):
             yield output
 
     def _push_done(self, request: GenerationRequest) -> Any:
@@ -449,46 +621,69 @@ class OpenAIIngress:
         return done
 
     async def _relay(
-        self, stream: Any, companion: Any = None, on_companion: Any = None
+        self, stream: Any, side: str, companion: Any = None, on_companion: Any = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield a replica stream's outputs; with a ``companion`` (the push's prefill call), the
         last one waits for it and goes through ``on_companion(result, last)`` (its usage needs
-        the prefill's figures; the prefill ends before the decode in practice).
+        the prefill's figures; the prefill ends before the decode in practice). The companion
+        is watched meanwhile: if its replica dies or its push fails, the stream is given up at
+        once (its decode replica would wait for the KV until the transfer timeout).
         Unfinished (client gone, an error): cancelling both aborts the request on the replicas."""
         finished = False
+        watched = asyncio.ensure_future(self._call(companion, "prefill")) if companion is not None else None
         try:
-            async for output in self._iterate(stream):
+            while True:
+                try:
+                    output = await self._next(stream, side, watched)
+                except StopAsyncIteration:
+                    break
                 finished = output.finished
-                if finished and companion is not None:
-                    result = await self._call(companion)
-                    companion = None
+                if finished and watched is not None:
+                    result, watched = await watched, None
                     output = on_companion(result, output) if on_companion is not None else output
                 yield output
-            if companion is not None:
-                await self._call(companion)
+            if watched is not None:
+                await watched
         finally:
+            if watched is not None and not watched.done():  # first: its call is cancelled next
+                watched.cancel()
+                await asyncio.gather(watched, return_exceptions=True)  # retrieved: nothing logged
             if not finished:
                 stream.cancel()
                 if companion is not None:
                     companion.cancel()
 
-    async def _iterate(self, stream: Any) -> AsyncIterator[RequestOutput]:
-        while True:
-            try:
-                output = await self._call(stream.__anext__())
-            except StopAsyncIteration:
-                return
-            yield output
+    async def _next(self, stream: Any, side: str, watched: asyncio.Future | None) -> RequestOutput:
+        """The stream's next output; raises the watched call's error first if that fails."""
+        if watched is None or watched.done() and watched.exception() is None:
+            return await self._call(stream.__anext__(), side)
+        step = asyncio.ensure_future(self._call(stream.__anext__(), side))
+        try:
+            await asyncio.wait({step, watched}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+            raise
+        if not step.done():
+            if watched.exception() is not None:
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise watched.exception()
+            await asyncio.wait({step})
+        return step.result()
 
     @staticmethod
-    async def _call(awaitable: Any) -> Any:
-        """Await a replica call; map what it raises to an HTTP error (never a stack trace)."""
+    async def _call(awaitable: Any, side: str = "decode") -> Any:
+        """Await a replica call on ``side`` (prefill or decode); map what it raises to an HTTP
+        error (never a stack trace)."""
         try:
             return await awaitable
         except (StopAsyncIteration, asyncio.CancelledError):
             raise
+        except RequestCancelledError:  # this ingress cancelled the call (client gone, request ended)
+            raise asyncio.CancelledError() from None
         except Exception as exc:
             cause = getattr(exc, "cause", exc)
             if isinstance(cause, RoleError):
                 raise RoleRefused(str(cause)) from None
-            raise _http_error(cause) from None
+            raise _http_error(exc, side) from None
