@@ -49,7 +49,7 @@ from bench.goodput_report import (
 )
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
-from bench.workloads import BenchRequest, make_requests, median_request
+from workloads import BenchRequest, make_requests, median_request
 
 HTTP_PORT = 18480
 METRICS_PORT = 18490

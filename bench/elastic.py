@@ -55,7 +55,7 @@ from bench.elastic_report import (
     write_report,
 )
 from bench.serve import Target, _record_json, arrival_times, run, send, uncontended
-from bench.workloads import BenchRequest, PromptBuilder, median_request
+from workloads import BenchRequest, PromptBuilder, median_request
 
 # name, request class (its TTFT SLO), prompt tokens, output tokens (inclusive ranges), req/s.
 # The rates are fixed for this 2-core machine (short trial runs): at 0.45 req/s of ~410-token

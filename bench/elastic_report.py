@@ -371,7 +371,7 @@ def trace_lines(report: ElasticReport) -> list[str]:
     lines = ["### Trace and SLOs", ""]
     lines += [
         f"Three phases, seed {report.seed}: the same requests at the same offsets for every system, streamed "
-        "with `ignore_eos` and temperature 0. Prompts are built from real tokens (`bench.workloads.PromptBuilder`: "
+        "with `ignore_eos` and temperature 0. Prompts are built from real tokens (`workloads.PromptBuilder`: "
         "a document to summarize in the prompt-heavy phases, code to complete in the burst).",
         "",
         "| phase | time (s) | requests | prompt tokens | output tokens | arrivals (req/s, Poisson) | TTFT SLO | "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.corpus import CORPUS
+from workloads.corpus import CORPUS
 
 NUM_STEPS = 60
 ROUNDS = 6  # alternating rounds of the decode-step comparison

@@ -43,10 +43,8 @@ class EngineActor:
 
         engine = AsyncEngine(self.core)
         config = TransportConfig(kind=self.transport_kind, kv_transfer_timeout_s=self.timeout_s)
-        faults = FaultPoints(
-            delay_s=self.faults.get("delay_s", {}),
-            fail=frozenset(self.faults.get("fail", ())),
-            drop_release=self.faults.get("drop_release", False),
+        faults = FaultPoints.of(
+            self.faults.get("delay_s"), self.faults.get("fail", ()), self.faults.get("drop_release", False)
         )
         transport = make_transport(config, self.engine_id, engine.pool_view().layout, faults=faults)
         self.link = KVEngineLink(engine, transport, push_pipelined=self.push_pipelined)
@@ -85,7 +83,7 @@ class EngineActor:
     def set_faults(self, delay_s=None, fail=(), drop_release=False):
         from kv_transport.faults import FaultPoints
 
-        self.link.transport.faults = FaultPoints(delay_s=delay_s or {}, fail=frozenset(fail), drop_release=drop_release)
+        self.link.transport.faults = FaultPoints.of(delay_s, fail, drop_release)
 
     def set_timeout(self, timeout_s: float) -> None:
         self.link.transport.timeout_s = timeout_s

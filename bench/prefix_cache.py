@@ -1,6 +1,6 @@
 """Prefix caching on a closed-loop multi-turn chat: ``python -m bench.prefix_cache``.
 
-The workload (``bench.workloads.chat_conversations``): 8 conversations of 5 turns run at
+The workload (``workloads.chat_conversations``): 8 conversations of 5 turns run at
 once, each turn 200 new user tokens and 100 output tokens (greedy, ``ignore_eos``), each
 turn's request the whole conversation so far through ``/v1/chat/completions`` (the
 assistant messages are the previous answers' text), sent when the previous answer ends.
@@ -38,7 +38,7 @@ import httpx
 
 from bench.compare import Server
 from bench.slo import RequestRecord, distribution
-from bench.workloads import ChatConversation, chat_conversations
+from workloads import ChatConversation, chat_conversations
 
 SETTINGS = {"on": "true", "off": "false"}  # -> engine.enable_prefix_caching
 COMMON = {
@@ -490,8 +490,7 @@ def generated_block(s: dict) -> str:
         " context 2,048; `engine.enable_prefix_caching` on or off. Workload: 8 conversations at once, 5 turns"
         " each, 200 new user tokens and 100 output tokens (greedy, `ignore_eos`) per turn through"
         " `/v1/chat/completions`, each turn's request the conversation so far, sent when the previous answer"
-        " ended (`bench.workloads.chat_conversations`)."
-        + "".join(f" Also `{k}={v}`." for k, v in s["extra_args"].items()),
+        " ended (`workloads.chat_conversations`)." + "".join(f" Also `{k}={v}`." for k, v in s["extra_args"].items()),
         "",
         *_main_table(s),
         "",

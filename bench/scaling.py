@@ -38,7 +38,7 @@ from bench.compare import COMMON, Server
 from bench.elastic import load_tokenizer, timeline_sample
 from bench.scaling_report import DOC, ScalingRun, Step, load_runs, save_run, write_report
 from bench.serve import Target, _record_json, run, send
-from bench.workloads import BenchRequest, PromptBuilder
+from workloads import BenchRequest, PromptBuilder
 
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128

@@ -29,10 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from bench.slo import SLO, RequestRecord, goodput, summarize
-from bench.workloads import WORKLOADS, BenchRequest, load_trace, make_requests, median_request
+from workloads import WORKLOADS, BenchRequest, arrival_times, load_trace, make_requests, median_request
 
 # server-side TTFT parts (Prometheus histograms exported by the tandem replicas)
 SPLIT_METRICS = {
@@ -43,29 +42,6 @@ SPLIT_METRICS = {
     "decode_queue": "ray_tandem_ttft_decode_queue_seconds",
     "kv_transfer": "ray_tandem_kv_transfer_seconds",
 }
-
-
-# ---- arrivals ---------------------------------------------------------------------------
-
-
-def arrival_times(num: int, rate: float, process: str = "poisson", cv: float = 1.0, seed: int = 0) -> list[float]:
-    """Send offsets (seconds) of ``num`` requests at ``rate`` per second.
-
-    ``poisson``: exponential gaps. ``gamma``: gamma gaps with the same mean and coefficient
-    of variation ``cv`` (> 1 is burstier than Poisson).
-    """
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
-    rng = np.random.default_rng(seed)
-    if process == "poisson":
-        gaps = rng.exponential(1.0 / rate, num)
-    elif process == "gamma":
-        shape = 1.0 / (cv * cv)
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), num)
-    else:
-        raise ValueError(f"unknown arrival process {process!r} (poisson, gamma)")
-    gaps[0] = 0.0
-    return list(np.cumsum(gaps))
 
 
 # ---- one request, one run ------------------------------------------------------------------

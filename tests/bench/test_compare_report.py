@@ -118,7 +118,7 @@ def test_main_calibrates_once_then_rewrites_the_report_after_every_sweep(tmp_pat
     colocated system only (started first even when not compared), one sweep per system and
     workload, the report rewritten after each."""
     import bench.compare as compare
-    from bench.workloads import BenchRequest
+    from workloads import BenchRequest
 
     started, swept, written = [], [], []
 

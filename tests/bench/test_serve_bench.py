@@ -12,8 +12,8 @@ import pytest
 
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
-from bench.workloads import make_requests, median_request
 from tests.serving import ServeApp, local_serve
+from workloads import make_requests, median_request
 
 PORT = 18436
 CONTEXT = 512

@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.corpus import CHAT_QUESTIONS, prompt_of_length
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel
@@ -16,6 +15,7 @@ from engine.params import GenerationRequest, RequestOutput, SamplingParams
 from tests import same_output
 from tests.same_output import GreedyTrace
 from tests.tiny_models import tiny_config
+from workloads.corpus import CHAT_QUESTIONS, prompt_of_length
 
 NUM_COMPARED = 32
 PROMPT_LENGTHS = (1, 9, 120, 300, 640, 1000, 1500)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.corpus import prompt_of_length
 from engine.block_allocator import BlockAllocator, BlockAllocatorError, hash_blocks
 from engine.params import GenerationRequest, PrefillResult, Role
 from tests.engine.conftest import greedy, run_to_completion
 from tests.same_output import assert_same_output, trace_from_outputs
+from workloads.corpus import prompt_of_length
 
 # ---- the allocator -------------------------------------------------------------------------
 

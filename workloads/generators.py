@@ -1,4 +1,4 @@
-"""Synthetic workloads shaped like DistServe's three and Splitwise's Azure medians.
+"""Token-level workloads shaped like DistServe's three and Splitwise's Azure medians.
 
 Every prompt is built from real tokens of the served tokenizer and has exactly the asked
 length, so the server sees the intended prompt; requests ask ``ignore_eos`` so outputs
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.corpus import CORPUS, PARAGRAPHS
+from workloads.corpus import CORPUS, PARAGRAPHS
+from workloads.lengths import check_workload, draw_lengths
 
-WORKLOADS = ("chatbot", "code", "summarization", "azure-code", "azure-conversation")
 CODE = PARAGRAPHS[5]
 
 
@@ -94,38 +94,24 @@ class PromptBuilder:
         return history[len(history) - (length - len(tail)) :][: length - len(tail)] + tail
 
 
-def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: int, high: int) -> int:
-    return int(np.clip(round(median * float(np.exp(rng.normal(0.0, sigma)))), low, max(low, high)))
-
-
 def make_requests(name: str, tokenizer, max_model_len: int, num_requests: int, seed: int = 0) -> list[BenchRequest]:
-    """``num_requests`` requests of workload ``name`` for a server with this context."""
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    """``num_requests`` requests of workload ``name`` for a server with this context (the
+    lengths are ``workloads.lengths.draw_lengths``'s, the same ones ``sim_requests`` draws)."""
+    check_workload(name)
     rng = np.random.default_rng(seed)
     builder = PromptBuilder(tokenizer)
     context = max_model_len - 1  # prompt + output must stay below the context
     requests = []
     for _ in range(num_requests):
-        offset = int(rng.integers(0, 10_000))
+        drawn = draw_lengths(name, rng, context)
         if name == "chatbot":
-            prompt_len = _lognormal(rng, 0.25 * context, 0.6, 32, int(0.75 * context))
-            output = _lognormal(rng, 0.06 * context, 0.5, 8, context - prompt_len)
-            prompt = builder.chat(prompt_len, offset, turns=int(rng.integers(1, 5)))
+            prompt = builder.chat(drawn.prompt_tokens, drawn.offset, turns=drawn.turns)
         elif name == "code":
-            prompt_len = _lognormal(rng, 0.15 * context, 0.4, 32, int(0.5 * context))
-            output = _lognormal(rng, 0.05 * context, 0.5, 8, context - prompt_len)
-            prompt = builder.code(prompt_len, offset)
-        elif name == "summarization":
-            output = _lognormal(rng, 32, 0.4, 8, 96)
-            prompt_len = int(rng.uniform(0.70, 0.95) * (context - output))
-            prompt = builder.summarization(prompt_len, offset)
+            prompt = builder.code(drawn.prompt_tokens, drawn.offset)
         else:
-            prompt_len, output = (1500, 13) if name == "azure-code" else (1020, 129)
-            prompt_len = min(prompt_len, context - output)
-            prompt = builder.summarization(prompt_len, offset)
-        assert len(prompt) == prompt_len, (name, len(prompt), prompt_len)
-        requests.append(BenchRequest(prompt, prompt_len, output))
+            prompt = builder.summarization(drawn.prompt_tokens, drawn.offset)
+        assert len(prompt) == drawn.prompt_tokens, (name, len(prompt), drawn.prompt_tokens)
+        requests.append(BenchRequest(prompt, drawn.prompt_tokens, drawn.output_tokens))
     return requests
 
 

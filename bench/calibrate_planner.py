@@ -1,0 +1,307 @@
+"""Calibrate the planner's cost model on this machine: ``python -m bench.calibrate_planner``.
+
+Measures the served engine as ``bench.compare`` runs it (the default model, one torch thread
+per replica, ``max_model_len`` 512, a 384 MiB KV pool, the app's other engine defaults) and
+writes ``planner/calibration/cpu-2core.json`` (``planner.costs.load_calibration`` fits it):
+
+* prefill: one ``EngineCore.step`` over one prompt of 16 to 511 tokens, and over batches of
+  2-4 prompts of 512 tokens (what a prefill replica batches up to its 2,048-token budget);
+* decode: steps of batches of 1-16 sequences at three prompt lengths (every step timed, with
+  its batch's KV tokens);
+* mixed steps (decodes and a prompt in one step), recorded to check ``mixed_step_s`` with;
+* KV transfer: our NIXL pull between two processes (``bench.kv_transfer.TransferActor``) of
+  1 to 64 blocks (a 512-token prompt is 32);
+* interference: a batch-8 decode step with the other core idle and beside a process
+  prefilling distinct 400-token prompts back to back (as ``bench.elastic``'s floor, whose
+  prompt repeats and so hits the prefix cache); the slowdown is the simulator's
+  ``SystemSpec.interference``.
+
+Shapes are measured in two rounds, the second in reverse order, and medians kept: the
+machine's speed drifts within minutes (docs/benchmarks/engine.md).
+
+Each engine part runs in a fresh subprocess (one torch thread), as a replica does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from planner.costs import DEFAULT_CALIBRATION, load_calibration, save_calibration
+
+MAX_MODEL_LEN = 512
+KV_CACHE_BYTES = 384 << 20
+BLOCK_SIZE = 16
+PREFILL_LENGTHS = (16, 32, 64, 128, 256, 384, 511)
+PREFILL_BATCHES = (2, 3, 4)  # prompts of 512 tokens in one step
+DECODE_BATCHES = (1, 2, 4, 8, 16)
+DECODE_PROMPTS = (32, 224, 448)
+DECODE_STEPS = 8
+MIXED = ((4, 128, 128), (4, 128, 384), (8, 224, 256))  # (decodes, their prompt length, new prompt)
+TRANSFER_BLOCKS = (1, 4, 16, 32, 64)
+REPEATS = 3
+ROUNDS = 2
+
+
+def _core():
+    import torch
+
+    torch.set_num_threads(1)
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    # no prefix cache: every measured prompt is computed in full (the served app's prompts
+    # share at most a chat template's first block)
+    config = EngineConfig(
+        max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES, block_size=BLOCK_SIZE, enable_prefix_caching=False
+    )
+    return EngineCore.from_spec(config=config)
+
+
+class Prompts:
+    """Distinct exact-length prompts (no shared prefix block, so the prefix cache never hits)."""
+
+    def __init__(self, tokenizer) -> None:
+        from workloads import PromptBuilder
+
+        self.builder, self.number = PromptBuilder(tokenizer), 0
+
+    def request(self, length: int, max_tokens: int):
+        from engine.params import GenerationRequest, SamplingParams
+
+        self.number += 1
+        prompt = tuple(self.builder.summarization(length, 997 * self.number))
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return GenerationRequest(f"cal{self.number}", prompt, sampling)
+
+
+def _timed_step(core) -> float:
+    start = time.perf_counter()
+    core.step()
+    return time.perf_counter() - start
+
+
+def _finish(core) -> None:
+    while core.has_work():
+        core.step()
+
+
+def measure_prefill(core, prompts: Prompts) -> list[dict]:
+    """Median of ``REPEATS`` steps per shape, the shapes run in ``ROUNDS`` rounds (the second
+    in reverse order), so a slow spell of the machine hits one repetition, not a whole shape."""
+    shapes = [(1, n) for n in PREFILL_LENGTHS] + [(k, 512 - 1) for k in PREFILL_BATCHES]
+    times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    _timed_prefill(core, prompts, 1, 64)  # warm-up
+    for number in range(ROUNDS):
+        for count, length in shapes if number % 2 == 0 else shapes[::-1]:
+            times[(count, length)] += [_timed_prefill(core, prompts, count, length) for _ in range(REPEATS)]
+    return [
+        {"tokens": count * length, "prompts": count, "seconds": statistics.median(t)}
+        for (count, length), t in times.items()
+    ]
+
+
+def _timed_prefill(core, prompts: Prompts, count: int, length: int) -> float:
+    for _ in range(count):
+        core.add_request(prompts.request(length, 1))
+    seconds = _timed_step(core)
+    _finish(core)
+    return seconds
+
+
+def _start_batch(core, prompts: Prompts, batch: int, length: int, max_tokens: int) -> None:
+    for _ in range(batch):
+        core.add_request(prompts.request(length, max_tokens))
+    while core.stats().num_queued_prompt_tokens:
+        core.step()
+
+
+def measure_decode(core, prompts: Prompts) -> list[dict]:
+    """Per (batch, prompt length) and round: the median of ``DECODE_STEPS`` steps, with the
+    batch's KV tokens at the middle step (prompt + tokens so far, per sequence)."""
+    shapes = [(batch, length) for length in DECODE_PROMPTS for batch in DECODE_BATCHES]
+    points = []
+    for number in range(ROUNDS):
+        for batch, length in shapes if number % 2 == 0 else shapes[::-1]:
+            _start_batch(core, prompts, batch, length, DECODE_STEPS + 4)
+            core.step()  # warm-up: the first decode step
+            times = [_timed_step(core) for _ in range(DECODE_STEPS)]
+            context = batch * (length + 2 + DECODE_STEPS // 2)
+            points.append({"batch": batch, "context_tokens": context, "seconds": statistics.median(times)})
+            _finish(core)
+    return points
+
+
+def measure_mixed(core, prompts: Prompts) -> list[dict]:
+    points = []
+    for batch, length, new in MIXED:
+        times = []
+        for _ in range(REPEATS):
+            _start_batch(core, prompts, batch, length, 16)
+            core.step()
+            core.add_request(prompts.request(new, 1))
+            times.append(_timed_step(core))
+            _finish(core)
+        points.append(
+            {
+                "batch": batch,
+                "context_tokens": batch * (length + 2),
+                "prompt_tokens": new,
+                "seconds": statistics.median(times),
+            }
+        )
+    return points
+
+
+def measure_interference(steps: int = 24) -> dict:
+    """A batch of 8 decodes (64-token prompts) stepped alone, then while another process
+    prefills distinct 400-token prompts back to back, in alternating rounds (medians)."""
+    import multiprocessing
+
+    core = _core()
+    prompts = Prompts(core.tokenizer)
+    from bench import calibrate_planner  # the worker's function by its module name (this runs as __main__)
+
+    ctx = multiprocessing.get_context("spawn")
+    busy, stop = ctx.Event(), ctx.Event()
+    worker = ctx.Process(target=calibrate_planner.prefill_loop, args=(busy, stop))
+    worker.start()
+    alone, beside = [], []
+    try:
+        time.sleep(20)  # the other process loads its model
+        _start_batch(core, prompts, 8, 64, 2 * steps * ROUNDS + 8)
+        for _ in range(ROUNDS):
+            busy.clear()
+            time.sleep(1.5)  # its prefill in progress ends
+            alone += [_timed_step(core) for _ in range(steps)]
+            busy.set()
+            time.sleep(0.5)
+            beside += [_timed_step(core) for _ in range(steps)]
+    finally:
+        stop.set()
+        busy.set()
+        worker.join(60)
+    idle_ms, contended_ms = statistics.median(alone) * 1e3, statistics.median(beside) * 1e3
+    return {
+        "batch": 8,
+        "steps": len(alone),
+        "decode_step_idle_ms": idle_ms,
+        "decode_step_beside_prefill_ms": contended_ms,
+    }
+
+
+def prefill_loop(busy, stop) -> None:
+    """The other process: while ``busy`` is set, prefill distinct 400-token prompts."""
+    core = _core()
+    prompts = Prompts(core.tokenizer)
+    while not stop.is_set():
+        if busy.wait(0.1) and not stop.is_set():
+            _timed_prefill(core, prompts, 1, 400)
+
+
+def engine_worker() -> dict:
+    core = _core()
+    prompts = Prompts(core.tokenizer)
+    return {
+        "prefill": measure_prefill(core, prompts),
+        "decode": measure_decode(core, prompts),
+        "mixed": measure_mixed(core, prompts),
+        "kv_bytes_per_token": core.pool.view().layout.bytes_per_token,
+        "kv_capacity_tokens": core.allocator.num_blocks * BLOCK_SIZE,
+    }
+
+
+def measure_transfer() -> list[dict]:
+    """Our NIXL pull between two Ray actors (processes), median of ``REPEATS`` after a warm-up."""
+    import ray
+
+    from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure
+    from bench.ray_local import start_local_ray
+
+    start_local_ray(object_store_memory=1 << 30)
+    try:
+        producer, consumer = TransferActor.remote("cal-producer"), TransferActor.remote("cal-consumer")
+        meta, addresses = ray.get(producer.raw_meta.remote())
+        points = []
+        for blocks in TRANSFER_BLOCKS:
+            times = [
+                measure("nixl_pull", producer, consumer, f"{blocks}-{rep}", blocks, meta, addresses)
+                for rep in range(REPEATS + 1)
+            ][1:]
+            points.append({"blocks": blocks, "bytes": blocks * BYTES_PER_BLOCK, "seconds": statistics.median(times)})
+    finally:
+        ray.shutdown()
+    return points
+
+
+def _subprocess_json(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def calibrate(command: str) -> dict:
+    from bench.goodput_report import machine
+
+    started = time.time()
+    print("engine: prefill, decode and mixed steps...", file=sys.stderr, flush=True)
+    engine = _subprocess_json(["-m", "bench.calibrate_planner", "--engine-worker"])
+    print("interference: a decode batch beside a prefilling process...", file=sys.stderr, flush=True)
+    floor = _subprocess_json(["-m", "bench.calibrate_planner", "--interference-worker"])
+    print("KV transfer (NIXL pull)...", file=sys.stderr, flush=True)
+    transfer = measure_transfer()
+    slowdown = floor["decode_step_beside_prefill_ms"] / floor["decode_step_idle_ms"] - 1
+    return {
+        "command": command,
+        "machine": machine(),
+        "model": "SmolLM2-135M-Instruct (the default), float32, 1 torch thread per replica",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "elapsed_s": round(time.time() - started, 1),
+        "load_average_after": os.getloadavg(),
+        "engine": {
+            "max_model_len": MAX_MODEL_LEN,
+            "kv_cache_bytes": KV_CACHE_BYTES,
+            "block_size": BLOCK_SIZE,
+            "max_num_batched_tokens": 2048,
+            "kv_bytes_per_token": engine["kv_bytes_per_token"],
+            "kv_capacity_tokens": engine["kv_capacity_tokens"],
+        },
+        "prefill": engine["prefill"],
+        "decode": engine["decode"],
+        "mixed": engine["mixed"],
+        "transfer": transfer,
+        "interference": {
+            "value": round(max(slowdown, 0.0), 4),
+            "source": "batch-8 decode step beside a process prefilling distinct 400-token prompts / alone - 1",
+            "floor": floor,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.calibrate_planner", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(DEFAULT_CALIBRATION))
+    parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--interference-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.engine_worker or args.interference_worker:
+        print(json.dumps(engine_worker() if args.engine_worker else measure_interference()))
+        return
+    command = "python -m bench.calibrate_planner" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    path = save_calibration(calibrate(command), Path(args.out))
+    cost = load_calibration(path)
+    print(
+        f"wrote {path}: decode {cost.decode}, transfer {cost.transfer}, interference {cost.interference}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The simulator against the served app: ``python -m bench.planner_check`` (docs/benchmarks/planner.md).
+
+For each system of ``bench.compare`` checked (``colocated``: 2 replicas doing both phases;
+``disagg-pull``: 1 prefill + 1 decode, pull, fixed pools), in its own local Ray cluster as
+``bench.compare`` starts it, one workload's requests are sent at 30%, 60% and 90% of that
+system's goodput measured in docs/benchmarks/goodput.json, twice per rate (the same requests
+and arrivals: the spread of the two runs is this machine's run-to-run noise). The simulator,
+calibrated on this machine only (``planner/calibration/cpu-2core.json``, written by
+``bench.calibrate_planner`` from engine and transfer measurements, and its interference
+factor), predicts TTFT and TPOT p50 / p90 for the very same lengths and arrivals
+(``workloads.sim_requests`` with the same seed). A prediction agrees when its error against
+the mean of the two runs is within max(15%, twice their spread). The app runs with prefix
+caching off: the runs repeat the same prompts, which a cache would serve from the previous run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS, Server
+from bench.serve import Target, run, uncontended
+from bench.slo import summarize
+from planner.costs import DEFAULT_CALIBRATION, load_calibration
+from planner.simulator import SystemSpec, goodput, simulate
+from workloads import arrival_times, make_requests, median_request, sim_requests
+
+DOC = Path("docs/benchmarks")
+GOODPUT = DOC / "goodput.json"
+METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
+MIN_BOUND = 0.15
+# the runs repeat the same prompts (and the probe one prompt): a prefix cache would serve them
+# from the previous run's KV, which the simulator does not model and fresh traffic does not get
+NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
+
+
+def system_spec(system: str, calibration: Path) -> SystemSpec:
+    """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core each)."""
+    cost = load_calibration(calibration)
+    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference)
+    if system == "colocated":
+        return base
+    if system == "colocated-chunked":
+        return replace(base, chunked_prefill=True, max_num_batched_tokens=256)
+    if system == "disagg-pull":
+        return replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1)
+    raise SystemExit(f"no simulated twin of {system!r} (colocated, colocated-chunked, disagg-pull)")
+
+
+def predict(spec: SystemSpec, workload: str, rate: float, num_requests: int, seed: int) -> dict:
+    result = simulate(spec, sim_requests(workload, rate, num_requests, MAX_MODEL_LEN, seed))
+    return {m: result.percentiles()[m] for m in ("ttft_s", "tpot_s")}
+
+
+def measure_system(system: str, workload: str, rates: list[float], options: argparse.Namespace) -> dict:
+    """Runs of ``system`` at each rate (``options.runs`` each), in one server session."""
+    application, extra = SYSTEMS[system]
+    with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
+        target = Target(server.url, server.model())
+        requests = make_requests(workload, _tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
+        idle = uncontended(target, median_request(requests))  # also warms the replicas up
+        print(f"{system}: uncontended {idle}", file=sys.stderr)
+        points = []
+        for rate in rates:
+            offsets = arrival_times(len(requests), rate, seed=options.seed)
+            runs = []
+            for number in range(options.runs):
+                before = cpu_ticks()
+                records, duration = asyncio.run(run(target, requests, offsets, f"{system} {rate:.3g}/s #{number + 1}"))
+                summary = summarize(records, duration)
+                runs.append({m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")})
+                runs[-1]["other_cores"] = other_cores(before, cpu_ticks())
+                print(f"  {system} {rate:.3g}/s run {number + 1}: {_short(summary)}", file=sys.stderr)
+            points.append({"rate": rate, "runs": runs})
+        return {"uncontended": idle, "points": points}
+
+
+def cpu_ticks() -> tuple[int, int, float]:
+    """(busy ticks of the whole machine, ticks of this process and its descendants: the Ray
+    cluster and the replicas it started, the monotonic clock)."""
+    busy = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    machine = sum(busy) - busy[3] - busy[4]
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+    ours, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ours += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return machine, ours, time.monotonic()
+
+
+def other_cores(before: tuple[int, int, float], after: tuple[int, int, float]) -> float:
+    """Cores that processes outside this check used meanwhile (other sessions' tests: the
+    replicas run at Ray's worker niceness, 15, so any such process takes CPU from them)."""
+    seconds = (after[0] - before[0] - (after[1] - before[1])) / os.sysconf("SC_CLK_TCK")
+    return max(seconds, 0.0) / max(after[2] - before[2], 1e-9)
+
+
+def _tokenizer():
+    from engine.loader import ModelSpec, load_tokenizer
+
+    return load_tokenizer(ModelSpec())
+
+
+def _short(summary: dict) -> str:
+    return ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS) + f", failed {summary['failed']}"
+
+
+def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
+    """One row per metric: both runs, spread, prediction, error, bound, within."""
+    rows = []
+    for metric, pct in METRICS:
+        values = [r[metric][pct] for r in runs]
+        mean = sum(values) / len(values)
+        spread = (max(values) - min(values)) / mean if mean else 0.0
+        bound = max(MIN_BOUND, 2 * spread)
+        guess = predicted[metric][pct]
+        error = (guess - mean) / mean if mean else float("inf")
+        rows.append(
+            {
+                "metric": f"{metric.removesuffix('_s')} {pct}",
+                "measured": values,
+                "mean": mean,
+                "spread": spread,
+                "predicted": guess,
+                "error": error,
+                "bound": bound,
+                "within": abs(error) <= bound,
+            }
+        )
+    return rows
+
+
+def simulator_speed(calibration: Path) -> dict:
+    """Seconds for simulate() on a 1,000-replica disaggregated system (400 prefill + 600
+    decode replicas of this machine's cost, no interference) under chatbot traffic."""
+    cost = load_calibration(calibration)
+    spec = SystemSpec("disaggregated", 400, 600, cost, cost)
+    requests = sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
+    start = time.perf_counter()
+    result = simulate(spec, requests)
+    seconds = time.perf_counter() - start
+    return {
+        "replicas": 1000,
+        "requests": len(requests),
+        "rate": 250.0,
+        "output_tokens": sum(r.output_tokens for r in requests),
+        "seconds": seconds,
+        "ttft_p90_s": result.percentiles()["ttft_s"]["p90"],
+    }
+
+
+def simulated_goodputs(calibration: Path) -> dict:
+    """Per workload of goodput.json: each system's measured goodput and the simulator's, on the
+    workload's SLOs (5 x 80 requests a rate; the same method as tests/planner/test_simulator.py)."""
+    measured = json.loads(GOODPUT.read_text())
+    table = {}
+    for workload, systems in measured["results"].items():
+        slo = measured["slo_s"][workload]
+
+        def make(rate: float, workload: str = workload) -> list:
+            runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
+            return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
+
+        table[workload] = {
+            system: {
+                "measured": systems[system]["goodput"]["rate"],
+                "bound": systems[system]["goodput"]["bound"],
+                "simulated": goodput(system_spec(system, calibration), make, slo["ttft"], slo["tpot"], rel_tol=0.02),
+            }
+            for system in ("colocated", "colocated-chunked", "disagg-pull")
+        }
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.planner_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="chatbot")
+    parser.add_argument("--systems", default="colocated,disagg-pull")
+    parser.add_argument("--fractions", default="0.3,0.6,0.9", help="shares of each system's measured goodput")
+    parser.add_argument("--num-requests", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
+    parser.add_argument("--out", default=str(DOC))
+    parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
+    options = parser.parse_args(argv)
+    from bench.planner_report import write_report
+
+    out = Path(options.out)
+    calibration = Path(options.calibration)
+    if options.predict_only:
+        report = json.loads((out / "planner.json").read_text())
+    else:
+        report = measure(options, calibration)
+    report = add_predictions(report, calibration)
+    report["simulator_speed"] = simulator_speed(calibration)
+    report["goodput_ordering"] = simulated_goodputs(calibration)
+    write_report(report, out)
+
+
+def measure(options: argparse.Namespace, calibration: Path) -> dict:
+    from bench.goodput_report import machine
+
+    goodput = json.loads(GOODPUT.read_text())["results"][options.workload]
+    fractions = [float(f) for f in options.fractions.split(",")]
+    Path(options.out).mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    report = {
+        "command": "python -m bench.planner_check" + "".join(f" {a}" for a in (options and sys.argv[1:])),
+        "machine": machine(),
+        "workload": options.workload,
+        "num_requests": options.num_requests,
+        "seed": options.seed,
+        "fractions": fractions,
+        "systems": {},
+    }
+    for system in options.systems.split(","):
+        measured = goodput[system]["goodput"]["rate"]
+        rates = [round(f * measured, 4) for f in fractions]
+        report["systems"][system] = {"goodput": measured, **measure_system(system, options.workload, rates, options)}
+        report["elapsed_s"] = time.time() - started
+        Path(options.out, "planner.json").write_text(json.dumps(report, indent=1))  # kept after each system
+    return report
+
+
+def add_predictions(report: dict, calibration: Path) -> dict:
+    """Each point's prediction and comparison, from the calibration alone."""
+    for system, data in report["systems"].items():
+        spec = system_spec(system, calibration)
+        for point in data["points"]:
+            point["predicted"] = predict(
+                spec, report["workload"], point["rate"], report["num_requests"], report["seed"]
+            )
+            point["rows"] = compare_point(point["runs"], point["predicted"])
+    report["calibration"] = os.path.relpath(calibration)
+    return report
+
+
+if __name__ == "__main__":
+    main()

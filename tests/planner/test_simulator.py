@@ -1,0 +1,186 @@
+"""The simulator on hand-computable cases, and against this machine's measured goodput ordering."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autoscaling.policy import Scaling, load_policy
+from planner.costs import calibrated_cost, load_calibration
+from planner.sim_engine import mixed_step_s
+from planner.simulator import SimRequest, SystemSpec, goodput, simulate
+from workloads import sim_requests
+
+FROZEN = Path(__file__).parent / "goodput_frozen.json"
+KV_BYTES = 1000
+
+
+def _cost(capacity: int = 100_000):
+    """Known costs: prefill 10 ms + 3 ms a token; decode step 40 ms + 2 ms a sequence + 1 us a
+    KV token; transfer 1 ms + 1 GB/s; 1,000 KV bytes a token."""
+    return calibrated_cost(
+        {
+            "engine": {"kv_bytes_per_token": KV_BYTES, "kv_capacity_tokens": capacity},
+            "prefill": [{"tokens": n, "seconds": 0.01 + 0.003 * n} for n in (16, 512)],
+            "decode": [
+                {"batch": b, "context_tokens": c, "seconds": 0.04 + 0.002 * b + 1e-6 * c}
+                for b in (1, 2, 8)
+                for c in (100, 1000)
+            ],
+            "transfer": [{"bytes": n, "seconds": 0.001 + n / 1e9} for n in (1000, 10**6)],
+        }
+    )
+
+
+COST = _cost()
+
+
+def prefill(n: int) -> float:
+    return 0.01 + 0.003 * n
+
+
+def step(batch: int, context: int) -> float:
+    return 0.04 + 0.002 * batch + 1e-6 * context
+
+
+def transfer(prompt: int) -> float:
+    return 0.001 + prompt * KV_BYTES / 1e9
+
+
+def disagg(prefill_replicas: int = 1, decode_replicas: int = 1, **kw) -> SystemSpec:
+    return SystemSpec("disaggregated", prefill_replicas, decode_replicas, COST, COST, **kw)
+
+
+def colocated(replicas: int = 1, **kw) -> SystemSpec:
+    return SystemSpec("colocated", replicas, 0, COST, COST, **kw)
+
+
+def test_one_request_alone_disaggregated() -> None:
+    """TTFT = prefill + KV pull (the first token leaves the decode replica when it admits the
+    request); TPOT = the decode steps' mean, the KV growing one token a step from prompt + 1."""
+    (record,) = simulate(disagg(), [SimRequest(0.0, 100, 5)]).records
+    assert record.ttft_s == pytest.approx(prefill(100) + transfer(100))
+    assert record.tpot_s == pytest.approx(sum(step(1, 101 + k) for k in range(4)) / 4)
+    assert record.e2e_s == pytest.approx(record.ttft_s + 4 * record.tpot_s)
+
+
+def test_one_request_alone_colocated_and_one_token() -> None:
+    (record,) = simulate(colocated(), [SimRequest(0.0, 100, 5)]).records
+    assert record.ttft_s == pytest.approx(prefill(100))
+    assert record.tpot_s == pytest.approx(sum(step(1, 101 + k) for k in range(4)) / 4)
+    (single,) = simulate(disagg(), [SimRequest(0.0, 100, 1)]).records
+    assert single.ttft_s == pytest.approx(prefill(100)) and single.tpot_s is None  # no transfer: done at prefill
+    assert single.e2e_s == single.ttft_s
+
+
+def test_two_prompts_at_once_share_one_prefill_batch() -> None:
+    records = simulate(disagg(decode_replicas=2), [SimRequest(0.0, 100, 3), SimRequest(0.0, 60, 3)]).records
+    assert [r.ttft_s for r in records] == pytest.approx([prefill(160) + transfer(100), prefill(160) + transfer(60)])
+
+
+def test_two_prompts_over_the_token_budget_queue_fifo() -> None:
+    records = simulate(disagg(max_num_batched_tokens=150), [SimRequest(0.0, 100, 5), SimRequest(0.0, 100, 5)]).records
+    assert records[0].ttft_s == pytest.approx(prefill(100) + transfer(100))
+    # the first request's four decode steps end before the second's KV arrives: no wait at decode
+    assert records[1].ttft_s == pytest.approx(2 * prefill(100) + transfer(100))
+
+
+def test_colocated_prompt_waits_for_the_step_boundary_then_shares_the_step() -> None:
+    """B arrives while A decodes: it is admitted at A's next step boundary, into one step
+    with A's decode (the engine scheduler: decodes first, then prompts in the budget)."""
+    records = simulate(colocated(), [SimRequest(0.0, 100, 10), SimRequest(0.4, 200, 2)]).records
+    boundary, context = prefill(100), 101
+    while boundary < 0.4:
+        boundary += step(1, context)
+        context += 1
+    mixed = mixed_step_s(COST, 1, context, 200)
+    assert mixed == pytest.approx(prefill(201) + 1e-6 * context)
+    assert records[1].ttft_s == pytest.approx(boundary + mixed - 0.4)
+
+
+def test_chunked_prefill_cuts_prompts_to_the_budget() -> None:
+    (record,) = simulate(colocated(chunked_prefill=True, max_num_batched_tokens=64), [SimRequest(0.0, 100, 2)]).records
+    assert record.ttft_s == pytest.approx(prefill(64) + prefill(36))
+
+
+def test_decode_kv_pool_full_makes_the_next_request_wait() -> None:
+    small = _cost(capacity=4500)
+    system = SystemSpec("disaggregated", 1, 1, small, small, max_num_batched_tokens=8192)
+    first, second = simulate(system, [SimRequest(0.0, 4000, 3), SimRequest(0.0, 1000, 3)]).records
+    assert second.ttft_s >= first.e2e_s  # 4,003 + 1,003 KV tokens > 4,500: its pull waits for the first to end
+
+
+def test_interference_slows_a_step_that_starts_while_another_replica_computes() -> None:
+    records = simulate(colocated(2, interference=0.5), [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)]).records
+    assert [r.ttft_s for r in records] == pytest.approx([prefill(100), 1.5 * prefill(100)])
+
+
+def test_simulation_is_deterministic() -> None:
+    requests = sim_requests("chatbot", 4.0, 300, 512, seed=1)
+    system = disagg(3, 5)
+    assert simulate(system, requests) == simulate(system, requests)
+
+
+def test_elastic_policy_lends_under_a_decode_burst_and_reclaims_after() -> None:
+    lending_only = load_policy("default").model_copy(update={"scaling": Scaling(enabled=False)})
+    burst = [SimRequest(0.1 * i, 32, 200) for i in range(120)]
+    result = simulate(disagg(policy=lending_only), burst)
+    kinds = [kind for _, kind, _ in result.actions]
+    assert kinds[0] == "lend" and "reclaim" in kinds
+    assert all(replica == 0 for _, _, replica in result.actions)  # the prefill replica, index 0
+    assert len(result.records) == 120
+
+
+def test_elastic_policy_scales_the_decode_pool_up_after_its_delay() -> None:
+    """The default policy: 6 decoding requests per decode replica at most, 10 s of need
+    before a scale-up; the new replicas serve STARTUP_S later, and the burst's TPOT falls
+    below what lending alone gives."""
+    policy = load_policy("default")
+    burst = [SimRequest(0.25 * i, 32, 200) for i in range(600)]
+    result = simulate(disagg(policy=policy), burst)
+    ups = [(t, count) for t, kind, count in result.actions if kind == "scale_up:decode"]
+    assert ups and ups[0][0] >= policy.scaling.scale_up_delay_s
+    assert max(count for _, count in ups) <= policy.scaling.decode.max_replicas
+    assert len(result.records) == 600
+    lending_only = simulate(disagg(policy=policy.model_copy(update={"scaling": Scaling(enabled=False)})), burst)
+    assert result.percentiles()["tpot_s"]["p90"] < lending_only.percentiles()["tpot_s"]["p90"]
+
+
+def test_goodput_finds_a_passing_rate() -> None:
+    def make(rate: float):
+        return sim_requests("code", rate, 200, 512)
+
+    rate = goodput(disagg(), make, ttft_slo_s=1.0, tpot_slo_s=0.08)
+    assert rate > 0
+    assert simulate(disagg(), make(rate)).attainment(1.0, 0.08) >= 0.9
+    assert goodput(disagg(), make, ttft_slo_s=1.0, tpot_slo_s=0.08, max_rate=rate / 2) == rate / 2
+
+
+@pytest.mark.parametrize("workload", ["summarization", "code", "chatbot"])
+def test_colocated_vs_disaggregated_ordering_matches_this_machine(workload: str) -> None:
+    """bench.compare's systems on the recorded calibration (2 replicas of 1 core each): the
+    simulated goodput of colocated and disagg-pull order as measured (tests/planner/goodput_frozen.json)."""
+    frozen = json.loads(FROZEN.read_text())
+    row = frozen["workloads"][workload]
+    cost = load_calibration()
+    measured = {name: row["goodput"][name]["rate"] for name in ("colocated", "disagg-pull")}
+    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference)
+    systems = {
+        "colocated": base,
+        "disagg-pull": replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1),
+    }
+
+    def make(rate: float):
+        return [r for seed in range(5) for r in _shifted(sim_requests(workload, rate, 80, 512, seed=seed), seed)]
+
+    slo = row["slo_s"]
+    simulated = {name: goodput(s, make, slo["ttft"], slo["tpot"], rel_tol=0.02) for name, s in systems.items()}
+    assert (simulated["disagg-pull"] > simulated["colocated"]) == (measured["disagg-pull"] > measured["colocated"])
+
+
+def _shifted(requests: list[SimRequest], seed: int) -> list[SimRequest]:
+    """Five independent runs back to back (1,000 s apart) in one simulation."""
+    return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for r in requests]
