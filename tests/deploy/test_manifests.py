@@ -1,5 +1,5 @@
-"""The shipped Serve config and KubeRay RayService: Serve's schema accepts them, their
-application settings are a valid AppConfig that builds the application, and each pool's
+"""The shipped Serve config and KubeRay RayServices (GPU and CPU): Serve's schema accepts them,
+their application settings are a valid AppConfig that builds the application, and each pool's
 pinning resource is offered by exactly one node group, with room for its replicas."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from app.config import AppConfig, disagg_app
+from tests.deploy.test_autoscaling_manifest import WORKER_GROUP_FIELDS, WORKER_GROUP_REQUIRED
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+RAYSERVICES = ["kuberay/rayservice.yaml", "kuberay/rayservice-cpu.yaml"]
 
 
 def _serve_config(name: str) -> dict:
@@ -24,8 +26,8 @@ def _serve_config(name: str) -> dict:
     return data
 
 
-def _rayservice() -> dict:
-    return yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+def _rayservice(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
 
 
 def _offered(group: dict) -> dict[str, float]:
@@ -34,7 +36,7 @@ def _offered(group: dict) -> dict[str, float]:
     return json.loads(raw.strip('"').replace('\\"', '"')) if raw else {}
 
 
-@pytest.mark.parametrize("name", ["serve_config.yaml", "kuberay/rayservice.yaml"])
+@pytest.mark.parametrize("name", ["serve_config.yaml", *RAYSERVICES])
 def test_shipped_configs_build_the_application(name):
     (application,) = _serve_config(name)["applications"]
     assert application["import_path"] == "app.config:disagg_app"
@@ -45,8 +47,9 @@ def test_shipped_configs_build_the_application(name):
     assert app._bound_deployment.name == "OpenAIIngress"
 
 
-def test_rayservice_pins_each_pool_to_its_own_worker_group():
-    service = _rayservice()
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_pins_each_pool_to_its_own_worker_group(name):
+    service = _rayservice(name)
     cluster = service["spec"]["rayClusterConfig"]
     (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
     config = AppConfig.load(application["args"], environ={})
@@ -69,6 +72,31 @@ def test_rayservice_pins_each_pool_to_its_own_worker_group():
         assert per_pod * pool.num_gpus == gpus, f"{pool_name}: {per_pod} replicas per pod x {pool.num_gpus} GPUs"
         assert per_pod * pool.num_cpus <= float(container["resources"]["limits"]["cpu"])
         assert per_pod * group["maxReplicas"] >= pool.num_replicas
-        mounts = {m["mountPath"] for m in container["volumeMounts"]}
-        assert config.model.source.startswith(tuple(m + "/" for m in mounts)), "the model must be on a mounted volume"
+        if config.model.source != "default":  # the default model is in the image (deploy/Dockerfile)
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert config.model.source.startswith(tuple(m + "/" for m in mounts)), "the model must be on a volume"
     assert cluster["rayVersion"] in (DEPLOY / "Dockerfile").read_text()
+
+
+def test_cpu_rayservice_needs_no_gpu_and_no_volume():
+    """What kind or minikube on a laptop offers: CPUs only, the image's default model, small
+    requests; the groups use only fields KubeRay's CRD has (tests/deploy/test_autoscaling_manifest.py)."""
+    service = _rayservice("kuberay/rayservice-cpu.yaml")
+    assert "nvidia.com/gpu" not in json.dumps(service)
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    config = AppConfig.load(application["args"], environ={})
+    assert (config.model.source, config.model.device) == ("default", "cpu")
+    assert config.prefill.num_gpus == config.decode.num_gpus == 0
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    requested = 0.0
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["image"].endswith("-cpu"), "the image built with --build-arg DEVICE=cpu"
+        assert "volumeMounts" not in container and "volumes" not in group["template"]["spec"]
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values()), "rayStartParams are strings"
+        requested += float(container["resources"]["requests"]["cpu"])
+    assert requested <= 4, "fits a 4-core laptop"
+    for group in cluster["workerGroupSpecs"]:
+        assert WORKER_GROUP_REQUIRED <= set(group) <= WORKER_GROUP_FIELDS
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
