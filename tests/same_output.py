@@ -76,3 +76,25 @@ def assert_same_output(expected: GreedyTrace, actual: GreedyTrace, exact: bool, 
         f"{label}: token {i} differs ({actual.tokens[i]} vs {expected.tokens[i]}) and is not in the other's "
         f"top-{TOP_N}: expected top {expected.top[i]}, actual top {actual.top[i]}"
     )
+
+
+def engine_text_traces(loaded, prompts: Sequence[Sequence[int]], num_tokens: int, max_model_len: int = 512) -> list:
+    """The engine alone, one request at a time, greedy with the top-5: each prompt's trace as
+    the tokens' texts (what the HTTP API returns), the reference of the served tests."""
+    from deployments.openai_format import token_text_of
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.params import GenerationRequest, SamplingParams
+
+    core = EngineCore(loaded, EngineConfig(max_model_len=max_model_len, kv_cache_bytes=64 << 20))
+    text_of = token_text_of(loaded.tokenizer)
+    traces = []
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
+        core.add_request(GenerationRequest(f"ref-{i}", tuple(prompt), sampling))
+        outputs = []
+        while core.has_work():
+            outputs += core.step()
+        trace = trace_from_outputs(outputs)
+        traces.append(GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, t)) for t in trace.top)))
+    return traces

@@ -17,12 +17,8 @@ import httpx
 import pytest
 
 from app.config import disagg_app
-from deployments.openai_format import token_text_of
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from engine.loader import ModelSpec, load_model
-from engine.params import GenerationRequest, SamplingParams
-from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, trace_from_outputs
+from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp, local_serve
 from tests.waiting import wait_until
 
@@ -56,20 +52,7 @@ def model_and_prompts():
 def reference(model_and_prompts) -> list[GreedyTrace]:
     """The engine alone, one request at a time, as the tokens' texts (what the API returns)."""
     loaded, prompts = model_and_prompts
-    core = EngineCore(loaded, EngineConfig(max_model_len=512, kv_cache_bytes=64 << 20))
-    text_of = token_text_of(loaded.tokenizer)
-    traces = []
-    for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-        core.add_request(GenerationRequest(f"ref-{i}", tuple(prompt), sampling))
-        outputs = []
-        while core.has_work():
-            outputs += core.step()
-        trace = trace_from_outputs(outputs)
-        traces.append(
-            GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, top)) for top in trace.top))
-        )
-    return traces
+    return engine_text_traces(loaded, prompts, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")

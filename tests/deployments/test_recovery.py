@@ -25,13 +25,9 @@ import pytest
 
 from app.config import colocated_app, disagg_app
 from app.settings import AppConfig
-from deployments.openai_format import token_text_of
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from engine.loader import ModelSpec, load_model
-from engine.params import GenerationRequest, SamplingParams
 from kv_transport.faults import FaultPoints
-from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, trace_from_outputs
+from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp, local_serve
 from tests.waiting import wait_until
 
@@ -85,20 +81,8 @@ def reference() -> list[GreedyTrace]:
     """The engine alone, one request at a time, as the tokens' texts (what the API returns);
     the prompts' token ids go in ``PROMPT_IDS`` (what the requests send)."""
     loaded = load_model(ModelSpec(source="default"))
-    core = EngineCore(loaded, EngineConfig(max_model_len=512, kv_cache_bytes=64 << 20))
-    text_of = token_text_of(loaded.tokenizer)
-    traces = []
     PROMPT_IDS[:] = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    for i, prompt in enumerate(PROMPT_IDS):
-        sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-        core.add_request(GenerationRequest(f"ref-{i}", tuple(prompt), sampling))
-        outputs = []
-        while core.has_work():
-            outputs += core.step()
-        trace = trace_from_outputs(outputs)
-        texts = GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, t)) for t in trace.top))
-        traces.append(texts)
-    return traces
+    return engine_text_traces(loaded, PROMPT_IDS, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")

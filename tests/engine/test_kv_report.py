@@ -92,15 +92,9 @@ def test_a_prefill_cancelled_before_admission_pins_nothing():
 
     core = EngineCore(loaded, EngineConfig(role=Role.PREFILL, max_model_len=256, kv_cache_bytes=4 << 20))
     engine = AsyncEngine(core)
-    gate = threading.Event()
-    step = core.step
-
-    def slow_step():
-        gate.wait(5)
-        return step()
+    gate = _held_steps(core)
 
     async def main():
-        core.step = slow_step
         first = asyncio.ensure_future(engine.prefill(GenerationRequest("long", tuple(range(1, 60)), greedy(4))))
         await asyncio.sleep(0.2)  # the engine thread is inside the first step now
         second = asyncio.ensure_future(engine.prefill(GenerationRequest("gone", tuple(range(1, 40)), greedy(4))))
@@ -127,15 +121,9 @@ def test_a_reservation_cancelled_while_queued_is_freed():
 
     core = EngineCore(loaded, EngineConfig(role=Role.BOTH, max_model_len=256, kv_cache_bytes=4 << 20))
     engine = AsyncEngine(core)
-    gate = threading.Event()
-    step = core.step
-
-    def slow_step():
-        gate.wait(5)
-        return step()
+    gate = _held_steps(core)
 
     async def main():
-        core.step = slow_step
         busy = engine.generate(GenerationRequest("busy", tuple(range(1, 30)), greedy(2)))
         first = asyncio.ensure_future(anext(busy))
         await asyncio.sleep(0.2)
@@ -152,3 +140,16 @@ def test_a_reservation_cancelled_while_queued_is_freed():
 
     report = asyncio.run(main())
     assert report.ok and report.num_reserved_requests == 0 and report.num_in_use_blocks == 0, report
+
+
+def _held_steps(core) -> threading.Event:
+    """Make ``core``'s steps wait for the returned event (at most 5 s): commands queue meanwhile."""
+    gate = threading.Event()
+    step = core.step
+
+    def held_step():
+        gate.wait(5)
+        return step()
+
+    core.step = held_step
+    return gate
