@@ -29,6 +29,11 @@ from bench.ray_local import start_local_ray
 from tests.waiting import wait_until
 
 HOST = "127.0.0.1"
+SMALL_COLOCATED = {  # one small colocated replica: for tests of the ingress's own checks
+    "model.max_model_len": "512",
+    "engine.kv_cache_bytes": str(32 << 20),
+    "colocated.num_replicas": "1",
+}
 READY_TIMEOUT_S = 240.0
 
 

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from deployments.auth import ApiKeys, bearer_token
-from tests.serving import ServeApp, local_serve
+from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
 
 PORT = 18441
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,9 +46,7 @@ def url(tmp_path_factory) -> Iterator[str]:
     key_file = tmp_path_factory.mktemp("auth") / "api_keys"
     key_file.write_text(f"# the auth test's keys\n\n{FILE_KEY}\n")
     args = {
-        "model.max_model_len": "512",
-        "engine.kv_cache_bytes": str(32 << 20),
-        "colocated.num_replicas": "1",
+        **SMALL_COLOCATED,
         "auth.api_keys_file": str(key_file),
         "auth.api_keys": f"[{INLINE_KEY}]",
     }

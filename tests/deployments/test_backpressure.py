@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving import ServeApp, local_serve
+from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
 from tests.waiting import wait_until
 
 PORT = 18434
@@ -20,9 +20,7 @@ def url() -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
-        "model.max_model_len": "512",
-        "engine.kv_cache_bytes": str(32 << 20),
-        "colocated.num_replicas": "1",
+        **SMALL_COLOCATED,
         "max_queued_requests": "1",
     }
     with local_serve([ServeApp("busy", colocated_app, args)], port=PORT) as served:

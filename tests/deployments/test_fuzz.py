@@ -16,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from tests.serving import ServeApp, local_serve
+from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
 
 PORT = 18443
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,9 +38,7 @@ def url() -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
-        "model.max_model_len": "512",
-        "engine.kv_cache_bytes": str(32 << 20),
-        "colocated.num_replicas": "1",
+        **SMALL_COLOCATED,
         "auth.api_keys": f"[{KEY}]",
         "limits.max_tokens": str(MAX_TOKENS),
     }

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving import ServeApp, local_serve
+from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
 from tests.waiting import wait_until
 
 PORT = 18442
@@ -26,9 +26,7 @@ def url() -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
-        "model.max_model_len": "512",
-        "engine.kv_cache_bytes": str(32 << 20),
-        "colocated.num_replicas": "1",
+        **SMALL_COLOCATED,
         "auth.api_keys": f"[{KEY_A}, {KEY_B}]",
         "limits.max_body_bytes": str(MAX_BODY_BYTES),
         "limits.max_prompt_tokens": "64",
