@@ -1,0 +1,108 @@
+"""A replica's memory against PyTorch's per-shape CPU kernel caches: ``python -m bench.kernel_caches``.
+
+One engine (the default model, one torch thread, no prefix cache) prefills prompts of random
+lengths (16-900 tokens, seeded) one at a time, as a prefill replica sees them, and prints its
+resident memory every 50 prompts with the prefill tokens/s so far; then a decode-heavy mix
+(batches of 1-16 requests, 12 output tokens each) prints its tokens/s. Each setting runs in a
+fresh subprocess, because both caches read their capacity at the first oneDNN call:
+
+    python -m bench.kernel_caches --caches default,8,64 --prompts 250 --batches 40
+
+``default``: the environment without either variable and the engine package's bound off
+(PyTorch's 1,024 entries each); a number: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
+``LRU_CACHE_CAPACITY`` set to it. Figures in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def _core():
+    import torch
+
+    torch.set_num_threads(1)
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    config = EngineConfig(max_model_len=1024, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    return EngineCore.from_spec(config=config)
+
+
+def _request(name: str, rng: random.Random, length: int, max_tokens: int):
+    from engine.params import GenerationRequest, SamplingParams
+
+    prompt = tuple(rng.randint(10, 40000) for _ in range(length))
+    return GenerationRequest(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def worker(prompts: int, batches: int) -> dict:
+    """The measurement, in this process: RSS every 50 prompts, then decode tokens/s."""
+    import psutil
+
+    core, rng, rss = _core(), random.Random(0), []
+    started, tokens = time.perf_counter(), 0
+    for i in range(prompts):
+        length = rng.randint(16, 900)
+        tokens += length
+        core.add_request(_request(f"p{i}", rng, length, 1))
+        while core.has_work():
+            core.step()
+        if i % 50 == 0 or i == prompts - 1:
+            rss.append({"prompts": i + 1, "rss_mib": round(psutil.Process().memory_info().rss / 2**20)})
+    prefill_rate = tokens / (time.perf_counter() - started)
+    started, tokens = time.perf_counter(), 0
+    for b in range(batches):
+        size = rng.randint(1, 16)
+        for j in range(size):
+            core.add_request(_request(f"d{b}-{j}", rng, rng.randint(16, 200), 12))
+        while core.has_work():
+            core.step()
+        tokens += 12 * size
+    return {
+        "caches": {name: os.environ.get(name) for name in CACHES},
+        "rss": rss,
+        "prefill_tokens_per_s": round(prefill_rate, 1),
+        "mixed_tokens_per_s": round(tokens / (time.perf_counter() - started), 1),
+    }
+
+
+def run(setting: str, prompts: int, batches: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in CACHES}
+    # "default": PyTorch's own capacities (setting the variables to 1024 keeps the engine's bound off)
+    env.update(dict.fromkeys(CACHES, "1024" if setting == "default" else setting))
+    args = [sys.executable, "-m", "bench.kernel_caches", "--worker", "--prompts", str(prompts)]
+    out = subprocess.run([*args, "--batches", str(batches)], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.kernel_caches", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--caches", default="default,8,64", help="settings to compare, comma-separated")
+    parser.add_argument("--prompts", type=int, default=250)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.prompts, args.batches)))
+        return
+    for setting in args.caches.split(","):
+        result = run(setting, args.prompts, args.batches)
+        series = ", ".join(f"{p['prompts']}: {p['rss_mib']}" for p in result["rss"])
+        print(
+            f"{setting}: RSS MiB after prompts {series}; prefill {result['prefill_tokens_per_s']} tok/s,"
+            f" mixed decode {result['mixed_tokens_per_s']} tok/s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
