@@ -7,7 +7,9 @@ Prints one markdown table row per measurement (and JSON with ``--out``):
   * for a 1B-class and an 8B-class Llama config with random bfloat16 weights made on the GPU
     (``engine.loader``'s dummy weights): how long that took; decode tokens/s through
     ``EngineCore`` at batch 1 and 64 (greedy, ``ignore_eos``, 128-token prompts, 64 new
-    tokens, after a warm-up run), the step time, and the HBM floor of a step;
+    tokens, after a warm-up run), the step time, and the HBM floor of a step, each batch
+    twice: decode steps replayed from CUDA graphs (the engine's default on CUDA; the warm-up
+    run captures the graphs) and eager;
     prefill tokens/s of one 2,048-token prompt against the FLOP floor.
 
 Floors. Decode: the bytes of the weights one step reads (every parameter once; the input
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
 from engine.params import GenerationRequest, SamplingParams
@@ -271,7 +273,15 @@ def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[flo
     return time.perf_counter() - start, steps, tokens
 
 
-def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row) -> Row:
+def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row, graphs: bool) -> Row:
+    """Decode at ``batch``, its steps replayed from CUDA graphs or eager (``graphs``; graphs
+    need CUDA, so on the CPU that row only says so)."""
+    label = f"{name} decode batch {batch}, {'CUDA graphs' if graphs else 'eager'}"
+    if graphs and core.device.type != "cuda":
+        return Row(label, notes="n/a: CUDA graphs need CUDA")
+    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
+    # the warm-up's context (prompt + 4 tokens) and the timed run's share their padded sizes,
+    # so the warm-up captures every graph the timed run replays
     run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
     seconds, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
     step_ms = seconds / steps * 1e3
@@ -279,7 +289,10 @@ def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row)
     floor_ms = weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
     notes = f"{steps} steps, ctx {sizes.prompt_len}-{sizes.prompt_len + sizes.new_tokens}; "
     notes += f"floor: {weight_bytes / 1e6:,.1f} MB of weights / copy GB/s (read+written)"
-    return Row(f"{name} decode batch {batch}", tokens / seconds, "tok/s", step_ms, floor_ms, notes)
+    if core.runner.graphs is not None:
+        captured = ", ".join(f"{k.batch}x{k.num_blocks}" for k in core.runner.graphs.captured)
+        notes += f"; graphs (batch x blocks): {captured}; {core.runner.graphs.num_replays} replays"
+    return Row(label, tokens / seconds, "tok/s", step_ms, floor_ms, notes)
 
 
 def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
@@ -333,8 +346,11 @@ def engine_rows(name: str, loaded: LoadedModel, sizes: Sizes, copy: Row, matmul:
         return [error_row(f"{name} engine", exc)]
     rows = []
     for batch in sizes.decode_batches:
-        rows.append(guarded(f"{name} decode batch {batch}", lambda b=batch: decode_row(name, core, b, sizes, copy)))
-        core.abort_all()  # a failed row must not leave requests behind for the next
+        for graphs in (True, False):
+            label = f"{name} decode batch {batch}, {'CUDA graphs' if graphs else 'eager'}"
+            rows.append(guarded(label, lambda b=batch, g=graphs: decode_row(name, core, b, sizes, copy, g)))
+            core.abort_all()  # a failed row must not leave requests behind for the next
+    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
     rows.append(guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul)))
     core.abort_all()
     return rows

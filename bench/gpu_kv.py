@@ -13,6 +13,10 @@ One markdown table row per measurement (and JSON at ``--out``):
   layer's event there). Tail = the last layer's compute end -> the completion notice at the
   consumer, against one layer's transfer (median write done - posted). Target: tail <= 2x
   one layer. Also the tail to the last write's completion, and the last layers' timestamps;
+* the same pull and push through pinned host staging (``transport.staging=host``: each
+  process's second transport, over the same pool): staged pull GB/s beside the unstaged pull
+  and the raw READ of the same size, and the staged push's tail (its completion waits for the
+  consumer's copy into the pool too);
 * which UCX transports carried the data (``UCX_PROTO_INFO=y`` in the two processes).
 
 The two processes (``bench.gpu_kv_side``) are spawned, never forked (CUDA), and find each
@@ -48,14 +52,18 @@ GPU_PLAN = Plan(
     device="cuda",
     # an 8B-class model's KV (32 layers, 8 KV heads of 128, bfloat16): 2 MB per 16-token block
     layout=KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
-    sizes_mb=(16, 64, 256),
-    num_repeats=20,
+    # 256 MB is left out: on the last run its READ went over TCP (0.4 GB/s) and outlived the lease
+    sizes_mb=(16, 64),
+    num_repeats=12,
     push_blocks=128,  # a 2,048-token prompt: 8 MB per layer
     num_push_repeats=5,
     compute_ms=1.0,  # about one layer of such a prefill on one GPU
     start_timeout_s=45.0,
     row_timeout_s=20.0,
-    budget_s=60.0,  # the GPU check gives this section 80 s (closing and the manager take a few)
+    budget_s=60.0,  # the GPU check gives this section 75 s (closing and the manager take a few)
+    staging_sizes_mb=(16, 64),
+    num_staged_repeats=5,
+    staging_bytes=768 << 20,  # 6 exports of 64 MB at once, or a push's 256 MB on each side
 )
 CPU_PLAN = Plan(
     device="cpu",
@@ -68,6 +76,9 @@ CPU_PLAN = Plan(
     start_timeout_s=30.0,
     row_timeout_s=10.0,
     budget_s=50.0,
+    staging_sizes_mb=(1, 4),
+    num_staged_repeats=3,
+    staging_bytes=64 << 20,
 )
 
 
@@ -153,17 +164,30 @@ class _Pair:
         return "\n".join(lines)
 
 
-def bandwidth_row(pair: _Pair, size_mb: int, deadline: float) -> dict:
-    """Raw READ and our pull of ``size_mb`` MB, taking turns, medians after one warm-up each."""
+def bandwidth_row(pair: _Pair, size_mb: int, deadline: float, staging: str = "none") -> dict:
+    """Raw READ and our pull of ``size_mb`` MB, taking turns, medians after one warm-up each
+    (``staging="host"``: our staged pull alone)."""
     plan = pair.plan
     pair.ensure_started(deadline)
     num_blocks = plan.blocks_for(size_mb)
     num_bytes = num_blocks * plan.layout.bytes_per_block
-    handles = pair.call(PRODUCER, "export", num_blocks, plan.num_repeats + 1, f"pull{size_mb}", deadline=deadline)
+    count = (plan.num_repeats if staging == "none" else plan.num_staged_repeats) + 1
+    tag = f"pull{size_mb}-{staging}"
+    handles = pair.call(PRODUCER, "export", num_blocks, count, tag, staging, deadline=deadline)
     raw_peer = pair.call(PRODUCER, "raw_meta", deadline=deadline)
     num_pieces = 2 * plan.layout.num_layers  # our pull's descriptors: one run per layer and K/V
-    result = pair.call(CONSUMER, "bandwidth", handles, raw_peer, num_bytes, num_pieces, deadline=deadline)
-    raw_s, split_s, pull_s = (statistics.median(t[1:]) for t in (result.raw_s, result.raw_split_s, result.pull_s))
+    result = pair.call(CONSUMER, "bandwidth", handles, raw_peer, num_bytes, num_pieces, staging, deadline=deadline)
+    pull_s = statistics.median(result.pull_s[1:])
+    if staging != "none":
+        return {
+            "size_mb": num_bytes / 2**20,
+            "num_blocks": num_blocks,
+            "num_descriptors": result.num_descriptors,
+            "pull_us": pull_s * 1e6,
+            "pull_gb_per_s": num_bytes / pull_s / 1e9,
+            "bytes_ok": result.bytes_ok,
+        }
+    raw_s, split_s = (statistics.median(t[1:]) for t in (result.raw_s, result.raw_split_s))
     return {
         "size_mb": num_bytes / 2**20,
         "num_blocks": num_blocks,
@@ -180,16 +204,17 @@ def bandwidth_row(pair: _Pair, size_mb: int, deadline: float) -> dict:
     }
 
 
-def push_row(pair: _Pair, deadline: float) -> dict:
+def push_row(pair: _Pair, deadline: float, staging: str = "none") -> dict:
     """Pushes of ``plan.push_blocks`` blocks, layer by layer; medians after one warm-up, which
     also checks the bytes that arrived."""
     plan = pair.plan
     pair.ensure_started(deadline)
     figures = []
     for rep in range(plan.num_push_repeats + 1):
-        dest = pair.call(CONSUMER, "destination", f"push-{rep}", plan.push_blocks, deadline=deadline)
-        pair.send(CONSUMER, "wait_push", dest, rep == 0)  # waits while the producer pushes
-        run = pair.call(PRODUCER, "push", dest, deadline=deadline)
+        tag = f"push-{staging}-{rep}"
+        dest = pair.call(CONSUMER, "destination", tag, plan.push_blocks, staging, deadline=deadline)
+        pair.send(CONSUMER, "wait_push", dest, rep == 0, staging)  # waits while the producer pushes
+        run = pair.call(PRODUCER, "push", dest, staging, deadline=deadline)
         notice_at, bytes_ok = pair.recv(CONSUMER, deadline)
         figures.append(push_figures(run, notice_at) | {"bytes_ok": bytes_ok})
     timed = figures[1:]
@@ -301,7 +326,40 @@ def run_rows(pair: _Pair) -> dict:
     push = _guarded(pair, budget_deadline, functools.partial(push_row, pair))
     for line in _push_lines(plan, push):
         _print(line)
-    return {"pull_vs_raw": rows, "push": push}
+    staged = run_staged_rows(pair, budget_deadline, rows)
+    return {"pull_vs_raw": rows, "push": push} | staged
+
+
+def run_staged_rows(pair: _Pair, budget_deadline: float, unstaged: list[dict]) -> dict:
+    """The staged pulls and push (``transport.staging=host``), beside the unstaged figures."""
+    plan = pair.plan
+    _print("")
+    _print(f"## through pinned host staging (transport.staging=host), {plan.num_staged_repeats} pulls per size")
+    _print("| size (MB) | staged pull (GB/s) | unstaged pull (GB/s) | raw READ (GB/s) | staged / unstaged | bytes ok |")
+    _print("|---|---|---|---|---|---|")
+    by_size = {row["requested_mb"]: row for row in unstaged}
+    rows = []
+    for size_mb in plan.staging_sizes_mb:
+        row = _guarded(pair, budget_deadline, functools.partial(bandwidth_row, pair, size_mb, staging="host"))
+        rows.append({"requested_mb": size_mb} | row)
+        _print(_staged_line(size_mb, row, by_size.get(size_mb, {})))
+    push = _guarded(pair, budget_deadline, functools.partial(push_row, pair, staging="host"))
+    for line in _push_lines(plan, push, "staged push (its notice waits for the copy into the pool)")[:6]:
+        _print(line)
+    return {"staged_pull": rows, "staged_push": push}
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _staged_line(size_mb: int, row: dict, unstaged: dict) -> str:
+    if "error" in row:
+        return f"| {size_mb} | {row['error']} |"
+    plain, raw, staged = unstaged.get("pull_gb_per_s"), unstaged.get("raw_gb_per_s"), row["pull_gb_per_s"]
+    ratio = staged / plain if plain else None
+    ok = "yes" if row["bytes_ok"] else "NO"
+    return f"| {row['size_mb']:.1f} | {staged:.2f} | {_fmt(plain)} | {_fmt(raw)} | {_fmt(ratio)} | {ok} |"
 
 
 def _bandwidth_line(size_mb: int, row: dict) -> str:
@@ -314,11 +372,11 @@ def _bandwidth_line(size_mb: int, row: dict) -> str:
     )
 
 
-def _push_lines(plan: Plan, push: dict) -> list[str]:
+def _push_lines(plan: Plan, push: dict, title: str = "push") -> list[str]:
     layer_mb = plan.push_blocks * plan.layout.bytes_per_block / plan.layout.num_layers / 2**20
     lines = [
         "",
-        f"## push: {plan.layout.num_layers} layers x {layer_mb:.1f} MB, simulated forward {plan.compute_ms:.2f} ms "
+        f"## {title}: {plan.layout.num_layers} layers x {layer_mb:.1f} MB, simulated forward {plan.compute_ms:.2f} ms "
         f"per layer; medians of {plan.num_push_repeats} after one warm-up",
         "| forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms) | tail / one layer (<= 2) "
         "| tail to last write (ms) | last write / one layer | bytes ok |",

@@ -1,8 +1,10 @@
 """The two processes of ``bench.gpu_kv`` and what they share, no Ray.
 
 Each process holds one engine's KV pool (``engine.kv_pool.KVPool``, on the GPU or on CPU
-memory) with a ``NixlTransport`` over it, and a bare NIXL agent with one contiguous buffer
-for the raw READ. The parent drives both over a ``multiprocessing`` Pipe: ``(command,
+memory) with two ``NixlTransport``s over it, one moving the pool's own memory and one staging
+through a pinned host buffer (``staging="host"``, engine id ``<role>-staged``), and a bare NIXL
+agent with one contiguous buffer for the raw READ. Commands name the transport by its
+``staging`` ("none" or "host"). The parent drives both over a ``multiprocessing`` Pipe: ``(command,
 args)`` in, ``("ok", result)`` or ``("error", text)`` out. The transports find each other
 through ``SharedDictRegistry``: a ``multiprocessing.Manager`` dict that carries each
 engine's ``PeerInfo`` (its NIXL agents' metadata and pool address) between the processes.
@@ -29,8 +31,9 @@ from kv_transport.handle import KVDestination, KVHandle
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
-PRODUCER = "producer"  # the engine ids of the two transports
+PRODUCER = "producer"  # the engine ids of the two processes' unstaged transports
 CONSUMER = "consumer"
+STAGINGS = ("none", "host")
 PATTERN_SEED = 1234
 RAW_PROGRESS_S = 0.001  # the raw agents' progress on the side being read, as bench.kv_transfer's
 
@@ -50,6 +53,9 @@ class Plan:
     row_timeout_s: float
     budget_s: float  # the whole run
     kv_transfer_timeout_s: float = 20.0  # the transports' (handles expire after it)
+    staging_sizes_mb: tuple[int, ...] = ()  # pulls through the staging transports
+    num_staged_repeats: int = 5  # timed staged pulls per size (each export holds its slots until fetched)
+    staging_bytes: int = 1 << 30  # each staging transport's pinned buffer
 
     @property
     def mem_type(self) -> str:
@@ -188,13 +194,26 @@ class _Side:
         _synchronize(plan)  # written before anyone reads it
         self.released: list[str] = []
         registry = SharedDictRegistry(entries)
-        self.transport = NixlTransport(role, plan.layout, registry, kv_transfer_timeout_s=plan.kv_transfer_timeout_s)
-        self.transport.register_pool(self.pool, self.released.append)
+        timeout_s = plan.kv_transfer_timeout_s
+        self.transports = {
+            "none": NixlTransport(role, plan.layout, registry, kv_transfer_timeout_s=timeout_s),
+            "host": NixlTransport(
+                f"{role}-staged",
+                plan.layout,
+                registry,
+                kv_transfer_timeout_s=timeout_s,
+                staging="host",
+                staging_bytes=plan.staging_bytes,
+            ),
+        }
+        for transport in self.transports.values():  # the same pool under both
+            transport.register_pool(self.pool, self.released.append)
         self.raw = _RawAgent(f"raw-{role}", plan)
         self.compute = _LayerCompute(plan) if role == PRODUCER else None
 
     def close(self) -> None:
-        self.transport.close()
+        for transport in self.transports.values():
+            transport.close()
 
     def _tail_blocks(self, count: int) -> list[int]:
         return list(range(self.plan.pool_blocks - count, self.plan.pool_blocks))
@@ -207,42 +226,46 @@ class _Side:
     def raw_meta(self) -> tuple[bytes, int, int]:
         return self.raw.meta()
 
-    def export(self, num_blocks: int, count: int, tag: str) -> list[KVHandle]:
+    def export(self, num_blocks: int, count: int, tag: str, staging: str = "none") -> list[KVHandle]:
         tokens = num_blocks * self.plan.layout.block_size
-        return [self.transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)]
+        transport = self.transports[staging]
+        return [transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)]
 
-    async def push(self, destination: KVDestination) -> PushRun:
+    async def push(self, destination: KVDestination, staging: str = "none") -> PushRun:
         """Push every layer right after its simulated forward, as the engine's layer hook does."""
         request_id = destination.request_id
         blocks = list(range(len(destination.block_ids)))
-        self.transport.begin_push(destination)
+        transport = self.transports[staging]
+        transport.begin_push(destination)
         self.compute.start()
         for layer in range(self.plan.layout.num_layers):
             with self.compute.layer():  # on CUDA push_layer records its event on the compute stream
-                self.transport.push_layer(request_id, layer, blocks, 0)
-        stats = await self.transport.finish_push(request_id, first_token=1)
+                transport.push_layer(request_id, layer, blocks, 0)
+        stats = await transport.finish_push(request_id, first_token=1)
         return PushRun(stats.layer_times, self.compute.ends(), stats.num_bytes)
 
     # ---- consumer ---------------------------------------------------------------------
 
     async def bandwidth(
-        self, handles: list[KVHandle], raw_peer: tuple, num_bytes: int, num_pieces: int
+        self, handles: list[KVHandle], raw_peer: tuple, num_bytes: int, num_pieces: int, staging: str = "none"
     ) -> BandwidthResult:
         """Our pull of each handle, a raw READ of the same bytes and one split into
-        ``num_pieces`` descriptors, each round starting with the next kind."""
+        ``num_pieces`` descriptors, each round starting with the next kind. Staged pulls
+        (``staging="host"``) alone: no raw READs (their rows are the unstaged table's)."""
         local = self._tail_blocks(len(handles[0].block_ids))
         self.pool[:, :, local] = 0
         _synchronize(self.plan)
         times: dict[str, list[float]] = {"raw": [], "raw_split": [], "pull": []}
-        kinds = list(times)
+        kinds = list(times) if staging == "none" else ["pull"]
+        transport = self.transports[staging]
         num_descriptors, bytes_ok = 0, False
         for i, handle in enumerate(handles):
-            for kind in kinds[i % 3 :] + kinds[: i % 3]:
+            for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
                 if kind != "pull":
                     times[kind].append(self.raw.read_s(raw_peer, num_bytes, num_pieces if kind == "raw_split" else 1))
                     continue
                 start = time.perf_counter()
-                stats = await self.transport.fetch(handle, local)
+                stats = await transport.fetch(handle, local)
                 times["pull"].append(time.perf_counter() - start)
                 if i == 0:
                     num_descriptors, bytes_ok = stats.num_descriptors, self._matches(local, handle.block_ids)
@@ -250,13 +273,18 @@ class _Side:
             num_bytes, num_descriptors, *(tuple(times[k]) for k in ("raw", "raw_split", "pull")), bytes_ok
         )
 
-    def destination(self, request_id: str, num_blocks: int) -> KVDestination:
+    def destination(self, request_id: str, num_blocks: int, staging: str = "none") -> KVDestination:
         blocks = self._tail_blocks(num_blocks)
-        return self.transport.destination(request_id, blocks, num_blocks * self.plan.layout.block_size)
+        self.pool[:, :, blocks] = 0  # so the check after the push sees its bytes, not an earlier pull's
+        _synchronize(self.plan)
+        return self.transports[staging].destination(request_id, blocks, num_blocks * self.plan.layout.block_size)
 
-    async def wait_push(self, destination: KVDestination, verify: bool) -> tuple[float, bool | None]:
-        """When the completion notice arrived (unix s) and, if asked, whether the bytes did."""
-        await self.transport.wait_push(destination)
+    async def wait_push(
+        self, destination: KVDestination, verify: bool, staging: str = "none"
+    ) -> tuple[float, bool | None]:
+        """When the completion notice arrived (unix s; staged: once copied into the pool too)
+        and, if asked, whether the bytes did."""
+        await self.transports[staging].wait_push(destination)
         seen = time.time()
         if not verify:
             return seen, None

@@ -5,12 +5,14 @@ application's ``engine`` section is this class with the app's own default pool s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.params import Role
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # the engine's own default; the served app uses 256 MiB
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class EngineSettings(BaseModel):
@@ -36,6 +38,18 @@ class EngineSettings(BaseModel):
     cpu_packed_weights: bool = Field(
         True, description="CPU: keep a oneDNN-packed copy of the weights for batched steps (faster, 2x weight memory)"
     )
+    cuda_graphs: bool = Field(
+        True, description="CUDA: replay decode steps from CUDA graphs captured per batch size (no effect on CPU)"
+    )
+    cuda_graph_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        DEFAULT_CUDA_GRAPH_BATCH_SIZES,
+        min_length=1,
+        description="CUDA: batch sizes with a decode graph; a batch is padded up to the next, larger ones run eagerly",
+    )
+
+    def graph_batch_sizes(self) -> tuple[int, ...] | None:
+        """What ``ModelRunner`` takes: the graph batch sizes, or None when graphs are off."""
+        return tuple(sorted(set(self.cuda_graph_batch_sizes))) if self.cuda_graphs else None
 
 
 class EngineConfig(EngineSettings):

@@ -87,7 +87,8 @@ class EngineCore:
             config.enable_chunked_prefill,
             config.recompute_remote_kv,
         )
-        self.runner = ModelRunner(model, self.pool, packed_weights=config.cpu_packed_weights)
+        packed, graphs = config.cpu_packed_weights, config.graph_batch_sizes()
+        self.runner = ModelRunner(model, self.pool, packed_weights=packed, cuda_graph_batch_sizes=graphs)
         self.role = config.role
         self._eos_ids = eos_token_ids(model, self.tokenizer)
         self._requests: dict[str, _Request] = {}

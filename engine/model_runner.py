@@ -3,6 +3,9 @@
 The model is the transformers model itself (any decoder-only family); only its attention
 function is swapped for ``engine.attention.paged_attention_forward``. No HF cache object
 is used: K/V live in the paged pool.
+
+On CUDA, pure decode steps replay from CUDA graphs (``engine.cuda_graphs``) at the batch
+sizes given; every other step, and every step on CPU, runs eagerly as below.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.attention import PagedAttentionMetadata, PrefillSegment, register_paged_attention
+from engine.cuda_graphs import DEFAULT_BATCH_SIZES, BaseGraph, DecodeGraphs, StaticDecode
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledChunk
 from engine.weights import optimize_cpu_layout, packed_bytes
@@ -26,7 +30,15 @@ LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, pool: KVPool, packed_weights: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pool: KVPool,
+        packed_weights: bool = False,
+        cuda_graph_batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
+    ) -> None:
+        """``cuda_graph_batch_sizes``: on CUDA, decode steps replay from graphs captured at these
+        batch sizes (None or empty: always eager); ignored on CPU."""
         self.model = model
         self.pool = pool
         self.device = pool.tensor.device
@@ -45,13 +57,30 @@ class ModelRunner:
         self._layer_hooks: list[LayerHook] = []
         self._chunks: Sequence[ScheduledChunk] = ()  # the step being executed, for the layer hooks
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self.use_cuda_graphs(cuda_graph_batch_sizes)
+
+    def use_cuda_graphs(
+        self, batch_sizes: Sequence[int] | None, graph_type: Callable[[object], BaseGraph] | None = None
+    ) -> None:
+        """Replay decode steps from graphs at ``batch_sizes`` from now on (None or empty: eager).
+        ``graph_type``: see ``DecodeGraphs`` (tests replay on CPU with a fake)."""
+        self.graphs = None
+        if batch_sizes:
+            forward = self._graph_forward
+            self.graphs = DecodeGraphs(
+                forward, self.device, self.block_size, self.pool.num_blocks, batch_sizes, graph_type
+            )
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         """Call ``hook(layer_idx, chunks)`` after each decoder layer's forward (its K/V is in the
         pool); ``chunks`` is the step's plan as given to ``execute``.
 
         Forward hooks are attached only while a layer hook exists, so the plain decode
-        path carries no hook overhead.
+        path carries no hook overhead. A decode step replayed from a CUDA graph runs no Python
+        per layer, so it calls no hook; a step that computes prompt tokens (a chunk
+        ``in_prompt``, what a layer-pipelined push writes) always runs eagerly and calls them.
         """
         if not self._hook_handles:
             for idx, layer in enumerate(self._decoder.layers):
@@ -66,6 +95,8 @@ class ModelRunner:
             self._hook_handles.clear()
 
     def _after_layer(self, idx: int, module: torch.nn.Module, args: object, output: object) -> None:
+        if not self._chunks:  # a CUDA graph's warm-up or capture: no step of the plan runs
+            return
         for hook in self._layer_hooks:
             hook(idx, self._chunks)
 
@@ -76,6 +107,10 @@ class ModelRunner:
         Every index tensor is built from Python lists and copied to the device before the
         forward is queued: on CUDA each such copy waits for the stream, which is idle then
         (the previous step ended reading its sampled tokens)."""
+        if self.graphs is not None and not (self._layer_hooks and any(c.in_prompt for c in chunks)):
+            logits = self.graphs.run(chunks)
+            if logits is not None:
+                return logits
         order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, last_index = self._build(ordered)
@@ -95,6 +130,25 @@ class ModelRunner:
         if index is None:
             return hidden.new_empty(0, self._lm_head.out_features, dtype=torch.float32)
         return self._lm_head(hidden.index_select(0, index)).float()
+
+    def _graph_forward(self, static: StaticDecode) -> torch.Tensor:
+        """A decode step on a graph's static inputs (captured, then replayed): logits of every row."""
+        meta = PagedAttentionMetadata(
+            pool=self.pool,
+            slot_mapping=static.slots,
+            num_decode=static.key.batch,
+            decode_blocks=static.block_tables,
+            decode_mask=static.decode_mask(),
+            prefill_segments=(),
+        )
+        hidden = self._decoder(
+            input_ids=static.token_ids.unsqueeze(0),
+            position_ids=static.positions.unsqueeze(0),
+            attention_mask=static.model_mask,
+            use_cache=False,
+            paged_metadata=meta,
+        ).last_hidden_state[0]
+        return self._lm_head(hidden).float()
 
     def _build(
         self, chunks: list[ScheduledChunk]

@@ -29,7 +29,16 @@ def make_transport(
     timeout_s = config.kv_transfer_timeout_s
     if config.kind == "nixl":
         interval = config.peer_check_interval_s if peer_check_interval_s is None else peer_check_interval_s
-        return NixlTransport(engine_id, layout, registry or RayPeerRegistry(), timeout_s, faults, interval)
+        return NixlTransport(
+            engine_id,
+            layout,
+            registry or RayPeerRegistry(),
+            timeout_s,
+            faults,
+            interval,
+            staging=config.staging,
+            staging_bytes=config.staging_bytes,
+        )
     if any(rule.point in TRANSPORT_POINTS or rule.point == "release" for rule in faults.rules):
         raise ValueError("the object-store transport has no fault points")
     return ObjectStoreTransport(engine_id, layout, timeout_s)

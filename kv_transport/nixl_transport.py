@@ -9,6 +9,11 @@ Layer pushes, polling and completion run on the progress thread of
 agent calls hold its lock. Notices (``kv_transport.notices``: release, push complete, push
 failed) always go between the two processes' notice agents, never attached to a transfer
 (see ``NixlWorker``).
+
+With ``staging="host"`` NIXL sees a host buffer instead of the pool (``kv_transport.staging``
+says who copies what); every method keeps its contract. On CUDA a pushed layer's WRITE waits
+for an event recorded after the layer's compute (``event_type``, ``torch.cuda.Event`` by
+default; tests inject a fake): the progress thread posts it once that event has completed.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -26,6 +31,7 @@ import torch
 from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
 from kv_transport import notices
+from kv_transport import staging as staging_mod
 from kv_transport.base import (
     BaseKVTransport,
     KVTransferError,
@@ -37,10 +43,11 @@ from kv_transport.base import (
     StalePeerError,
     TransferStats,
 )
+from kv_transport.config import DEFAULT_STAGING_BYTES, check_staging
 from kv_transport.descriptors import Descs, PoolGeometry, coalesce, id_ranges, pair_ranges
 from kv_transport.faults import NO_FAULTS, FaultPoints
-from kv_transport.handle import KVDestination, KVHandle
-from kv_transport.nixl_worker import NixlWorker, Post, PostedAt
+from kv_transport.handle import KVDestination, KVHandle, to_ranges
+from kv_transport.nixl_worker import WAIT_POLL_S, LayerEvent, NixlWorker, Post, PostedAt
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
 logger = logging.getLogger(__name__)
@@ -73,6 +80,15 @@ class _PushOut:
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     num_bytes: int = 0
     num_descriptors: int = 0
+    slots: list[int] = field(default_factory=list)  # staging: one per destination block after skip_blocks
+
+
+@dataclass(frozen=True)
+class _StagedIn:
+    """A staging consumer's push: the slots written by the producer and the pool blocks they go to."""
+
+    slots: list[int]
+    block_ids: list[int]
 
 
 def _check_lease(handle: KVHandle, when: str) -> None:
@@ -91,7 +107,19 @@ class NixlTransport(BaseKVTransport):
         kv_transfer_timeout_s: float = 60.0,
         faults: FaultPoints = NO_FAULTS,
         peer_check_interval_s: float = PEER_CHECK_INTERVAL_S,
+        staging: str = "none",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        event_type: Callable[[], LayerEvent] | None = None,
+        notice_poll_s: float = WAIT_POLL_S,
     ) -> None:
+        """``staging``: ``"none"`` or ``"host"`` (``transport.staging``), with a buffer of
+        ``staging_bytes``; ``event_type``: what marks a pushed layer's compute as done
+        (default: ``torch.cuda.Event`` for a CUDA pool, none for a CPU pool, whose compute is
+        done when ``push_layer`` is called); ``notice_poll_s``: see ``NixlWorker``."""
+        self.staging_kind = check_staging(staging)
+        self.staging_bytes = staging_bytes
+        self.staging: staging_mod.HostStaging | None = None  # made with the pool
+        self._event_type = event_type
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.layout = layout
@@ -99,13 +127,16 @@ class NixlTransport(BaseKVTransport):
         self.faults = faults
         self.peer_check_interval_s = peer_check_interval_s
         self._registry = registry
-        self._worker = NixlWorker(f"{engine_id}.{self.incarnation}")
+        self._worker = NixlWorker(f"{engine_id}.{self.incarnation}", notice_poll_s=notice_poll_s)
         self._agent = self._worker.agent
         self._lock = self._worker.lock
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._exports: dict[str, float] = {}  # request id -> expiry (unix time)
         self._push_out: dict[str, _PushOut] = {}
         self._push_in: dict[str, concurrent.futures.Future] = {}
+        self._export_slots: dict[str, list[int]] = {}  # staging producer, pull: request id -> slots
+        self._staged_in: dict[str, _StagedIn] = {}  # staging consumer, push
+        self._slots_later: list[tuple[float, list[int]]] = []  # (unix time, slots) freed then
         self._release_blocks: ReleaseBlocks | None = None
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
@@ -118,18 +149,24 @@ class NixlTransport(BaseKVTransport):
         if not pool.is_contiguous():
             raise ValueError("the KV pool must be one contiguous tensor")
         self._pool = pool
-        self._num_blocks = pool.shape[2]
         self._block_bytes = pool[0, 0, 0].numel() * pool.element_size()
-        self._mem_type = "VRAM" if pool.is_cuda else "DRAM"
-        self._device_id = pool.get_device() if pool.is_cuda else 0
+        if self._event_type is None and pool.is_cuda:
+            self._event_type = torch.cuda.Event
+        if self.staging_kind == "host":
+            self.staging = staging_mod.HostStaging(pool, self.layout.num_layers, self.staging_bytes)
+        # what NIXL registers and peers address: the pool, or the staging buffer in its place
+        exposed = pool if self.staging is None else self.staging.buffer
+        self._num_blocks = exposed.shape[2]
+        self._mem_type = "VRAM" if exposed.is_cuda else "DRAM"
+        self._device_id = exposed.get_device() if exposed.is_cuda else 0
         self._release_blocks = release_blocks
         self._geometry = PoolGeometry(
-            pool.data_ptr(), self.layout.num_layers, self._num_blocks, self._block_bytes, self._device_id
+            exposed.data_ptr(), self.layout.num_layers, self._num_blocks, self._block_bytes, self._device_id
         )
         self._worker.local_mem_type = self._mem_type
-        self._worker.cuda_device = self._device_id if pool.is_cuda else None
+        self._worker.cuda_device = pool.get_device() if pool.is_cuda else None
         self._worker.bind_cuda()  # this thread registers the pool and may handshake
-        self._reg_descs = self._agent.register_memory(pool)
+        self._reg_descs = self._agent.register_memory(exposed)
         self._registry.publish(
             PeerInfo(
                 engine_id=self.engine_id,
@@ -138,7 +175,7 @@ class NixlTransport(BaseKVTransport):
                 agent_metadata=self._agent.get_agent_metadata(),
                 notice_agent_metadata=self._worker.notices.get_agent_metadata(),
                 layout=self.layout,
-                pool_address=pool.data_ptr(),
+                pool_address=exposed.data_ptr(),
                 num_blocks=self._num_blocks,
                 device_id=self._device_id,
                 mem_type=self._mem_type,
@@ -163,8 +200,26 @@ class NixlTransport(BaseKVTransport):
         if self.faults:
             self.faults.hit("export", request_id, self.engine_id)
         expires_at = time.time() + self.timeout_s
+        if self.staging is None:
+            self._exports[request_id] = expires_at
+            return KVHandle.of_blocks(self, request_id, block_ids, num_tokens, expires_at, first_token=first_token)
+        slots = self._stage_export(request_id, block_ids)
         self._exports[request_id] = expires_at
-        return KVHandle.of_blocks(self, request_id, block_ids, num_tokens, expires_at, first_token=first_token)
+        return staging_mod.StagedHandle.of_blocks(
+            self, request_id, block_ids, num_tokens, expires_at, first_token=first_token, staged_ranges=to_ranges(slots)
+        )
+
+    def _stage_export(self, request_id: str, block_ids: list[int]) -> list[int]:
+        """Staging producer, pull: copy the blocks into slots and wait for that copy alone (a
+        consumer may READ as soon as it holds the handle); the slots, kept until release."""
+        slots = self.staging.slots.allocate(len(block_ids), request_id, self.engine_id)
+        try:
+            staging_mod.wait_copied_now(self.staging.to_host(block_ids, slots))
+        except BaseException:
+            self.staging.slots.free(slots)
+            raise
+        self._export_slots[request_id] = slots
+        return slots
 
     async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
         # the copy runs in this thread once posted: every step before the post adds to the pull
@@ -174,10 +229,38 @@ class NixlTransport(BaseKVTransport):
         if self.faults:
             await self.faults.hit_async("fetch", rid, peer_id)
         _check_lease(handle, "before the READ")
-        if skip_blocks:
-            runs = coalesce(handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:])
-        else:
-            runs = pair_ranges(handle.block_ranges, id_ranges(local_block_ids))
+        slots = None  # staging: the READ lands in these, then they are copied into the pool
+        if self.staging is not None:
+            slots = self.staging.slots.allocate(len(local_block_ids) - skip_blocks, rid, peer_id)
+        targets = local_block_ids[skip_blocks:] if slots is None else slots
+        try:
+            runs, num_descriptors, start = await self._read(handle, peer, targets, skip_blocks)
+            if slots is not None:
+                await staging_mod.wait_copied(self.staging.to_pool(slots, local_block_ids[skip_blocks:]))
+        except BaseException:
+            if slots is not None:  # a READ that timed out may still land in them
+                self._free_slots_later(slots)
+            raise
+        seconds = time.perf_counter() - start
+        if slots is not None:
+            self.staging.slots.free(slots)
+        # The release notice goes on its own, not attached to the READ: NIXL sends an attached
+        # notice only once the READ is done, and between CPU memories the READ then stayed
+        # in flight until the producer's next progress call (0.4 to 1.3 ms of a 1.5 ms,
+        # 16 MB pull here). The progress thread sends it (the KV is here already): from
+        # here, in a process whose caches the copy has just flushed, it took ~20 us.
+        if not (self.faults and self.faults.drops("release", rid)):
+            self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
+        num_bytes = sum(n for _, _, n in runs) * self._block_bytes * len(self._geometry.bases)
+        return TransferStats(num_bytes=num_bytes, seconds=seconds, num_descriptors=num_descriptors)
+
+    async def _read(
+        self, handle: KVHandle, peer: _Peer, targets: list[int], skip_blocks: int
+    ) -> tuple[list[tuple[int, int, int]], int, float]:
+        """READ the handle's blocks after ``skip_blocks`` into ``targets`` (pool blocks or staging
+        slots, one per block): the runs, the descriptor count and when the READ was posted."""
+        rid, peer_id = handle.request_id, handle.engine_id
+        runs = _pull_runs(handle, targets, skip_blocks)
         remote = peer.geometry.descs([(s, n) for s, _, n in runs])
         local = self._geometry.descs([(d, n) for _, d, n in runs])
         start = time.perf_counter()
@@ -187,15 +270,7 @@ class NixlTransport(BaseKVTransport):
                 timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
                 await self._await_xfer(done, timeout, rid, peer_id, "READ")
             _check_lease(handle, "during the READ")  # the producer may have reused the blocks
-        # The release notice goes on its own, not attached to the READ: NIXL sends an attached
-        # notice only once the READ is done, and between CPU memories the READ then stayed
-        # in flight until the producer's next progress call (0.4 to 1.3 ms of a 1.5 ms,
-        # 16 MB pull here). The progress thread sends it (the KV is here already): from
-        # here, in a process whose caches the copy has just flushed, it took ~20 us.
-        if not (self.faults and self.faults.drops("release", rid)):
-            self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
-        num_bytes = sum(n for _, _, n in runs) * self._block_bytes * len(self._geometry.bases)
-        return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=len(local))
+        return runs, len(local), start
 
     def give_back(self, handle: KVHandle) -> None:
         rid = handle.request_id
@@ -208,7 +283,12 @@ class NixlTransport(BaseKVTransport):
         self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
 
     def release(self, request_id: str) -> None:
-        if self._exports.pop(request_id, None) is not None and self._release_blocks is not None:
+        if self._exports.pop(request_id, None) is None:
+            return
+        slots = self._export_slots.pop(request_id, None)
+        if slots:
+            self.staging.slots.free(slots)
+        if self._release_blocks is not None:
             self._release_blocks(request_id)
 
     # ---- push -------------------------------------------------------------------------
@@ -216,15 +296,32 @@ class NixlTransport(BaseKVTransport):
     def destination(
         self, request_id: str, block_ids: list[int], num_tokens: int, skip_blocks: int = 0
     ) -> KVDestination:
-        self._push_in[request_id] = concurrent.futures.Future()
         expires_at = time.time() + self.timeout_s
-        return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, expires_at, skip_blocks=skip_blocks)
+        if self.staging is None:
+            self._push_in[request_id] = concurrent.futures.Future()
+            return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, expires_at, skip_blocks=skip_blocks)
+        slots = self.staging.slots.allocate(len(block_ids) - skip_blocks, request_id, self.engine_id)
+        self._staged_in[request_id] = _StagedIn(slots, list(block_ids[skip_blocks:]))
+        self._push_in[request_id] = concurrent.futures.Future()
+        return staging_mod.StagedDestination.of_blocks(
+            self,
+            request_id,
+            block_ids,
+            num_tokens,
+            expires_at,
+            skip_blocks=skip_blocks,
+            staged_ranges=to_ranges(slots),
+        )
 
     def begin_push(self, destination: KVDestination) -> None:
         rid = destination.request_id
         peer = self._peer(destination.engine_id, destination.incarnation, rid)
         self._check_layout(destination.layout, rid, destination.engine_id)
-        self._push_out[rid] = _PushOut(destination, peer, destination.block_ids)
+        slots = []
+        if self.staging is not None:
+            num_written = len(destination.block_ids) - destination.skip_blocks
+            slots = self.staging.slots.allocate(num_written, rid, destination.engine_id)
+        self._push_out[rid] = _PushOut(destination, peer, staging_mod.remote_block_ids(destination), slots=slots)
 
     def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
         push = self._push_out.get(request_id)
@@ -239,23 +336,45 @@ class NixlTransport(BaseKVTransport):
         if self.faults:
             self.faults.hit("push_layer", request_id, push.destination.engine_id, layer)
         remote_ids = push.remote_ids[start_index : start_index + len(local_block_ids)]
-        runs = coalesce(local_block_ids, remote_ids)
+        source_ids, event = self._layer_source(push, layer, local_block_ids, start_index)
+        runs = coalesce(source_ids, remote_ids)
         local = self._geometry.descs([(s, n) for s, _, n in runs], [layer])
         remote = push.peer.geometry.descs([(d, n) for _, d, n in runs], [layer])
         record = _LayerPush(layer=layer, compute_end=compute_end, posted_at=PostedAt())
         push.layers.append(record)
         push.num_bytes += sum(length for _, length, _ in local)
         push.num_descriptors += len(local)
-        event = None
-        if self._pool.is_cuda:  # post once the layer's kernels are done, without a device sync
-            event = torch.cuda.Event()
-            event.record()
         push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record.posted_at, event))
+
+    def _layer_source(
+        self, push: _PushOut, layer: int, block_ids: Sequence[int], start_index: int
+    ) -> tuple[Sequence[int], LayerEvent | None]:
+        """What one layer's WRITE reads (the pool's blocks, or their staging slots) and the event
+        its post waits for: the layer's compute event (recorded now, on the current stream), or
+        the staging copy's, which the side stream queues after it. Nothing waits here."""
+        compute = None
+        if self._event_type is not None:
+            compute = self._event_type()
+            compute.record()
+        if self.staging is None:
+            return block_ids, compute
+        first = start_index - push.destination.skip_blocks
+        slots = push.slots[first : first + len(block_ids)]
+        copied = self.staging.to_host(block_ids, slots, [layer], after=compute)
+        return slots, compute if copied is None else copied
 
     async def finish_push(
         self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
     ) -> TransferStats:
         push = self._push_out.pop(request_id)
+        try:
+            return await self._complete_push(push, request_id, first_token, first_logprobs)
+        finally:
+            self._free_slots(push.slots)  # every WRITE from them is done (or the push failed)
+
+    async def _complete_push(
+        self, push: _PushOut, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None
+    ) -> TransferStats:
         peer_id = push.destination.engine_id
         try:
             if self.faults:
@@ -288,21 +407,42 @@ class NixlTransport(BaseKVTransport):
         try:
             timeout = max(0.0, min(self.timeout_s, destination.seconds_left()))
             completion = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-        except TimeoutError:
-            raise KVTransferTimeout(
-                f"no push completion within {self.timeout_s:.1f} s", rid, "producer of push"
-            ) from None
+        except BaseException as exc:
+            staged = self._staged_in.pop(rid, None)
+            if staged is not None:  # the producer may still be writing into them
+                self._free_slots_later(staged.slots)
+            if isinstance(exc, TimeoutError):
+                raise KVTransferTimeout(
+                    f"no push completion within {self.timeout_s:.1f} s", rid, "producer of push"
+                ) from None
+            raise
         finally:
             self._push_in.pop(rid, None)
+        staged = self._staged_in.pop(rid, None)
+        if staged is not None:
+            await self._copy_in(staged)
         return completion
+
+    async def _copy_in(self, staged: _StagedIn) -> None:
+        """Staging consumer, push: copy the written slots into the pool, then free them."""
+        try:
+            await staging_mod.wait_copied(self.staging.to_pool(staged.slots, staged.block_ids))
+        except BaseException:
+            self._free_slots_later(staged.slots)
+            raise
+        self.staging.slots.free(staged.slots)
 
     def abort_push(self, request_id: str) -> None:
         push = self._push_out.pop(request_id, None)
         if push is not None:
             self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
+            self._free_slots(push.slots)
         waiter = self._push_in.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
+        staged = self._staged_in.pop(request_id, None)
+        if staged is not None:  # the producer may still be writing into them
+            self._free_slots_later(staged.slots)
 
     # ---- internals --------------------------------------------------------------------
 
@@ -395,10 +535,25 @@ class NixlTransport(BaseKVTransport):
         self._worker.notify(peer.notice_agent, notices.encode(notice))
 
     def _expire_exports(self, now: float) -> None:
-        """Progress thread, every round: free exports nobody claimed in time."""
+        """Progress thread, every round: free exports nobody claimed in time, and staging slots
+        set aside after a failed transfer."""
         for request_id in [r for r, expiry in list(self._exports.items()) if expiry < now]:
             logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
             self.release(request_id)
+        for entry in [e for e in list(self._slots_later) if e[0] < now]:
+            self._slots_later.remove(entry)
+            self.staging.slots.free(entry[1])
+
+    def _free_slots(self, slots: list[int]) -> None:
+        if slots:
+            self.staging.slots.free(slots)
+
+    def _free_slots_later(self, slots: list[int]) -> None:
+        """Staging slots a failed or aborted transfer may still write into (a READ that timed out,
+        a producer still pushing): freed once ``kv_transfer_timeout_s`` has passed, so no other
+        request's KV can be overwritten by a late write."""
+        if slots:
+            self._slots_later.append((time.time() + self.timeout_s, slots))
 
     def _on_notif(self, message: bytes) -> None:
         """Progress thread: one notice from a peer (see ``kv_transport.notices``)."""
@@ -418,3 +573,12 @@ class NixlTransport(BaseKVTransport):
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)
+
+
+def _pull_runs(handle: KVHandle, targets: list[int], skip_blocks: int) -> list[tuple[int, int, int]]:
+    """``(remote start, target start, count)`` runs of a pull: the handle's blocks after
+    ``skip_blocks`` (its staging slots when it has some) paired with ``targets``, one per block."""
+    ranges = handle.staged_ranges if isinstance(handle, staging_mod.StagedHandle) else handle.block_ranges
+    if not skip_blocks:
+        return pair_ranges(ranges, id_ranges(targets))
+    return coalesce(staging_mod.remote_block_ids(handle)[skip_blocks:], targets)

@@ -14,9 +14,17 @@ engine steps on its own thread meanwhile, so only the delivery of other requests
 on that replica waits. The figures: ``docs/benchmarks/kv_transfer_probes.md``.
 
 The thread polls in-flight transfers and notifications 0.1 ms apart while
-transfers are in flight, ``wait_poll_s`` while the owner waits for a notice, 5 ms when
-idle, and completes ``concurrent.futures.Future``s that the event loop awaits, so nothing
-spins on the engine's event loop. On CUDA a post waits for its layer's event here.
+transfers are in flight, ``notice_poll_s`` (default 1 ms) while the owner waits for a
+notice, 5 ms when idle, and completes ``concurrent.futures.Future``s that the event loop
+awaits, so nothing spins on the engine's event loop. A notice cannot wake this thread:
+NIXL 1.5's Python API has no blocking or callback form of ``get_new_notifs`` and exposes no
+file descriptor of UCX's worker to wait on (``nixl_agent``: ``get_new_notifs``,
+``update_notifs`` and ``check_remote_xfer_done`` all poll, and each call is also what
+progresses UCX, since NIXL's own progress thread is off, see ``__init__``), so a notice is
+seen at the next poll; ``notice_poll_s`` trades that delay against a core's time.
+
+On CUDA a post waits for its layer's event here (``PostQueue``): only ``query()``, never a
+synchronize of the event, the stream or the device.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -51,6 +60,15 @@ INLINE_POLL_S = 0.0005
 INLINE_CPU_POLL_S_PER_BYTE = 1e-9
 
 
+class LayerEvent(Protocol):
+    """A point in a compute stream's work (``torch.cuda.Event``; tests use a fake): recorded on
+    the current stream after a layer's kernels, then asked whether it has completed."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
 @dataclass
 class PostedAt:
     """When the progress thread posted a transfer (unix s; None until then): push layer timings."""
@@ -71,7 +89,40 @@ class Post:
     request_id: str
     future: concurrent.futures.Future
     posted_at: PostedAt | None = None  # set when posted
-    event: object | None = None  # CUDA: post only once this event has fired
+    event: LayerEvent | None = None  # CUDA: post only once this event has completed
+
+
+class PostQueue:
+    """Transfers waiting for the progress thread, in the order they were queued.
+
+    Invariant: a transfer is posted only once its event (layer i's compute, or the staging
+    copy after it) has completed, and never before one queued earlier: the head holds the
+    queue. So a push's layers are posted in layer order whatever order their events complete
+    in, and a READ queued behind a layer waits for it. Completion is asked with ``query()``
+    alone: nothing here waits on the device. Appended from any thread, popped by one.
+    """
+
+    def __init__(self) -> None:
+        self._posts: collections.deque[Post] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._posts)
+
+    def __len__(self) -> int:
+        return len(self._posts)
+
+    def append(self, post: Post) -> None:
+        self._posts.append(post)
+
+    def pop_ready(self) -> list[Post]:
+        """Remove and return the posts now due: the longest head run whose events have completed."""
+        ready: list[Post] = []
+        while self._posts:
+            head = self._posts[0]
+            if head.event is not None and not head.event.query():
+                break
+            ready.append(self._posts.popleft())
+        return ready
 
 
 @dataclass
@@ -81,7 +132,7 @@ class _InFlight:
 
 
 class NixlWorker:
-    def __init__(self, name: str, local_mem_type: str = "DRAM") -> None:
+    def __init__(self, name: str, local_mem_type: str = "DRAM", notice_poll_s: float = WAIT_POLL_S) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
         # No NIXL progress thread: nixl's Python agent runs it with a zero delay, a thread
@@ -96,6 +147,7 @@ class NixlWorker:
         # (figures: docs/benchmarks/kv_transfer_probes.md).
         self.notices = nixl_agent(f"{name}.notices", config)
         self.local_mem_type = local_mem_type
+        self.notice_poll_s = notice_poll_s
         self.cuda_device: int | None = None  # the pool's GPU; None for a CPU pool
         self._bound = threading.local()  # per thread: the device made current there
         # descriptor lists built by the binding itself: ``get_xfer_descs`` only dispatches on
@@ -104,7 +156,7 @@ class NixlWorker:
         self._xfer_dlist = nixlBind.nixlXferDList
         self._segments = self.agent.nixl_mems
         self.lock = threading.Lock()
-        self._outbox: collections.deque[Post] = collections.deque()
+        self._outbox = PostQueue()
         # work a pull leaves for this thread: handles of READs that ended inline, notices
         # (deque appends are atomic; nothing is woken, a round comes within IDLE_POLL_S)
         self._releases: collections.deque[object] = collections.deque()
@@ -299,7 +351,7 @@ class NixlWorker:
         on_tick(now)
         if self._in_flight or self._outbox:
             return BUSY_POLL_S
-        return WAIT_POLL_S if waiting() else IDLE_POLL_S
+        return self.notice_poll_s if waiting() else IDLE_POLL_S
 
     def _flush_deferred(self) -> None:
         """Release handles and send notices that pulls left (``self.lock`` held)."""
@@ -309,12 +361,8 @@ class NixlWorker:
             self._send_notice(*self._notices_out.popleft())
 
     def _drain_outbox(self) -> None:
-        """Post queued transfers in order; a CUDA post waits for its layer's event."""
-        while self._outbox:
-            post = self._outbox[0]
-            if post.event is not None and not post.event.query():
-                return
-            self._outbox.popleft()
+        """Post queued transfers in order; a CUDA post waits for its layer's event (``PostQueue``)."""
+        for post in self._outbox.pop_ready():
             self._post_now(post)
 
     def _post_now(self, post: Post) -> None:

@@ -7,11 +7,20 @@
 #
 # The machine is expected to have python3 with torch (CUDA), transformers and cupy; what it
 # lacks (nixl, nixl-cu13, pydantic and its three dependencies) travels as wheels in .whl/
-# (git-ignored; `scripts/gpu_wheels.sh` fetches them). Each section has its own timeout; a
-# failing section is a table row, never the end of the script. Logs and JSON go to $OUT
+# (git-ignored; `scripts/gpu_wheels.sh` fetches them). Each section has its own timeout, cut
+# to what is left of the whole run's TOTAL_S (so the script ends within 4 minutes); a failing
+# or skipped section is a table row, never the end of the script. Logs and JSON go to $OUT
 # (default /tmp/gpu_check), at most 8 files.
+#
+# Sections: env; tests_gpu (pytest tests/gpu: engine vs transformers, CUDA-graph decode vs
+# eager, VRAM and pinned-host-staged KV over NIXL); engine (copy and matmul floors, decode
+# tok/s at batch 1 and 64 with and without CUDA graphs, prefill, for a 1B- and an 8B-class
+# Llama); kv (NIXL VRAM -> VRAM pull against raw READ, push tail, and the same pull and push
+# staged through pinned host buffers, transport.staging=host).
 set -u
 cd "$(dirname "$0")/.."
+STARTED=$(date +%s)
+TOTAL_S=${TOTAL_S:-235}
 
 LIMIT_BYTES=$((64 * 1024 * 1024))
 OUT=${OUT:-/tmp/gpu_check}
@@ -53,9 +62,16 @@ echo "|---|---|---|" >> "$SUMMARY"
 
 # section NAME TIMEOUT_S COMMAND...: run it, log to $OUT/NAME.log, add a summary row
 section() {
-  local name=$1 limit=$2 start rc result
+  local name=$1 limit=$2 start rc result left
   shift 2
   start=$(date +%s)
+  left=$((STARTED + TOTAL_S - start - 5))
+  if [ "$left" -lt 10 ]; then
+    echo "| $name | skipped: the run's ${TOTAL_S} s are spent | 0 |" >> "$SUMMARY"
+    echo "== $name: skipped (out of time)"
+    return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   case $rc in
@@ -67,13 +83,15 @@ section() {
   echo "== $name: $result"
 }
 
-section env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+section env 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
   transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")";
-  python3 -c "import nixl._api, pydantic; print(\"nixl\", nixl.__file__, \"pydantic\", pydantic.VERSION)"'
-section tests_gpu 75 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
-section engine 110 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
-section kv 80 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
+  python3 -c "import nixl._api, pydantic; print(\"nixl\", nixl.__file__, \"pydantic\", pydantic.VERSION)";
+  python3 -c "import cupy; print(\"cupy\", cupy.__version__, \"CUDA runtime\", cupy.cuda.runtime.runtimeGetVersion())" \
+    || echo "no cupy: staging uses torch pinned memory and streams"'
+section tests_gpu 90 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
+section engine 70 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
+section kv 75 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
 
 echo
 cat "$SUMMARY"
@@ -86,5 +104,5 @@ grep -E 'passed|failed|skipped|FAILED|ERROR|Error' "$OUT/tests_gpu.log" | tail -
 for name in engine kv; do
   echo
   echo "### $name"
-  grep -E '^\||failed|Error' "$OUT/$name.log" | tail -45
+  grep -E '^\||^## |failed|Error' "$OUT/$name.log" | tail -60
 done

@@ -1,5 +1,6 @@
 """NixlTransport on GPU memory: the byte-exact checks of tests/kv_transport/test_nixl_local.py
-(two agents in one process) with both pools as CUDA bfloat16 tensors, registered as VRAM.
+(two agents in one process) with both pools as CUDA bfloat16 tensors, registered as VRAM, and
+the same through pinned host staging buffers (``transport.staging=host``).
 
 The cross-process figures (raw READ against our pull, push tail) are in ``bench.gpu_kv``.
 """
@@ -87,28 +88,35 @@ def test_pull_copies_exact_blocks_and_releases_the_producer(pair):
     assert released.event.wait(5) and released.ids == ["r1"]
 
 
-def test_push_waits_for_each_layers_compute_and_delivers_exact_blocks(pair):
-    """Each layer's source blocks are written on a compute stream behind a GPU sleep, then
-    pushed: the write must wait for the layer's event, so the consumer gets the new bytes."""
-    producer, consumer, src, dst, _, _ = pair
-    fresh = _pool(2, seed=1)  # [layers, K/V, 2 blocks, ...]: what each layer's compute writes
+def _push_behind_gpu_sleeps(producer, consumer, src: torch.Tensor, fresh: torch.Tensor, rid: str):
+    """Push 3 layers of blocks 6-7 into the consumer's blocks 4-5, each layer's bytes written on a
+    compute stream behind ~1 ms of GPU sleep; returns (finish_push's stats, wait_push's completion)."""
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
 
     async def run():
-        dest = consumer.destination("chat:p", [4, 5], num_tokens=6)
+        dest = consumer.destination(rid, [4, 5], num_tokens=6)
         producer.begin_push(dest)
         for layer in range(3):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the layer's KV exists
                 src[layer, :, 6:8].copy_(fresh[layer])
-                producer.push_layer("chat:p", layer, [6, 7], start_index=0)
-        stats = await producer.finish_push("chat:p", first_token=42)
+                producer.push_layer(rid, layer, [6, 7], start_index=0)
+        stats = await producer.finish_push(rid, first_token=42)
         done = await consumer.wait_push(dest)
         return stats, done
 
-    stats, done = asyncio.run(run())
+    result = asyncio.run(run())
     torch.cuda.synchronize()
+    return result
+
+
+def test_push_waits_for_each_layers_compute_and_delivers_exact_blocks(pair):
+    """Each layer's source blocks are written on a compute stream behind a GPU sleep, then
+    pushed: the write must wait for the layer's event, so the consumer gets the new bytes."""
+    producer, consumer, src, dst, _, _ = pair
+    fresh = _pool(2, seed=1)  # [layers, K/V, 2 blocks, ...]: what each layer's compute writes
+    stats, done = _push_behind_gpu_sleeps(producer, consumer, src, fresh, "chat:p")
     assert done.first_token == 42
     assert torch.equal(dst[:, :, [4, 5]], fresh)
     assert torch.equal(src[:, :, [6, 7]], fresh)
@@ -116,3 +124,49 @@ def test_push_waits_for_each_layers_compute_and_delivers_exact_blocks(pair):
     assert stats.num_bytes == 3 * 2 * 2 * BLOCK_BYTES
     assert [t.layer for t in stats.layer_times] == [0, 1, 2]
     assert all(t.compute_end <= t.posted <= t.done for t in stats.layer_times)
+
+
+@pytest.fixture
+def staged_pair(monkeypatch):
+    """Both transports stage through pinned host buffers (``transport.staging=host``)."""
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_SAME_PROCESS", "y")
+    src, dst = _pool(8), _pool(6, fill=-1.0)
+    torch.cuda.synchronize()
+    options = dict(staging="host", staging_bytes=16 * 3 * 2 * BLOCK_BYTES)
+    with transport_pair(LAYOUT, src, dst, 5.0, producer_options=options, **options) as transports:
+        yield transports
+
+
+def test_staging_buffers_are_pinned_host_memory_published_as_dram(staged_pair):
+    producer, consumer, src, _, _, registry = staged_pair
+    info = registry.current("prod")
+    assert info.mem_type == "DRAM" and info.device_id == 0
+    assert info.pool_address == producer.staging.buffer.data_ptr() != src.data_ptr()
+    assert producer.staging.buffer.is_pinned() and not producer.staging.buffer.is_cuda
+    assert producer._worker.local_mem_type == "DRAM"
+    assert producer._worker.cuda_device == src.device.index  # the copies still run on the pool's GPU
+
+
+def test_staged_pull_copies_exact_blocks_and_returns_every_slot(staged_pair):
+    producer, consumer, src, dst, released, _ = staged_pair
+    handle = producer.export("r1", [2, 3, 4, 7], num_tokens=14, first_token=9)
+    stats = asyncio.run(consumer.fetch(handle, [0, 1, 2, 5]))
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:, :, [0, 1, 2, 5]], src[:, :, [2, 3, 4, 7]])
+    assert torch.all(dst[:, :, [3, 4]] == -1)
+    assert stats.num_bytes == 3 * 2 * 4 * BLOCK_BYTES
+    assert released.event.wait(5) and released.ids == ["r1"]
+    assert producer.staging.slots.num_free == consumer.staging.slots.num_free == 16
+
+
+def test_staged_push_copies_each_layer_after_its_compute_event(staged_pair):
+    """As the unstaged push test: each layer's blocks are written on a compute stream behind a
+    GPU sleep; the side stream's copy into the pinned buffer must wait for the layer's event."""
+    producer, consumer, src, dst, _, _ = staged_pair
+    fresh = _pool(2, seed=1)
+    stats, done = _push_behind_gpu_sleeps(producer, consumer, src, fresh, "chat:s")
+    assert done.first_token == 42
+    assert torch.equal(dst[:, :, [4, 5]], fresh)
+    assert torch.all(dst[:, :, :4] == -1)
+    assert stats.num_bytes == 3 * 2 * 2 * BLOCK_BYTES
+    assert producer.staging.slots.num_free == consumer.staging.slots.num_free == 16

@@ -15,12 +15,18 @@ from tests.waiting import CallRecorder
 
 @contextmanager
 def transport_pair(
-    layout: KVLayout, src: torch.Tensor, dst: torch.Tensor, timeout_s: float, **consumer_options
+    layout: KVLayout,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    timeout_s: float,
+    producer_options: dict | None = None,
+    **consumer_options,
 ) -> Iterator[tuple[NixlTransport, NixlTransport, torch.Tensor, torch.Tensor, CallRecorder, LocalPeerRegistry]]:
     """``(producer, consumer, src, dst, released, registry)``: ``src`` is the producer's pool,
-    ``dst`` the consumer's; ``released`` records the producer's released request ids."""
+    ``dst`` the consumer's; ``released`` records the producer's released request ids. Options
+    (``staging``, ...) go to each side's ``NixlTransport``."""
     registry = LocalPeerRegistry()
-    producer = NixlTransport("prod", layout, registry, kv_transfer_timeout_s=timeout_s)
+    producer = NixlTransport("prod", layout, registry, kv_transfer_timeout_s=timeout_s, **(producer_options or {}))
     consumer = NixlTransport("cons", layout, registry, kv_transfer_timeout_s=timeout_s, **consumer_options)
     released = CallRecorder()
     try:

@@ -1,0 +1,211 @@
+"""CUDA graphs for decode steps: one kernel launch per step instead of one per op.
+
+An eager decode step on a GPU is bound by the host (every op of every layer launched from
+Python: docs/benchmarks/gpu.md). A graph captured once replays the whole step, the model
+and the LM head, as one launch. A graph fixes every shape and address it was captured
+with, so a step runs from *static* inputs, filled in place before each replay, and is
+padded up to fixed sizes:
+
+* the batch to the smallest captured batch size that holds it (1, 2, 4, ..., 64);
+* each sequence's block table to a power-of-two number of blocks (at most the pool's),
+  padded with block 0 and masked past the sequence's length, as the eager path masks.
+
+One step's static inputs are one flat int64 device tensor (one host-to-device copy)::
+
+    [ token ids (B) | positions (B) | slots (B) | lengths (B) | block tables (B x num_blocks) ]
+
+Padding rows repeat row 0: the same token at the same position writes the same K/V to the
+same slot, so the duplicate writes of ``index_copy_`` agree and no other sequence's KV is
+touched (the pool has no scratch block). Their logits are computed and dropped.
+
+Only pure decode steps replay (every chunk one sampled token over cached context; with
+layer hooks, none computing a prompt token: a push's per-layer hook must run in Python, and
+``ModelRunner`` checks that). Anything else, or a batch or context beyond the largest size,
+runs eagerly. Graphs are captured on first use of each (batch,
+blocks) size, after warm-up runs on a side stream, into one memory pool shared by all.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES as DEFAULT_BATCH_SIZES
+from engine.scheduler import ScheduledChunk
+
+WARMUP_RUNS = 2  # eager runs before a capture (lazy initialisations, allocator state)
+
+
+def batch_bucket(num_seqs: int, batch_sizes: Sequence[int]) -> int | None:
+    """The smallest size in ``batch_sizes`` (sorted) that holds ``num_seqs``; None: none does."""
+    i = bisect.bisect_left(batch_sizes, num_seqs)
+    return batch_sizes[i] if i < len(batch_sizes) and num_seqs > 0 else None
+
+
+def blocks_bucket(num_blocks: int, max_blocks: int) -> int | None:
+    """Blocks per sequence a graph gathers: the next power of two, at most ``max_blocks`` (the
+    pool's); None when ``num_blocks`` itself is more."""
+    if num_blocks > max_blocks or num_blocks < 1:
+        return None
+    return min(1 << (num_blocks - 1).bit_length(), max_blocks)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    num_blocks: int
+
+
+def graph_key(chunks: Sequence[ScheduledChunk], block_size: int, batch_sizes: Sequence[int], max_blocks: int):
+    """The graph a step replays on, or None when it must run eagerly (see the module docstring)."""
+    if not chunks or not all(c.is_decode and c.sample for c in chunks):
+        return None
+    batch = batch_bucket(len(chunks), batch_sizes)
+    num_blocks = blocks_bucket(-(-max(c.start_pos + 1 for c in chunks) // block_size), max_blocks)
+    if batch is None or num_blocks is None:
+        return None
+    return GraphKey(batch, num_blocks)
+
+
+def decode_inputs(chunks: Sequence[ScheduledChunk], key: GraphKey, block_size: int) -> list[int]:
+    """The step's flat static inputs (layout in the module docstring), padded to ``key``:
+    rows past ``len(chunks)`` repeat row 0, tables past a sequence's blocks hold block 0."""
+    rows = list(chunks) + [chunks[0]] * (key.batch - len(chunks))
+    ids, positions, slots, lengths, tables = [], [], [], [], []
+    for c in rows:
+        pos = c.start_pos
+        ids.append(c.token_ids[0])
+        positions.append(pos)
+        slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
+        lengths.append(pos + 1)
+        table = list(c.block_ids[: key.num_blocks])
+        tables.extend(table + [0] * (key.num_blocks - len(table)))
+    return ids + positions + slots + lengths + tables
+
+
+class StaticDecode:
+    """One graph's static inputs on the device, as views of one flat buffer."""
+
+    def __init__(self, key: GraphKey, block_size: int, device: torch.device) -> None:
+        b, n = key.batch, key.num_blocks
+        self.key = key
+        self.inputs = torch.zeros(4 * b + b * n, dtype=torch.int64, device=device)
+        self.token_ids, self.positions, self.slots, self.lengths = (self.inputs[i * b : (i + 1) * b] for i in range(4))
+        self.block_tables = self.inputs[4 * b :].view(b, n)
+        self.context = torch.arange(n * block_size, device=device)
+        # a 4-D mask makes transformers' mask builder return at once: it would otherwise look
+        # for packed sequences in the positions, a host sync (paged attention masks by itself)
+        self.model_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def decode_mask(self) -> torch.Tensor:
+        """``[batch, 1, 1, num_blocks * block_size]``: True at each sequence's own positions."""
+        b = self.key.batch
+        return (self.context[None, :] < self.lengths[:, None]).view(b, 1, 1, -1)
+
+
+class BaseGraph(Protocol):
+    """A captured step: ``capture(fn)`` returns ``fn``'s output tensor, which each ``replay()``
+    refills from the static inputs' current values."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def replay(self) -> None: ...
+
+
+class TorchCudaGraph:
+    """``torch.cuda.CUDAGraph``, warmed up on a side stream, captured into a shared memory pool."""
+
+    def __init__(self, pool: object) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._pool = pool
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        # thread_local: other threads (the KV transport's copies and event queries) go on
+        # during a capture; only this thread's unsafe calls would break it
+        with torch.cuda.graph(self._graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+@dataclass
+class _Captured:
+    static: StaticDecode
+    graph: BaseGraph
+    logits: torch.Tensor  # [batch, vocab] float32, refilled by each replay
+
+
+class DecodeGraphs:
+    """Decode steps replayed from graphs, one per ``GraphKey``, captured on first use.
+
+    ``forward(static)`` runs the model and LM head on a ``StaticDecode`` (the runner gives
+    it); ``graph_type(pool)`` makes a graph (default ``TorchCudaGraph``; CPU tests give a
+    fake, as there is no GPU there).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[StaticDecode], torch.Tensor],
+        device: torch.device,
+        block_size: int,
+        max_blocks: int,
+        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        graph_type: Callable[[object], BaseGraph] | None = None,
+    ) -> None:
+        if graph_type is None and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"CUDA graph batch sizes must be positive, got {list(batch_sizes)}")
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._forward = forward
+        self._device = device
+        self._graph_type = graph_type or TorchCudaGraph
+        self._pool = torch.cuda.graph_pool_handle() if graph_type is None else None
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self.num_replays = 0
+
+    @property
+    def captured(self) -> list[GraphKey]:
+        return list(self._graphs)
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """The step's logits ``[len(chunks), vocab]`` (float32, chunk order) from a graph, or
+        None when this step must run eagerly."""
+        key = graph_key(chunks, self.block_size, self.batch_sizes, self.max_blocks)
+        if key is None:
+            return None
+        host = torch.tensor(decode_inputs(chunks, key, self.block_size), dtype=torch.int64)
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._capture(key, host)
+        else:
+            captured.static.inputs.copy_(host, non_blocking=True)
+            captured.graph.replay()
+        self.num_replays += 1
+        return captured.logits[: len(chunks)].clone()  # the next replay overwrites the static output
+
+    def _capture(self, key: GraphKey, host: torch.Tensor) -> _Captured:
+        """Capture ``key``'s graph on this step's inputs; warm-up runs and the replay below
+        write this step's K/V into its own slots, the same values each time."""
+        static = StaticDecode(key, self.block_size, self._device)
+        static.inputs.copy_(host)
+        graph = self._graph_type(self._pool)
+        logits = graph.capture(lambda: self._forward(static))
+        captured = _Captured(static, graph, logits)
+        graph.replay()  # capture records the kernels without running them
+        self._graphs[key] = captured
+        return captured

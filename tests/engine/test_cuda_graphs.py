@@ -1,0 +1,126 @@
+"""CUDA-graph decode on CPU: which steps replay and at what padded size, the static inputs
+exactly, and the whole replay path (static buffers, padding rows, masks) through the real
+engine with ``FakeCudaGraph`` standing in for the GPU's graph. tests/gpu has the real one."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from engine.config import EngineConfig, EngineSettings
+from engine.core import EngineCore
+from engine.cuda_graphs import DecodeGraphs, GraphKey, batch_bucket, blocks_bucket, decode_inputs, graph_key
+from engine.params import GenerationRequest
+from engine.scheduler import ScheduledChunk
+from tests.engine.conftest import greedy, run_to_completion, tiny_loaded
+
+SIZES = (1, 2, 4, 8)
+
+
+class FakeCudaGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` (there is no GPU here): ``capture`` runs the step
+    once and keeps it, ``replay`` runs it again on the static inputs' current values and
+    writes the captured output tensor in place, as a real replay does."""
+
+    def __init__(self, pool: object) -> None:
+        self.fn = None
+        self.out: torch.Tensor | None = None
+        self.num_replays = 0
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+        self.num_replays += 1
+
+
+def _decode(rid: str, pos: int, blocks: tuple[int, ...], token: int = 7) -> ScheduledChunk:
+    return ScheduledChunk(rid, (token,), pos, blocks, sample=True)
+
+
+def test_batches_pad_up_to_the_next_size_and_larger_ones_run_eagerly():
+    assert [batch_bucket(n, SIZES) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert batch_bucket(0, SIZES) is None
+    assert [blocks_bucket(n, 100) for n in (1, 2, 3, 5, 16, 17, 64, 65, 100)] == [1, 2, 4, 8, 16, 32, 64, 100, 100]
+    assert blocks_bucket(101, 100) is None
+
+
+def test_only_pure_decode_steps_replay():
+    decode = [_decode("a", 20, (3, 4)), _decode("b", 40, (5, 6, 9))]  # 21 and 41 tokens: 2 and 3 blocks
+    assert graph_key(decode, 16, SIZES, 100) == GraphKey(batch=2, num_blocks=4)
+    prefill = ScheduledChunk("c", (1, 2, 3), 0, (8,), sample=True)
+    assert graph_key([*decode, prefill], 16, SIZES, 100) is None
+    unsampled = ScheduledChunk("d", (5,), 9, (8,), sample=False)
+    assert graph_key([*decode, unsampled], 16, SIZES, 100) is None
+    assert graph_key([_decode(str(i), 3, (i,)) for i in range(9)], 16, SIZES, 100) is None  # 9 > 8
+    assert graph_key([_decode("long", 16 * 100, tuple(range(101)))], 16, SIZES, 100) is None  # 101 blocks
+
+
+def test_static_inputs_are_padded_with_row_zero_and_block_zero():
+    chunks = [_decode("a", 17, (3, 4), token=11), _decode("b", 5, (9,), token=12), _decode("c", 33, (1, 2, 6), 13)]
+    key = graph_key(chunks, 16, SIZES, 100)
+    assert key == GraphKey(batch=4, num_blocks=4)
+    flat = decode_inputs(chunks, key, 16)
+    assert flat[:4] == [11, 12, 13, 11]  # token ids: the padding row repeats row 0
+    assert flat[4:8] == [17, 5, 33, 17]  # positions
+    assert flat[8:12] == [4 * 16 + 1, 9 * 16 + 5, 6 * 16 + 1, 4 * 16 + 1]  # slots: row 0's again
+    assert flat[12:16] == [18, 6, 34, 18]  # context lengths
+    assert flat[16:] == [3, 4, 0, 0, 9, 0, 0, 0, 1, 2, 6, 0, 3, 4, 0, 0]  # tables, 4 blocks each
+
+
+def test_graphs_need_a_cuda_device_or_a_given_graph_type_and_valid_sizes():
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
+        DecodeGraphs(lambda s: s, torch.device("cpu"), 16, 10)
+    with pytest.raises(ValueError, match="batch sizes must be positive"):
+        DecodeGraphs(lambda s: s, torch.device("cpu"), 16, 10, (0, 4), graph_type=FakeCudaGraph)
+    with pytest.raises(pydantic.ValidationError, match="cuda_graph_batch_sizes"):
+        EngineSettings(cuda_graph_batch_sizes=(0, 2))
+    assert EngineSettings().graph_batch_sizes() == (1, 2, 4, 8, 16, 32, 64)
+    assert EngineSettings(cuda_graph_batch_sizes=(8, 1, 8)).graph_batch_sizes() == (1, 8)
+    assert EngineSettings(cuda_graphs=False).graph_batch_sizes() is None
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], num_tokens: list[int]) -> dict[str, list[int]]:
+    requests = [GenerationRequest(f"r{i}", tuple(p), greedy(n)) for i, (p, n) in enumerate(zip(prompts, num_tokens))]
+    outputs = run_to_completion(core, {0: requests})
+    return {rid: [t for out in outs for t in out.token_ids] for rid, outs in outputs.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_replayed_decode_gives_the_eager_tokens(make_engine, family):
+    """Three sequences that end one after another (batches of 3, 2 and 1, padded to 4, 2 and 1)
+    and whose contexts cross block boundaries: every decode step replays, and the tokens are
+    the eager engine's."""
+    loaded, twin = tiny_loaded(family)
+    prompts = [[(5 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 14, 28))]
+    num_tokens = [8, 16, 24]
+    eager = _generate(make_engine(twin, block_size=8, max_model_len=256), prompts, num_tokens)
+    core = make_engine(loaded, block_size=8, max_model_len=256)
+    core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph)
+    replayed = _generate(core, prompts, num_tokens)
+    assert replayed == eager
+    assert [len(tokens) for tokens in replayed.values()] == num_tokens
+    graphs = core.runner.graphs
+    assert {k.batch for k in graphs.captured} == {4, 2, 1}
+    assert {k.num_blocks for k in graphs.captured} == {4, 8}  # the longest context: 29 to 51 tokens
+    assert graphs.num_replays == core.num_model_steps - 1  # every step but the prompts' one
+
+
+def test_with_a_layer_hook_prompt_steps_run_eagerly_and_decode_steps_replay(make_engine):
+    """A push's layer hook writes prompt chunks: those steps run eagerly and call it; decode
+    steps (no prompt token) still replay, calling no hook (a graph runs no Python)."""
+    loaded, _ = tiny_loaded("llama")
+    core = make_engine(loaded, block_size=8, max_model_len=256)
+    core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph)
+    seen: list[tuple[int, bool]] = []
+    core.runner.add_layer_hook(lambda layer, chunks: seen.append((layer, chunks[0].in_prompt)))
+    _generate(core, [[1, 2, 3, 4, 5]], [4])
+    assert seen == [(0, True), (1, True), (2, True)]  # the prompt's step only
+    assert core.runner.graphs.num_replays == core.num_model_steps - 1 == 3
+    core.runner.use_cuda_graphs(None)
+    assert core.runner.graphs is None
+    assert EngineConfig().cuda_graphs is True

@@ -1,0 +1,60 @@
+"""Decode steps replayed from CUDA graphs give the eager engine's tokens (the same model on
+the same GPU), by tests/same_output.py's rule: a padded batch and an always-present mask may
+change the last bits of a logit, never more than a near-tie. CPU tests of the padding and of
+the replay path with a fake graph: tests/engine/test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from tests.gpu.test_cuda_engine import DTYPES, requests, run_to_completion, tiny_pair
+from tests.same_output import assert_same_output
+from tests.same_output import trace_from_outputs as trace_of
+
+pytestmark = pytest.mark.cuda
+
+CONFIG = dict(max_model_len=512, block_size=8, kv_cache_bytes=16 << 20, max_num_seqs=8)
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16")])
+def test_graph_replayed_decode_gives_the_eager_tokens(cuda, family, dtype):
+    loaded, _ = tiny_pair(family, DTYPES[dtype], cuda)
+    twin = copy.deepcopy(loaded)
+    eager = EngineCore(twin, EngineConfig(**CONFIG))
+    eager.runner.use_cuda_graphs(None)
+    graphed = EngineCore(loaded, EngineConfig(**CONFIG))
+    graphed.runner.use_cuda_graphs((1, 2, 4, 8))
+    batch = requests(f"{family}-eager")
+    expected = run_to_completion(eager, batch)
+    got = run_to_completion(graphed, requests(f"{family}-eager"))
+    for request in batch:
+        rid = request.request_id
+        label = f"{family} {dtype} {rid}"
+        assert_same_output(trace_of(expected[rid]), trace_of(got[rid]), exact=False, label=label)
+    graphs = graphed.runner.graphs
+    # five prompts (1 to 300 tokens) decode together, padded to 8, then fewer as they end
+    assert max(k.batch for k in graphs.captured) == 8
+    assert {k.batch for k in graphs.captured} <= {1, 2, 4, 8}
+    assert max(k.num_blocks for k in graphs.captured) == 64  # 300 + 32 tokens: 42 blocks of 8
+    assert graphs.num_replays > 0
+    torch.cuda.synchronize()
+
+
+def test_graphs_are_on_by_default_on_cuda_and_padding_rows_touch_no_other_block(cuda):
+    loaded, _ = tiny_pair("llama", torch.bfloat16, cuda)
+    core = EngineCore(loaded, EngineConfig(**CONFIG))
+    assert core.runner.graphs is not None
+    before = core.pool.tensor.clone()
+    batch = requests("pad")[:3]  # three sequences: padded to 4 by repeating the first
+    outputs = run_to_completion(core, batch)
+    assert all(out[-1].finish_reason.value == "length" for out in outputs.values())
+    assert core.runner.graphs.num_replays > 0
+    # only the blocks the three requests used changed (their blocks are free again, contents stay)
+    changed = (core.pool.tensor != before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
+    used = -(-(1 + 32) // 8) + -(-(5 + 32) // 8) + -(-(40 + 32) // 8)
+    assert len(changed) <= used
