@@ -14,7 +14,16 @@ writes ``planner/calibration/cpu-2core.json`` (``planner.costs.load_calibration`
 * interference: a batch-8 decode step with the other core idle and beside a process
   prefilling distinct 400-token prompts back to back (as ``bench.elastic``'s floor, whose
   prompt repeats and so hits the prefix cache); the slowdown is the simulator's
-  ``SystemSpec.interference``.
+  ``SystemSpec.interference``;
+* the serving stack (``--stack``, also run by default after the rest): each system of
+  ``bench.compare`` the check compares (colocated, disagg-pull) served in its own local Ray
+  cluster, one request at a time on the idle app (prompts of ``STACK_LENGTHS`` tokens, 32
+  output tokens, medians of 3 after a warm-up): its TTFT against the engine's prefill (and the
+  transfer) gives the stack's ``ttft_s`` (intercept) and ``prefill_factor`` (slope), its TPOT
+  over the engine's batch-1 step its ``decode_factor``; then 24 requests, one every 0.5 s: the
+  CPU every process but the
+  engine replicas used (the cluster's and this client's, from ``/proc``) per streamed token is
+  its ``cpu_s_per_token`` (``planner.costs.ServingStack``). Its prompts are not the check's.
 
 Shapes are measured in two rounds, the second in reverse order, and medians kept: the
 machine's speed drifts within minutes (docs/benchmarks/engine.md).
@@ -33,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from planner.costs import DEFAULT_CALIBRATION, load_calibration, save_calibration
 
 MAX_MODEL_LEN = 512
@@ -47,6 +58,10 @@ MIXED = ((4, 128, 128), (4, 128, 384), (8, 224, 256))  # (decodes, their prompt 
 TRANSFER_BLOCKS = (1, 4, 16, 32, 64)
 REPEATS = 3
 ROUNDS = 2
+STACK_LENGTHS = (48, 200, 400)
+STACK_SYSTEMS = {"colocated": "colocated", "disaggregated": "disagg-pull"}  # kind -> bench.compare system
+STACK_OUTPUT = 32
+STACK_LOAD = (24, 0.5, 64, 48)  # requests, seconds between them, prompt tokens, output tokens
 
 
 def _core():
@@ -247,6 +262,120 @@ def _subprocess_json(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def measure_stack(data: dict) -> dict:
+    """The serving stack's share per system kind (module docstring), against ``data``'s engine fits."""
+    from bench.compare import COMMON, SYSTEMS, Server
+    from bench.compare import MAX_MODEL_LEN as SERVED_LEN
+    from bench.serve import Target, uncontended
+    from planner.costs import calibrated_cost
+    from workloads import BenchRequest, PromptBuilder
+
+    cost = calibrated_cost(data)
+    builder = PromptBuilder(_tokenizer())
+    assert max(STACK_LENGTHS) + STACK_OUTPUT <= SERVED_LEN
+    kinds = {}
+    for kind, system in STACK_SYSTEMS.items():
+        application, extra = SYSTEMS[system]
+        probes = []
+        with Server(application, {**COMMON, **extra, "engine.enable_prefix_caching": "false"}, index=0) as server:
+            target = Target(server.url, server.model())
+            for number, length in enumerate(STACK_LENGTHS):
+                prompt = builder.summarization(length, 7919 * (number + 1))
+                served = uncontended(target, BenchRequest(prompt, length, STACK_OUTPUT), max_tokens=STACK_OUTPUT)
+                probes.append(_stack_probe(cost, kind, length, served))
+                print(f"  {system} {length} tokens: {probes[-1]}", file=sys.stderr, flush=True)
+            load = _stack_cpu(server.url, target, builder)
+            print(f"  {system} under load: {load}", file=sys.stderr, flush=True)
+        kinds[kind] = {"system": system, "cores": os.cpu_count() or 1, "probes": probes, "load": load}
+        kinds[kind].update(fit_stack(kinds[kind]))
+    return {
+        "source": "served app, one request at a time: TTFT = ttft_s + prefill_factor x the engine's prefill"
+        " (+ transfer), least squares over the prompt lengths; TPOT = decode_factor x the engine's batch-1"
+        f" step (median); under load ({STACK_LOAD[0]} requests, one every {STACK_LOAD[1]} s): CPU of every"
+        " process of the cluster and the client but the engine replicas, per streamed token",
+        "kinds": kinds,
+    }
+
+
+def fit_stack(kind: dict) -> dict:
+    """``planner.costs.ServingStack``'s fields from one kind's recorded probes and load run:
+    TTFT = hops + factor x engine TTFT (least squares; a factor below 1, i.e. noise, is taken
+    as 1 with the hops the median excess), TPOT = factor x engine step (median ratio)."""
+    probes = kind["probes"]
+    engine = [p["ttft_s"] - p["ttft_extra_s"] for p in probes]
+    served = [p["ttft_s"] for p in probes]
+    slope, hops = (float(c) for c in np.polyfit(engine, served, 1)) if len(probes) > 1 else (1.0, 0.0)
+    if slope < 1.0:
+        slope, hops = 1.0, statistics.median(s - e for s, e in zip(served, engine))
+    decode = statistics.median(p["tpot_s"] / (p["tpot_s"] - p["tpot_extra_s"]) for p in probes)
+    return {
+        "ttft_s": round(max(hops, 0.0), 5),
+        "prefill_factor": round(slope, 4),
+        "decode_factor": round(max(decode, 1.0), 4),
+        "cpu_s_per_token": kind["load"]["cpu_s_per_token"],
+    }
+
+
+def _stack_cpu(url: str, target, builder) -> dict:
+    """CPU seconds per streamed token of everything but the engine replicas (the proxy, the
+    ingress, Serve's controller, Ray's daemons, this client), under a load of distinct
+    requests; the engines' pids from ``GET /admin/kv``."""
+    import asyncio
+
+    import httpx
+
+    from bench.planner_check import cpu_ticks
+    from bench.serve import run
+    from workloads import BenchRequest
+
+    count, every, length, output = STACK_LOAD
+    engines = [r["pid"] for r in httpx.get(f"{url}/admin/kv", timeout=10).json()["replicas"] if r["live"]]
+    requests = [BenchRequest(builder.summarization(length, 104729 * (i + 1)), length, output) for i in range(count)]
+    before, engines_before = cpu_ticks(), _ticks(engines)
+    records, duration = asyncio.run(run(target, requests, [i * every for i in range(count)], progress=False))
+    after, engines_after = cpu_ticks(), _ticks(engines)
+    tick = os.sysconf("SC_CLK_TCK")
+    stack_s = (after[1] - before[1] - (engines_after - engines_before)) / tick
+    tokens = sum(r.usage_output_tokens or len(r.chunks) for r in records if r.ok)
+    return {
+        "engine_pids": engines,
+        "seconds": round(duration, 2),
+        "tokens": tokens,
+        "engines_cpu_s": round((engines_after - engines_before) / tick, 2),
+        "stack_cpu_s": round(stack_s, 2),
+        "cpu_s_per_token": round(stack_s / max(tokens, 1), 6),
+    }
+
+
+def _ticks(pids: list[int]) -> int:
+    """utime + stime of ``pids`` (clock ticks)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def _stack_probe(cost, kind: str, length: int, served: dict) -> dict:
+    engine_ttft = cost.prefill_s(length)
+    if kind == "disaggregated":
+        engine_ttft += cost.transfer_s(length * cost.kv_bytes_per_token)
+    mid_context = length + STACK_OUTPUT // 2
+    return {
+        "prompt_tokens": length,
+        "ttft_s": round(served["ttft_s"], 5),
+        "tpot_s": round(served["tpot_s"], 6),
+        "ttft_extra_s": round(served["ttft_s"] - engine_ttft, 5),
+        "tpot_extra_s": round(served["tpot_s"] - cost.decode_step_s(1, mid_context), 6),
+    }
+
+
+def _tokenizer():
+    from engine.loader import ModelSpec, load_tokenizer
+
+    return load_tokenizer(ModelSpec())
+
+
 def calibrate(command: str) -> dict:
     from bench.goodput_report import machine
 
@@ -290,15 +419,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--interference-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stack", action="store_true", help="measure only the serving stack, into --out's file")
+    parser.add_argument("--refit-stack", action="store_true", help="refit --out's stack from its recorded probes")
     args = parser.parse_args(argv)
+    if args.refit_stack:
+        data = json.loads(Path(args.out).read_text())
+        for kind in data["stack"]["kinds"].values():
+            kind.pop("relay_s_per_token", None)  # an earlier model's field
+            kind.update(fit_stack(kind))
+        save_calibration(data, Path(args.out))
+        print(f"refitted {args.out}: {load_calibration(args.out).stacks}", file=sys.stderr)
+        return
     if args.engine_worker or args.interference_worker:
         print(json.dumps(engine_worker() if args.engine_worker else measure_interference()))
         return
     command = "python -m bench.calibrate_planner" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    path = save_calibration(calibrate(command), Path(args.out))
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if args.stack else calibrate(command)
+    print("serving stack (through the served app)...", file=sys.stderr, flush=True)
+    data["stack"] = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **measure_stack(data)}
+    path = save_calibration(data, out)
     cost = load_calibration(path)
     print(
-        f"wrote {path}: decode {cost.decode}, transfer {cost.transfer}, interference {cost.interference}",
+        f"wrote {path}: decode {cost.decode}, transfer {cost.transfer}, interference {cost.interference},"
+        f" stack {cost.stacks}",
         file=sys.stderr,
     )
 

@@ -43,13 +43,14 @@ NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
 def system_spec(system: str, calibration: Path) -> SystemSpec:
     """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core each)."""
     cost = load_calibration(calibration)
-    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference)
+    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=cost.stack("colocated"))
     if system == "colocated":
         return base
     if system == "colocated-chunked":
         return replace(base, chunked_prefill=True, max_num_batched_tokens=256)
     if system == "disagg-pull":
-        return replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1)
+        stack = cost.stack("disaggregated")
+        return replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1, stack=stack)
     raise SystemExit(f"no simulated twin of {system!r} (colocated, colocated-chunked, disagg-pull)")
 
 

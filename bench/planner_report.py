@@ -133,6 +133,13 @@ def _calibration_lines(path: str) -> list[str]:
         f"| {len(raw['transfer'])} |",
         f"| interference | {cost.interference:+.1%} on a step started while another replica computes | 1 floor run |",
     ]
+    for kind, stack in sorted(cost.stacks.items()):
+        probes = raw["stack"]["kinds"][kind].get("probes", [])
+        lines.append(
+            f"| serving stack, {kind} | TTFT + {stack.ttft_s * 1e3:.0f} ms; prefill x {stack.prefill_factor:.2f},"
+            f" decode x {stack.decode_factor:.2f}; {stack.cpu_s_per_token * 1e3:.1f} ms CPU per streamed token"
+            f" on {stack.cores} shared cores | {len(probes)} idle-app probes, 1 load run |"
+        )
     mixed = raw.get("mixed", [])
     if mixed:
         checks = ", ".join(

@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="configurations to print")
     p.add_argument("--out", type=Path, help="write appconfig.yaml and rayservice-snippet.yaml here")
     p.add_argument("--colocated", action="store_true", help="also rank colocated replicas (both phases)")
+    p.add_argument(
+        "--colocated-scheduler",
+        choices=("mixed", "prefill-first"),
+        default="mixed",
+        help="colocated steps: this engine's (mixed) or vLLM 0.2's prefill-first (a reference, not servable)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -56,7 +62,8 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         max_gpus=args.max_gpus,
         max_model_len=args.max_model_len or min(shape.max_position_embeddings, 8192),
         target=args.attainment,
-        colocated=args.colocated,
+        colocated=args.colocated or args.colocated_scheduler != "mixed",
+        colocated_scheduler=args.colocated_scheduler,
         seed=args.seed,
     )
 
@@ -72,6 +79,7 @@ def table(result: Plan, top: int) -> str:
     lines = [head]
     for i, c in enumerate(result.ranked[:top], 1):
         servable = "yes" if c.servable else "not servable yet (TP>1)"
+        servable = "reference (vLLM 0.2 steps)" if c.prefill_first else servable
         lines.append(
             f"{i:>2} {c.label:<34} {c.num_gpus:>5} {c.goodput_per_gpu:>11.3f} {_fmt(c.simulated_rate, '8.2f')}"
             f" {_fmt(c.attainment, '6.1%')} {_fmt(c.ttft_p90_s, '8.3f')}s {_fmt(c.tpot_p90_s, '8.4f')}s  {servable}"

@@ -17,6 +17,18 @@ The fits, and why each has its shape:
   is read once (``c``); ``d`` is the step the CPU engine takes from one row to two, where its
   products switch from matrix-vector kernels to oneDNN's packed weights (``engine/cpu_matmul.py``).
 * KV transfer: least squares ``per_transfer_s + bytes / bytes_per_s``.
+* serving stack (``ServingStack``, per system kind, measured through the served app): what the
+  served replica, the HTTP proxy, the ingress, Serve's token streaming and the client add to
+  the engine's own costs. One request at a time on the idle app, TTFT = ``ttft_s`` +
+  ``prefill_factor`` x the engine's prefill (and transfer), fitted over three prompt lengths,
+  and TPOT = ``decode_factor`` x the engine's batch-1 step: a served replica computes slower
+  than the bare engine (its process also runs Serve's event loop, Ray's core worker, the
+  transport's progress thread and the metrics, on the same core), and the hops add a fixed
+  time in front of the first token. Under load, ``cpu_s_per_token`` is the CPU every process
+  but the engine replicas spends per streamed token, and ``cores`` the cores they all share:
+  the simulator slows every step by ``(busy replicas + that CPU demand) / cores`` when above 1
+  (processor sharing). None of it applies on GPUs, where the stack runs on host cores the
+  engines do not compute on.
 """
 
 from __future__ import annotations
@@ -126,6 +138,34 @@ class PiecewiseLinear:
 
 
 @dataclass(frozen=True)
+class ServingStack:
+    """The serving stack's share of a request's latency (module docstring): a fixed time in
+    front of every first token, the served engine's slowdown per phase, and the CPU the
+    processes around the engines take from the shared cores under load."""
+
+    ttft_s: float = 0.0
+    prefill_factor: float = 1.0
+    decode_factor: float = 1.0
+    cpu_s_per_token: float = 0.0  # CPU of the processes around the engines, per streamed token
+    cores: int = 0  # cores the engines and the stack share (0: not shared)
+
+    @classmethod
+    def of(cls, data: dict[str, Any] | None) -> ServingStack:
+        if not data:
+            return cls()
+        return cls(
+            float(data["ttft_s"]),
+            float(data.get("prefill_factor", 1.0)),
+            float(data.get("decode_factor", 1.0)),
+            float(data.get("cpu_s_per_token", 0.0)),
+            int(data.get("cores", 0)),
+        )
+
+
+NO_STACK = ServingStack()
+
+
+@dataclass(frozen=True)
 class CalibratedCost:
     """A ``CostModel`` fitted to a recorded calibration (one replica of the served engine).
 
@@ -139,6 +179,7 @@ class CalibratedCost:
     kv_bytes_per_token_: int
     kv_capacity_tokens_: int
     interference: float = 0.0  # measured slowdown of one replica's step while another computes
+    stacks: dict[str, ServingStack] = field(default_factory=dict, compare=False)  # per system kind
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def prefill_s(self, batch_tokens: int) -> float:
@@ -170,6 +211,10 @@ class CalibratedCost:
     def transfer_bytes_per_s(self) -> float:
         return 1.0 / self.transfer.coefs[0] if self.transfer.coefs[0] > 0 else float("inf")
 
+    def stack(self, kind: str) -> ServingStack:
+        """The serving stack measured for ``kind`` (``colocated`` / ``disaggregated``); none if not measured."""
+        return self.stacks.get(kind, NO_STACK)
+
     def with_kv_cache_bytes(self, kv_cache_bytes: int, block_size: int = 16) -> CalibratedCost:
         """The same costs with another KV pool size (whole blocks, as the engine sizes it)."""
         bytes_per_block = self.kv_bytes_per_token_ * block_size
@@ -194,6 +239,7 @@ def calibrated_cost(data: dict[str, Any]) -> CalibratedCost:
         kv_bytes_per_token_=int(engine["kv_bytes_per_token"]),
         kv_capacity_tokens_=int(engine["kv_capacity_tokens"]),
         interference=float(data.get("interference", {}).get("value", 0.0)),
+        stacks={kind: ServingStack.of(part) for kind, part in data.get("stack", {}).get("kinds", {}).items()},
         raw=data,
     )
 

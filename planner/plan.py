@@ -78,6 +78,9 @@ class PlanRequest:
     target: float = 0.9  # SLO attainment (DistServe: 90%)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     colocated: bool = False  # also rank colocated replicas (with and without chunked prefill)
+    # the colocated replicas' scheduler: this engine's (decodes and prompts mixed in a step) or
+    # "prefill-first", vLLM 0.2's (DistServe's baseline; a reference, never servable here)
+    colocated_scheduler: Literal["mixed", "prefill-first"] = "mixed"
     phase_requests: int = 400  # requests per simulation when measuring one replica (at least; up to 4x)
     phase_seconds: float = 30.0  # ... or this many seconds of arrivals
     verify_requests: int = 3000  # requests per full-scale simulation of a finalist
@@ -118,6 +121,7 @@ class Candidate:
     decode_tp: int = 0
     decode_replicas: int = 0
     chunked_prefill: bool = False
+    prefill_first: bool = False  # colocated with vLLM 0.2's scheduler (a reference, not servable)
     prefill_goodput: float = 0.0  # req/s of one replica (colocated: of one colocated replica)
     decode_goodput: float = 0.0
     attainment: float | None = None
@@ -142,13 +146,14 @@ class Candidate:
 
     @property
     def servable(self) -> bool:
-        """The engine runs it today: no tensor parallelism in any pool."""
-        return self.prefill_tp == 1 and self.decode_tp in (0, 1)
+        """The engine runs it today: no tensor parallelism in any pool, this engine's scheduler."""
+        return self.prefill_tp == 1 and self.decode_tp in (0, 1) and not self.prefill_first
 
     @property
     def label(self) -> str:
         if self.kind == "colocated":
             chunked = "+chunked" if self.chunked_prefill else ""
+            chunked += "(prefill-first)" if self.prefill_first else ""
             return f"colocated{chunked} {self.prefill_replicas}x TP{self.prefill_tp}"
         return f"P {self.prefill_replicas}x TP{self.prefill_tp} : D {self.decode_replicas}x TP{self.decode_tp}"
 
@@ -164,7 +169,9 @@ class Plan:
 
 
 # -- step 1: one replica of each phase ------------------------------------------------------
-def _spec(request: PlanRequest, kind: Kind, prefill: CostModel, decode: CostModel, chunked: bool = False):
+def _spec(
+    request: PlanRequest, kind: Kind, prefill: CostModel, decode: CostModel, chunked: bool = False, first: bool = False
+):
     return SystemSpec(
         kind=kind,
         prefill_replicas=1,
@@ -172,6 +179,7 @@ def _spec(request: PlanRequest, kind: Kind, prefill: CostModel, decode: CostMode
         prefill_cost=prefill,
         decode_cost=decode,
         chunked_prefill=chunked,
+        prefill_first=first,
         max_num_batched_tokens=request.batched_tokens,
         max_num_seqs=request.max_num_seqs,
     )
@@ -225,10 +233,12 @@ def phase_goodputs(request: PlanRequest) -> list[PhaseGoodput]:
         system = _spec(request, "disaggregated", IdealPhase(cost), cost)
         out.append(PhaseGoodput("decode", tp, _goodput(request, system, both, target, decode_bound)))
         if request.colocated:
-            for chunked in (False, True):
-                system = _spec(request, "colocated", cost, cost, chunked)
+            first = request.colocated_scheduler == "prefill-first"
+            for chunked in (False,) if first else (False, True):
+                system = _spec(request, "colocated", cost, cost, chunked, first)
                 rate = _goodput(request, system, both, request.target, min(prefill_bound, decode_bound))
-                out.append(PhaseGoodput("colocated-chunked" if chunked else "colocated", tp, rate))
+                phase = "colocated-prefill-first" if first else "colocated-chunked" if chunked else "colocated"
+                out.append(PhaseGoodput(phase, tp, rate))
     return out
 
 
@@ -262,8 +272,8 @@ def _colocated(request: PlanRequest, c: PhaseGoodput) -> Candidate | None:
         n = (request.max_gpus or 0) // c.tp
     if n < 1:
         return None
-    chunked = c.phase == "colocated-chunked"
-    return Candidate("colocated", c.tp, n, chunked_prefill=chunked, prefill_goodput=c.goodput)
+    chunked, first = c.phase == "colocated-chunked", c.phase == "colocated-prefill-first"
+    return Candidate("colocated", c.tp, n, chunked_prefill=chunked, prefill_first=first, prefill_goodput=c.goodput)
 
 
 def combine(request: PlanRequest, phases: Sequence[PhaseGoodput]) -> list[Candidate]:
@@ -289,7 +299,7 @@ def _system(request: PlanRequest, c: Candidate) -> SystemSpec:
     prefill = RooflineCost(request.shape, request.hardware, c.prefill_tp)
     decode = RooflineCost(request.shape, request.hardware, c.decode_tp or c.prefill_tp)
     return replace(
-        _spec(request, c.kind, prefill, decode, c.chunked_prefill),
+        _spec(request, c.kind, prefill, decode, c.chunked_prefill, c.prefill_first),
         prefill_replicas=c.prefill_replicas,
         decode_replicas=c.decode_replicas,
     )
@@ -363,6 +373,8 @@ def app_config(plan_: Plan, candidate: Candidate, model_source: str) -> dict:
     """The ``AppConfig`` (``app/settings.py``) fields for a servable candidate, as plain data:
     the pools' replica counts, one GPU each, pinned by ``prefill_node`` / ``decode_node``; the
     KV pool the roofline leaves after the weights; the SLOs; fixed pools (the plan sized them)."""
+    if candidate.prefill_first:
+        raise ValueError(f"{candidate.label} steps as vLLM 0.2 did, a reference only: this engine mixes its steps")
     if not candidate.servable:
         raise ValueError(f"{candidate.label} needs tensor parallelism, which the engine lacks: not servable yet")
     request = plan_.request

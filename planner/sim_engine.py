@@ -66,7 +66,7 @@ class Replica:
     __slots__ = (
         "index", "role", "home", "cost", "queue", "prefilling", "joining", "kv_wait", "num_running", "ctx",
         "steps", "finishes", "kv_used", "busy", "starting", "bounds", "chunks", "version", "in_flight",
-        "queued_tokens", "segment_steps",
+        "queued_tokens", "segment_steps", "prompts_only", "token_rate",
     )  # fmt: skip
 
     def __init__(self, index: int, role: str, cost: CostModel) -> None:
@@ -86,6 +86,8 @@ class Replica:
         self.in_flight = 0  # requests routed here and not done with it (the router's load)
         self.queued_tokens = 0  # prompt tokens queued or prefilling here
         self.segment_steps = SEGMENT_STEPS[0]  # the next decode segment's length at most
+        self.prompts_only = False  # the step in progress runs prompts alone (prefill-first scheduler)
+        self.token_rate = 0.0  # tokens/s its step in progress streams (the serving stack's CPU load)
 
     @property
     def decoding(self) -> int:
@@ -103,6 +105,7 @@ class Simulation:
         self.seq = itertools.count()
         self.rng = random.Random(0)
         self.num_busy, self.num_done = 0, 0
+        self.token_rate = 0.0  # tokens/s all replicas' steps in progress stream
         self.records: list[SimRecord | None] = [None] * len(ordered)
         if system.kind == "colocated":
             self.prefill = [Replica(i, BOTH, system.prefill_cost) for i in range(system.prefill_replicas)]
@@ -213,9 +216,10 @@ class Simulation:
 
     def done(self, req: Req, now: float) -> None:
         req.done_s = now
-        ttft = req.first_s - req.arrival
+        hops = self.system.stack.ttft_s  # the serving stack's fixed share, in front of the first token
+        ttft = req.first_s - req.arrival + hops
         tpot = (now - req.first_s) / (req.output - 1) if req.output > 1 else None
-        self.records[req.index] = SimRecord(req.prompt, req.output, req.arrival, ttft, tpot, now - req.arrival)
+        self.records[req.index] = SimRecord(req.prompt, req.output, req.arrival, ttft, tpot, now - req.arrival + hops)
         self.num_done += 1
         if self.elastic is not None:
             self.elastic.finished(req, now)
@@ -246,17 +250,42 @@ class Simulation:
         replica.joining.clear()
         chunks, prompt_tokens = self.plan_prompts(replica)
         if not chunks and replica.num_running == 0:
+            self.set_token_rate(replica, 0.0)
             return
-        factor = 1.0 + self.system.interference if self.num_busy > 0 else 1.0
         replica.busy, replica.chunks = True, chunks
+        replica.prompts_only = bool(chunks) and self.system.prefill_first
+        decodes = 0 if replica.prompts_only else replica.num_running
+        stack = self.system.stack
+        if chunks:
+            step_s = mixed_step_s(replica.cost, decodes, replica.ctx if decodes else 0, prompt_tokens)
+            served = stack.prefill_factor
+        else:
+            step_s = replica.cost.decode_step_s(decodes, replica.ctx)
+            served = stack.decode_factor
+        self.set_token_rate(replica, decodes / (step_s * served))
+        factor = self.slowdown() * served
         self.num_busy += 1
         if chunks:
-            step_s = mixed_step_s(replica.cost, replica.num_running, replica.ctx, prompt_tokens)
             replica.bounds = [now + step_s * factor]
         else:
             replica.bounds = self.decode_segment(replica, now, factor)
         replica.version += 1
         self.push(replica.bounds[-1], STEP_END, replica, replica.version)
+
+    def set_token_rate(self, replica: Replica, rate: float) -> None:
+        self.token_rate += rate - replica.token_rate
+        replica.token_rate = rate
+
+    def slowdown(self) -> float:
+        """The factor on a step starting now: the interference of another busy replica, times
+        the cores' over-subscription by the busy replicas and the serving stack's CPU demand
+        (processor sharing; ``ServingStack.cpu_s_per_token`` and ``cores``)."""
+        factor = 1.0 + self.system.interference if self.num_busy > 0 else 1.0
+        stack = self.system.stack
+        if stack.cores and stack.cpu_s_per_token:
+            demand = self.num_busy + 1 + stack.cpu_s_per_token * self.token_rate
+            factor *= max(1.0, demand / stack.cores)
+        return factor
 
     def decode_segment(self, replica: Replica, now: float, factor: float) -> list[float]:
         steps = min(replica.finishes[0][0] - replica.steps, replica.segment_steps)
@@ -271,7 +300,7 @@ class Simulation:
         already prefilling, then waiting ones in FIFO order within the token budget,
         ``max_num_seqs`` and (for requests decoding here) the KV pool."""
         system = self.system
-        budget = system.max_num_batched_tokens - replica.num_running
+        budget = system.max_num_batched_tokens - (0 if system.prefill_first else replica.num_running)
         chunked = system.chunked_prefill
         chunks: list[tuple[Req, int]] = []
         for req in replica.prefilling:
@@ -301,7 +330,7 @@ class Simulation:
         if len(replica.bounds) == replica.segment_steps:  # a whole segment ran uncut: plan longer ones
             replica.segment_steps = min(2 * replica.segment_steps, SEGMENT_STEPS[1])
         self.num_busy -= 1
-        if replica.num_running:
+        if replica.num_running and not replica.prompts_only:
             self.advance(replica, len(replica.bounds), now)
         if replica.chunks:
             self.prompts_done(replica, now)

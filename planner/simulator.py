@@ -18,10 +18,17 @@ the autoscaler's lending):
   while the token budget, ``max_num_seqs`` and the KV pool allow, so prompts and decodes share
   steps. Without chunked prefill a prompt runs whole (it waits until it fits the budget left);
   with it, prompts are cut to the budget left and continue in the next steps. A step's time is
-  the cost of its mix (``mixed_step_s``).
+  the cost of its mix (``mixed_step_s``). ``prefill_first`` models vLLM 0.2's scheduler instead
+  (the baseline of DistServe's figures): prompts run in steps of their own while the decodes
+  wait.
 * **interference** (``SystemSpec.interference``): a replica's step starts ``1 + interference``
   times slower while any other replica is computing; on this 2-core machine all replicas and
   the Serve processes share the cores. 0 on separate GPUs.
+* **serving stack** (``SystemSpec.stack``, ``planner.costs.ServingStack``): a fixed time added
+  to every TTFT (the HTTP and Serve hops in front of the first token); the served engine's
+  slowdown against the bare one (steps with prompt tokens x ``prefill_factor``, decode steps
+  x ``decode_factor``); and processor sharing of ``cores`` between the busy replicas and the
+  stack's CPU per streamed token. Measured through the served app; none by default.
 * **elastic** (``SystemSpec.policy``): every ``policy.interval_s`` the autoscaler's own pure
   ``decide`` runs on a snapshot of the simulated replicas and lends / reclaims prefill
   replicas; a lent replica (role ``both``) keeps taking prompts and takes whole decode-heavy
@@ -32,7 +39,7 @@ the autoscaler's lending):
 
 Not modelled anywhere: preemption (a request's whole KV is reserved at admission), prefix
 caching, network contention between transfers, HTTP and Serve overheads beyond the
-interference factor. All choices are deterministic (a seeded generator breaks router ties).
+serving-stack terms and the interference factor. All choices are deterministic (a seeded generator breaks router ties).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from planner.costs import CostModel
+from planner.costs import NO_STACK, CostModel, ServingStack
 
 if TYPE_CHECKING:
     from autoscaling.policy import Policy
@@ -68,10 +75,14 @@ class SystemSpec:
     prefill_cost: CostModel
     decode_cost: CostModel
     chunked_prefill: bool = False  # colocated only
+    # colocated only: vLLM <= 0.2's scheduler (DistServe's baseline): a step runs the waiting
+    # prompts it can admit alone, the running decodes wait; decodes step when none can be admitted
+    prefill_first: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     interference: float = 0.0  # slowdown of a step while another replica computes (0 on separate GPUs)
     policy: Policy | None = None  # elastic lending per an autoscaling policy (disaggregated only)
+    stack: ServingStack = NO_STACK  # the serving stack's share (calibrated on shared CPU cores; 0 on GPUs)
 
     @property
     def num_replicas(self) -> int:

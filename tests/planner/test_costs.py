@@ -90,7 +90,8 @@ def test_the_recorded_calibration_fits_its_own_points() -> None:
     """planner/calibration/cpu-2core.json (measured with bench.calibrate_planner): prefill passes
     through every token count's median (drift aside), the decode fit is within 20% of each
     (batch, context) shape's median over the rounds (10% for the median shape), the transfer
-    line within 30% of each size's time."""
+    line within 30% (or 0.5 ms: one sub-millisecond transfer's jitter on this machine) of each
+    size's time."""
     cost: CalibratedCost = load_calibration(DEFAULT_CALIBRATION)
     data = cost.raw
     assert {"command", "machine", "prefill", "decode", "transfer", "interference"} <= set(data)
@@ -106,6 +107,6 @@ def test_the_recorded_calibration_fits_its_own_points() -> None:
         errors.append(abs(cost.decode_step_s(batch, context) / seconds - 1))
     assert statistics.median(errors) < 0.1
     for point in data["transfer"]:
-        assert cost.transfer_s(point["bytes"]) == pytest.approx(point["seconds"], rel=0.3)
+        assert cost.transfer_s(point["bytes"]) == pytest.approx(point["seconds"], rel=0.3, abs=5e-4)
     assert 0.0 <= cost.interference < 1.0
     assert cost.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4  # the default model: layers x K/V x heads x dim x fp32

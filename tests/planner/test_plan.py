@@ -59,9 +59,9 @@ def test_distserve_disaggregation_beats_colocation(opt66b_plan):
     4.3x vLLM's rate per GPU; the planner ranks a disaggregated configuration first, well ahead
     of the best colocated one. Figure 8 (chatbot): colocation's TPOT suffers from the prefills
     batched with the decodes; the planner's best disaggregated configuration has the lower TPOT p90.
-    (On chatbot the planner's colocated replicas, modelled on this engine's decode-first mixed
-    steps rather than vLLM 0.2's prefill-first steps, come within a few percent of disaggregation
-    in goodput per GPU: see docs/planner.md.)"""
+    (On chatbot the planner's colocated replicas come within a few percent of disaggregation in
+    goodput per GPU, with this engine's mixed steps and with vLLM 0.2's prefill-first ones alike:
+    see docs/planner.md.)"""
     ranked, workload = opt66b_plan.ranked, opt66b_plan.request.workload
     disaggregated, colocated = _best(ranked, "disaggregated"), _best(ranked, "colocated")
     assert disaggregated.tpot_p90_s < colocated.tpot_p90_s
@@ -70,6 +70,30 @@ def test_distserve_disaggregation_beats_colocation(opt66b_plan):
     if workload == "summarization":
         assert ranked[0].kind == "disaggregated"
         assert ratio > 1.3
+
+
+def test_distserve_baseline_scheduler_is_a_reference_never_a_servable_plan() -> None:
+    """``colocated_scheduler="prefill-first"`` simulates vLLM 0.2's steps (DistServe's baseline)
+    for comparison only: on summarization disaggregation still leads it, and no prefill-first
+    configuration is offered as servable (this engine mixes prompts and decodes)."""
+    ttft, tpot = DISTSERVE_SLO["summarization"]
+    asked = PlanRequest(
+        shape=model_shape(OPT_66B),
+        hardware=load_hardware("a100"),
+        workload="summarization",
+        ttft_slo_s=ttft,
+        tpot_slo_s=tpot,
+        max_gpus=128,
+        max_model_len=2048,
+        colocated=True,
+        colocated_scheduler="prefill-first",
+    )
+    ranked = plan(asked).ranked
+    baseline = [c for c in ranked if c.kind == "colocated"]
+    assert baseline and all(c.prefill_first and not c.servable for c in baseline)
+    assert "(prefill-first)" in baseline[0].label
+    assert ranked[0].kind == "disaggregated"
+    assert ranked[0].goodput_per_gpu > 1.3 * baseline[0].goodput_per_gpu
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autoscaling.policy import Scaling, load_policy
-from planner.costs import calibrated_cost, load_calibration
+from planner.costs import DEFAULT_CALIBRATION, ServingStack, calibrated_cost, load_calibration
 from planner.sim_engine import mixed_step_s
 from planner.simulator import SimRequest, SystemSpec, goodput, simulate
 from workloads import sim_requests
@@ -101,6 +101,19 @@ def test_colocated_prompt_waits_for_the_step_boundary_then_shares_the_step() -> 
     assert records[1].ttft_s == pytest.approx(boundary + mixed - 0.4)
 
 
+def test_prefill_first_scheduler_runs_a_prompt_alone_while_the_decodes_wait() -> None:
+    """vLLM 0.2's scheduler (DistServe's baseline): B arrives during A's first decode step; at
+    that step's end B's prompt runs in a step of its own (A's decode waits), where this
+    engine's scheduler would run A's decode in the same step."""
+    requests = [SimRequest(0.0, 100, 4), SimRequest(0.32, 100, 2)]
+    boundary = prefill(100) + step(1, 101)  # A's first token, then its first decode step
+    a, b = simulate(colocated(prefill_first=True), requests).records
+    assert b.ttft_s == pytest.approx(boundary + prefill(100) - 0.32)
+    mixed_a, mixed_b = simulate(colocated(), requests).records
+    assert mixed_b.ttft_s == pytest.approx(boundary + mixed_step_s(COST, 1, 102, 100) - 0.32)
+    assert a.e2e_s > mixed_a.e2e_s  # A's decode stalled for B's whole prompt
+
+
 def test_chunked_prefill_cuts_prompts_to_the_budget() -> None:
     (record,) = simulate(colocated(chunked_prefill=True, max_num_batched_tokens=64), [SimRequest(0.0, 100, 2)]).records
     assert record.ttft_s == pytest.approx(prefill(64) + prefill(36))
@@ -116,6 +129,43 @@ def test_decode_kv_pool_full_makes_the_next_request_wait() -> None:
 def test_interference_slows_a_step_that_starts_while_another_replica_computes() -> None:
     records = simulate(colocated(2, interference=0.5), [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)]).records
     assert [r.ttft_s for r in records] == pytest.approx([prefill(100), 1.5 * prefill(100)])
+
+
+def test_serving_stack_adds_its_hops_to_ttft_and_slows_each_phase_by_its_factor() -> None:
+    """``ServingStack``: ``ttft_s`` once per request; steps with prompt tokens x
+    ``prefill_factor``, decode steps x ``decode_factor`` (the served replica's slowdown)."""
+    stack = ServingStack(ttft_s=0.25, prefill_factor=1.5, decode_factor=1.2)
+    (alone,) = simulate(colocated(stack=stack), [SimRequest(0.0, 100, 5)]).records
+    assert alone.ttft_s == pytest.approx(1.5 * prefill(100) + 0.25)
+    assert alone.tpot_s == pytest.approx(1.2 * sum(step(1, 101 + k) for k in range(4)) / 4)
+    assert alone.e2e_s == pytest.approx(alone.ttft_s + 4 * alone.tpot_s)
+    pair = simulate(disagg(stack=stack), [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3)]).records
+    both = 1.2 * (step(2, 202) + step(2, 204)) / 2  # two steps of two sequences, 101 then 102 KV each
+    assert [r.tpot_s for r in pair] == pytest.approx([both, both])
+    first = 1.5 * prefill(200) + transfer(100) + 0.25  # one prefill step of both prompts, then a pull each
+    assert [r.ttft_s for r in pair] == pytest.approx([first, first])
+
+
+def test_serving_stack_cpu_over_subscribes_the_cores_and_slows_every_step() -> None:
+    """Processor sharing: on one core, a replica streaming 1 / step(1, 101) tokens/s beside a
+    stack that spends 10 ms of CPU per token runs its steps ``1 + 0.01 / step`` slower; the
+    prompt's step streams nothing and is not slowed. Two cores leave room: no slowdown."""
+    one_core = ServingStack(cpu_s_per_token=0.01, cores=1)  # factors 1: the bare engine
+    (record,) = simulate(colocated(stack=one_core), [SimRequest(0.0, 100, 5)]).records
+    factor = 1 + 0.01 / step(1, 101)
+    assert record.ttft_s == pytest.approx(prefill(100))
+    assert record.tpot_s == pytest.approx(sum(step(1, 101 + k) for k in range(4)) * factor / 4)
+    (roomy,) = simulate(colocated(stack=replace(one_core, cores=2)), [SimRequest(0.0, 100, 5)]).records
+    assert roomy.tpot_s == pytest.approx(sum(step(1, 101 + k) for k in range(4)) / 4)
+
+
+def test_calibrated_stack_is_read_per_system_kind() -> None:
+    data = {**json.loads(DEFAULT_CALIBRATION.read_text())}
+    colocated_stack = {"ttft_s": 0.1, "prefill_factor": 1.3, "decode_factor": 1.2, "cpu_s_per_token": 0.003, "cores": 2}
+    data["stack"] = {"kinds": {"colocated": colocated_stack}}
+    cost = calibrated_cost(data)
+    assert cost.stack("colocated") == ServingStack(0.1, 1.3, 1.2, 0.003, 2)
+    assert cost.stack("disaggregated") == ServingStack()  # not measured: none
 
 
 def test_simulation_is_deterministic() -> None:
