@@ -6,8 +6,9 @@ For each system of ``bench.compare`` checked (``colocated``: 2 replicas doing bo
 system's goodput measured in docs/benchmarks/goodput.json, twice per rate (the same requests
 and arrivals: the spread of the two runs is this machine's run-to-run noise). The simulator,
 calibrated on this machine only (``planner/calibration/cpu-2core.json``, written by
-``bench.calibrate_planner`` from engine and transfer measurements, and its interference
-factor), predicts TTFT and TPOT p50 / p90 for the very same lengths and arrivals
+``bench.calibrate_planner`` from engine and transfer measurements, its interference
+factor and the serving stack measured through the served app), predicts TTFT and TPOT
+p50 / p90 for the very same lengths and arrivals
 (``workloads.sim_requests`` with the same seed). A prediction agrees when its error against
 the mean of the two runs is within max(15%, twice their spread). The app runs with prefix
 caching off: the runs repeat the same prompts, which a cache would serve from the previous run.
