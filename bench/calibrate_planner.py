@@ -20,7 +20,9 @@ writes ``planner/calibration/cpu-2core.json`` (``planner.costs.load_calibration`
   cluster, one request at a time on the idle app (prompts of ``STACK_LENGTHS`` tokens, 32
   output tokens, medians of 3 after a warm-up): its TTFT against the engine's prefill (and the
   transfer) gives the stack's ``ttft_s`` (intercept) and ``prefill_factor`` (slope), its TPOT
-  over the engine's batch-1 step its ``decode_factor``; then 24 requests, one every 0.5 s: the
+  over the engine's batch-1 step its ``decode_factor``; 2, then 4 requests of 200 tokens sent
+  at once (decoded as one batch; second of two rounds): their TPOT over the engine's step at
+  that batch its ``batched_decode_factors``; then 24 requests, one every 0.5 s: the
   CPU every process but the
   engine replicas used (the cluster's and this client's, from ``/proc``) per streamed token is
   its ``cpu_s_per_token`` (``planner.costs.ServingStack``). Its prompts are not the check's.
@@ -62,6 +64,8 @@ STACK_LENGTHS = (48, 200, 400)
 STACK_SYSTEMS = {"colocated": "colocated", "disaggregated": "disagg-pull"}  # kind -> bench.compare system
 STACK_OUTPUT = 32
 STACK_LOAD = (24, 0.5, 64, 48)  # requests, seconds between them, prompt tokens, output tokens
+STACK_BATCHES = (2, 4)  # requests sent at once (each a batched probe)
+STACK_BATCH_PROMPT = 200  # their prompt tokens
 
 
 def _core():
@@ -265,42 +269,77 @@ def _subprocess_json(args: list[str]) -> dict:
 def measure_stack(data: dict) -> dict:
     """The serving stack's share per system kind (module docstring), against ``data``'s engine fits."""
     from bench.compare import COMMON, SYSTEMS, Server
-    from bench.compare import MAX_MODEL_LEN as SERVED_LEN
-    from bench.serve import Target, uncontended
+    from bench.serve import Target
     from planner.costs import calibrated_cost
-    from workloads import BenchRequest, PromptBuilder
 
     cost = calibrated_cost(data)
-    builder = PromptBuilder(_tokenizer())
-    assert max(STACK_LENGTHS) + STACK_OUTPUT <= SERVED_LEN
     kinds = {}
     for kind, system in STACK_SYSTEMS.items():
         application, extra = SYSTEMS[system]
-        probes = []
         with Server(application, {**COMMON, **extra, "engine.enable_prefix_caching": "false"}, index=0) as server:
-            target = Target(server.url, server.model())
-            for number, length in enumerate(STACK_LENGTHS):
-                prompt = builder.summarization(length, 7919 * (number + 1))
-                served = uncontended(target, BenchRequest(prompt, length, STACK_OUTPUT), max_tokens=STACK_OUTPUT)
-                probes.append(_stack_probe(cost, kind, length, served))
-                print(f"  {system} {length} tokens: {probes[-1]}", file=sys.stderr, flush=True)
-            load = _stack_cpu(server.url, target, builder)
-            print(f"  {system} under load: {load}", file=sys.stderr, flush=True)
-        kinds[kind] = {"system": system, "cores": os.cpu_count() or 1, "probes": probes, "load": load}
-        kinds[kind].update(fit_stack(kinds[kind]))
+            kinds[kind] = probe_stack(server.url, Target(server.url, server.model()), cost, kind)
+        kinds[kind]["system"] = system
     return {
         "source": "served app, one request at a time: TTFT = ttft_s + prefill_factor x the engine's prefill"
         " (+ transfer), least squares over the prompt lengths; TPOT = decode_factor x the engine's batch-1"
-        f" step (median); under load ({STACK_LOAD[0]} requests, one every {STACK_LOAD[1]} s): CPU of every"
+        f" step (median), and at batches of {' and '.join(map(str, STACK_BATCHES))} (as many requests at once)"
+        f" x its step at that batch; under load ({STACK_LOAD[0]} requests, one every {STACK_LOAD[1]} s): CPU of every"
         " process of the cluster and the client but the engine replicas, per streamed token",
         "kinds": kinds,
     }
 
 
+def probe_stack(url: str, target, cost, kind: str) -> dict:
+    """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s
+    engine fits: the idle-app probes, the batched probe, the load run and their fit. The app
+    must run with prefix caching off (the probes repeat their prompts)."""
+    from bench.compare import MAX_MODEL_LEN as SERVED_LEN
+    from bench.serve import uncontended
+    from workloads import BenchRequest, PromptBuilder
+
+    builder = PromptBuilder(_tokenizer())
+    assert max(STACK_LENGTHS) + STACK_OUTPUT <= SERVED_LEN
+    probes = []
+    for number, length in enumerate(STACK_LENGTHS):
+        prompt = builder.summarization(length, 7919 * (number + 1))
+        served = uncontended(target, BenchRequest(prompt, length, STACK_OUTPUT), max_tokens=STACK_OUTPUT)
+        probes.append(_stack_probe(cost, kind, length, served))
+        print(f"  {kind} {length} tokens: {probes[-1]}", file=sys.stderr, flush=True)
+    batched = [_batched_probe(target, cost, builder, batch) for batch in STACK_BATCHES]
+    print(f"  {kind} batches: {batched}", file=sys.stderr, flush=True)
+    load = _stack_cpu(url, target, builder)
+    print(f"  {kind} under load: {load}", file=sys.stderr, flush=True)
+    probed = {"cores": os.cpu_count() or 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "probes": probes}
+    probed |= {"batched": batched, "load": load}
+    return probed | fit_stack(probed)
+
+
+def _batched_probe(target, cost, builder, batch: int) -> dict:
+    """``batch`` requests sent at once (prefilled together, then decoded as one batch): the
+    median TPOT of the second of two rounds (the first warms the batch's shapes up)."""
+    import asyncio
+
+    from bench.serve import run
+    from workloads import BenchRequest
+
+    length = STACK_BATCH_PROMPT
+    seeds = [15485863 * (i + 1) for i in range(batch)]
+    requests = [BenchRequest(builder.summarization(length, seed), length, STACK_OUTPUT) for seed in seeds]
+    for _ in range(2):
+        records, _ = asyncio.run(run(target, requests, [0.0] * batch, progress=False))
+    bad = [r.error for r in records if not r.ok]
+    if bad:
+        raise RuntimeError(f"batched probe failed: {bad[0]}")
+    tpot = statistics.median(r.tpot for r in records)
+    step = cost.decode_step_s(batch, batch * (length + STACK_OUTPUT // 2))
+    return {"batch": batch, "prompt_tokens": length, "tpot_s": round(tpot, 6), "engine_step_s": round(step, 6)}
+
+
 def fit_stack(kind: dict) -> dict:
     """``planner.costs.ServingStack``'s fields from one kind's recorded probes and load run:
     TTFT = hops + factor x engine TTFT (least squares; a factor below 1, i.e. noise, is taken
-    as 1 with the hops the median excess), TPOT = factor x engine step (median ratio)."""
+    as 1 with the hops the median excess), TPOT = factor x engine step (median ratio), and
+    per batched probe its TPOT over the engine's step at that batch (never below 1 either)."""
     probes = kind["probes"]
     engine = [p["ttft_s"] - p["ttft_extra_s"] for p in probes]
     served = [p["ttft_s"] for p in probes]
@@ -308,12 +347,18 @@ def fit_stack(kind: dict) -> dict:
     if slope < 1.0:
         slope, hops = 1.0, statistics.median(s - e for s, e in zip(served, engine))
     decode = statistics.median(p["tpot_s"] / (p["tpot_s"] - p["tpot_extra_s"]) for p in probes)
-    return {
+    fitted = {
         "ttft_s": round(max(hops, 0.0), 5),
         "prefill_factor": round(slope, 4),
         "decode_factor": round(max(decode, 1.0), 4),
         "cpu_s_per_token": kind["load"]["cpu_s_per_token"],
     }
+    batched = sorted(kind.get("batched", []), key=lambda probe: probe["batch"])
+    if batched:
+        fitted["batched_decode_factors"] = [
+            [probe["batch"], round(max(probe["tpot_s"] / probe["engine_step_s"], 1.0), 4)] for probe in batched
+        ]
+    return fitted
 
 
 def _stack_cpu(url: str, target, builder) -> dict:

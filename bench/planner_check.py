@@ -9,7 +9,11 @@ calibrated on this machine only (``planner/calibration/cpu-2core.json``, written
 ``bench.calibrate_planner`` from engine and transfer measurements, its interference
 factor and the serving stack measured through the served app), predicts TTFT and TPOT
 p50 / p90 for the very same lengths and arrivals
-(``workloads.sim_requests`` with the same seed). A prediction agrees when its error against
+(``workloads.sim_requests`` with the same seed). The serving stack's part is probed on each
+system's app just before its runs (``bench.calibrate_planner.probe_stack``: idle-app probes, a
+batch of 4, a short load run, all of their own prompts): this machine's speed drifts by more
+than the bound within minutes, so a stack probed at calibration time is reported beside it
+(``--file-stack`` skips the probe). A prediction agrees when its error against
 the mean of the two runs is within max(15%, twice their spread). The app runs with prefix
 caching off: the runs repeat the same prompts, which a cache would serve from the previous run.
 """
@@ -28,7 +32,7 @@ from pathlib import Path
 from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS, Server
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
-from planner.costs import DEFAULT_CALIBRATION, load_calibration
+from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
 from planner.simulator import SystemSpec, goodput, simulate
 from workloads import arrival_times, make_requests, median_request, sim_requests
 
@@ -41,17 +45,23 @@ MIN_BOUND = 0.15
 NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
 
 
-def system_spec(system: str, calibration: Path) -> SystemSpec:
-    """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core each)."""
+def stack_kind(system: str) -> str:
+    """The serving stack's kind (``planner.costs.ServingStack``) of one of ``bench.compare``'s systems."""
+    return "disaggregated" if system.startswith("disagg") else "colocated"
+
+
+def system_spec(system: str, calibration: Path, stack: dict | None = None) -> SystemSpec:
+    """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core
+    each), with the calibration's serving stack or ``stack`` (a probed stack's fields)."""
     cost = load_calibration(calibration)
-    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=cost.stack("colocated"))
+    served = ServingStack.of(stack) if stack else cost.stack(stack_kind(system))
+    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=served)
     if system == "colocated":
         return base
     if system == "colocated-chunked":
         return replace(base, chunked_prefill=True, max_num_batched_tokens=256)
     if system == "disagg-pull":
-        stack = cost.stack("disaggregated")
-        return replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1, stack=stack)
+        return replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1)
     raise SystemExit(f"no simulated twin of {system!r} (colocated, colocated-chunked, disagg-pull)")
 
 
@@ -61,13 +71,21 @@ def predict(spec: SystemSpec, workload: str, rate: float, num_requests: int, see
 
 
 def measure_system(system: str, workload: str, rates: list[float], options: argparse.Namespace) -> dict:
-    """Runs of ``system`` at each rate (``options.runs`` each), in one server session."""
+    """Runs of ``system`` at each rate (``options.runs`` each), in one server session; unless
+    ``options.file_stack``, the serving stack is probed on this app first (idle probes and a
+    short load run of their own prompts, ``bench.calibrate_planner.probe_stack``)."""
+    from bench.calibrate_planner import probe_stack
+
     application, extra = SYSTEMS[system]
     with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
         target = Target(server.url, server.model())
         requests = make_requests(workload, _tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
         idle = uncontended(target, median_request(requests))  # also warms the replicas up
         print(f"{system}: uncontended {idle}", file=sys.stderr)
+        probed = {}
+        if not options.file_stack:
+            cost = load_calibration(options.calibration)
+            probed = {"stack": probe_stack(server.url, target, cost, stack_kind(system))}
         points = []
         for rate in rates:
             offsets = arrival_times(len(requests), rate, seed=options.seed)
@@ -80,7 +98,7 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
                 runs[-1]["other_cores"] = other_cores(before, cpu_ticks())
                 print(f"  {system} {rate:.3g}/s run {number + 1}: {_short(summary)}", file=sys.stderr)
             points.append({"rate": rate, "runs": runs})
-        return {"uncontended": idle, "points": points}
+        return {"uncontended": idle, **probed, "points": points}
 
 
 def cpu_ticks() -> tuple[int, int, float]:
@@ -201,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--out", default=str(DOC))
     parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
+    parser.add_argument(
+        "--file-stack", action="store_true", help="do not probe the serving stack before the runs (the calibration's)"
+    )
     options = parser.parse_args(argv)
     from bench.planner_report import write_report
 
@@ -242,14 +263,18 @@ def measure(options: argparse.Namespace, calibration: Path) -> dict:
 
 
 def add_predictions(report: dict, calibration: Path) -> dict:
-    """Each point's prediction and comparison, from the calibration alone."""
+    """Each point's prediction and comparison: from the calibration's engine fits with the
+    serving stack probed on the app before its runs (when probed), and, as ``predicted_file``
+    / ``rows_file``, with the calibration file's own stack."""
     for system, data in report["systems"].items():
-        spec = system_spec(system, calibration)
+        specs = {"": system_spec(system, calibration, data.get("stack"))}
+        if data.get("stack"):
+            specs["_file"] = system_spec(system, calibration)
         for point in data["points"]:
-            point["predicted"] = predict(
-                spec, report["workload"], point["rate"], report["num_requests"], report["seed"]
-            )
-            point["rows"] = compare_point(point["runs"], point["predicted"])
+            for suffix, spec in specs.items():
+                predicted = predict(spec, report["workload"], point["rate"], report["num_requests"], report["seed"])
+                point["predicted" + suffix] = predicted
+                point["rows" + suffix] = compare_point(point["runs"], predicted)
     report["calibration"] = os.path.relpath(calibration)
     return report
 

@@ -21,7 +21,8 @@ The fits, and why each has its shape:
   served replica, the HTTP proxy, the ingress, Serve's token streaming and the client add to
   the engine's own costs. One request at a time on the idle app, TTFT = ``ttft_s`` +
   ``prefill_factor`` x the engine's prefill (and transfer), fitted over three prompt lengths,
-  and TPOT = ``decode_factor`` x the engine's batch-1 step: a served replica computes slower
+  and TPOT = ``decode_factor`` x the engine's batch-1 step (``batched_decode_factors`` at
+  batches 2 and 4, from as many requests sent at once, linear between): a served replica computes slower
   than the bare engine (its process also runs Serve's event loop, Ray's core worker, the
   transport's progress thread and the metrics, on the same core), and the hops add a fixed
   time in front of the first token. Under load, ``cpu_s_per_token`` is the CPU every process
@@ -148,6 +149,19 @@ class ServingStack:
     decode_factor: float = 1.0
     cpu_s_per_token: float = 0.0  # CPU of the processes around the engines, per streamed token
     cores: int = 0  # cores the engines and the stack share (0: not shared)
+    batched_decode_factors: tuple[tuple[int, float], ...] = ()  # (batch >= 2, factor), by batch
+
+    def decode_factor_at(self, batch: int) -> float:
+        """The served engine's slowdown on a decode step of ``batch`` sequences: linear between
+        the batches probed (``decode_factor`` at 1), the last one's beyond them."""
+        if batch <= 1 or not self.batched_decode_factors:
+            return self.decode_factor
+        below = (1, self.decode_factor)
+        for above in self.batched_decode_factors:
+            if batch <= above[0]:
+                return below[1] + (above[1] - below[1]) * (batch - below[0]) / (above[0] - below[0])
+            below = above
+        return below[1]
 
     @classmethod
     def of(cls, data: dict[str, Any] | None) -> ServingStack:
@@ -159,6 +173,7 @@ class ServingStack:
             float(data.get("decode_factor", 1.0)),
             float(data.get("cpu_s_per_token", 0.0)),
             int(data.get("cores", 0)),
+            tuple((int(b), float(f)) for b, f in data.get("batched_decode_factors", ())),
         )
 
 

@@ -261,7 +261,7 @@ class Simulation:
             served = stack.prefill_factor
         else:
             step_s = replica.cost.decode_step_s(decodes, replica.ctx)
-            served = stack.decode_factor
+            served = stack.decode_factor_at(decodes)
         self.set_token_rate(replica, decodes / (step_s * served))
         factor = self.slowdown() * served
         self.num_busy += 1

@@ -32,3 +32,20 @@ def test_a_served_app_faster_than_the_engine_is_taken_as_factor_one() -> None:
     fitted = fit_stack({"probes": probes, "load": {"cpu_s_per_token": 0.0}})
     assert fitted["prefill_factor"] == 1.0 and fitted["decode_factor"] == 1.0
     assert fitted["ttft_s"] == pytest.approx(0.02, abs=1e-5)  # median of 0.04, 0.02, -0.01
+
+
+def test_batched_probes_give_a_decode_factor_per_batch() -> None:
+    """2 requests at once decoded at 0.07 s a token where the engine's batch-2 step is 0.0625 s,
+    4 at 0.09 s against 0.075 s: x1.12 and x1.2 beside the batch-1 factor; none without probes."""
+    probes = [_probe(e, 0.05, 0.1 + 1.3 * e, 1.3 * 0.05) for e in (0.1, 0.3, 0.6)]
+    kind = {"probes": probes, "load": {"cpu_s_per_token": 0.0}}
+    assert "batched_decode_factors" not in fit_stack(kind)
+    kind["batched"] = [
+        {"batch": 4, "prompt_tokens": 200, "tpot_s": 0.09, "engine_step_s": 0.075},
+        {"batch": 2, "prompt_tokens": 200, "tpot_s": 0.07, "engine_step_s": 0.0625},
+    ]
+    fitted = fit_stack(kind)
+    assert fitted["batched_decode_factors"] == [[2, 1.12], [4, 1.2]]
+    assert fitted["decode_factor"] == pytest.approx(1.3, abs=1e-4)
+    kind["batched"][0]["tpot_s"] = 0.07  # faster than the bare engine: noise, factor 1
+    assert fit_stack(kind)["batched_decode_factors"] == [[2, 1.12], [4, 1.0]]

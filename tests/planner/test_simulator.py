@@ -146,6 +146,19 @@ def test_serving_stack_adds_its_hops_to_ttft_and_slows_each_phase_by_its_factor(
     assert [r.ttft_s for r in pair] == pytest.approx([first, first])
 
 
+def test_batched_decode_factors_slow_steps_by_their_batch() -> None:
+    """``batched_decode_factors`` on steps of 2+ sequences (linear between the probed batches,
+    the last beyond), ``decode_factor`` on batch-1 steps: two requests decode together, then
+    the longer one alone."""
+    stack = ServingStack(decode_factor=1.2, batched_decode_factors=((2, 1.5), (4, 2.0)))
+    assert [stack.decode_factor_at(b) for b in (1, 2, 3, 4, 9)] == [1.2, 1.5, 1.75, 2.0, 2.0]
+    short, long = simulate(colocated(1, stack=stack), [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 5)]).records
+    together = [1.5 * step(2, 202 + 2 * k) for k in range(2)]  # 101 + k KV each
+    assert short.tpot_s == pytest.approx(sum(together) / 2)
+    alone = [1.2 * step(1, 103 + k) for k in range(2)]
+    assert long.tpot_s == pytest.approx((sum(together) + sum(alone)) / 4)
+
+
 def test_serving_stack_cpu_over_subscribes_the_cores_and_slows_every_step() -> None:
     """Processor sharing: on one core, a replica streaming 1 / step(1, 101) tokens/s beside a
     stack that spends 10 ms of CPU per token runs its steps ``1 + 0.01 / step`` slower; the
