@@ -33,7 +33,7 @@ from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS, Server
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
-from planner.simulator import SystemSpec, goodput, simulate
+from planner.simulator import SystemSpec, goodput, simulate, uncontended_latency
 from workloads import arrival_times, make_requests, median_request, sim_requests
 
 DOC = Path("docs/benchmarks")
@@ -185,19 +185,30 @@ def simulator_speed(calibration: Path) -> dict:
     }
 
 
+def relative_slos(calibration: Path, prompt_tokens: int, multiples: dict[str, float]) -> dict[str, float]:
+    """``bench.compare``'s SLOs on the simulated machine: ``multiples`` (5x TTFT, 2x TPOT) of
+    the idle colocated system's uncontended latency (one request of the workload's median
+    prompt, 32 output tokens). Scaled to the calibration's own speed, as goodput.json's are to
+    the speed of the day it was measured on, so the two compare across days of a drifting machine."""
+    ttft, tpot = uncontended_latency(system_spec("colocated", calibration), prompt_tokens)
+    return {"ttft": multiples["ttft"] * ttft, "tpot": multiples["tpot"] * tpot}
+
+
 def simulated_goodputs(calibration: Path) -> dict:
-    """Per workload of goodput.json: each system's measured goodput and the simulator's, on the
-    workload's SLOs (5 x 80 requests a rate; the same method as tests/planner/test_simulator.py)."""
+    """Per workload of goodput.json: each system's measured goodput and the simulator's, on
+    SLOs defined as that benchmark defines them (``relative_slos``), 5 x 80 requests a rate
+    (the same method as tests/planner/test_simulator.py)."""
     measured = json.loads(GOODPUT.read_text())
     table = {}
     for workload, systems in measured["results"].items():
-        slo = measured["slo_s"][workload]
+        median = measured["calibration"][workload]["prompt_tokens"]
+        slo = relative_slos(calibration, median, measured["slo_multiples"])
 
         def make(rate: float, workload: str = workload) -> list:
             runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
             return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
 
-        table[workload] = {
+        table[workload] = {"slo_s": slo} | {
             system: {
                 "measured": systems[system]["goodput"]["rate"],
                 "bound": systems[system]["goodput"]["bound"],

@@ -116,15 +116,28 @@ def _ordering_lines(table: dict | None) -> list[str]:
         return []
     lines = [
         "",
-        "Goodput (req/s) on goodput.md's SLOs, measured there and simulated (5 x 80 requests a rate):",
+        "Goodput (req/s), measured in goodput.md and simulated, each on SLOs of 5x TTFT and 2x TPOT",
+        "of its own idle colocated system (measured there; simulated here, the workload's median prompt);",
+        "5 x 80 requests a rate:",
         "",
-        "| workload | system | measured | simulated |",
-        "|---|---|---|---|",
+        "| workload | simulated SLOs | system | measured | simulated | disagg-pull / colocated: measured, simulated |",
+        "|---|---|---|---|---|---|",
     ]
     for workload, systems in table.items():
-        for system, row in systems.items():
+        slo = systems.get("slo_s")
+        rows = {name: row for name, row in systems.items() if name != "slo_s"}
+        ratio = ""
+        if "disagg-pull" in rows and "colocated" in rows:
+            measured = rows["disagg-pull"]["measured"] / rows["colocated"]["measured"]
+            simulated = rows["disagg-pull"]["simulated"] / max(rows["colocated"]["simulated"], 1e-12)
+            ratio = f"{measured:.2f}x, {simulated:.2f}x"
+        slos = f"{slo['ttft']:.3g} s, {slo['tpot'] * 1e3:.0f} ms" if slo else ""
+        for system, row in rows.items():
             measured = ("&ge; " if row["bound"] == "at_least" else "") + f"{row['measured']:.3g}"
-            lines.append(f"| {workload} | {system} | {measured} | {row['simulated']:.3g} |")
+            lines.append(
+                f"| {workload} | {slos} | {system} | {measured} | {row['simulated']:.3g} |"
+                f" {ratio if system == 'disagg-pull' else ''} |"
+            )
     return lines
 
 

@@ -140,6 +140,13 @@ def simulate(system: SystemSpec, requests: Sequence[SimRequest]) -> SimResult:
     return Simulation(system, requests).run()
 
 
+def uncontended_latency(system: SystemSpec, prompt_tokens: int, output_tokens: int = 32) -> tuple[float, float]:
+    """(TTFT, TPOT) of one request alone on the idle ``system``: what ``bench.serve.uncontended``
+    measures, and what ``bench.compare`` scales into its SLOs (5x TTFT, 2x TPOT on colocated)."""
+    (record,) = simulate(system, [SimRequest(0.0, prompt_tokens, output_tokens)]).records
+    return record.ttft_s, record.tpot_s or 0.0
+
+
 def goodput(
     system: SystemSpec,
     make_requests: Callable[[float], Sequence[SimRequest]],

@@ -11,7 +11,7 @@ import pytest
 from autoscaling.policy import Scaling, load_policy
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, calibrated_cost, load_calibration
 from planner.sim_engine import mixed_step_s
-from planner.simulator import SimRequest, SystemSpec, goodput, simulate
+from planner.simulator import SimRequest, SystemSpec, goodput, simulate, uncontended_latency
 from workloads import sim_requests
 
 FROZEN = Path(__file__).parent / "goodput_frozen.json"
@@ -224,22 +224,31 @@ def test_goodput_finds_a_passing_rate() -> None:
 
 @pytest.mark.parametrize("workload", ["summarization", "code", "chatbot"])
 def test_colocated_vs_disaggregated_ordering_matches_this_machine(workload: str) -> None:
-    """bench.compare's systems on the recorded calibration (2 replicas of 1 core each): the
-    simulated goodput of colocated and disagg-pull order as measured (tests/planner/goodput_frozen.json)."""
+    """bench.compare's systems on the recorded calibration (2 replicas of 1 core each, with
+    the serving stack measured for each kind): the simulated goodput of colocated and
+    disagg-pull order as measured (tests/planner/goodput_frozen.json), each on SLOs made as
+    bench.compare makes them: the same multiples of the idle colocated system's uncontended
+    TTFT and TPOT (measured there, simulated here), so a calibration of a slower or faster day
+    of this machine compares with the frozen results."""
     frozen = json.loads(FROZEN.read_text())
     row = frozen["workloads"][workload]
     cost = load_calibration()
     measured = {name: row["goodput"][name]["rate"] for name in ("colocated", "disagg-pull")}
-    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference)
+    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=cost.stack("colocated"))
     systems = {
         "colocated": base,
-        "disagg-pull": replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1),
+        "disagg-pull": replace(
+            base, kind="disaggregated", prefill_replicas=1, decode_replicas=1, stack=cost.stack("disaggregated")
+        ),
     }
+    idle = row["uncontended"]
+    ttft, tpot = uncontended_latency(base, idle["prompt_tokens"])
+    slo = {"ttft": ttft * row["slo_s"]["ttft"] / idle["ttft_s"], "tpot": tpot * row["slo_s"]["tpot"] / idle["tpot_s"]}
+    assert slo["ttft"] / ttft == pytest.approx(5.0) and slo["tpot"] / tpot == pytest.approx(2.0)
 
     def make(rate: float):
         return [r for seed in range(5) for r in _shifted(sim_requests(workload, rate, 80, 512, seed=seed), seed)]
 
-    slo = row["slo_s"]
     simulated = {name: goodput(s, make, slo["ttft"], slo["tpot"], rel_tol=0.02) for name, s in systems.items()}
     assert (simulated["disagg-pull"] > simulated["colocated"]) == (measured["disagg-pull"] > measured["colocated"])
 
