@@ -57,30 +57,7 @@ def _body(report: dict) -> list[str]:
         *_calibration_lines(report["calibration"]),
     ]
     for system, data in report["systems"].items():
-        lines += ["", f"### {system} (measured goodput {data['goodput']:.3g} req/s)", ""]
-        idle = data.get("uncontended")
-        if idle:
-            lines += [
-                f"Uncontended (median prompt, {idle['prompt_tokens']} tokens, one at a time): TTFT "
-                f"{idle['ttft_s']:.3f} s, TPOT {idle['tpot_s'] * 1e3:.1f} ms.",
-                "",
-            ]
-        if data.get("stack"):
-            lines += [f"Serving stack probed on this app before its runs: {_stack_cell(data['stack'])}.", ""]
-        lines += [
-            "| rate (share of goodput) | metric | run 1 | run 2 | spread | predicted | error | bound | within |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for point, share in zip(data["points"], report["fractions"]):
-            for row in point["rows"]:
-                scale, unit = (1e3, "ms") if row["metric"].startswith("tpot") else (1.0, "s")
-                runs = " | ".join(f"{v * scale:.3g} {unit}" for v in row["measured"])
-                lines.append(
-                    f"| {point['rate']:.3g} ({share:.0%}) | {row['metric']} | {runs} | {row['spread']:.0%} | "
-                    f"{row['predicted'] * scale:.3g} {unit} | {row['error']:+.0%} | {row['bound']:.0%} | "
-                    f"{'yes' if row['within'] else 'no'} |"
-                )
-        lines += ["", *_ratio_line(data)]
+        lines += _system_lines(system, data, report["fractions"])
     speed = report.get("simulator_speed")
     if speed:
         lines += [
@@ -96,6 +73,34 @@ def _body(report: dict) -> list[str]:
         "![predicted against measured](planner.png)",
         "",
     ]
+
+
+def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
+    """One system's section: its idle latency, its probed stack, a row per point and metric."""
+    lines = ["", f"### {system} (measured goodput {data['goodput']:.3g} req/s)", ""]
+    idle = data.get("uncontended")
+    if idle:
+        lines += [
+            f"Uncontended (median prompt, {idle['prompt_tokens']} tokens, one at a time): TTFT "
+            f"{idle['ttft_s']:.3f} s, TPOT {idle['tpot_s'] * 1e3:.1f} ms.",
+            "",
+        ]
+    if data.get("stack"):
+        lines += [f"Serving stack probed on this app before its runs: {_stack_cell(data['stack'])}.", ""]
+    lines += [
+        "| rate (share of goodput) | metric | run 1 | run 2 | spread | predicted | error | bound | within |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for point, share in zip(data["points"], fractions):
+        for row in point["rows"]:
+            scale, unit = (1e3, "ms") if row["metric"].startswith("tpot") else (1.0, "s")
+            runs = " | ".join(f"{v * scale:.3g} {unit}" for v in row["measured"])
+            lines.append(
+                f"| {point['rate']:.3g} ({share:.0%}) | {row['metric']} | {runs} | {row['spread']:.0%} | "
+                f"{row['predicted'] * scale:.3g} {unit} | {row['error']:+.0%} | {row['bound']:.0%} | "
+                f"{'yes' if row['within'] else 'no'} |"
+            )
+    return [*lines, "", *_ratio_line(data)]
 
 
 def _ratio_line(data: dict) -> list[str]:
