@@ -22,10 +22,10 @@ writes ``planner/calibration/cpu-2core.json`` (``planner.costs.load_calibration`
   transfer) gives the stack's ``ttft_s`` (intercept) and ``prefill_factor`` (slope), its TPOT
   over the engine's batch-1 step its ``decode_factor``; 2, then 4 requests of 200 tokens sent
   at once (decoded as one batch; second of two rounds): their TPOT over the engine's step at
-  that batch its ``batched_decode_factors``; then 24 requests, one every 0.5 s: the
-  CPU every process but the
-  engine replicas used (the cluster's and this client's, from ``/proc``) per streamed token is
-  its ``cpu_s_per_token`` (``planner.costs.ServingStack``). Its prompts are not the check's.
+  that batch its ``batched_decode_factors``; then 24 requests, one every 0.5 s: the CPU
+  every process but the engine replicas used (the cluster's and this client's, from
+  ``/proc``) per streamed token is its ``cpu_s_per_token`` (``planner.costs.ServingStack``).
+  Its prompts are not the check's.
 
 Shapes are measured in two rounds, the second in reverse order, and medians kept: the
 machine's speed drifts within minutes (docs/benchmarks/engine.md).
@@ -269,6 +269,7 @@ def _subprocess_json(args: list[str]) -> dict:
 def measure_stack(data: dict) -> dict:
     """The serving stack's share per system kind (module docstring), against ``data``'s engine fits."""
     from bench.compare import COMMON, SYSTEMS, Server
+    from bench.planner_check import NO_PREFIX_CACHE
     from bench.serve import Target
     from planner.costs import calibrated_cost
 
@@ -276,7 +277,7 @@ def measure_stack(data: dict) -> dict:
     kinds = {}
     for kind, system in STACK_SYSTEMS.items():
         application, extra = SYSTEMS[system]
-        with Server(application, {**COMMON, **extra, "engine.enable_prefix_caching": "false"}, index=0) as server:
+        with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
             kinds[kind] = probe_stack(server.url, Target(server.url, server.model()), cost, kind)
         kinds[kind]["system"] = system
     return {
@@ -470,7 +471,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.refit_stack:
         data = json.loads(Path(args.out).read_text())
         for kind in data["stack"]["kinds"].values():
-            kind.pop("relay_s_per_token", None)  # an earlier model's field
             kind.update(fit_stack(kind))
         save_calibration(data, Path(args.out))
         print(f"refitted {args.out}: {load_calibration(args.out).stacks}", file=sys.stderr)

@@ -10,8 +10,8 @@ calibrated on this machine only (``planner/calibration/cpu-2core.json``, written
 factor and the serving stack measured through the served app), predicts TTFT and TPOT
 p50 / p90 for the very same lengths and arrivals
 (``workloads.sim_requests`` with the same seed). The serving stack's part is probed on each
-system's app just before its runs (``bench.calibrate_planner.probe_stack``: idle-app probes, a
-batch of 4, a short load run, all of their own prompts): this machine's speed drifts by more
+system's app just before its runs (``bench.calibrate_planner.probe_stack``: idle-app probes,
+batches of 2 and 4, a short load run, all of their own prompts): this machine's speed drifts by more
 than the bound within minutes, so a stack probed at calibration time is reported beside it
 (``--file-stack`` skips the probe). A prediction agrees when its error against
 the mean of the two runs is within max(15%, twice their spread). The app runs with prefix
@@ -72,8 +72,8 @@ def predict(spec: SystemSpec, workload: str, rate: float, num_requests: int, see
 
 def measure_system(system: str, workload: str, rates: list[float], options: argparse.Namespace) -> dict:
     """Runs of ``system`` at each rate (``options.runs`` each), in one server session; unless
-    ``options.file_stack``, the serving stack is probed on this app first (idle probes and a
-    short load run of their own prompts, ``bench.calibrate_planner.probe_stack``)."""
+    ``options.file_stack``, the serving stack is probed on this app first (idle probes, batched
+    probes and a short load run of their own prompts, ``bench.calibrate_planner.probe_stack``)."""
     from bench.calibrate_planner import probe_stack
 
     application, extra = SYSTEMS[system]
