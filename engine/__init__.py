@@ -4,10 +4,9 @@ Importing it bounds two caches of PyTorch's CPU kernels (unless the environment 
 oneDNN keeps one compiled primitive per new product shape (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
 default 1,024) and ideep, PyTorch's oneDNN layer, one prepared computation per shape
 (``LRU_CACHE_CAPACITY``, default 1,024). A served engine meets a new shape with every new
-prompt length, so with the defaults a replica's memory grows for hundreds of lengths (one
-engine, 150 prompts of random lengths: 1,999 to 2,433 MiB, still growing); at 64 entries each
-it levels off after a few dozen (2,003 to 2,128 MiB) at the same speed
-(``python -m bench.kernel_caches``, docs/reliability.md). Both are read at the first oneDNN
+prompt length, so with the defaults a replica's memory grows for hundreds of lengths; at 64
+entries each it levels off after a few dozen at the same speed (the figures:
+``python -m bench.kernel_caches``, docs/reliability.md). Both are read at the first oneDNN
 call, which comes after this import in every replica.
 """
 

@@ -16,11 +16,10 @@ Decode tokens run as one batched SDPA over their block tables: each sequence's b
 are gathered whole (``[num_decode, max_blocks]`` rows of ``block_size`` tokens, masked past
 each sequence's length), and the query heads that share a KV head attend as one group of
 queries (``[num_decode, kv_heads, heads // kv_heads, head_dim]``), so K/V are neither
-gathered per token nor repeated per query head. At 32 sequences of 128 to 150 tokens this
-made the default model's decode step 229 -> 215 ms on the 2-core dev machine (1 thread,
-same tokens). A prefill segment whose whole context is in this
-step (a fresh prompt) attends causally over its own new K/V; a chunk that continues a
-prompt gathers its earlier context from the pool with an offset causal mask.
+gathered per token nor repeated per query head: fewer, larger copies make a batched decode
+step cheaper (the figures: ``docs/benchmarks/cpu_kernels.md``). A prefill segment whose whole
+context is in this step (a fresh prompt) attends causally over its own new K/V; a chunk that
+continues a prompt gathers its earlier context from the pool with an offset causal mask.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 PyTorch sends a float32 ``x @ W_t`` to MKL. For one row (batch-1 decode, a matrix-vector
 product bound by memory bandwidth) MKL on the column-major weights of ``engine/weights.py``
 is the fastest call here. For a few rows it is not: MKL's skinny products read the weights
-far slower (a decode step of 4 sequences cost 2.2x the step of one), while oneDNN's matmul
-(``torch.ops.mkldnn._linear_pointwise``, the op TorchInductor's CPU backend emits) on the
-same bytes, in the same layout, does much better from 2 rows up.
+far slower, so a small batch's decode step costs much more than one sequence's, while
+oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op TorchInductor's CPU backend
+emits) on the same bytes, in the same layout, does much better from 2 rows up.
 
 oneDNN is faster again on its own blocked copy of the weights (``pack``), which the
 engine keeps beside the column-major bytes when ``EngineConfig.cpu_packed_weights`` is on

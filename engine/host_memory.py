@@ -2,9 +2,9 @@
 
 The KV pool is read and written by other processes (NIXL over UCX copies it between
 processes on CPU memory), and every 4 KB page of a transfer costs the kernel a page-table
-walk and a pin. On this project's 2-core machine a 16 MB READ between two processes took
-2.0 ms from 4 KB pages and 1.1 ms when the source was madvised for transparent huge pages
-(``docs/benchmarks/kv_transfer.md``). PyTorch's CPU allocator does the same only when
+walk and a pin, so a READ from huge pages is markedly faster (the figures:
+``docs/benchmarks/kv_transfer_probes.md``, and the "raw NIXL, 4 KB pages" column of
+``docs/benchmarks/kv_transfer.md``). PyTorch's CPU allocator does the same only when
 ``THP_MEM_ALLOC_ENABLE`` is set before its first allocation in the process, which a
 library cannot rely on, so the pool maps its own memory: anonymous, 2 MB-aligned,
 ``MADV_HUGEPAGE``, zero-filled and touched up front.

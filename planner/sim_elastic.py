@@ -11,9 +11,10 @@ pool has fewer requests in flight per replica than the decode pool (``prefer_len
 
 Replica counts (``policy.scaling.enabled``): the same snapshot goes through
 ``autoscaling.scale.decide_counts``; a pool that grows gets new replicas that serve
-``STARTUP_S`` later (``bench.scaling`` measured 25-28 s from decision to serving on this
-machine) and report nothing before; a pool that shrinks stops routing to its least loaded
-replica (never a lent one), which finishes its work and leaves.
+``STARTUP_S`` later (decision to serving as ``bench.scaling`` measured it:
+``docs/benchmarks/elastic.md``, "Replica-count scaling") and report nothing before; a pool
+that shrinks stops routing to its least loaded replica (never a lent one), which finishes
+its work and leaves.
 
 Modelled: lending, reclaiming (a reclaimed replica takes no new whole requests; its decodes
 finish), drain, cooldown, hysteresis, every decode and prefill signal, replica-count scaling
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from planner.sim_engine import Req, Simulation
 
 BLOCK_SIZE = 16
-STARTUP_S = 27.0  # decision to a new replica serving (bench.scaling on this machine: 25-28 s)
+STARTUP_S = 27.0  # decision to a new replica serving (bench.scaling: docs/benchmarks/elastic.md)
 ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
 
 
