@@ -268,8 +268,9 @@ def _subprocess_json(args: list[str]) -> dict:
 
 def measure_stack(data: dict) -> dict:
     """The serving stack's share per system kind (module docstring), against ``data``'s engine fits."""
-    from bench.compare import COMMON, SYSTEMS, Server
+    from bench.compare import COMMON, SYSTEMS
     from bench.planner_check import NO_PREFIX_CACHE
+    from bench.ray_local import Server
     from bench.serve import Target
     from planner.costs import calibrated_cost
 
@@ -423,7 +424,7 @@ def _tokenizer():
 
 
 def calibrate(command: str) -> dict:
-    from bench.goodput_report import machine
+    from bench.host import machine
 
     started = time.time()
     print("engine: prefill, decode and mixed steps...", file=sys.stderr, flush=True)

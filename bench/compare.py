@@ -1,8 +1,8 @@
 """Goodput of disaggregated against colocated serving: ``python -m bench.compare``.
 
-On one machine, one after another, with the same total cores (2 engine replicas, one
-torch thread each), it starts each system as a Serve application in a fresh local Ray
-cluster, runs the same rate sweep of each workload on it, and stops it cleanly:
+On one machine, one after another, with the same total cores (2 engine replicas, one torch
+thread each), each system is a Serve application in a fresh local Ray cluster
+(``bench.ray_local.Server``) and runs the same rate sweep of each workload:
 
 * ``colocated``          2 replicas doing both phases, plain continuous batching;
 * ``colocated-chunked``  the same with chunked prefill (token budget 256 per step);
@@ -11,48 +11,45 @@ cluster, runs the same rate sweep of each workload on it, and stops it cleanly:
 * ``elastic``            1 + 1 pull with the elastic autoscaler on (the default policy, its
                          SLOs set to the workload's: one server per workload).
 
-SLOs are fixed here as multiples of the uncontended latency measured at the start on the
-idle colocated system, one request at a time (Splitwise's method): TTFT <= 5x the TTFT of
-the workload's median prompt, TPOT <= 2x the uncontended TPOT. Rates are multiples of
-``2 / uncontended E2E`` of the median request (two replicas serving one request each).
-
-Three stages: calibrate on the idle colocated system (``calibrate``), run each system
-(``run_system``), render (``bench.goodput_report.write_report``, after every sweep). Writes
-``docs/benchmarks/goodput.{md,json,png}`` and ``goodput_cdf_<workload>.png``; the
-per-request records go to ``--raw`` (not committed).
+Three stages: calibrate on the idle colocated system (``calibrate``: Splitwise's method, the
+SLOs TTFT <= 5x and TPOT <= 2x the uncontended latency of the workload's median request, the
+rates multiples of 2 / its uncontended E2E), run each system (``run_system``), render
+(``write_report``, after every sweep, so an interrupted run still leaves a report; ``--merge``
+reads the last one back). Writes ``goodput.{md,json,png}`` and ``goodput_cdf_<workload>.png``
+(only the block between the markers of the ``.md`` is regenerated); every request's record
+goes to ``--raw`` (``goodput_full.json``, not committed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
-from bench.goodput_report import (
-    TPOT_SLO_X,
-    TTFT_SLO_X,
-    Calibration,
-    CrossCheck,
-    Report,
-    SystemRun,
-    WorkloadCalibration,
-    load_previous,
-    write_report,
+from bench.host import machine
+from bench.ray_local import Server
+from bench.report import (
+    command_line,
+    first_paragraph,
+    plot_attainment,
+    plot_cdfs,
+    read_json,
+    table,
+    template,
+    write_json,
+    write_page,
 )
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
 
-HTTP_PORT = 18480
-METRICS_PORT = 18490
+NAME = "bench.compare"
+TTFT_SLO_X, TPOT_SLO_X = 5.0, 2.0  # SLOs as multiples of the uncontended latency
 MAX_MODEL_LEN = 512
 COMMON = {
     "model.max_model_len": str(MAX_MODEL_LEN),
@@ -84,53 +81,73 @@ MULTIPLIERS = {
 }
 DOC = Path("docs/benchmarks")
 
-
-# ---- one system ----------------------------------------------------------------------------
-
-
-class Server:
-    """One Serve application in its own local Ray cluster, stopped on exit."""
-
-    def __init__(self, application: str, args: dict[str, str], index: int) -> None:
-        """``application``: ``colocated`` (colocated_app) or ``disagg`` (disagg_app)."""
-        self.application, self.args, self.index = application, args, index
-        self.url = f"http://127.0.0.1:{HTTP_PORT}"
-        self.metrics_url = f"http://127.0.0.1:{METRICS_PORT + index}/metrics"
-
-    def __enter__(self) -> Server:
-        from ray import serve
-
-        from app.config import colocated_app, disagg_app
-        from bench.ray_local import start_local_ray
-
-        start_local_ray(
-            _metrics_export_port=METRICS_PORT + self.index,
-            _system_config={"metrics_report_interval_ms": 1000},
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
-        builder = colocated_app if self.application == "colocated" else disagg_app
-        serve.run(builder(dict(self.args)), name="bench", route_prefix="/")
-        httpx.get(self.url + "/ready", timeout=60).raise_for_status()
-        # Ctrl-C and SIGTERM must end the run (and stop this cluster in __exit__)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _exit_on_signal)
-        return self
-
-    def model(self) -> str:
-        """The model name the application serves."""
-        return httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
-
-    def __exit__(self, *exc) -> None:
-        import ray
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        time.sleep(2)
+# ---- what the stages hand on -----------------------------------------------------------
 
 
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(f"stopped by signal {signum}")
+@dataclass(frozen=True)
+class WorkloadCalibration:
+    """One workload on the idle colocated system, one request at a time, and what is fixed
+    from it: the SLO and the rates of its sweeps."""
+
+    prompt_tokens: int  # of the workload's median request
+    ttft_s: float
+    tpot_s: float
+    median_output_tokens: float
+    e2e_s: float  # ttft_s + (median_output_tokens - 1) * tpot_s
+    multipliers: tuple[float, ...]
+    rates: tuple[float, ...]  # req/s: each multiplier x 2 / e2e_s (two replicas)
+    slo: SLO
+
+    def to_json(self) -> dict:
+        """The ``calibration`` entry of goodput.json (the SLO goes to ``slo_s``)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "slo"}
+
+    @classmethod
+    def from_json(cls, row: dict, slo_s: dict) -> WorkloadCalibration:
+        """Inverse of ``to_json``, with the workload's ``slo_s`` entry."""
+        tuples = {k: tuple(row[k]) for k in ("multipliers", "rates")}
+        return cls(**{**row, **tuples, "slo": SLO(slo_s["ttft"], slo_s["tpot"])})
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """One request timed by this harness and, separately, around the official ``openai``
+    client's streaming call."""
+
+    prompt_tokens: int
+    max_tokens: int
+    harness_ttft_s: float
+    openai_ttft_s: float
+    harness_e2e_s: float
+    openai_e2e_s: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibrate stage's result: every workload's calibration, in report order."""
+
+    workloads: dict[str, WorkloadCalibration]
+    crosscheck: tuple[CrossCheck, ...]
+
+
+@dataclass(frozen=True)
+class SystemRun:
+    """The run stage's result for one system: its sweep of each workload so far, as
+    ``bench.serve.sweep`` returns it (``points`` and ``goodput``)."""
+
+    system: str
+    sweeps: dict[str, dict]
+
+
+@dataclass(frozen=True)
+class Report:
+    """The render stage's input: everything the report files are made from."""
+
+    command: str
+    elapsed_s: float
+    model: str | None
+    calibration: Calibration
+    results: dict[str, dict[str, dict]]  # workload -> system -> sweep, in report order
 
 
 # ---- the independent check ---------------------------------------------------------------
@@ -145,52 +162,22 @@ def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> tu
     rows = []
     for request in requests[:num]:
         record = asyncio.run(run(target, [request], [0.0], progress=False))[0][0]
-        start = time.perf_counter()
-        first = None
-        stream = client.completions.create(
-            model=target.model,
-            prompt=request.prompt,
-            max_tokens=request.max_tokens,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
+        start, first = time.perf_counter(), None
+        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0, "stream": True}
+        for chunk in client.completions.create(model=target.model, **body, extra_body={"ignore_eos": True}):
             if first is None and chunk.choices and chunk.choices[0].text:
                 first = time.perf_counter()
         end = time.perf_counter()
-        rows.append(
-            CrossCheck(
-                prompt_tokens=request.prompt_tokens,
-                max_tokens=request.max_tokens,
-                harness_ttft_s=record.ttft,
-                openai_ttft_s=first - start,
-                harness_e2e_s=record.e2e,
-                openai_e2e_s=end - start,
-            )
-        )
+        check = (record.ttft, first - start, record.e2e, end - start)
+        rows.append(CrossCheck(request.prompt_tokens, request.max_tokens, *check))
     return tuple(rows)
 
 
 # ---- the command line ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Options:
-    """The command line, checked."""
-
-    workloads: tuple[str, ...]
-    systems: tuple[str, ...]
-    num_requests: int
-    seed: int
-    multipliers: dict[str, tuple[float, ...]]  # rate points per workload
-    out: Path
-    raw: Path
-    merge: bool
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--workloads", default="summarization,code,chatbot")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point (>= 40 for reports)")
@@ -210,45 +197,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_options(argv: list[str] | None = None) -> Options:
-    """The options; exits naming an unknown workload or system."""
-    args = _parser().parse_args(argv)
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked: ``workloads`` and ``systems`` tuples, ``multipliers`` per workload,
+    ``out`` and ``raw`` paths. Exits naming an unknown workload or system."""
+    options = _parser().parse_args(argv)
     multipliers = dict(MULTIPLIERS)
-    for item in args.multipliers.replace(";", " ").split():
+    for item in options.multipliers.replace(";", " ").split():
         name, _, values = item.partition("=")
         multipliers[name] = tuple(float(v) for v in values.split(","))
-    workloads = tuple(w for w in args.workloads.split(",") if w)
-    systems = tuple(s for s in args.systems.split(",") if s)
-    for name in workloads:
-        if name not in MULTIPLIERS:
-            sys.exit(f"unknown workload {name!r}: choose from {', '.join(MULTIPLIERS)}")
-    for name in systems:
-        if name not in SYSTEMS:
-            sys.exit(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
-    return Options(
-        workloads=workloads,
-        systems=systems,
-        num_requests=args.num_requests,
-        seed=args.seed,
-        multipliers=multipliers,
-        out=Path(args.out),
-        raw=Path(args.raw),
-        merge=args.merge,
-    )
+    options.multipliers, options.out, options.raw = multipliers, Path(options.out), Path(options.raw)
+    options.workloads = tuple(w for w in options.workloads.split(",") if w)
+    options.systems = tuple(s for s in options.systems.split(",") if s)
+    for kind, names, known in (("workload", options.workloads, MULTIPLIERS), ("system", options.systems, SYSTEMS)):
+        for name in names:
+            if name not in known:
+                sys.exit(f"unknown {kind} {name!r}: choose from {', '.join(known)}")
+    return options
 
 
-def argv_text(argv: list[str] | None) -> str:
-    return "python -m bench.compare" + ("" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:]))
-
-
-def workload_requests(options: Options) -> dict[str, list[BenchRequest]]:
+def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchRequest]]:
     """The same requests for every system: per workload, in the order given."""
-    from engine.loader import ModelSpec, load_tokenizer
+    from bench.host import tokenizer
 
-    tokenizer = load_tokenizer(ModelSpec())
-    return {
-        w: make_requests(w, tokenizer, MAX_MODEL_LEN, options.num_requests, options.seed) for w in options.workloads
-    }
+    words = tokenizer()
+    return {w: make_requests(w, words, MAX_MODEL_LEN, options.num_requests, options.seed) for w in options.workloads}
 
 
 # ---- stage 1: calibrate ----------------------------------------------------------------------
@@ -302,8 +274,7 @@ def run_system(
     """Sweep each workload's rates on ``target``; yields the run so far after each sweep."""
     sweeps: dict[str, dict] = {}
     for workload, batch in requests.items():
-        label = f"{system}/{workload}"
-        fixed = calibration.workloads[workload]
+        label, fixed = f"{system}/{workload}", calibration.workloads[workload]
         sweeps[workload] = sweep(
             target, batch, list(fixed.rates), fixed.slo, seed=seed, metrics_url=metrics_url, label=label
         )
@@ -324,29 +295,139 @@ class ReportBasis:
     workloads: tuple[str, ...]
     previous: Report | None = None
 
-    @property
-    def previous_checks(self) -> tuple[CrossCheck, ...]:
-        return self.previous.calibration.crosscheck if self.previous else ()
-
     def report(self, calibration: Calibration, runs: list[SystemRun], model: str) -> Report:
         """The report of the previous workloads and of ``runs`` so far."""
         this_run = {w: {r.system: r.sweeps[w] for r in runs if w in r.sweeps} for w in self.workloads}
         elapsed_s = time.time() - self.started
         if self.previous is None:
-            return Report(
-                command=self.command, elapsed_s=elapsed_s, model=model, calibration=calibration, results=this_run
-            )
+            return Report(self.command, elapsed_s, model, calibration, this_run)
         previous = self.previous
+        workloads = {**previous.calibration.workloads, **calibration.workloads}
         return Report(
             command=f"{previous.command} && {self.command}",
             elapsed_s=previous.elapsed_s + elapsed_s,
             model=model,
-            calibration=Calibration(
-                workloads={**previous.calibration.workloads, **calibration.workloads},
-                crosscheck=calibration.crosscheck,
-            ),
+            calibration=Calibration(workloads=workloads, crosscheck=calibration.crosscheck),
             results={**previous.results, **this_run},
         )
+
+
+def load_previous(out: Path, raw: Path, skip: list[str]) -> Report:
+    """The last report, without the workloads in ``skip`` (those this run repeats) and
+    those it had no sweep of."""
+    summary, full = read_json(out / "goodput.json"), read_json(raw / "goodput_full.json")
+    kept = [w for w in full if w not in skip and full[w]]
+    workloads = {w: WorkloadCalibration.from_json(summary["calibration"][w], summary["slo_s"][w]) for w in kept}
+    checks = tuple(CrossCheck(**row) for row in summary.get("crosscheck", []))
+    return Report(
+        command=summary["command"],
+        elapsed_s=summary["elapsed_s"],
+        model=summary.get("model"),
+        calibration=Calibration(workloads=workloads, crosscheck=checks),
+        results={w: full[w] for w in kept},
+    )
+
+
+def write_report(report: Report, out: Path, raw: Path) -> None:
+    """goodput.json, goodput.md and the PNGs in ``out``; every request's record in ``raw``."""
+    write_json(raw / "goodput_full.json", report.results, indent=None)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_attainment(report.results, out / "goodput.png")
+    summary = summary_json(report, machine())
+    write_json(out / "goodput.json", summary)
+    for workload, systems in report.results.items():
+        if systems:
+            points = {s: _middle_point(sweep) for s, sweep in systems.items()}
+            plot_cdfs(points, out / f"goodput_cdf_{workload}.png", workload)
+    new = template(NAME, "# Goodput: disaggregated against colocated")
+    write_page(out / "goodput.md", NAME, render(summary), new)
+
+
+def summary_json(report: Report, host: str) -> dict:
+    """goodput.json: the report without the per-request records."""
+    workloads = report.calibration.workloads
+    results = {
+        w: {
+            s: {"goodput": sweep["goodput"], "points": [_without_records(p) for p in sweep["points"]]}
+            for s, sweep in systems.items()
+        }
+        for w, systems in report.results.items()
+    }
+    return {
+        "command": report.command,
+        "machine": host,
+        "model": report.model,
+        "elapsed_s": report.elapsed_s,
+        "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
+        "calibration": {w: c.to_json() for w, c in workloads.items()},
+        "slo_s": {w: {"ttft": c.slo.ttft_s, "tpot": c.slo.tpot_s} for w, c in workloads.items()},
+        "crosscheck": [asdict(c) for c in report.calibration.crosscheck],
+        "results": results,
+    }
+
+
+def _without_records(point: dict) -> dict:
+    return {k: v for k, v in point.items() if k != "records"}
+
+
+def _middle_point(sweep: dict) -> dict:
+    return sweep["points"][len(sweep["points"]) // 2]
+
+
+def render(summary: dict) -> list[str]:
+    """The generated block of goodput.md, from goodput.json: the SLOs, per workload a row per
+    system (its figures at the middle rate of its sweep), the harness cross-check."""
+    head = f"Command: `{summary['command']}` ({summary['elapsed_s'] / 60:.0f} min). Machine: {summary['machine']}."
+    lines = ["", head, "", "SLOs (TTFT 5x, TPOT 2x the uncontended latency on the idle colocated system):", ""]
+    slos = []
+    for w, c in summary["calibration"].items():
+        slo, rates = summary["slo_s"][w], ", ".join(f"{r:.3g}" for r in c["rates"])
+        uncontended_s = [f"{c['ttft_s']:.3f} s ({c['prompt_tokens']} tok)", f"{c['tpot_s'] * 1e3:.0f} ms"]
+        slos.append([w, *uncontended_s, f"{slo['ttft']:.3f} s", f"{slo['tpot'] * 1e3:.0f} ms", rates])
+    header = ["workload", "uncontended TTFT", "uncontended TPOT", "TTFT SLO", "TPOT SLO", "rates (req/s)"]
+    lines += [*table(header, slos), "", "![attainment against rate](goodput.png)", ""]
+    header = ["system", "goodput (req/s)", "vs colocated", "attainment per rate", "TTFT p90 (s)", "TPOT p90 (ms)"]
+    for workload, systems in summary["results"].items():
+        if systems:
+            rows = [_system_row(s, sweep, systems.get("colocated")) for s, sweep in systems.items()]
+            lines += [f"### {workload}", "", *table([*header, "server TTFT split, mean (s)"], rows), ""]
+            lines += [f"![TTFT and TPOT CDFs, {workload}](goodput_cdf_{workload}.png)", ""]
+    if summary["crosscheck"]:
+        lines += ["Harness against the official `openai` client (same requests, one at a time):", ""]
+        header = ["prompt", "output", "TTFT harness", "TTFT openai", "E2E harness", "E2E openai"]
+        times = ("harness_ttft_s", "openai_ttft_s", "harness_e2e_s", "openai_e2e_s")
+        rows = [[c["prompt_tokens"], c["max_tokens"], *(f"{c[k]:.3f}" for k in times)] for c in summary["crosscheck"]]
+        lines += [*table(header, rows), ""]
+    return lines
+
+
+def _system_row(system: str, sweep: dict, colocated: dict | None) -> list:
+    mid = _middle_point(sweep)
+    attained = " / ".join(f"{p['attainment']:.0%}" for p in sweep["points"])
+    split = ", ".join(f"{k} {v:.3f}" for k, v in mid["server_ttft_split_s"].items())
+    figures = [f"{mid['ttft_s']['p90']:.2f}", f"{mid['tpot_s']['p90'] * 1e3:.0f}", f"{split} (at {mid['rate']:.3g}/s)"]
+    return [system, sweep["goodput"]["text"], ratio_text(sweep, colocated), attained, *figures]
+
+
+def ratio_text(sweep: dict, reference: dict | None) -> str:
+    """Goodput ratio to the reference, with the direction of any bound (a sweep can end
+    above every rate tried, or fail already at the lowest)."""
+    if reference is None:
+        return "n/a"
+    mine, ref = sweep["goodput"], reference["goodput"]
+    lowest = min(p["rate"] for p in reference["points"])
+    if ref["bound"] == "below":  # reference goodput < its lowest rate
+        if mine["bound"] == "below":
+            return "n/a (both below the lowest rate)"
+        return f"> {mine['rate'] / lowest:.2f}x"
+    value = mine["rate"] / ref["rate"]
+    if mine["bound"] == "at_least" and ref["bound"] != "at_least":
+        return f">= {value:.2f}x"
+    if ref["bound"] == "at_least" and mine["bound"] != "at_least":
+        return f"<= {value:.2f}x"
+    if mine["bound"] == "below":
+        return f"< {lowest / ref['rate']:.2f}x"
+    return f"{value:.2f}x" + (" (both above the highest rate)" if mine["bound"] == "at_least" else "")
 
 
 # ---- the comparison ------------------------------------------------------------------------
@@ -356,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
     requests = workload_requests(options)
     previous = load_previous(options.out, options.raw, list(options.workloads)) if options.merge else None
-    basis = ReportBasis(command=argv_text(argv), started=time.time(), workloads=options.workloads, previous=previous)
+    basis = ReportBasis(command_line(NAME, argv), time.time(), options.workloads, previous)
     calibration: Calibration | None = None
     runs: list[SystemRun] = []
     # calibrate on the plain colocated system, then run every system
@@ -367,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         with Server(application, {**COMMON, **extra, **slo_args}, index) as server:
             target = Target(server.url, server.model())
             if calibration is None:
-                calibration = calibrate(target, requests, options.multipliers, basis.previous_checks)
+                checks = previous.calibration.crosscheck if previous else ()
+                calibration = calibrate(target, requests, options.multipliers, checks)
             if system not in options.systems:
                 continue
             done = next((r for r in runs if r.system == system), SystemRun(system=system, sweeps={}))

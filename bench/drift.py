@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/benchmarks/drift.json")
     options = parser.parse_args(argv)
     from bench.calibrate_planner import Prompts, _core, _tokenizer
-    from bench.goodput_report import machine
+    from bench.host import machine
 
     core, prompts = _core(), Prompts(_tokenizer())
     sample(core, prompts)  # warm-up

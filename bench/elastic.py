@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import COMMON, MAX_MODEL_LEN, Server
+from bench.compare import COMMON, MAX_MODEL_LEN
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.elastic_report import (
     Calibration,
@@ -54,7 +54,8 @@ from bench.elastic_report import (
     save_trace,
     write_report,
 )
-from bench.serve import Target, _record_json, arrival_times, run, send, uncontended
+from bench.ray_local import Server
+from bench.serve import Target, arrival_times, run, send, uncontended
 from workloads import BenchRequest, PromptBuilder, median_request
 
 # name, request class (its TTFT SLO), prompt tokens, output tokens (inclusive ranges), req/s.
@@ -195,7 +196,7 @@ def run_system(
             "phase": t.phase,
             "arrival_s": round(t.arrival_s, 4),
             "sent_s": round(r.sent - t0, 4),
-            "record": _record_json(r),
+            "record": r.to_json(),
         }
         for t, r in zip(trace, records)
     ]

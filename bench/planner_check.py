@@ -29,7 +29,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS, Server
+from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS
+from bench.ray_local import Server
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def measure(options: argparse.Namespace, calibration: Path) -> dict:
-    from bench.goodput_report import machine
+    from bench.host import machine
 
     goodput = json.loads(GOODPUT.read_text())["results"][options.workload]
     fractions = [float(f) for f in options.fractions.split(",")]

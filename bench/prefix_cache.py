@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import Server
+from bench.ray_local import Server
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
 
@@ -374,7 +374,7 @@ TEMPLATE = f"""# Prefix caching: a closed-loop multi-turn chat
 
 
 def machine_line() -> str:
-    from bench.goodput_report import machine
+    from bench.host import machine
 
     cpu = next(
         (

@@ -1,4 +1,5 @@
-"""Start a local Ray cluster for tests and benchmarks: own temp dir, the repo importable."""
+"""A local Ray cluster for tests and benchmarks (own temp dir, the repo importable), and a Serve
+application in one of its own."""
 
 from __future__ import annotations
 
@@ -28,3 +29,94 @@ def start_local_ray(num_cpus: int = 2, object_store_memory: int | None = None, *
         log_to_driver=False,
         **kwargs,
     )
+
+
+HTTP_PORT = 18480
+METRICS_PORT = 18490  # + the server's index: a fresh cluster's metrics never mix with the last one's
+
+
+class Server:
+    """One Serve application (``colocated``: colocated_app, ``disagg``: disagg_app, with
+    ``args``) in its own local Ray cluster, stopped on exit; the session's logs copied to
+    ``keep_logs`` then. ``metrics_url``: Ray's Prometheus export of this cluster."""
+
+    def __init__(self, application: str, args: dict[str, str], index: int = 0, **options) -> None:
+        self.application, self.args, self.index = application, dict(args), index
+        self.name, self.keep_logs = options.get("name", "bench"), options.get("keep_logs")
+        self.url = f"http://127.0.0.1:{options.get('port', HTTP_PORT)}"
+        self.metrics_url = f"http://127.0.0.1:{METRICS_PORT + index}/metrics"
+        self.log_dir: Path | None = None
+
+    def __enter__(self) -> Server:
+        import signal
+
+        from ray import serve
+
+        from app.config import colocated_app, disagg_app
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C and SIGTERM end the run
+        signal.signal(signal.SIGTERM, _exit_on_signal)  # ... and stop this cluster in __exit__
+        start_local_ray(
+            _metrics_export_port=METRICS_PORT + self.index, _system_config={"metrics_report_interval_ms": 1000}
+        )
+        self.log_dir = _logs_dir()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": int(self.url.rsplit(":", 1)[1])})
+            builder = colocated_app if self.application == "colocated" else disagg_app
+            serve.run(builder(dict(self.args)), name=self.name, route_prefix="/")
+            self._wait_ready(240.0)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.url}/ready did not answer 200 within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def model(self) -> str:
+        """The model name the application serves."""
+        import httpx
+
+        return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def __exit__(self, *exc) -> None:
+        import shutil
+        import time
+
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        if self.keep_logs is not None and self.log_dir is not None:
+            shutil.rmtree(self.keep_logs, ignore_errors=True)
+            shutil.copytree(self.log_dir, self.keep_logs, ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+        time.sleep(2)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
+def _logs_dir() -> Path | None:
+    """This Ray session's log folder (a private Ray call: None where it moved)."""
+    try:
+        from ray._private import worker
+
+        return Path(worker._global_node.get_logs_dir_path())
+    except (AttributeError, ImportError):
+        return None

@@ -583,7 +583,7 @@ async def run_phases(url: str, opts: Options, specs: list[FaultSpec]) -> dict[st
 def summarize(opts: Options, specs: list[FaultSpec], result: dict[str, Any], logs: dict[str, Any]) -> dict[str, Any]:
     import ray
 
-    from bench.goodput_report import machine
+    from bench.host import machine
 
     outcomes, watch = result["outcomes"], result["watch"]
     phases = {p: [o for o in outcomes if o.phase == p] for p in ("burst", "soak")}

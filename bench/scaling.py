@@ -34,10 +34,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import COMMON, Server
+from bench.compare import COMMON
 from bench.elastic import load_tokenizer, timeline_sample
+from bench.ray_local import Server
 from bench.scaling_report import DOC, ScalingRun, Step, load_runs, save_run, write_report
-from bench.serve import Target, _record_json, run, send
+from bench.serve import Target, run, send
 from workloads import BenchRequest, PromptBuilder
 
 PROMPT_TOKENS = 64
@@ -120,7 +121,7 @@ async def closed_loop(target: Target, steps: tuple[Step, ...], requests: Request
                     continue
                 record = await send(client, target, requests.get(index, number))
                 row = {"client": index, "number": number, "step": step, "sent_s": round(record.sent - t0, 4)}
-                rows.append(row | {"record": _record_json(record)})
+                rows.append(row | {"record": record.to_json()})
                 number += 1
 
         await asyncio.gather(*(one_client(i) for i in range(max(s.concurrency for s in steps))))

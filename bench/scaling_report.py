@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from bench.goodput_report import machine
-from bench.serve import records_from_json
+from bench.host import machine
 from bench.slo import RequestRecord, distribution
 
 DOC = Path("docs/benchmarks")
@@ -120,7 +119,7 @@ def lost(run: ScalingRun) -> list[dict]:
     """The lost requests: step, client, send time, reason."""
     out = []
     for row in run.rows:
-        reason = lost_reason(records_from_json([row["record"]])[0])
+        reason = lost_reason(RequestRecord.from_json(row["record"]))
         if reason is not None:
             out.append({"step": row["step"], "client": row["client"], "sent_s": row["sent_s"], "reason": reason})
     return out
@@ -158,7 +157,7 @@ class StepStats:
 
 
 def step_stats(run: ScalingRun) -> list[StepStats]:
-    records = records_from_json([row["record"] for row in run.rows])
+    records = [RequestRecord.from_json(row["record"]) for row in run.rows]
     chunks = [row["sent_s"] + c for row in run.rows for c in row["record"]["chunks"]]
     stats = []
     for index, (step, (start, end)) in enumerate(zip(run.steps, step_windows(run.steps))):

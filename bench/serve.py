@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from bench.report import first_paragraph, plot_attainment, plot_cdfs, write_json
 from bench.slo import SLO, RequestRecord, goodput, summarize
 from workloads import WORKLOADS, BenchRequest, arrival_times, load_trace, make_requests, median_request
+
+POLL_S = 1.0  # GET /admin/autoscaler period of ``poll_autoscaler``
 
 # server-side TTFT parts (Prometheus histograms exported by the tandem replicas)
 SPLIT_METRICS = {
@@ -202,7 +206,7 @@ def sweep(
         summary = summarize(records, duration, slo)
         summary["rate"] = rate
         summary["server_ttft_split_s"] = split_means(before, scrape(metrics_url))
-        summary["records"] = [_record_json(r) for r in records]
+        summary["records"] = [r.to_json() for r in records]
         points.append(summary)
         print(
             f"  {label} rate {rate:.3g}/s: attainment {summary['attainment']:.0%}, "
@@ -214,30 +218,63 @@ def sweep(
     return {"points": points, "goodput": {"rate": found.rate, "bound": found.bound, "text": str(found)}}
 
 
-def _record_json(record: RequestRecord) -> dict:
-    row = asdict(record)
-    row["chunks"] = [round(t - record.sent, 6) for t in record.chunks]
-    row["last"] = None if record.last is None else round(record.last - record.sent, 6)
-    row["sent"] = round(record.sent, 6)
-    return row
+def warm_up(target: Target, requests: list[BenchRequest]) -> None:
+    """Two short requests (4 tokens) like each of ``requests``, at once, through every path (not counted)."""
+    for request in requests:
+        probe = BenchRequest(request.prompt, request.prompt_tokens, 4)
+        records, _ = asyncio.run(run(target, [probe, probe], [0.0, 0.0], progress=False))
+        bad = [r.error for r in records if not r.ok]
+        if bad:
+            raise RuntimeError(f"warm-up request failed: {bad[0]}")
 
 
-def records_from_json(rows: list[dict]) -> list[RequestRecord]:
-    """Inverse of the JSON rows (times relative to each request's send)."""
-    return [RequestRecord(**{**row, "sent": 0.0}) for row in rows]
+def timeline_sample(view: dict, t: float) -> dict:
+    """One ``GET /admin/autoscaler`` answer, without the decisions (those are kept once each)."""
+    replicas = [
+        {"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
+        for r in view.get("replicas", [])
+    ]
+    ingress = view.get("ingress", {})
+    return {
+        "t": round(t, 2),
+        "replicas": replicas,
+        "in_flight": ingress.get("in_flight", {}),
+        "observed": view.get("observed", {}),
+    }
+
+
+async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.Event, extra=None) -> tuple[list, list]:
+    """One sample per ``POLL_S`` until ``stop``: the autoscaler's view (``timeline_sample``, each
+    pool's ``scaling``) and ``await extra()``'s fields; every decision seen, once (by its
+    controller time, action, subject and role). ``started``: the run's start on
+    ``time.perf_counter``'s and ``time.time``'s clocks. Returns the samples and the decisions
+    (in order of time, ``t`` since the start)."""
+    (t0, wall0), timeline, decisions = started, [], {}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while not stop.is_set():
+            tick = time.perf_counter()
+            sample = {"t": round(tick - t0, 2), **(await extra() if extra else {})}
+            try:
+                view = (await client.get(url + "/admin/autoscaler")).json()
+                sample |= timeline_sample(view, tick - t0) | {"scaling": view.get("scaling", {})}
+                for d in view.get("decisions", []):
+                    decisions[(d["monotonic_s"], d["action"], d["replica"], d["role"])] = {
+                        "t": round(d["time"] - wall0, 2),
+                        **d,
+                    }
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                print(f"autoscaler poll failed: {exc!r}", file=sys.stderr)
+            timeline.append(sample)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, POLL_S - (time.perf_counter() - tick)))
+    return timeline, sorted(decisions.values(), key=lambda d: d["t"])
 
 
 # ---- command line --------------------------------------------------------------------------
 
 
-def _tokenizer(source: str):
-    from engine.loader import ModelSpec, load_tokenizer
-
-    return load_tokenizer(ModelSpec(source=source))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench.serve", description=first_paragraph(__doc__))
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     parser.add_argument("--tokenizer", default="default", help="tokenizer source: 'default', HF dir or .gguf")
@@ -265,7 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or info.get("max_model_len")
     if max_model_len is None:
         sys.exit("--max-model-len is needed: the server does not report its context")
-    tokenizer = _tokenizer(args.tokenizer)
+    from bench.host import tokenizer as load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
     target = Target(args.url, model, args.prompt_format, tokenizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -292,11 +331,9 @@ def main(argv: list[str] | None = None) -> None:
             "uncontended": base,
             **sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload),
         }
-        from bench.plots import plot_attainment, plot_cdfs
-
         plot_attainment({args.workload: {"this server": result}}, out / "attainment.png")
         plot_cdfs({"this server": result["points"][-1]}, out / "cdf.png", args.workload)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "results.json", result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("points", "records")}, indent=1))
     print(f"wrote {out / 'results.json'}", file=sys.stderr)
 

@@ -11,7 +11,7 @@ which attainment is still >= the target (90%), read off a rate sweep.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -56,6 +56,19 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
+
+    def to_json(self) -> dict:
+        """The JSON row of the reports' raw records: times relative to the send."""
+        return asdict(self) | {
+            "sent": round(self.sent, 6),
+            "chunks": [round(t - self.sent, 6) for t in self.chunks],
+            "last": None if self.last is None else round(self.last - self.sent, 6),
+        }
+
+    @classmethod
+    def from_json(cls, row: dict) -> RequestRecord:
+        """Inverse of ``to_json``, sent at 0."""
+        return cls(**{**row, "sent": 0.0})
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,8 @@ keeps the hand-written text around the generated block."""
 
 from __future__ import annotations
 
-from bench.goodput_report import (
-    BEGIN,
-    END,
+from bench.compare import (
+    NAME,
     Calibration,
     CrossCheck,
     Report,
@@ -14,7 +13,10 @@ from bench.goodput_report import (
     ratio_text,
     write_report,
 )
+from bench.report import markers
 from bench.slo import SLO
+
+BEGIN, END = markers(NAME)
 
 
 def _sweep(rate: float, bound: str, rates=(0.1, 0.2)) -> dict:
