@@ -9,6 +9,9 @@ import threading
 from engine.async_engine import AsyncEngine
 from engine.params import GenerationRequest, Role
 from tests.engine.conftest import greedy, tiny_loaded
+from tests.waiting import wait_until_async
+
+GATE_TIMEOUT_S = 60.0  # a held step runs anyway past this (a failed test leaves no thread behind for long)
 
 
 def test_report_counts_pinned_reserved_and_running_blocks(make_engine):
@@ -55,19 +58,15 @@ def test_health_problem_names_a_dead_engine_thread_and_a_wedged_step():
     core = EngineCore(loaded, EngineConfig(max_model_len=256, kv_cache_bytes=4 << 20))
     engine = AsyncEngine(core)
     assert engine.health_problem(stall_s=60) is None  # not started: the first call starts it
-    gate = threading.Event()
-    step = core.step
-
-    def stuck_step():
-        gate.wait(5)
-        return step()
+    gate, entered = _held_steps(core)
 
     async def main() -> tuple[str | None, str | None, str | None]:
-        core.step = stuck_step
         outputs = engine.generate(GenerationRequest("w", (1, 2, 3), greedy(2)))
         task = asyncio.ensure_future(anext(outputs))
-        await asyncio.sleep(0.3)
-        wedged = engine.health_problem(stall_s=0.1)
+        await wait_until_async(entered.is_set, 30, "the engine thread inside the held step")
+        wedged = await wait_until_async(
+            lambda: engine.health_problem(stall_s=0.1), 30, "the held step reported as wedged"
+        )
         healthy = engine.health_problem(stall_s=60)
         gate.set()
         await task
@@ -92,13 +91,13 @@ def test_a_prefill_cancelled_before_admission_pins_nothing():
 
     core = EngineCore(loaded, EngineConfig(role=Role.PREFILL, max_model_len=256, kv_cache_bytes=4 << 20))
     engine = AsyncEngine(core)
-    gate = _held_steps(core)
+    gate, entered = _held_steps(core)
 
     async def main():
         first = asyncio.ensure_future(engine.prefill(GenerationRequest("long", tuple(range(1, 60)), greedy(4))))
-        await asyncio.sleep(0.2)  # the engine thread is inside the first step now
+        await wait_until_async(entered.is_set, 30, "the engine thread inside the first step")
         second = asyncio.ensure_future(engine.prefill(GenerationRequest("gone", tuple(range(1, 40)), greedy(4))))
-        await asyncio.sleep(0.1)  # its admission is queued behind the step
+        await _queued_behind_the_step(engine)
         second.cancel()
         gate.set()
         result = await first
@@ -121,14 +120,14 @@ def test_a_reservation_cancelled_while_queued_is_freed():
 
     core = EngineCore(loaded, EngineConfig(role=Role.BOTH, max_model_len=256, kv_cache_bytes=4 << 20))
     engine = AsyncEngine(core)
-    gate = _held_steps(core)
+    gate, entered = _held_steps(core)
 
     async def main():
         busy = engine.generate(GenerationRequest("busy", tuple(range(1, 30)), greedy(2)))
         first = asyncio.ensure_future(anext(busy))
-        await asyncio.sleep(0.2)
+        await wait_until_async(entered.is_set, 30, "the engine thread inside the first step")
         reserve = asyncio.ensure_future(engine.reserve_prefix("gone", tuple(range(1, 50))))
-        await asyncio.sleep(0.1)
+        await _queued_behind_the_step(engine)
         reserve.cancel()
         gate.set()
         await first
@@ -142,14 +141,21 @@ def test_a_reservation_cancelled_while_queued_is_freed():
     assert report.ok and report.num_reserved_requests == 0 and report.num_in_use_blocks == 0, report
 
 
-def _held_steps(core) -> threading.Event:
-    """Make ``core``'s steps wait for the returned event (at most 5 s): commands queue meanwhile."""
-    gate = threading.Event()
+def _held_steps(core) -> tuple[threading.Event, threading.Event]:
+    """Make ``core``'s steps wait for the returned ``gate`` (commands queue meanwhile); the
+    second event is set once the engine thread is inside a held step."""
+    gate, entered = threading.Event(), threading.Event()
     step = core.step
 
     def held_step():
-        gate.wait(5)
+        entered.set()
+        gate.wait(GATE_TIMEOUT_S)
         return step()
 
     core.step = held_step
-    return gate
+    return gate, entered
+
+
+async def _queued_behind_the_step(engine: AsyncEngine) -> None:
+    """The command just issued sits in the engine's queue (applied only after the held step)."""
+    await wait_until_async(lambda: len(engine._commands), 30, "a command queued behind the held step")

@@ -15,9 +15,30 @@ import torch
 from engine.kv_pool import KVLayout
 from kv_transport.nixl_worker import Post, PostedAt, PostQueue
 from tests.kv_transport.pairs import transport_pair
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_async
 
 LAYOUT = KVLayout(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
+ROUNDS = 5  # progress rounds a post would have been made in, had its event been ignored
+
+
+class RoundCounter:
+    """Counts the progress thread's rounds (each drains the outbox: a ready post is made in
+    the first one), so a test waits for rounds instead of a guessed time."""
+
+    def __init__(self, worker) -> None:
+        self.count = 0
+        round_ = worker._round
+
+        def counted(*args):
+            interval = round_(*args)
+            self.count += 1
+            return interval
+
+        worker._round = counted
+
+    async def rounds(self, n: int) -> None:
+        start = self.count
+        await wait_until_async(lambda: self.count, 30, f"{n} progress rounds", until=lambda c: c >= start + n)
 
 
 class FakeCudaEvent:
@@ -104,6 +125,7 @@ def test_push_writes_each_layer_only_after_its_event_in_layer_order(no_device_sy
     events = FakeCudaEvents()
     with transport_pair(LAYOUT, _pool(6), _pool(6, fill=-1.0), 5.0) as (producer, consumer, src, dst, _, _):
         producer._event_type = events  # what a CUDA pool gets as torch.cuda.Event
+        counter = RoundCounter(producer._worker)
 
         async def run():
             dest = consumer.destination("p", [4, 5], num_tokens=6)
@@ -112,12 +134,12 @@ def test_push_writes_each_layer_only_after_its_event_in_layer_order(no_device_sy
                 producer.push_layer("p", layer, [1, 2], 0)
             assert [e.recorded for e in events.made] == [True, True, True]
             push = producer._push_out["p"]
-            await asyncio.sleep(0.3)  # the progress thread has had many rounds
+            await counter.rounds(ROUNDS)
             assert [r.posted_at.unix_s for r in push.layers] == [None, None, None]
             assert torch.all(dst == -1.0)  # nothing written before any compute ended
             events.made[2].complete()
             events.made[1].complete()
-            await asyncio.sleep(0.3)
+            await counter.rounds(ROUNDS)
             assert [r.posted_at.unix_s for r in push.layers] == [None, None, None]  # layer 0 holds them
             assert torch.all(dst == -1.0)
             events.made[0].complete()
