@@ -20,10 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.auth_settings import AuthConfig
 from autoscaling.config import AutoscalingSettings
 from engine.config import EngineSettings, check_token_budget
+from engine.params import Role
 from kv_transport.config import TransportConfig
 from kv_transport.faults import TRANSPORT_POINTS, FaultRule
 
 ENV_PREFIX = "TANDEM__"
+# the deployment section of each engine pool, by the role its replicas start in (``AppConfig.pool``);
+# also the value of the engine metrics' ``pool`` label
+POOL_SECTIONS = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.BOTH: "colocated"}
 
 
 class _Section(BaseModel):
@@ -146,6 +150,11 @@ class AppConfig(_Section):
             self._check_scaling_bounds()
         return self
 
+    def pool(self, home: Role) -> DeploymentConfig:
+        """The deployment section of the engine pool whose replicas start in ``home``:
+        ``prefill``, ``decode``, or ``colocated`` for ``both``."""
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.BOTH: self.colocated}[home]
+
     @property
     def replica_scaling(self) -> bool:
         """disagg_app scales its pools' replica counts (autoscaling on, its policy's scaling on)."""
@@ -154,12 +163,12 @@ class AppConfig(_Section):
 
     def _check_scaling_bounds(self) -> None:
         scaling = self.autoscaling.load().scaling
-        for pool, bounds in (("prefill", scaling.prefill), ("decode", scaling.decode)):
-            initial = getattr(self, pool).num_replicas
+        for pool in (Role.PREFILL, Role.DECODE):
+            initial, bounds, name = self.pool(pool).num_replicas, scaling.pool(pool), POOL_SECTIONS[pool]
             if not bounds.min_replicas <= initial <= bounds.max_replicas:
                 raise ValueError(
-                    f"{pool}.num_replicas ({initial}) must be within the autoscaling policy's"
-                    f" scaling.{pool} min_replicas..max_replicas ({bounds.min_replicas}..{bounds.max_replicas});"
+                    f"{name}.num_replicas ({initial}) must be within the autoscaling policy's"
+                    f" scaling.{name} min_replicas..max_replicas ({bounds.min_replicas}..{bounds.max_replicas});"
                     " or autoscaling.replica_scaling=false for a fixed count"
                 )
 

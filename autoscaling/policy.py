@@ -14,6 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine.params import Role
+
 POLICY_DIR = Path(__file__).parent / "policies"
 
 
@@ -157,6 +159,14 @@ class Scaling(_Strict):
     graceful_shutdown_timeout_s: float = Field(
         120.0, gt=0, description="Serve's bound on a stopping replica's drain: its decodes and exported KV"
     )
+
+    def pool(self, pool: Role) -> PoolScaling:
+        """The bounds and targets of ``pool`` (``prefill`` or ``decode``)."""
+        if pool is Role.PREFILL:
+            return self.prefill
+        if pool is Role.DECODE:
+            return self.decode
+        raise ValueError(f"no replica scaling for role {pool.value!r}")
 
 
 class Policy(_Strict):

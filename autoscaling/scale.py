@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType
 
-from autoscaling.policy import Policy, PoolScaling
+from autoscaling.policy import Policy
 from autoscaling.snapshot import ReplicaLoad, Snapshot
 from engine.params import Role
 
@@ -68,7 +68,10 @@ class ScaleState:
     pending_since: Mapping[Role, float] = field(default_factory=lambda: _frozen({}))
     backoff_until: Mapping[Role, float] = field(default_factory=lambda: _frozen({}))
     backoff_s: Mapping[Role, float] = field(default_factory=lambda: _frozen({}))
-    decided_at: float | None = None  # snapshot time of the last target change (the relay's sequence)
+    # the snapshot time (the controller's clock) of the last change of any target, the first
+    # targets included; the controller relays each change with this instant on the wall clock
+    # (``autoscaling.messages.RelayedTargets.seq``)
+    decided_at: float | None = None
 
     def with_pool(self, pool: Role, **changes: object) -> ScaleState:
         """This state with ``changes`` (field -> value for ``pool``, None removes it)."""
@@ -122,10 +125,6 @@ def pool_load(pool: Role, replicas: tuple[ReplicaLoad, ...], policy: Policy) -> 
     return _needed(amounts, len(own), scaling.scale_down_below)
 
 
-def _bounds(policy: Policy, pool: Role) -> PoolScaling:
-    return policy.scaling.prefill if pool is Role.PREFILL else policy.scaling.decode
-
-
 def decide_counts(
     snapshot: Snapshot, policy: Policy, state: ScaleState, lent: frozenset[str] = frozenset()
 ) -> tuple[ScaleState, list[ScaleEvent]]:
@@ -138,9 +137,11 @@ def decide_counts(
         if load.reporting == 0:
             continue  # nothing reports yet (starting, or a controller restart): hold
         any_lent = any(r.replica in lent for r in snapshot.replicas if r.home is pool)
+        before = state.targets.get(pool)
         state, event = _decide_pool(pool, load, policy, state, snapshot.time, any_lent)
         if event is not None:
             events.append(event)
+        if state.targets.get(pool) != before:
             state = replace(state, decided_at=snapshot.time)
     return state, events
 
@@ -148,7 +149,7 @@ def decide_counts(
 def _decide_pool(
     pool: Role, load: PoolLoad, policy: Policy, state: ScaleState, now: float, any_lent: bool
 ) -> tuple[ScaleState, ScaleEvent | None]:
-    bounds = _bounds(policy, pool)
+    bounds = policy.scaling.pool(pool)
     if pool not in state.targets:
         first = min(max(load.reporting, bounds.min_replicas), bounds.max_replicas)
         state = state.with_pool(pool, targets=first)
@@ -171,7 +172,7 @@ def _pending(
     if now - since < scaling.pending_timeout_s:
         return state, None
     target = state.targets[pool]
-    new = max(load.reporting, _bounds(policy, pool).min_replicas)
+    new = max(load.reporting, policy.scaling.pool(pool).min_replicas)
     backoff = min(max(state.backoff_s.get(pool, 0) * 2, scaling.pending_timeout_s), scaling.max_backoff_s)
     state = state.with_pool(pool, targets=new, pending_since=None, backoff_until=now + backoff, backoff_s=backoff)
     reason = (
@@ -184,7 +185,7 @@ def _pending(
 def _grow_or_shrink(
     pool: Role, load: PoolLoad, policy: Policy, state: ScaleState, now: float, any_lent: bool
 ) -> tuple[ScaleState, ScaleEvent | None]:
-    scaling, bounds, target = policy.scaling, _bounds(policy, pool), state.targets[pool]
+    scaling, bounds, target = policy.scaling, policy.scaling.pool(pool), state.targets[pool]
     if load.needed is None:
         return state.with_pool(pool, want=None), None
     kind, new, why = None, target, ""

@@ -3,7 +3,8 @@
 The decision is made once for both pools by the autoscaler's controller
 (``autoscaling/scale.py``). Each engine replica gets its deployment's target in the answer
 to its report and returns it from ``record_autoscaling_stats`` as the custom metrics
-``tandem_target_replicas`` and ``tandem_decision_seq`` (the decision's time); Serve's
+``tandem_target_replicas`` and ``tandem_decision_seq`` (``autoscaling.messages.PoolTarget``:
+the count and its decision's sequence number, the decision's wall-clock time); Serve's
 controller runs the functions here each tick with those metrics:
 
 - ``follow_decision(ctx)``: deployment level, set by the builder (``serve run
@@ -34,9 +35,9 @@ METRICS_INTERVAL_S = 0.5  # replicas push their metrics to Serve's controller th
 LOOK_BACK_PERIOD_S = 2.0
 
 
-def serve_autoscaling_config(policy: Policy, pool: str, initial_replicas: int) -> dict[str, Any]:
+def serve_autoscaling_config(policy: Policy, pool: Role | str, initial_replicas: int) -> dict[str, Any]:
     """The ``autoscaling_config`` of the ``pool`` (``prefill`` / ``decode``) deployment."""
-    bounds = policy.scaling.prefill if Role(pool) is Role.PREFILL else policy.scaling.decode
+    bounds = policy.scaling.pool(Role(pool))
     return {
         "min_replicas": bounds.min_replicas,
         "max_replicas": bounds.max_replicas,

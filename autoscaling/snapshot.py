@@ -5,9 +5,11 @@ trace that ``python -m autoscaling.replay`` reads back)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autoscaling.messages import LatencySample
 from engine.params import EngineStats, Role
 
 
@@ -80,14 +82,13 @@ class Observed:
     prefill_p90_s: float | None = None  # the prefill call (pull) or TTFT (push) of disaggregated requests
 
     @classmethod
-    def of(cls, samples: list[tuple[float, float | None, float | None]], min_samples: int) -> Observed:
-        """``samples``: (ttft_s, tpot_s or None, prefill_s or None) per finished request; each
-        p90 needs ``min_samples`` values of its own."""
+    def of(cls, samples: Sequence[LatencySample], min_samples: int) -> Observed:
+        """``samples``: one per finished request; each p90 needs ``min_samples`` values of its own."""
         return cls(
             num_requests=len(samples),
-            ttft_p90_s=_p90([s[0] for s in samples], min_samples),
-            tpot_p90_s=_p90([s[1] for s in samples if s[1] is not None], min_samples),
-            prefill_p90_s=_p90([s[2] for s in samples if s[2] is not None], min_samples),
+            ttft_p90_s=_p90([s.ttft_s for s in samples], min_samples),
+            tpot_p90_s=_p90([s.tpot_s for s in samples if s.tpot_s is not None], min_samples),
+            prefill_p90_s=_p90([s.prefill_s for s in samples if s.prefill_s is not None], min_samples),
         )
 
 

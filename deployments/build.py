@@ -1,4 +1,8 @@
-"""Bind the deployments of an application from a validated ``AppConfig``."""
+"""Bind the deployments of an application from a validated ``AppConfig``.
+
+The deployments get the validated ``AppConfig`` itself (Ray pickles it with the policy it
+loaded), so the settings are validated once, here at the edge.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
 from app.settings import AppConfig, DeploymentConfig
 from autoscaling.serve_policy import serve_autoscaling_config
+from deployments.controller import AutoscalerController
 from deployments.ingress import OpenAIIngress
 from deployments.server import EngineServer
 from engine.params import Role
@@ -62,39 +68,43 @@ def _ingress(config: AppConfig):
 
 
 def _controller():
-    from autoscaling.controller import AutoscalerController
-
+    # the ingress's syncs and every engine replica's reports come several times a second:
+    # no access-log line per call (the controller logs its decisions itself)
     return serve.deployment(
-        AutoscalerController, name="AutoscalerController", num_replicas=1, ray_actor_options={"num_cpus": 0.05}
+        AutoscalerController,
+        name="AutoscalerController",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0.05},
+        logging_config=LoggingConfig(enable_access_log=False),
     )
 
 
-def _scaling_options(config: AppConfig, pool: str) -> dict[str, Any] | None:
+def _scaling_options(config: AppConfig, pool: Role) -> dict[str, Any] | None:
     """With replica scaling on: the pool's Serve autoscaling config, following the
     controller's decision, and a graceful-stop bound that covers the drain."""
     if not config.replica_scaling:
         return None
     policy = config.autoscaling.load(config.slo.ttft_ms, config.slo.tpot_ms)
-    initial = getattr(config, pool).num_replicas
+    initial = config.pool(pool).num_replicas
     return {
         "autoscaling_config": serve_autoscaling_config(policy, pool, initial),
         "graceful_shutdown_timeout_s": policy.scaling.graceful_shutdown_timeout_s,
     }
 
 
+def _engine_pool(name: str, config: AppConfig, home: Role, controller: Any = None):
+    scaling = _scaling_options(config, home) if home is not Role.BOTH else None
+    deployment = _engine_deployment(name, config.pool(home), config, scaling)
+    return deployment.bind(config, home, controller=controller)
+
+
 def build_disagg(config: AppConfig) -> serve.Application:
-    data = config.model_dump()
-    controller = _controller().bind(data) if config.autoscaling.enabled else None
-    prefill = _engine_deployment("PrefillServer", config.prefill, config, _scaling_options(config, "prefill")).bind(
-        data, Role.PREFILL.value, "prefill", controller=controller
-    )
-    decode = _engine_deployment("DecodeServer", config.decode, config, _scaling_options(config, "decode")).bind(
-        data, Role.DECODE.value, "decode", controller=controller
-    )
-    return _ingress(config).bind(data, prefill=prefill, decode=decode, controller=controller)
+    controller = _controller().bind(config) if config.autoscaling.enabled else None
+    prefill = _engine_pool("PrefillServer", config, Role.PREFILL, controller)
+    decode = _engine_pool("DecodeServer", config, Role.DECODE, controller)
+    return _ingress(config).bind(config, prefill=prefill, decode=decode, controller=controller)
 
 
 def build_colocated(config: AppConfig) -> serve.Application:
-    data = config.model_dump()
-    colocated = _engine_deployment("ColocatedServer", config.colocated, config).bind(data, Role.BOTH.value, "colocated")
-    return _ingress(config).bind(data, colocated=colocated)
+    colocated = _engine_pool("ColocatedServer", config, Role.BOTH)
+    return _ingress(config).bind(config, colocated=colocated)

@@ -14,6 +14,7 @@ picks a route per request (``autoscaling.placement``'s rules):
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any
 
-from autoscaling.controller import RoutingPlan
+from autoscaling.messages import LatencySample, RoutingPlan
 from autoscaling.placement import PromptLoad, decode_heavy, place_prompt, prefer_lent
 from autoscaling.policy import Policy
 
@@ -42,7 +43,7 @@ class ElasticRouting:
         self.controller, self.policy = controller, policy
         self.plan = RoutingPlan(prefill=1, decode=1, lent=0, decode_kv_usage=None, tpot_p90_s=None)
         self.seconds_per_prompt_token: float | None = None
-        self._samples: list[tuple[float, float | None, float | None]] = []
+        self._samples: list[LatencySample] = []  # finished since the last sync
         self._prefill_tokens = 0  # prompt tokens of disaggregated requests before their first token
         self._prompts_on_decode = 0  # prompts prefilling on decode replicas
         self._in_flight = {Route.DISAGGREGATED: 0, Route.LENT: 0, Route.ON_DECODE: 0}
@@ -142,19 +143,21 @@ class ElasticRouting:
 
     def observe(self, ttft_s: float | None, tpot_s: float | None, prefill_s: float | None) -> None:
         if ttft_s is not None:
-            self._samples.append((ttft_s, tpot_s, prefill_s))
+            self._samples.append(LatencySample(ttft_s, tpot_s, prefill_s))
 
     # ---- the sync with the controller -------------------------------------------------------
 
     def _start(self) -> None:
+        """The sync loop, started by the first request; in a context of its own, so the syncs
+        carry no request id of the client request that happened to start it."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._sync_loop())
+            self._task = asyncio.get_running_loop().create_task(self._sync_loop(), context=contextvars.Context())
 
     async def _sync_loop(self) -> None:
         while True:
             samples, self._samples = self._samples, []
             try:
-                self.plan = RoutingPlan(**await self.controller.sync.remote(samples))
+                self.plan = await self.controller.sync.remote(samples)
             except Exception as exc:  # the controller restarting: route by the last plan
                 logger.warning("autoscaler sync failed: %s", exc)
                 self._samples = samples + self._samples  # sent with the next sync

@@ -10,13 +10,15 @@ request router (``deployments.router``) from the engine thread's stats snapshot 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from app.settings import AppConfig
+from app.settings import POOL_SECTIONS, AppConfig
+from autoscaling.messages import PoolTarget, ReplicaReport
 from autoscaling.serve_policy import SEQ_METRIC, TARGET_METRIC
 from deployments import logs
 from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
@@ -78,30 +80,31 @@ def _fault_points(config: AppConfig) -> Any:
 
 
 class EngineServer:
-    def __init__(self, config: dict[str, Any], role: str, section: str, controller: Any = None) -> None:
-        """``role``: the initial role, a ``Role`` value (Serve's bind arguments stay plain data);
-        ``section``: this replica's deployment section of the config (``prefill``, ``decode`` or
-        ``colocated``), also its metrics' ``pool`` label; ``controller``: the autoscaler's
-        controller handle (disagg_app with autoscaling on), which the replica reports its
-        load to and takes its assigned role from."""
+    def __init__(self, config: AppConfig, home: Role, controller: Any = None) -> None:
+        """``config``: the application's settings, validated once by the builder; ``home``: the
+        pool's role (``both``: colocated), the replica's initial role; its deployment section
+        of the config (``AppConfig.pool``) names its metrics' ``pool`` label;
+        ``controller``: the autoscaler's controller handle (disagg_app with autoscaling on),
+        which the replica reports its load to and takes its assigned role from."""
         import torch
 
         from deployments.metrics import EngineMetrics
         from engine.async_engine import AsyncEngine
 
-        self.config = AppConfig.model_validate(config)
-        torch_threads = getattr(self.config, section).torch_threads
+        self.config = config
+        self.home = Role(home)
+        section = POOL_SECTIONS[self.home]
+        torch_threads = config.pool(self.home).torch_threads
         torch.set_num_threads(torch_threads)
-        self.core = _load_core(self.config, Role(role))
+        self.core = _load_core(config, self.home)
         self.engine = AsyncEngine(self.core, torch_threads)
         self.engine_id = f"{section}-{os.getpid()}-{id(self):x}"
         self.metrics = EngineMetrics(section)
         self._link: KVEngineLink | None = None
         self._start_lock = asyncio.Lock()
-        self.home = Role(role)
         self._controller = controller
         self._reporter: asyncio.Task | None = None
-        self._relayed: dict[str, float] = {}  # the replica-count decision for Serve (record_autoscaling_stats)
+        self._target: PoolTarget | None = None  # the replica-count decision for Serve (record_autoscaling_stats)
         self._stopping = False
         self.faults = _fault_points(self.config)
         self._kv_publisher: asyncio.Task | None = None
@@ -119,7 +122,8 @@ class EngineServer:
     def _start_reporting(self) -> None:
         """Report to the controller, and publish the KV accounting, from the replica's event
         loop (from the constructor when Serve runs it on that loop, else from the first call
-        or health check)."""
+        or health check). Each loop runs in a context of its own: the call that happened to
+        start it would otherwise lend it its request id (its log lines, its calls)."""
         if self._stopping:
             return
         try:
@@ -127,9 +131,9 @@ class EngineServer:
         except RuntimeError:
             return
         if self._kv_publisher is None or self._kv_publisher.done():
-            self._kv_publisher = loop.create_task(self._publish_kv_loop())
+            self._kv_publisher = loop.create_task(self._publish_kv_loop(), context=contextvars.Context())
         if self._controller is not None and (self._reporter is None or self._reporter.done()):
-            self._reporter = loop.create_task(self._report_loop())
+            self._reporter = loop.create_task(self._report_loop(), context=contextvars.Context())
 
     async def _publish_kv_loop(self) -> None:
         """``GET /admin/kv``'s data (``deployments.kv_state``), about once a second."""
@@ -168,10 +172,10 @@ class EngineServer:
         while True:
             try:
                 stats = self.engine.latest_stats()
-                answer = await self._controller.report.remote(replica, deployment, self.home.value, stats)
-                role = Role(answer["role"])
-                if answer["target"] is not None:
-                    self._relayed = {TARGET_METRIC: answer["target"], SEQ_METRIC: answer["seq"]}
+                answer = await self._controller.report.remote(ReplicaReport(replica, deployment, self.home, stats))
+                role = answer.role
+                if answer.target is not None:
+                    self._target = answer.target
                 if role is not stats.role and (changing is None or changing.done()):
                     # applied between engine steps (a step may take seconds): keep reporting meanwhile
                     changing = asyncio.get_running_loop().create_task(self._apply_role(stats.role, role))
@@ -196,7 +200,8 @@ class EngineServer:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve (deployments with replica scaling): the controller's decision for
         this replica's deployment, relayed to Serve's policy (``autoscaling/serve_policy.py``)."""
-        return dict(self._relayed)
+        target = self._target
+        return {} if target is None else {TARGET_METRIC: target.num_replicas, SEQ_METRIC: target.seq}
 
     async def __del__(self) -> None:
         """Serve's graceful stop (scale-down, redeploy, shutdown) calls this once the replica's
@@ -241,7 +246,7 @@ class EngineServer:
         context = serve.get_replica_context()
         stats = self.engine.latest_stats()
         report = self._controller.report.remote(
-            context.replica_id.unique_id, context.deployment, self.home.value, stats, stopping=True
+            ReplicaReport(context.replica_id.unique_id, context.deployment, self.home, stats, stopping=True)
         )
         try:
             await asyncio.wait_for(report, timeout=2.0)

@@ -28,6 +28,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from autoscaling.decide import ActionKind, ControllerState, decide
+from autoscaling.messages import LatencySample
 from autoscaling.placement import decode_heavy, prefer_lent
 from autoscaling.policy import Policy
 from autoscaling.scale import ScaleEvent, ScaleState, decide_counts
@@ -51,7 +52,7 @@ class Elastic:
         self.interval_s = policy.interval_s
         self.state = ControllerState()
         self.scale_state = ScaleState()
-        self.window: deque[tuple[float, float, float | None, float | None]] = deque()
+        self.window: deque[tuple[float, LatencySample]] = deque()  # (finished at, sample)
         self.actions: list[tuple[float, str, int]] = []
         self.disaggregated_in_flight = 0
         self.lent_in_flight = 0
@@ -81,17 +82,16 @@ class Elastic:
         else:
             self.disaggregated_in_flight -= 1
         tpot = (now - req.first_s) / (req.output - 1) if req.output > 1 else None
-        self.window.append((now, req.first_s - req.arrival, tpot, None if req.whole else req.prefill_s))
+        self.window.append((now, LatencySample(req.first_s - req.arrival, tpot, None if req.whole else req.prefill_s)))
 
     def tick(self, now: float) -> None:
         self._arrivals_and_departures(now)
         while self.window and self.window[0][0] < now - self.policy.window_s:
             self.window.popleft()
-        samples = [(ttft, tpot, prefill) for _, ttft, tpot, prefill in self.window]
         snapshot = Snapshot(
             time=now,
             replicas=tuple(self._load(r) for r in self.reporting.values()),
-            observed=Observed.of(samples, self.policy.min_samples),
+            observed=Observed.of([sample for _, sample in self.window], self.policy.min_samples),
         )
         actions = decide(snapshot, self.policy, self.state)
         self.state = self.state.after(actions, now)

@@ -1,16 +1,26 @@
 """The controller's bookkeeping, called directly (the class Serve deploys, without Serve):
 replicas report and get their assigned role, the ingress's plan follows the reports at
 once, every action is kept with its reason, and a lent replica that goes silent is counted
-as returned with a decision that says so."""
+as returned with a decision that says so. The periodic calls around it (the ingress's sync,
+the replicas' reports) run in contexts of their own and leave no access-log line each."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
+from ray.serve.context import _RequestContext, _serve_request_context
+
 from app.settings import AppConfig
-from autoscaling.controller import AutoscalerController
+from autoscaling.messages import LatencySample, PoolTarget, ReplicaReport, ReportAnswer, RoutingPlan
+from deployments.build import build_disagg
+from deployments.controller import AutoscalerController
+from deployments.elastic_routing import ElasticRouting
 from engine.params import EngineStats, Role
+from tests.waiting import wait_until_async
+
+DEPLOYMENTS = {Role.PREFILL: "PrefillServer", Role.DECODE: "DecodeServer"}
 
 
 def _stats(role: Role, decoding: int = 0, queued: int = 0) -> EngineStats:
@@ -30,25 +40,29 @@ def _stats(role: Role, decoding: int = 0, queued: int = 0) -> EngineStats:
     )
 
 
+def _report(replica: str, home: Role, stats: EngineStats, stopping: bool = False) -> ReplicaReport:
+    return ReplicaReport(replica, DEPLOYMENTS[home], home, stats, stopping=stopping)
+
+
 def test_report_tick_sync_and_view():
-    controller = AutoscalerController(AppConfig.load({}, environ={}).model_dump())
+    controller = AutoscalerController(AppConfig.load({}, environ={}))
 
     async def scenario() -> None:
-        first = await controller.report("p0", "PrefillServer", "prefill", _stats(Role.PREFILL))
-        assert first == {"role": "prefill", "target": None, "seq": None}  # no replica-count decision yet
-        assert (await controller.report("d0", "DecodeServer", "decode", _stats(Role.DECODE, decoding=8)))[
-            "role"
-        ] == "decode"
+        first = await controller.report(_report("p0", Role.PREFILL, _stats(Role.PREFILL)))
+        assert first == ReportAnswer(role=Role.PREFILL, target=None)  # no replica-count decision yet
+        decode = await controller.report(_report("d0", Role.DECODE, _stats(Role.DECODE, decoding=8)))
+        assert decode.role is Role.DECODE
         (lend,) = controller.tick(time.monotonic())
         assert (lend.kind.value, lend.replica) == ("lend", "p0")
         assert "decode running_per_replica 8.00 >= enter 5.00" in lend.reason
         # assigned at once; routed to only once the replica reports the role it applied
-        answer = await controller.report("p0", "PrefillServer", "prefill", _stats(Role.PREFILL))
-        assert (answer["role"], answer["target"]) == ("both", 1)  # the pools start from the replicas that report
-        assert (await controller.sync([]))["lent"] == 0
-        await controller.report("p0", "PrefillServer", "prefill", _stats(Role.BOTH))
-        plan = await controller.sync([(1.0, 0.05, 0.5)])
-        assert (plan["prefill"], plan["decode"], plan["lent"]) == (1, 1, 1)
+        answer = await controller.report(_report("p0", Role.PREFILL, _stats(Role.PREFILL)))
+        assert answer.role is Role.BOTH
+        assert answer.target is not None and answer.target.num_replicas == 1  # the pools start from what reports
+        assert (await controller.sync([])).lent == 0
+        await controller.report(_report("p0", Role.PREFILL, _stats(Role.BOTH)))
+        plan = await controller.sync([LatencySample(ttft_s=1.0, tpot_s=0.05, prefill_s=0.5)])
+        assert plan == RoutingPlan(prefill=1, decode=1, lent=1, decode_kv_usage=0.4, tpot_p90_s=None)
         view = await controller.view()
         assert view["policy"] == "default"
         assert [(d["action"], d["replica"], d["role"]) for d in view["decisions"]] == [("lend", "p0", "both")]
@@ -67,26 +81,29 @@ def test_report_tick_sync_and_view():
 def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_leaves_at_once():
     """Both pools' targets come from the tick's one decision and go back in each replica's
     report answer (the replica relays its own pool's to Serve), with the decision's time."""
-    controller = AutoscalerController(AppConfig.load({}, environ={}).model_dump())
+    controller = AutoscalerController(AppConfig.load({}, environ={}))
     delay = controller.policy.scaling.scale_up_delay_s
 
-    async def report(replica: str, home: Role, decoding: int = 0, stopping: bool = False) -> dict:
-        deployment = "PrefillServer" if home is Role.PREFILL else "DecodeServer"
-        return await controller.report(replica, deployment, home.value, _stats(home, decoding), stopping=stopping)
+    async def report(replica: str, home: Role, decoding: int = 0, stopping: bool = False) -> ReportAnswer:
+        return await controller.report(_report(replica, home, _stats(home, decoding), stopping=stopping))
 
     async def scenario() -> None:
         await report("p0", Role.PREFILL)
         await report("d0", Role.DECODE, decoding=14)  # 14 decoding, target 6 per replica: needs 3
         start = time.monotonic()
+        before = time.time()
         controller.tick(start)
-        first = await report("d0", Role.DECODE, decoding=14)
-        assert first["target"] == 1 and first["seq"] is not None
+        first = (await report("d0", Role.DECODE, decoding=14)).target
+        assert first is not None and first.num_replicas == 1
+        assert before - 0.5 <= first.seq <= time.time()  # the decision's wall-clock time
         later = start + delay + 0.5
         controller._reports = {k: (later, load) for k, (_, load) in controller._reports.items()}  # reported since
         controller.tick(later)
         answer = await report("d0", Role.DECODE, decoding=14)
-        assert answer["target"] == 3 and answer["seq"] > first["seq"]
-        assert (await report("p0", Role.PREFILL))["target"] == 1
+        assert answer.target == PoolTarget(num_replicas=3, seq=answer.target.seq)
+        assert answer.target.seq - first.seq == pytest.approx(delay + 0.5, abs=0.05)  # the instants of the decisions
+        assert controller.scale_state.decided_at == later
+        assert (await report("p0", Role.PREFILL)).target == PoolTarget(1, answer.target.seq)  # from the same decision
         view = (await controller.view())["scaling"]
         assert view["pools"]["decode"] == {"target": 3, "reporting": 1, "pending": 2, "backoff_s": 0}
         (event,) = [d for d in (await controller.view())["decisions"] if d["action"] == "scale_up"]
@@ -94,20 +111,68 @@ def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_lea
         assert "decoding requests 14 (target 6 per replica)" in event["reason"]
         assert "on 1 replica(s): needs 3 (max 4), for 10s: 1 -> 3" in event["reason"]
         # a stopping replica is left out at once, not after stale_after_s
-        assert (await report("d0", Role.DECODE, stopping=True))["target"] is None
+        assert await report("d0", Role.DECODE, stopping=True) == ReportAnswer(role=Role.DECODE)
         assert "d0" not in controller._reports
 
     asyncio.run(scenario())
 
 
 def test_replica_scaling_off_relays_nothing():
-    controller = AutoscalerController(AppConfig.load({"autoscaling.replica_scaling": "false"}, environ={}).model_dump())
+    controller = AutoscalerController(AppConfig.load({"autoscaling.replica_scaling": "false"}, environ={}))
 
     async def scenario() -> None:
-        await controller.report("d0", "DecodeServer", "decode", _stats(Role.DECODE, decoding=14))
+        await controller.report(_report("d0", Role.DECODE, _stats(Role.DECODE, decoding=14)))
         controller.tick(time.monotonic())
-        answer = await controller.report("d0", "DecodeServer", "decode", _stats(Role.DECODE, decoding=14))
-        assert answer["target"] is None
+        answer = await controller.report(_report("d0", Role.DECODE, _stats(Role.DECODE, decoding=14)))
+        assert answer == ReportAnswer(role=Role.DECODE, target=None)
         assert (await controller.view())["scaling"]["enabled"] is False
 
     asyncio.run(scenario())
+
+
+class _Call:
+    """A handle method's stand-in: records the Serve request context each call runs in."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer, self.contexts = answer, []
+
+    def remote(self, *args: object) -> asyncio.Future:
+        self.contexts.append(_serve_request_context.get())
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.answer)
+        return future
+
+
+def test_background_loops_carry_no_client_request_id():
+    """The ingress's sync loop and the controller's decision loop start during some call; they
+    must not carry that call's request id (in their log lines, in the calls they make)."""
+    config = AppConfig.load({}, environ={})
+    plan = RoutingPlan(prefill=1, decode=1, lent=0, decode_kv_usage=None, tpot_p90_s=None)
+    sync = _Call(plan)
+    routing = ElasticRouting(type("Controller", (), {"sync": sync})(), config.autoscaling.load())
+    controller = AutoscalerController(config)
+    ticks: list[object] = []
+    controller.tick = lambda now: ticks.append(_serve_request_context.get()) or []
+
+    async def scenario() -> None:
+        _serve_request_context.set(_RequestContext(request_id="client-request-id"))
+        routing._start()  # as the first request does
+        await controller.report(_report("d0", Role.DECODE, _stats(Role.DECODE)))
+        await wait_until_async(lambda: bool(sync.contexts and ticks), 5.0, "a sync and a tick")
+        assert _serve_request_context.get().request_id == "client-request-id"  # the call's own context is kept
+        for task in (routing._task, controller._task):
+            task.cancel()
+
+    asyncio.run(scenario())
+    assert sync.contexts[0] is None and ticks[0] is None
+    assert routing.plan == plan
+
+
+def test_the_controller_deployment_writes_no_access_log_line_per_call():
+    """Serve's access log would write a line for every sync and every report (several a
+    second); decisions are logged by the controller itself."""
+    app = build_disagg(AppConfig.load({}, environ={}))
+    controller = app._bound_deployment.init_kwargs["controller"]._bound_deployment
+    logging_config = controller._deployment_config.logging_config
+    assert logging_config["enable_access_log"] is False
+    assert logging_config["log_level"] == "INFO"

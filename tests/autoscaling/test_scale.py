@@ -92,6 +92,15 @@ def test_both_pools_come_from_one_decision(policy):
     assert state.decided_at == 10
 
 
+def test_decided_at_is_the_snapshot_time_of_the_last_target_change(policy):
+    """The first targets count as a change (the controller relays them); a tick that changes
+    no target leaves it where it was."""
+    state, _ = _run(policy, [_pools(5, 1, 1)])
+    assert (dict(state.targets), state.decided_at) == ({Role.PREFILL: 1, Role.DECODE: 1}, 5)
+    state, events = _run(policy, [_pools(t, 1, 1) for t in range(6, 40)], state)
+    assert (events, state.decided_at) == ([], 5)
+
+
 def test_the_decode_load_is_counted_by_role_and_a_lent_prefill_replica_is_reclaimed_before_shrinking(policy):
     lent_p0 = _replica("p0", Role.PREFILL, role=Role.BOTH, decoding=8)
     snapshots = [Snapshot(time=t, replicas=(lent_p0, _replica("d0", Role.DECODE, decoding=6))) for t in range(11)]

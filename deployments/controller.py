@@ -2,73 +2,74 @@
 
 Mechanism: engine replicas **report** to it (``report``, every ``REPORT_PERIOD_S``) and get
 their assigned role in the answer; the ingress **syncs** with it (``sync``), sending the
-latencies it observed and getting the routing plan (how many replicas serve each role).
-Serve has no call addressed to one replica, so the assignment travels back on the
-replica's own call; a controller restart loses only the lending state (replicas keep their
-roles until the new controller's first answer, which returns each to its home role).
+latencies it observed and getting the routing plan (how many replicas serve each role); the
+messages are ``autoscaling.messages``'. Serve has no call addressed to one replica, so the
+assignment travels back on the replica's own call; a controller restart loses only the
+lending state (replicas keep their roles until the new controller's first answer, which
+returns each to its home role). Both calls come several times a second: the builder turns
+Serve's access log off for this deployment (``deployments.build``), and what is logged here
+is what changes: decisions, roles, errors.
 
 Each ``interval_s`` it builds a ``Snapshot`` from the fresh reports and the window of
-observations, runs ``decide`` and applies the actions to its state; every action is logged,
-counted (``tandem_autoscaler_actions_total``) and kept for ``GET /admin/autoscaler``.
-With ``autoscaling.record`` each snapshot is appended to a JSONL trace for replay.
+observations, runs ``decide`` (and ``decide_counts``) and applies the actions to its state;
+every action is logged, counted (``tandem_autoscaler_actions_total``) and kept for
+``GET /admin/autoscaler``. With ``autoscaling.record`` each snapshot is appended to a JSONL
+trace for replay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from app.settings import AppConfig
 from autoscaling.decide import Action, ActionKind, ControllerState, decide
+from autoscaling.messages import LatencySample, RelayedTargets, ReplicaReport, ReportAnswer, RoutingPlan
 from autoscaling.scale import POOLS, ScaleEvent, ScaleState, decide_counts
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
-from engine.params import EngineStats, Role
+from deployments.metrics import AutoscalerMetrics
+from engine.params import Role
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
 MAX_DECISIONS = 100
 
 
-@dataclass(frozen=True)
-class RoutingPlan:
-    """What the ingress routes by: replicas per role, as applied on the replicas."""
+def routing_plan(snapshot: Snapshot, state: ControllerState) -> RoutingPlan:
+    """The plan the ingress routes by, from the replicas' reports and the lending state."""
+    decode = [r for r in snapshot.replicas if r.home is Role.DECODE]
+    blocks = sum(r.total_blocks for r in decode)
+    return RoutingPlan(
+        prefill=sum(r.serves_prefill for r in snapshot.replicas),
+        decode=len(decode),
+        lent=sum(r.replica in state.lent and r.role is Role.BOTH for r in snapshot.replicas),
+        decode_kv_usage=sum(r.decode_blocks for r in decode) / blocks if blocks else None,
+        tpot_p90_s=snapshot.observed.tpot_p90_s,
+    )
 
-    prefill: int  # replicas taking prompts
-    decode: int  # decode-deployment replicas
-    lent: int  # prefill-deployment replicas in role both (taking whole requests)
-    decode_kv_usage: float | None
-    tpot_p90_s: float | None
 
-    @classmethod
-    def of(cls, snapshot: Snapshot, state: ControllerState) -> RoutingPlan:
-        decode = [r for r in snapshot.replicas if r.home is Role.DECODE]
-        blocks = sum(r.total_blocks for r in decode)
-        return cls(
-            prefill=sum(r.serves_prefill for r in snapshot.replicas),
-            decode=len(decode),
-            lent=sum(r.replica in state.lent and r.role is Role.BOTH for r in snapshot.replicas),
-            decode_kv_usage=sum(r.decode_blocks for r in decode) / blocks if blocks else None,
-            tpot_p90_s=snapshot.observed.tpot_p90_s,
-        )
+def wall_clock(monotonic_s: float) -> float:
+    """The wall-clock time of an instant of this process's monotonic clock."""
+    return time.time() - (time.monotonic() - monotonic_s)
 
 
 class AutoscalerController:
-    def __init__(self, config: dict[str, Any]) -> None:
-        from deployments.metrics import AutoscalerMetrics
-
-        app = AppConfig.model_validate(config)
-        self.settings = app.autoscaling
-        self.policy = app.autoscaling.load(app.slo.ttft_ms, app.slo.tpot_ms)
+    def __init__(self, config: AppConfig) -> None:
+        """``config``: the application's settings, validated once by the builder."""
+        self.settings = config.autoscaling
+        self.policy = config.autoscaling.load(config.slo.ttft_ms, config.slo.tpot_ms)
         self.state = ControllerState()
         self.scaling = self.settings.replica_scaling and self.policy.scaling.enabled
         self.scale_state = ScaleState()
-        self._relay: dict[str, Any] = {}  # pool -> target, with "seq": the decision's wall time
-        self._reports: dict[str, tuple[float, ReplicaLoad]] = {}
-        self._samples: deque[tuple[float, float, float | None, float | None]] = deque()
+        self._relay: RelayedTargets | None = None  # the latest replica-count decision
+        self._reports: dict[str, tuple[float, ReplicaLoad]] = {}  # replica -> (received at, load)
+        self._samples: deque[tuple[float, LatencySample]] = deque()  # (received at, sample)
         self._decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
         self._snapshot = Snapshot(time=time.monotonic())
         self._task: asyncio.Task | None = None
@@ -77,31 +78,27 @@ class AutoscalerController:
 
     # ---- calls from the replicas and the ingress -----------------------------------------
 
-    async def report(
-        self, replica: str, deployment: str, home: str, stats: EngineStats, stopping: bool = False
-    ) -> dict[str, Any]:
+    async def report(self, report: ReplicaReport) -> ReportAnswer:
         """An engine replica's load; answers the role it must have and, with replica scaling,
-        its deployment's target replica count (``target``, ``seq``: the decision's time) for
-        it to relay to Serve. ``stopping``: the replica is being stopped (left out at once)."""
+        its pool's target for it to relay to Serve. A stopping replica is left out at once."""
         self._start()
-        load = ReplicaLoad.of(replica, deployment, Role(home), stats)
-        if stopping:
-            self._reports.pop(replica, None)
-            return {"role": load.home.value, "target": None, "seq": None}
-        self._reports[replica] = (time.monotonic(), load)
-        target = self._relay.get(home)
-        return {"role": self.state.role_of(load).value, "target": target, "seq": self._relay.get("seq")}
+        load = ReplicaLoad.of(report.replica, report.deployment, report.home, report.stats)
+        if report.stopping:
+            self._reports.pop(report.replica, None)
+            return ReportAnswer(role=report.home)
+        self._reports[report.replica] = (time.monotonic(), load)
+        target = self._relay.for_pool(report.home) if self._relay is not None else None
+        return ReportAnswer(role=self.state.role_of(load), target=target)
 
-    async def sync(self, samples: list[tuple[float, float | None, float | None]]) -> dict[str, Any]:
-        """The ingress's finished requests since its last sync (ttft_s, tpot_s, prefill_s);
-        answers the routing plan."""
+    async def sync(self, samples: Sequence[LatencySample]) -> RoutingPlan:
+        """The ingress's finished requests since its last sync; answers the routing plan."""
         self._start()
         now = time.monotonic()
-        self._samples.extend((now, *sample) for sample in samples)
+        self._samples.extend((now, sample) for sample in samples)
         # from the latest reports, not the last tick's snapshot: a lent replica that reported
         # its new role is routed to within a report period, not an interval later
         current = Snapshot(time=now, replicas=self._fresh(now), observed=self._snapshot.observed)
-        return asdict(RoutingPlan.of(current, self.state))
+        return routing_plan(current, self.state)
 
     async def view(self) -> dict[str, Any]:
         """``GET /admin/autoscaler``: the policy, each replica's role and load, the decisions."""
@@ -153,8 +150,10 @@ class AutoscalerController:
     # ---- the decision loop -----------------------------------------------------------------
 
     def _start(self) -> None:
+        """The decision loop, started by the first call; in a context of its own, so its log
+        lines carry no request id of the call that happened to start it."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
 
     async def _loop(self) -> None:
         while True:
@@ -190,12 +189,11 @@ class AutoscalerController:
         self.scale_state, events = decide_counts(snapshot, self.policy, self.scale_state, self.state.lent)
         for event in events:
             self._record_scale(snapshot.time, event)
-        targets = dict(self.scale_state.targets)
-        if targets != before or not self._relay:
-            if targets:
-                self._relay = {pool.value: n for pool, n in targets.items()} | {"seq": time.time()}
+        scale = self.scale_state
+        if dict(scale.targets) != before and scale.decided_at is not None:
+            self._relay = RelayedTargets.of(scale.targets, seq=wall_clock(scale.decided_at))
         reporting = {pool: sum(r.home is pool for r in snapshot.replicas) for pool in POOLS}
-        self.metrics.scaling(targets, reporting)
+        self.metrics.scaling(scale.targets, reporting)
 
     def _record_scale(self, now: float, event: ScaleEvent) -> None:
         logger.info("autoscaler %s %s: %s", event.kind.value, event.pool.value, event.reason)
@@ -220,10 +218,11 @@ class AutoscalerController:
 
     def _take_snapshot(self, now: float) -> Snapshot:
         replicas = self._fresh(now)
-        self._reports = {k: v for k, v in self._reports.items() if now - v[0] <= self.policy.stale_after_s}
-        while self._samples and now - self._samples[0][0] > self.policy.window_s:
+        stale_after_s = self.policy.stale_after_s
+        self._reports = {k: (seen, load) for k, (seen, load) in self._reports.items() if now - seen <= stale_after_s}
+        while self._samples and now - self._samples[0][0] > self.policy.window_s:  # the oldest first
             self._samples.popleft()
-        observed = Observed.of([s[1:] for s in self._samples], self.policy.min_samples)
+        observed = Observed.of([sample for _, sample in self._samples], self.policy.min_samples)
         self._snapshot = Snapshot(time=now, replicas=replicas, observed=observed)
         return self._snapshot
 
