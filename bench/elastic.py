@@ -3,7 +3,7 @@
 One trace, three phases of equal length (``PHASES``): prompt-heavy (long prompts, short
 outputs), a decode-heavy burst (short prompts, long outputs, at a higher rate), prompt-heavy
 again. Three systems, one after another, each in its own fresh local Ray
-(``bench.compare.Server``), 2 engine replicas with 1 torch thread each:
+(``bench.ray_local.Server``), 2 engine replicas with 1 torch thread each:
 
 * ``static``     disagg_app, pull, no autoscaler: 1 prefill + 1 decode replica;
 * ``colocated``  colocated_app, 2 replicas doing both phases;
@@ -18,8 +18,9 @@ their own), TPOT 2x the uncontended TPOT. While the elastic system runs,
 Stages (``--stage``): ``floor`` (the interference floor: a decode step with the other core
 idle and while another process prefills, and the client's TPOT through the static app idle
 and beside 8 streams), ``run`` (calibrate, then each system), ``report`` (render from the
-raw records); ``all`` runs them in that order. Writes ``docs/benchmarks/elastic.{md,json,png}``;
-the per-request records go to ``--raw`` (not committed).
+raw records); ``all`` runs them in that order. Every stage saves its JSON in the raw folder
+(not committed), and the report is rendered from there: ``elastic.json`` (the figures),
+``elastic.md`` (only its generated block) and ``elastic.png`` (the timeline), in ``--out``.
 """
 
 from __future__ import annotations
@@ -31,33 +32,23 @@ import math
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
-from bench.compare import COMMON, MAX_MODEL_LEN
+from bench.compare import COMMON, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
-from bench.elastic_report import (
-    Calibration,
-    ClassCalibration,
-    Floor,
-    Phase,
-    SystemRun,
-    load_calibration,
-    load_raw,
-    save_calibration,
-    save_json,
-    save_trace,
-    write_report,
-)
+from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
 from bench.ray_local import Server
-from bench.serve import Target, arrival_times, run, send, uncontended
+from bench.report import command_line, figure, first_paragraph, read_json, table, template, write_json, write_page
+from bench.serve import Target, arrival_times, poll_autoscaler, run, send, uncontended, warm_up
+from bench.slo import SLO, RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder, median_request
 
+NAME = "bench.elastic"
 # name, request class (its TTFT SLO), prompt tokens, output tokens (inclusive ranges), req/s.
 # The rates are fixed for this 2-core machine (short trial runs): at 0.45 req/s of ~410-token
 # prompts the static 1+1 system keeps its SLOs and the prefill replica is about half busy. The
@@ -83,208 +74,180 @@ SYSTEMS = {  # name -> (application, its arguments on top of bench.compare's COM
         },
     ),
 }
-POLL_S = 1.0  # GET /admin/autoscaler period while the elastic system runs
 PROBE_TOKENS = 32  # output tokens of the calibration probes (as bench.compare)
-# the interference floor
-FLOOR_BATCH = 8
-FLOOR_ROUNDS = 4  # alternating idle / beside-prefill rounds
-FLOOR_PREFILL_TOKENS = 400
-FLOOR_DECODE_PROMPT = 64
-FLOOR_STREAMS = 8
-FLOOR_STREAM_TOKENS = 400  # long enough to outlast the probes
+FLOOR_BATCH, FLOOR_ROUNDS = 8, 4  # decodes stepped; alternating idle / beside-prefill rounds
+FLOOR_PREFILL_TOKENS, FLOOR_DECODE_PROMPT = 400, 64
+FLOOR_STREAMS, FLOOR_STREAM_TOKENS = 8, 400  # long enough to outlast the probes
 FLOOR_PROBES = 3  # probes (64 output tokens each) idle, then beside the streams
+BIN_S = 15.0  # attainment bins of the timeline
+COLOURS = {"static": "tab:blue", "colocated": "tab:orange", "elastic": "tab:purple"}
+OVERALL_MARGIN, BURST_MARGIN = 0.10, 0.20  # the targets: elastic ahead by this much attainment
 DOC = Path("docs/benchmarks")
+
+# ---- what the stages hand on -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class TraceRequest:
-    phase: int  # index into the phases
-    arrival_s: float  # offset from the trace's start
-    request: BenchRequest
+class Phase:
+    """One phase of the trace: Poisson arrivals at ``rate`` from ``start_s`` to ``end_s``,
+    lengths drawn uniformly from the inclusive ranges. ``kind`` is the request class whose
+    TTFT SLO applies (``prompt`` or ``burst``)."""
+
+    name: str
+    kind: str
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    rate: float  # req/s
+    start_s: float
+    end_s: float
 
 
-# ---- the trace --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClassCalibration:
+    """The median request of one class on the idle colocated system, one at a time."""
+
+    prompt_tokens: int
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per class TTFT SLO: 5x its uncontended TTFT; one TPOT SLO for all: 2x the mean
+    uncontended TPOT of the classes (the same decode step, measured twice; the controller
+    takes one TPOT target)."""
+
+    classes: dict[str, ClassCalibration]
+    model: str
+
+    @property
+    def tpot_slo_s(self) -> float:
+        return TPOT_SLO_X * statistics.mean(c.tpot_s for c in self.classes.values())
+
+    def slo(self, kind: str) -> SLO:
+        return SLO(TTFT_SLO_X * self.classes[kind].ttft_s, self.tpot_slo_s)
+
+    @property
+    def controller_ttft_s(self) -> float:
+        """The one TTFT target the controller gets: the prompt-heavy class's (the larger),
+        since the policy's TTFT signals are about the prefill side."""
+        return self.slo("prompt").ttft_s
+
+
+@dataclass(frozen=True)
+class SystemRun:
+    """One system on the trace. ``rows``: per request ``phase`` (index), ``arrival_s`` (its
+    offset in the trace), ``sent_s`` (since the run's start) and ``record`` (its JSON row).
+    ``timeline``: the elastic system's ``/admin/autoscaler`` polls; ``decisions``: its actions
+    (``t``, ``action``, ``replica``, ``role``, ``reason``)."""
+
+    system: str
+    command: str
+    elapsed_s: float
+    duration_s: float
+    rows: list[dict]
+    timeline: list[dict] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ElasticReport:
+    """Everything the report files are made from (each part None or empty until its stage
+    ran); ``floor``: ``engine_floor``'s and ``serve_floor``'s figures, with the command."""
+
+    phases: tuple[Phase, ...]
+    seed: int
+    command: str
+    calibration: Calibration | None
+    runs: dict[str, SystemRun]
+    floor: dict | None
+
+
+# ---- the trace, the calibration, one system ---------------------------------------------------
 
 
 def make_phases(phase_s: float) -> tuple[Phase, ...]:
-    return tuple(
-        Phase(name, kind, prompt, output, rate, i * phase_s, (i + 1) * phase_s)
-        for i, (name, kind, prompt, output, rate) in enumerate(PHASES)
-    )
+    return tuple(Phase(*p, i * phase_s, (i + 1) * phase_s) for i, p in enumerate(PHASES))
 
 
-def make_trace(tokenizer, phases: tuple[Phase, ...], seed: int) -> list[TraceRequest]:
-    """Poisson arrivals in each phase, lengths uniform in the phase's ranges; seeded."""
+def make_trace(words, phases: tuple[Phase, ...], seed: int) -> list[tuple[int, float, BenchRequest]]:
+    """(phase index, arrival offset, request): Poisson arrivals in each phase, lengths uniform
+    in the phase's ranges; seeded."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
-    builder = PromptBuilder(tokenizer)
-    trace = []
+    rng, builder, trace = np.random.default_rng(seed), PromptBuilder(words), []
     for index, phase in enumerate(phases):
         length_s = phase.end_s - phase.start_s
         enough = int(3 * phase.rate * length_s) + 20  # far more than the phase holds
-        offsets = [t for t in arrival_times(enough, phase.rate, seed=seed + index) if t < length_s]
-        for offset in offsets:
+        for offset in [t for t in arrival_times(enough, phase.rate, seed=seed + index) if t < length_s]:
             prompt_len = int(rng.integers(phase.prompt_tokens[0], phase.prompt_tokens[1] + 1))
             output = int(rng.integers(phase.output_tokens[0], phase.output_tokens[1] + 1))
-            text_offset = int(rng.integers(0, 10_000))
-            if phase.kind == "prompt":
-                prompt = builder.summarization(prompt_len, text_offset)
-            else:
-                prompt = builder.code(prompt_len, text_offset)
-            trace.append(TraceRequest(index, float(phase.start_s + offset), BenchRequest(prompt, prompt_len, output)))
+            make = builder.summarization if phase.kind == "prompt" else builder.code
+            prompt = make(prompt_len, int(rng.integers(0, 10_000)))
+            trace.append((index, float(phase.start_s + offset), BenchRequest(prompt, prompt_len, output)))
     return trace
 
 
-def load_tokenizer():
-    from engine.loader import ModelSpec, load_tokenizer
-
-    return load_tokenizer(ModelSpec())
-
-
-# ---- calibration and warm-up ------------------------------------------------------------------
-
-
-def calibrate(target: Target, trace: list[TraceRequest], phases: tuple[Phase, ...]) -> Calibration:
+def calibrate(target: Target, trace: list, phases: tuple[Phase, ...]) -> Calibration:
     """Each class's median request, one at a time on the idle colocated system."""
     classes = {}
     for kind in dict.fromkeys(p.kind for p in phases):
-        requests = [t.request for t in trace if phases[t.phase].kind == kind]
+        requests = [r for i, _, r in trace if phases[i].kind == kind]
         base = uncontended(target, median_request(requests), max_tokens=PROBE_TOKENS)
         classes[kind] = ClassCalibration(base["prompt_tokens"], base["ttft_s"], base["tpot_s"])
         print(f"calibration {kind}: {base}", file=sys.stderr)
     return Calibration(classes=classes, model=target.model)
 
 
-def warm_up(target: Target, trace: list[TraceRequest], phases: tuple[Phase, ...]) -> None:
-    """Two short requests of each class through every path (not counted)."""
-    kinds = dict.fromkeys(phases[t.phase].kind for t in trace)
-    for kind in kinds:
-        request = next(t.request for t in trace if phases[t.phase].kind == kind)
-        probe = BenchRequest(request.prompt, request.prompt_tokens, 4)
-        records, _ = asyncio.run(run(target, [probe, probe], [0.0, 0.0], progress=False))
-        bad = [r.error for r in records if not r.ok]
-        if bad:
-            raise RuntimeError(f"warm-up request failed: {bad[0]}")
-
-
-# ---- one system --------------------------------------------------------------------------------
-
-
-def system_args(system: str, calibration: Calibration, raw: Path) -> dict[str, str]:
-    application, extra = SYSTEMS[system]
-    args = {**COMMON, **extra}
-    if system == "elastic":
+def system_args(system: str, calibration: Calibration | None, raw: Path) -> dict[str, str]:
+    args = {**COMMON, **SYSTEMS[system][1]}
+    if system == "elastic" and calibration is not None:
         args["slo.ttft_ms"] = f"{calibration.controller_ttft_s * 1e3:.1f}"
         args["slo.tpot_ms"] = f"{calibration.tpot_slo_s * 1e3:.1f}"
         args["autoscaling.record"] = str((raw / "trace.jsonl").resolve())
     return args
 
 
-def run_system(
-    target: Target, system: str, trace: list[TraceRequest], phases: tuple[Phase, ...], command: str
-) -> SystemRun:
-    """The whole trace on ``target``; the elastic system's autoscaler polled meanwhile."""
+def run_system(target: Target, system: str, trace: list, phases: tuple[Phase, ...], command: str) -> SystemRun:
+    """The whole trace on ``target`` (after a warm-up of each class); the elastic system's
+    autoscaler polled meanwhile."""
     started = time.time()
-    warm_up(target, trace, phases)
-    requests, offsets = [t.request for t in trace], [t.arrival_s for t in trace]
-    records, duration, timeline, decisions, t0 = asyncio.run(
-        drive(target, requests, offsets, system, poll=system == "elastic")
+    warm_up(
+        target, [next(r for i, _, r in trace if phases[i].kind == k) for k in dict.fromkeys(p.kind for p in phases)]
     )
+
+    async def drive():
+        stop, t0 = asyncio.Event(), time.perf_counter()
+        poller = system == "elastic" and asyncio.create_task(poll_autoscaler(target.url, (t0, time.time()), stop))
+        records, duration = await run(target, [r for *_, r in trace], [a for _, a, _ in trace], system)
+        stop.set()
+        timeline, decisions = await poller if poller else ([], [])
+        return records, duration, timeline, decisions, t0
+
+    records, duration, timeline, decisions, t0 = asyncio.run(drive())
     rows = [
-        {
-            "phase": t.phase,
-            "arrival_s": round(t.arrival_s, 4),
-            "sent_s": round(r.sent - t0, 4),
-            "record": r.to_json(),
-        }
-        for t, r in zip(trace, records)
+        {"phase": i, "arrival_s": round(a, 4), "sent_s": round(r.sent - t0, 4), "record": r.to_json()}
+        for (i, a, _), r in zip(trace, records)
     ]
-    return SystemRun(
-        system=system,
-        command=command,
-        elapsed_s=time.time() - started,
-        duration_s=duration,
-        rows=rows,
-        timeline=timeline,
-        decisions=decisions,
-    )
+    return SystemRun(system, command, time.time() - started, duration, rows, timeline, decisions)
 
 
-async def drive(target: Target, requests: list[BenchRequest], offsets: list[float], label: str, poll: bool):
-    """``bench.serve.run`` of the trace, with ``GET /admin/autoscaler`` polled every
-    ``POLL_S`` beside it. Returns the records, the duration, the polls, the decisions and
-    the run's start on ``time.perf_counter``'s clock."""
-    timeline: list[dict] = []
-    decisions: dict[tuple, dict] = {}
-    stop = asyncio.Event()
-    t0, wall0 = time.perf_counter(), time.time()
-    poller = asyncio.create_task(poll_autoscaler(target.url, t0, wall0, stop, timeline, decisions)) if poll else None
-    records, duration = await run(target, requests, offsets, label)
-    stop.set()
-    if poller is not None:
-        await poller
-    return records, duration, timeline, sorted(decisions.values(), key=lambda d: d["t"]), t0
-
-
-async def poll_autoscaler(
-    url: str, t0: float, wall0: float, stop: asyncio.Event, timeline: list[dict], decisions: dict[tuple, dict]
-) -> None:
-    """Append one sample per poll to ``timeline``; collect every decision seen (by key)."""
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        while not stop.is_set():
-            tick = time.perf_counter()
-            try:
-                view = (await client.get(url + "/admin/autoscaler")).json()
-            except (httpx.HTTPError, ValueError) as exc:
-                print(f"autoscaler poll failed: {exc}", file=sys.stderr)
-            else:
-                timeline.append(timeline_sample(view, tick - t0))
-                for d in view.get("decisions", []):
-                    key = (d["monotonic_s"], d["action"], d["replica"])
-                    decisions[key] = {"t": round(d["time"] - wall0, 2), **d}
-            try:
-                await asyncio.wait_for(stop.wait(), max(0.0, POLL_S - (time.perf_counter() - tick)))
-            except TimeoutError:
-                pass
-
-
-def timeline_sample(view: dict, t: float) -> dict:
-    """One poll, without the decisions (those are kept once each)."""
-    replicas = [
-        {"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
-        for r in view.get("replicas", [])
-    ]
-    ingress = view.get("ingress", {})
-    return {
-        "t": round(t, 2),
-        "replicas": replicas,
-        "in_flight": ingress.get("in_flight", {}),
-        "observed": view.get("observed", {}),
-    }
-
-
-# ---- stage: run --------------------------------------------------------------------------------
-
-
-def stage_run(options: Options, command: str) -> None:
+def stage_run(options: argparse.Namespace, command: str) -> None:
     """Calibrate on the colocated system (or take the raw folder's calibration when
     colocated is not run), then run each system; the report is rewritten after each."""
     phases = make_phases(options.phase_s)
-    trace = make_trace(load_tokenizer(), phases, options.seed)
+    trace = make_trace(tokenizer(), phases, options.seed)
     save_trace(options.raw, phases, options.seed, command)
-    per_phase = [sum(t.phase == i for t in trace) for i in range(len(phases))]
+    per_phase = [sum(i == k for i, *_ in trace) for k in range(len(phases))]
     print(f"trace: {len(trace)} requests, per phase {per_phase}", file=sys.stderr)
     calibration = None if "colocated" in options.systems else load_calibration(options.raw)
     order = [s for s in SYSTEMS if s in options.systems]
     if calibration is None:  # the colocated system first: it is calibrated on
         order = ["colocated", *(s for s in order if s != "colocated")]
     for index, system in enumerate(order):
-        application = SYSTEMS[system][0]
-        args = system_args(system, calibration, options.raw) if calibration else {**COMMON, **SYSTEMS[system][1]}
         if system == "elastic":
             (options.raw / "trace.jsonl").unlink(missing_ok=True)
-        with Server(application, args, index) as server:
+        with Server(SYSTEMS[system][0], system_args(system, calibration, options.raw), index) as server:
             target = Target(server.url, server.model())
             if calibration is None:
                 calibration = calibrate(target, trace, phases)
@@ -293,56 +256,25 @@ def stage_run(options: Options, command: str) -> None:
                 continue
             result = run_system(target, system, trace, phases, command)
         save_json(options.raw / f"system_{system}.json", asdict(result))
-        print_scores(options.raw, system)
+        scores = phase_scores(result, phases, calibration)
+        text = ", ".join(f"{n} {s.attainment:.0%} (TTFT p90 {s.ttft_p90_s:.2f} s)" for n, s in scores.items())
+        print(f"{system}: attainment {text}", file=sys.stderr)
         write_report(load_raw(options.raw), options.out)
 
 
-def print_scores(raw: Path, system: str) -> None:
-    from bench.elastic_report import phase_scores
-
-    report = load_raw(raw)
-    scores = phase_scores(report.runs[system], report.phases, report.calibration)
-    text = ", ".join(
-        f"{name} {s.attainment:.0%} (TTFT p90 {s.ttft_p90_s:.2f} s, TPOT p90 {s.tpot_p90_s * 1e3:.0f} ms)"
-        for name, s in scores.items()
-    )
-    print(f"{system}: attainment {text}", file=sys.stderr)
+# ---- the interference floor --------------------------------------------------------------------
 
 
-# ---- stage: the interference floor --------------------------------------------------------------
-
-
-def stage_floor(options: Options, command: str) -> None:
-    """(a)/(b) in a subprocess (no Ray in it), then (c)/(d) through the static app."""
-    print("floor: engine steps (a, b)...", file=sys.stderr, flush=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.elastic", "--floor-worker", str(options.floor_steps)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        sys.exit(proc.stderr)
-    engine = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"floor engine: {engine}", file=sys.stderr)
-    print("floor: through the static app (c, d)...", file=sys.stderr, flush=True)
-    served = serve_floor(index=len(SYSTEMS) + 1)
-    print(f"floor served: {served}", file=sys.stderr)
-    floor = Floor(command=command, **engine, **served)
-    save_json(options.raw / "floor.json", asdict(floor))
-
-
-def engine_floor(steps: int) -> dict:
-    """A batch of ``FLOOR_BATCH`` decodes on one EngineCore (1 thread), stepped in
-    alternating rounds: with the other process idle, and while it prefills back to back."""
-    import torch
-
-    torch.set_num_threads(1)
+def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False) -> dict:
+    """A batch of ``FLOOR_BATCH`` decodes on one EngineCore (1 thread), stepped in alternating
+    rounds: with the other process idle, and while it prefills back to back (the same prompt,
+    or with ``distinct`` a new one each time and no prefix cache on either side)."""
     from bench import elastic  # the worker's function by its module name (this may run as __main__)
 
-    core = _floor_core()
+    core = _floor_core(distinct)
     ctx = multiprocessing.get_context("spawn")
     busy, working, stop, times = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-    worker = ctx.Process(target=elastic.prefill_loop, args=(busy, working, stop, times))
+    worker = ctx.Process(target=elastic.prefill_loop, args=(busy, working, stop, times, distinct))
     worker.start()
     try:
         busy.set()
@@ -350,24 +282,25 @@ def engine_floor(steps: int) -> dict:
         busy.clear()
         _start_decodes(core, max_tokens=2 * steps + 16)
         idle, beside, idle_cores, beside_cores = [], [], [], []
-        per_round = max(1, steps // FLOOR_ROUNDS)
-        for _ in range(FLOOR_ROUNDS):
+        for _ in range(rounds):
             busy.clear()
             while working.is_set():
                 time.sleep(0.01)
-            idle += _timed_steps(core, per_round, idle_cores)
+            idle += _timed_steps(core, max(1, steps // rounds), idle_cores)
             busy.set()
             working.wait(60)
-            beside += _timed_steps(core, per_round, beside_cores)
+            beside += _timed_steps(core, max(1, steps // rounds), beside_cores)
         busy.clear()
-        contended = _drain(times)
+        contended = []
+        while not times.empty():
+            contended.append(times.get())
     finally:
         stop.set()
         busy.set()
         worker.join(60)
     return {
         "batch": FLOOR_BATCH,
-        "rounds": FLOOR_ROUNDS,
+        "rounds": rounds,
         "steps": len(idle),
         "prefill_prompt_tokens": FLOOR_PREFILL_TOKENS,
         "decode_step_idle_ms": statistics.median(idle) * 1e3,
@@ -379,68 +312,46 @@ def engine_floor(steps: int) -> dict:
     }
 
 
-def _floor_core():
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-
-    return EngineCore.from_spec(config=EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=384 << 20))
+def _floor_core(distinct: bool):
+    return engine_core(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=384 << 20, enable_prefix_caching=not distinct)
 
 
 def _start_decodes(core, max_tokens: int) -> None:
-    """Admit the batch and step until every request is decoding."""
+    """Admit the batch and step until every request is decoding (then 3 warm-up steps)."""
     from engine.params import GenerationRequest, SamplingParams
 
     builder = PromptBuilder(core.tokenizer)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(FLOOR_BATCH):
-        prompt = builder.code(FLOOR_DECODE_PROMPT, 37 * i)
-        core.add_request(GenerationRequest(f"d{i}", tuple(prompt), sampling))
+        core.add_request(GenerationRequest(f"d{i}", tuple(builder.code(FLOOR_DECODE_PROMPT, 37 * i)), sampling))
     while core.stats().num_queued_prompt_tokens:  # every prompt computed: the batch decodes
         core.step()
-    for _ in range(3):  # warm-up
+    for _ in range(3):
         core.step()
 
 
 def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
     """``num`` decode steps' seconds; appends the machine's busy cores meanwhile (all
     processes: about 1 alone, 2 beside the prefills; more means a stranger was running)."""
-    times = []
-    busy0, total0 = _cpu_ticks()
+    times, (busy0, total0, _) = [], cpu_ticks()
     for _ in range(num):
         start = time.perf_counter()
         outputs = core.step()
         times.append(time.perf_counter() - start)
         if len(outputs) != FLOOR_BATCH:
             raise RuntimeError(f"decode step made {len(outputs)} tokens, expected {FLOOR_BATCH}")
-    busy1, total1 = _cpu_ticks()
+    busy1, total1, _ = cpu_ticks()
     busy_cores.append((busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1))
     return times
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """(busy, total) CPU ticks of the whole machine so far (/proc/stat; idle and iowait are not busy)."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
-
-
-def _drain(queue) -> list[float]:
-    values = []
-    while not queue.empty():
-        values.append(queue.get())
-    return values
-
-
-def prefill_loop(busy, working, stop, times) -> None:
+def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
     """The other process: while ``busy`` is set, prefill a ``FLOOR_PREFILL_TOKENS`` prompt
     after another (``working`` set during each) and put each one's seconds on ``times``."""
-    import torch
-
-    torch.set_num_threads(1)
     from engine.params import GenerationRequest, SamplingParams
 
-    core = _floor_core()
-    prompt = tuple(PromptBuilder(core.tokenizer).summarization(FLOOR_PREFILL_TOKENS, 0))
-    number = 0
+    core, number = _floor_core(distinct), 0
+    builder = PromptBuilder(core.tokenizer)
     while not stop.is_set():
         if not busy.wait(0.1) or stop.is_set():
             continue
@@ -448,6 +359,7 @@ def prefill_loop(busy, working, stop, times) -> None:
         if not busy.is_set():  # cleared meanwhile: the decoder may have seen `working` clear
             working.clear()
             continue
+        prompt = tuple(builder.summarization(FLOOR_PREFILL_TOKENS, 997 * number if distinct else 0))
         start = time.perf_counter()
         core.add_request(GenerationRequest(f"p{number}", prompt, SamplingParams(max_tokens=1, temperature=0)))
         while core.has_work():
@@ -463,21 +375,29 @@ def serve_floor(index: int) -> dict:
     probe (read at once: the machine's speed drifts)."""
     from ray import serve
 
-    builder = PromptBuilder(load_tokenizer())
+    builder = PromptBuilder(tokenizer())
     probe = BenchRequest(builder.code(48, 0), 48, 64)
     streams = [BenchRequest(builder.code(48, 101 * (i + 1)), 48, FLOOR_STREAM_TOKENS) for i in range(FLOOR_STREAMS)]
-    application, extra = SYSTEMS["static"]
-    with Server(application, {**COMMON, **extra}, index) as server:
+    with Server(SYSTEMS["static"][0], system_args("static", None, Path()), index) as server:
         target = Target(server.url, server.model())
         decode = serve.get_deployment_handle("DecodeServer", app_name="bench")
         return asyncio.run(_served_probes(target, probe, streams, decode))
 
 
 async def _served_probes(target: Target, probe: BenchRequest, streams: list[BenchRequest], decode) -> dict:
+    async def probes() -> list[tuple[float, float]]:
+        found = []
+        for _ in range(FLOOR_PROBES):  # the client's TPOT, then at once the replica's median step
+            record = await send(client, target, probe)
+            if not record.ok:
+                raise RuntimeError(f"floor probe failed: {record.error}")
+            found.append((record.tpot * 1e3, (await decode.stats.remote()).median_step_ms))
+        return found
+
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await send(client, target, probe)  # warm-up
-        idle = [await _probe(client, target, probe, decode) for _ in range(FLOOR_PROBES)]
+        idle = await probes()
         tasks = [asyncio.create_task(send(client, target, s)) for s in streams]
         try:
             deadline = time.monotonic() + 120
@@ -485,7 +405,7 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
                 if time.monotonic() > deadline:
                     raise RuntimeError("the background streams never all reached the decode replica")
                 await asyncio.sleep(0.2)
-            loaded = [await _probe(client, target, probe, decode) for _ in range(FLOOR_PROBES)]
+            loaded = await probes()
         finally:
             for task in tasks:
                 task.cancel()
@@ -499,33 +419,410 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
     }
 
 
-async def _probe(client: httpx.AsyncClient, target: Target, probe: BenchRequest, decode) -> tuple[float, float]:
-    """One probe's client TPOT and, right after it, the decode replica's median step (ms)."""
-    record = await send(client, target, probe)
-    if not record.ok:
-        raise RuntimeError(f"floor probe failed: {record.error}")
-    return record.tpot * 1e3, (await decode.stats.remote()).median_step_ms
+def stage_floor(options: argparse.Namespace, command: str) -> None:
+    """(a)/(b) in a subprocess (no Ray in it), then (c)/(d) through the static app."""
+    print("floor: engine steps (a, b)...", file=sys.stderr, flush=True)
+    engine = worker_json(NAME, "--floor-worker", str(options.floor_steps))
+    print(f"floor engine: {engine}\nfloor: through the static app (c, d)...", file=sys.stderr, flush=True)
+    served = serve_floor(index=len(SYSTEMS) + 1)
+    print(f"floor served: {served}", file=sys.stderr)
+    save_json(options.raw / "floor.json", {"command": command, **engine, **served})
+
+
+# ---- the raw folder ---------------------------------------------------------------------
+
+
+def save_json(path: Path, data: dict) -> None:
+    write_json(path, data, indent=None)
+
+
+def save_trace(raw: Path, phases: tuple[Phase, ...], seed: int, command: str) -> None:
+    save_json(raw / "trace.json", {"seed": seed, "command": command, "phases": [asdict(p) for p in phases]})
+
+
+def save_calibration(raw: Path, calibration: Calibration) -> None:
+    classes = {k: asdict(c) for k, c in calibration.classes.items()}
+    save_json(raw / "calibration.json", {"model": calibration.model, "classes": classes})
+
+
+def load_calibration(raw: Path) -> Calibration | None:
+    if not (raw / "calibration.json").exists():
+        return None
+    data = read_json(raw / "calibration.json")
+    return Calibration({k: ClassCalibration(**c) for k, c in data["classes"].items()}, data["model"])
+
+
+def load_raw(raw: Path) -> ElasticReport:
+    """The report's input, as the stages left it in ``raw``."""
+    trace = read_json(raw / "trace.json") if (raw / "trace.json").exists() else {}
+    phases = tuple(
+        Phase(**{**p, "prompt_tokens": tuple(p["prompt_tokens"]), "output_tokens": tuple(p["output_tokens"])})
+        for p in trace.get("phases", [])
+    )
+    runs = {s: SystemRun(**read_json(raw / f"system_{s}.json")) for s in SYSTEMS if (raw / f"system_{s}.json").exists()}
+    floor = read_json(raw / "floor.json") if (raw / "floor.json").exists() else None
+    return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), load_calibration(raw), runs, floor)
+
+
+# ---- the figures ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Score:
+    """Attainment (of the requests sent; a failed request is a miss) and p90 latencies."""
+
+    requests: int
+    failed: int
+    attainment: float
+    ttft_p90_s: float
+    tpot_p90_s: float
+
+
+def score(records: list[RequestRecord], slos: list[SLO]) -> Score:
+    """``slos[i]`` is the SLO of ``records[i]`` (its class's)."""
+    done = [r for r in records if r.ok]
+    met = sum(slo.met(r) for r, slo in zip(records, slos))
+    return Score(
+        requests=len(records),
+        failed=len(records) - len(done),
+        attainment=met / len(records) if records else math.nan,
+        ttft_p90_s=distribution([r.ttft for r in done])["p90"],
+        tpot_p90_s=distribution([t for r in done if (t := r.tpot) is not None])["p90"],
+    )
+
+
+def _judged(
+    run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration
+) -> list[tuple[dict, RequestRecord, SLO]]:
+    """Each request's row, record and SLO (its class's)."""
+    return [
+        (row, RequestRecord.from_json(row["record"]), calibration.slo(phases[row["phase"]].kind)) for row in run.rows
+    ]
+
+
+def phase_scores(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> dict[str, Score]:
+    """Per phase (by name, in order), then ``overall``."""
+    judged = _judged(run, phases, calibration)
+    scores = {}
+    for index, phase in enumerate(phases):
+        chosen = [(r, s) for row, r, s in judged if row["phase"] == index]
+        scores[phase.name] = score([r for r, _ in chosen], [s for _, s in chosen])
+    return scores | {"overall": score([r for _, r, _ in judged], [s for *_, s in judged])}
+
+
+def attainment_bins(
+    run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration, bin_s: float = BIN_S
+) -> list[tuple[float, float]]:
+    """(bin start, attainment of the requests that arrived in it); NaN for an empty bin."""
+    judged, bins = _judged(run, phases, calibration), []
+    for k in range(math.ceil((phases[-1].end_s if phases else 0.0) / bin_s)):
+        met = [s.met(r) for row, r, s in judged if k * bin_s <= row["arrival_s"] < (k + 1) * bin_s]
+        bins.append((k * bin_s, sum(met) / len(met) if met else math.nan))
+    return bins
+
+
+def in_flight(run: SystemRun, step_s: float = 1.0) -> tuple[list[float], list[int]]:
+    """Requests in flight as the client saw them (sent, not yet ended), every ``step_s``."""
+    records = [(row, RequestRecord.from_json(row["record"])) for row in run.rows]
+    spans = [(row["sent_s"], row["sent_s"] + r.e2e) for row, r in records if r.chunks or r.last is not None]
+    times = [k * step_s for k in range(int(max((b for _, b in spans), default=0.0) / step_s) + 1)]
+    return times, [sum(a <= t < b for a, b in spans) for t in times]
+
+
+def targets(scores: dict[str, dict[str, Score]], burst: str) -> list[tuple[str, float | None, float | None]]:
+    """(what, elastic's value, the bar) of each target; None where a system is missing."""
+    elastic, static, colocated = (scores.get(s) for s in ("elastic", "static", "colocated"))
+    overall_bar = burst_bar = None
+    if static and colocated:
+        overall_bar = max(static["overall"].attainment, colocated["overall"].attainment) + OVERALL_MARGIN
+    if static and burst in static:
+        burst_bar = static[burst].attainment + BURST_MARGIN
+    overall = elastic["overall"].attainment if elastic else None
+    in_burst = elastic[burst].attainment if elastic and burst in elastic else None
+    return [
+        (f"elastic overall >= max(static, colocated) + {OVERALL_MARGIN * 100:.0f} points", overall, overall_bar),
+        (f"elastic in the {burst} >= static + {BURST_MARGIN * 100:.0f} points", in_burst, burst_bar),
+    ]
+
+
+# ---- the files ---------------------------------------------------------------------------
+
+
+def write_report(report: ElasticReport, out: Path) -> None:
+    """elastic.json, elastic.md's block and elastic.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    scores = {}
+    if report.calibration is not None:
+        scores = {s: phase_scores(run, report.phases, report.calibration) for s, run in report.runs.items()}
+        if report.runs:
+            plot_timeline(report, out / "elastic.png")
+    summary = summary_json(report, scores, machine())
+    write_json(out / "elastic.json", summary)
+    new = template(NAME, "# Elastic prefill/decode: a phase-changing trace")
+    write_page(out / "elastic.md", NAME, render(summary), new)
+
+
+def summary_json(report: ElasticReport, scores: dict[str, dict[str, Score]], host: str) -> dict:
+    """elastic.json: the report without the per-request records."""
+    calibration, bins = report.calibration, {}
+    slo_s = None
+    if calibration is not None:
+        bins = {s: attainment_bins(run, report.phases, calibration) for s, run in report.runs.items()}
+        slo_s = {k: {"ttft": calibration.slo(k).ttft_s, "tpot": calibration.slo(k).tpot_s} for k in calibration.classes}
+        slo_s["controller"] = {"ttft": calibration.controller_ttft_s, "tpot": calibration.tpot_slo_s}
+    burst = next((p.name for p in report.phases if p.kind == "burst"), "burst")
+    return {
+        "command": report.command,
+        "machine": host,
+        "seed": report.seed,
+        "phases": [asdict(p) for p in report.phases],
+        "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
+        "calibration": None if calibration is None else {k: asdict(c) for k, c in calibration.classes.items()},
+        "slo_s": slo_s,
+        "results": {s: {k: asdict(v) for k, v in per.items()} for s, per in scores.items()},
+        "attainment_bins": {s: [[t, None if math.isnan(a) else a] for t, a in b] for s, b in bins.items()},
+        "elapsed_s": {s: run.elapsed_s for s, run in report.runs.items()},
+        "decisions": report.runs["elastic"].decisions if "elastic" in report.runs else [],
+        "targets": [{"target": t, "value": v, "bar": b} for t, v, b in targets(scores, burst)],
+        "floor": report.floor,
+    }
+
+
+def render(summary: dict) -> list[str]:
+    """The generated block of elastic.md, from elastic.json."""
+    lines = [""]
+    if summary["command"]:
+        lines += [f"Command: `{summary['command']}`. Machine: {summary['machine']}.", ""]
+    lines += _trace_lines(summary) + _result_lines(summary)
+    if "elastic" in summary["elapsed_s"]:
+        lines += ["### The elastic run's decisions", ""]
+        rows = [
+            [f"{d['t']:.1f}", _phase_at(summary["phases"], d["t"]), d["action"], d["replica"], d["role"], d["reason"]]
+            for d in summary["decisions"]
+        ]
+        header = ["time (s)", "phase", "action", "replica", "role", "reason"]
+        lines += [*(table(header, rows) if rows else ["No lend or reclaim in this run."]), ""]
+    return lines + floor_lines(summary["floor"])
+
+
+def _phase_at(phases: list[dict], t: float) -> str:
+    return next((p["name"] for p in phases if p["start_s"] <= t < p["end_s"]), "after the trace")
+
+
+def _trace_lines(summary: dict) -> list[str]:
+    """The phases with their SLOs, and the calibration they come from."""
+    if not summary["phases"]:
+        return []
+    slo_s, first = summary["slo_s"], next(iter(summary["results"].values()), {})
+    lines = [
+        "### Trace and SLOs",
+        "",
+        f"Three phases, seed {summary['seed']}: the same requests at the same offsets for every system, streamed "
+        "with `ignore_eos` and temperature 0. Prompts are built from real tokens (`workloads.PromptBuilder`: "
+        "a document to summarize in the prompt-heavy phases, code to complete in the burst).",
+        "",
+    ]
+    rows = []
+    for p in summary["phases"]:
+        slo = slo_s[p["kind"]] if slo_s else None
+        ttft, tpot = (f"{slo['ttft']:.2f} s", f"{slo['tpot'] * 1e3:.0f} ms") if slo else ("n/a", "n/a")
+        count = first[p["name"]]["requests"] if p["name"] in first else "n/a"
+        (a, b), (c, d) = p["prompt_tokens"], p["output_tokens"]
+        rows.append(
+            [
+                p["name"],
+                f"{p['start_s']:.0f}-{p['end_s']:.0f}",
+                count,
+                f"{a}-{b}",
+                f"{c}-{d}",
+                f"{p['rate']:g}",
+                ttft,
+                tpot,
+            ]
+        )
+    header = ["phase", "time (s)", "requests", "prompt tokens", "output tokens", "arrivals (req/s, Poisson)"]
+    lines += [*table([*header, "TTFT SLO", "TPOT SLO"], rows), ""]
+    if summary["calibration"] is None:
+        return lines
+    x = summary["slo_multiples"]
+    lines += [
+        f"SLOs from the idle colocated system, one request at a time (32 output tokens, median of 3): TTFT SLO "
+        f"{x['ttft']:g}x the uncontended TTFT of the class's median prompt, TPOT SLO {x['tpot']:g}x the mean "
+        "uncontended TPOT of the two classes (one decode step, measured twice; the controller takes one target).",
+        "",
+    ]
+    rows = [
+        [k, c["prompt_tokens"], f"{c['ttft_s']:.3f} s", f"{c['tpot_s'] * 1e3:.1f} ms"]
+        + [f"{slo_s[k]['ttft']:.2f} s", f"{slo_s[k]['tpot'] * 1e3:.0f} ms"]
+        for k, c in summary["calibration"].items()
+    ]
+    header = ["class", "median prompt (tokens)", "uncontended TTFT", "uncontended TPOT", "TTFT SLO", "TPOT SLO"]
+    controller = slo_s["controller"]
+    return lines + [
+        *table(header, rows),
+        "",
+        f"The elastic system's controller gets `slo.ttft_ms={controller['ttft'] * 1e3:.0f}` (the "
+        f"prompt class's: the policy has one TTFT target, and its TTFT signals are about the prefill side) and "
+        f"`slo.tpot_ms={controller['tpot'] * 1e3:.0f}`.",
+        "",
+    ]
+
+
+def _result_lines(summary: dict) -> list[str]:
+    """Attainment and p90 latencies per system and phase, the targets, the timeline plot."""
+    results = summary["results"]
+    if not results:
+        return []
+    names = [p["name"] for p in summary["phases"]]
+    rows = [
+        [s, *(f"{per[n]['attainment']:.0%}" for n in [*names, "overall"]), per["overall"]["failed"]]
+        + [f"{summary['elapsed_s'][s] / 60:.1f}"]
+        for s, per in results.items()
+    ]
+    lines = ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
+    lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
+    rows = [
+        [s, *(f"{per[n]['ttft_p90_s']:.2f} / {per[n]['tpot_p90_s'] * 1e3:.0f}" for n in names)]
+        for s, per in results.items()
+    ]
+    lines += [*table(["system", *names], rows), ""]
+    rows = []
+    for t in summary["targets"]:
+        value, bar = t["value"], t["bar"]
+        if value is None or bar is None:
+            rows.append([t["target"], "n/a", "n/a", "n/a"])
+        else:
+            rows.append([t["target"], f"{value:.0%}", f"{bar:.0%}", "ok" if value >= bar - 1e-9 else "MISSED"])
+    caption = (
+        "the elastic prefill replica's role, with its decisions; attainment of the requests arriving in each "
+        f"{BIN_S:g} s; requests in flight (client side)"
+    )
+    return [
+        *lines,
+        *table(["target", "elastic", "bar", "result"], rows),
+        "",
+        f"![timeline: {caption}](elastic.png)",
+        "",
+    ]
+
+
+def floor_lines(floor: dict | None) -> list[str]:
+    """The interference floor table, and what it means for the policy."""
+    if floor is None:
+        return []
+    f = floor
+    slowdown = f["decode_step_with_prefill_ms"] / f["decode_step_idle_ms"] - 1
+    tokens = f["prefill_prompt_tokens"]
+    rows = [
+        [f"(a) EngineCore decode step, batch {f['batch']}, the other core idle", f"{f['decode_step_idle_ms']:.1f} ms"],
+        [
+            f"(b) the same while another process prefills {tokens}-token prompts back to back",
+            f"{f['decode_step_with_prefill_ms']:.1f} ms ({slowdown:+.0%})",
+        ],
+        [
+            "the machine's busy cores (all processes, /proc/stat) during (a) / (b)",
+            f"{f['busy_cores_idle']:.2f} / {f['busy_cores_with_prefill']:.2f}",
+        ],
+        [
+            f"that process's {tokens}-token prefill: alone / beside the decode steps",
+            f"{f['prefill_alone_s']:.2f} s / {f['prefill_beside_decode_s']:.2f} s",
+        ],
+        [
+            "(c) client TPOT, one stream through the static disagg_app, idle (decode replica's engine step)",
+            f"{f['client_tpot_idle_ms']:.1f} ms ({f['replica_step_idle_ms']:.1f} ms)",
+        ],
+        [
+            f"(d) the same beside {f['streams']} other streams (decode replica's engine step)",
+            f"{f['client_tpot_loaded_ms']:.1f} ms ({f['replica_step_loaded_ms']:.1f} ms)",
+        ],
+    ]
+    head = (
+        f"Command: `{f['command']}`. Medians; (a) and (b) in {f['rounds']} alternating rounds "
+        f"({f['steps']} steps per condition), no Serve, no Ray, 1 torch thread per process."
+    )
+    return [
+        "### Interference floor",
+        "",
+        head,
+        "",
+        *table(["measurement", "value"], rows),
+        "",
+        _floor_meaning(f, slowdown),
+        "",
+    ]
+
+
+def _floor_meaning(floor: dict, slowdown: float) -> str:
+    if floor["busy_cores_idle"] > 1.3:
+        return (
+            f"**Not a clean measurement**: {floor['busy_cores_idle']:.2f} cores were busy during (a), where only the "
+            "decoding process should run: another process shared the machine. Run `--stage floor` again."
+        )
+    ratio = floor["replica_step_loaded_ms"] / floor["replica_step_idle_ms"]
+    batch = f"a decode batch of {floor['streams'] + 1} costs {ratio:.1f}x"
+    if slowdown < 0.05:
+        return (
+            f"Here a decode step is only {slowdown:+.0%} slower while the other core prefills (within the drift), "
+            f"and {batch} a step of 1: the decode side's cost is its own batch, not the prefill beside it."
+        )
+    return (
+        f"On this machine a decode step is {slowdown:+.0%} slower while the other core prefills (the two processes "
+        "share the memory bandwidth and caches): on one box the decode side is not free of the prefill side. A "
+        f"lent prefill replica adds decode capacity, but its prompts still slow every decode on the box, and {batch} "
+        "a step of 1: the policy's decode thresholds have to leave room for both."
+    )
+
+
+def plot_timeline(report: ElasticReport, path: Path) -> None:
+    """Three panels on one time axis: the elastic prefill replica's role (with its lend and
+    reclaim decisions), attainment per ``BIN_S`` bin per system, requests in flight."""
+    with figure(path, 3, 1, (11, 8), sharex=True) as (role_ax, bin_ax, flight_ax, _):
+        for ax in (role_ax, bin_ax, flight_ax):
+            for p in report.phases:
+                if ax is role_ax:
+                    ax.text((p.start_s + p.end_s) / 2, 1.02, p.name, transform=ax.get_xaxis_transform(), ha="center")
+                if p.kind == "burst":
+                    ax.axvspan(p.start_s, p.end_s, color="orange", alpha=0.12)
+                ax.axvline(p.start_s, color="grey", linewidth=0.6, linestyle=":")
+            ax.grid(alpha=0.3)
+        _plot_roles(role_ax, report.runs.get("elastic"))
+        for system, run in report.runs.items():
+            bins = attainment_bins(run, report.phases, report.calibration)
+            if bins:
+                starts, values = zip(*bins)
+                ends = [*starts, starts[-1] + BIN_S]
+                bin_ax.step(ends, [*values, values[-1]], where="post", label=system, color=COLOURS.get(system))
+            flight_ax.plot(*in_flight(run), label=system, linewidth=1, color=COLOURS.get(system))
+        bin_ax.set(ylabel=f"SLO attainment\nper {BIN_S:g} s", ylim=(-0.05, 1.05))
+        flight_ax.set(ylabel="requests in flight", xlabel="time since the trace's start (s)")
+        for ax in (bin_ax, flight_ax):
+            ax.legend(fontsize=8, loc="upper left")
+
+
+def _plot_roles(ax, run: SystemRun | None) -> None:
+    ax.set_yticks([0, 1], ["prefill", "both (lent)"])
+    ax.set(ylim=(-0.3, 1.3), ylabel="elastic: prefill\nreplica's role")
+    if run is None or not run.timeline:
+        ax.text(0.5, 0.5, "no elastic run", transform=ax.transAxes, ha="center")
+        return
+    lent = [
+        float(any(r["role"] == "both" for r in s.get("replicas", []) if r["deployment"] == "PrefillServer"))
+        for s in run.timeline
+    ]
+    ax.step([s["t"] for s in run.timeline], lent, where="post", color=COLOURS["elastic"])
+    for d in run.decisions:
+        colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
+        ax.axvline(d["t"], color=colour, linewidth=1, alpha=0.8)
+        ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
 
 
 # ---- the command line --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Options:
-    """The command line, checked."""
-
-    phase_s: float
-    systems: tuple[str, ...]
-    stage: str
-    seed: int
-    floor_steps: int
-    out: Path
-    raw: Path
-
-
-def parse_options(argv: list[str] | None = None) -> tuple[Options, int | None]:
-    """The options, and ``--floor-worker``'s step count (internal: the floor's subprocess)."""
-    parser = argparse.ArgumentParser(prog="bench.elastic", description=__doc__.split("\n\n")[0])
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (``systems`` a tuple, ``out`` and ``raw`` paths), checked;
+    ``--floor-worker``: the floor's subprocess (internal)."""
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--phase-s", type=float, default=PHASE_S, help="length of each of the 3 phases (s)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
     parser.add_argument("--stage", choices=("all", "floor", "run", "report"), default="all")
@@ -534,31 +831,23 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, int | None]:
     parser.add_argument("--out", default=str(DOC), help="folder for elastic.md/json/png")
     parser.add_argument("--raw", default="/tmp/elastic_raw", help="folder for the raw records (not committed)")
     parser.add_argument("--floor-worker", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if not FLOOR_ROUNDS <= args.floor_steps <= 200:  # 2 x steps decode tokens must fit the context
+    options = parser.parse_args(argv)
+    if not FLOOR_ROUNDS <= options.floor_steps <= 200:  # 2 x steps decode tokens must fit the context
         sys.exit(f"--floor-steps must be in [{FLOOR_ROUNDS}, 200]")
-    systems = tuple(s for s in args.systems.split(",") if s)
-    for name in systems:
+    options.systems = tuple(s for s in options.systems.split(",") if s)
+    for name in options.systems:
         if name not in SYSTEMS:
             sys.exit(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
-    options = Options(
-        phase_s=args.phase_s,
-        systems=systems,
-        stage=args.stage,
-        seed=args.seed,
-        floor_steps=args.floor_steps,
-        out=Path(args.out),
-        raw=Path(args.raw),
-    )
-    return options, args.floor_worker
+    options.out, options.raw = Path(options.out), Path(options.raw)
+    return options
 
 
 def main(argv: list[str] | None = None) -> None:
-    options, floor_worker = parse_options(argv)
-    if floor_worker is not None:
-        print(json.dumps(engine_floor(floor_worker)))
+    options = parse_options(argv)
+    if options.floor_worker is not None:
+        print(json.dumps(engine_floor(options.floor_worker)))
         return
-    command = "python -m bench.elastic" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
     if options.stage in ("all", "floor"):
         stage_floor(options, command)

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import pytest
 
-from bench.elastic_report import (
-    BEGIN,
-    END,
+from bench.elastic import (
+    NAME,
     Calibration,
     ClassCalibration,
-    Floor,
     Phase,
     SystemRun,
     attainment_bins,
@@ -29,6 +27,9 @@ from bench.elastic_report import (
     targets,
     write_report,
 )
+from bench.report import markers
+
+BEGIN, END = markers(NAME)
 
 PHASES = (
     Phase("prompt-heavy 1", "prompt", (380, 440), (24, 40), 0.45, 0.0, 30.0),
@@ -119,25 +120,25 @@ def test_targets_compare_elastic_with_the_others():
     assert targets({"elastic": scores["elastic"]}, "decode burst")[0][2] is None  # no static: no bar
 
 
-def _floor() -> Floor:
-    return Floor(
-        command="python -m bench.elastic --stage floor",
-        batch=8,
-        rounds=4,
-        steps=100,
-        prefill_prompt_tokens=400,
-        decode_step_idle_ms=80.0,
-        decode_step_with_prefill_ms=100.0,
-        prefill_alone_s=1.2,
-        prefill_beside_decode_s=1.4,
-        busy_cores_idle=1.02,
-        busy_cores_with_prefill=1.98,
-        streams=8,
-        client_tpot_idle_ms=45.0,
-        replica_step_idle_ms=42.0,
-        client_tpot_loaded_ms=90.0,
-        replica_step_loaded_ms=84.0,
-    )
+def _floor() -> dict:
+    return {
+        "command": "python -m bench.elastic --stage floor",
+        "batch": 8,
+        "rounds": 4,
+        "steps": 100,
+        "prefill_prompt_tokens": 400,
+        "decode_step_idle_ms": 80.0,
+        "decode_step_with_prefill_ms": 100.0,
+        "prefill_alone_s": 1.2,
+        "prefill_beside_decode_s": 1.4,
+        "busy_cores_idle": 1.02,
+        "busy_cores_with_prefill": 1.98,
+        "streams": 8,
+        "client_tpot_idle_ms": 45.0,
+        "replica_step_idle_ms": 42.0,
+        "client_tpot_loaded_ms": 90.0,
+        "replica_step_loaded_ms": 84.0,
+    }
 
 
 def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_path):
@@ -146,7 +147,7 @@ def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_pat
     save_calibration(raw, CALIBRATION)
     for run in (_static(), _elastic()):
         save_json(raw / f"system_{run.system}.json", asdict(run))
-    save_json(raw / "floor.json", asdict(_floor()))
+    save_json(raw / "floor.json", _floor())
     out.mkdir()
     (out / "elastic.md").write_text(f"# Title\n\n{BEGIN}\nstale table\n{END}\n\n## Reading the results\n\nMine.\n")
 
@@ -186,5 +187,5 @@ def test_report_without_an_md_starts_from_the_template(tmp_path):
 
 
 def test_floor_with_a_stranger_on_the_machine_says_so():
-    text = "\n".join(floor_lines(replace(_floor(), busy_cores_idle=1.6)))
+    text = "\n".join(floor_lines({**_floor(), "busy_cores_idle": 1.6}))
     assert "**Not a clean measurement**: 1.60 cores were busy during (a)" in text
