@@ -66,6 +66,9 @@ STACK_OUTPUT = 32
 STACK_LOAD = (24, 0.5, 64, 48)  # requests, seconds between them, prompt tokens, output tokens
 STACK_BATCHES = (2, 4)  # requests sent at once (each a batched probe)
 STACK_BATCH_PROMPT = 200  # their prompt tokens
+# the runs repeat the same prompts (and the probe one prompt): a prefix cache would serve them
+# from the previous run's KV, which the simulator does not model and fresh traffic does not get
+NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
 
 
 def _core():
@@ -269,7 +272,6 @@ def _subprocess_json(args: list[str]) -> dict:
 def measure_stack(data: dict) -> dict:
     """The serving stack's share per system kind (module docstring), against ``data``'s engine fits."""
     from bench.compare import COMMON, SYSTEMS
-    from bench.planner_check import NO_PREFIX_CACHE
     from bench.ray_local import Server
     from bench.serve import Target
     from planner.costs import calibrated_cost
@@ -363,6 +365,29 @@ def fit_stack(kind: dict) -> dict:
     return fitted
 
 
+def cpu_ticks() -> tuple[int, int, float]:
+    """(busy ticks of the whole machine, ticks of this process and its descendants: the Ray
+    cluster and the replicas it started, the monotonic clock)."""
+    busy = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    machine = sum(busy) - busy[3] - busy[4]
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+    ours, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ours += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return machine, ours, time.monotonic()
+
+
 def _stack_cpu(url: str, target, builder) -> dict:
     """CPU seconds per streamed token of everything but the engine replicas (the proxy, the
     ingress, Serve's controller, Ray's daemons, this client), under a load of distinct
@@ -371,7 +396,6 @@ def _stack_cpu(url: str, target, builder) -> dict:
 
     import httpx
 
-    from bench.planner_check import cpu_ticks
     from bench.serve import run
     from workloads import BenchRequest
 

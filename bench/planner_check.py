@@ -9,7 +9,7 @@ calibrated on this machine only (``planner/calibration/cpu-2core.json``, written
 ``bench.calibrate_planner`` from engine and transfer measurements, its interference
 factor and the serving stack measured through the served app), predicts TTFT and TPOT
 p50 / p90 for the very same lengths and arrivals
-(``workloads.sim_requests`` with the same seed). The serving stack's part is probed on each
+(``planner.simulator.sim_requests`` with the same seed). The serving stack's part is probed on each
 system's app just before its runs (``bench.calibrate_planner.probe_stack``: idle-app probes,
 batches of 2 and 4, a short load run, all of their own prompts): this machine's speed drifts by more
 than the bound within minutes, so a stack probed at calibration time is reported beside it
@@ -29,21 +29,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.calibrate_planner import NO_PREFIX_CACHE, cpu_ticks, probe_stack
 from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS
 from bench.ray_local import Server
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
-from planner.simulator import SystemSpec, goodput, simulate, uncontended_latency
-from workloads import arrival_times, make_requests, median_request, sim_requests
+from planner.simulator import SystemSpec, goodput, sim_requests, simulate, uncontended_latency
+from workloads import arrival_times, make_requests, median_request
 
 DOC = Path("docs/benchmarks")
 GOODPUT = DOC / "goodput.json"
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
 MIN_BOUND = 0.15
-# the runs repeat the same prompts (and the probe one prompt): a prefix cache would serve them
-# from the previous run's KV, which the simulator does not model and fresh traffic does not get
-NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
 
 
 def stack_kind(system: str) -> str:
@@ -75,8 +73,6 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
     """Runs of ``system`` at each rate (``options.runs`` each), in one server session; unless
     ``options.file_stack``, the serving stack is probed on this app first (idle probes, batched
     probes and a short load run of their own prompts, ``bench.calibrate_planner.probe_stack``)."""
-    from bench.calibrate_planner import probe_stack
-
     application, extra = SYSTEMS[system]
     with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
         target = Target(server.url, server.model())
@@ -100,29 +96,6 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
                 print(f"  {system} {rate:.3g}/s run {number + 1}: {_short(summary)}", file=sys.stderr)
             points.append({"rate": rate, "runs": runs})
         return {"uncontended": idle, **probed, "points": points}
-
-
-def cpu_ticks() -> tuple[int, int, float]:
-    """(busy ticks of the whole machine, ticks of this process and its descendants: the Ray
-    cluster and the replicas it started, the monotonic clock)."""
-    busy = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    machine = sum(busy) - busy[3] - busy[4]
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        children.setdefault(int(fields[1]), []).append(pid)
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
-    ours, todo = 0, [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        ours += ticks.get(pid, 0)
-        todo += children.get(pid, [])
-    return machine, ours, time.monotonic()
 
 
 def other_cores(before: tuple[int, int, float], after: tuple[int, int, float]) -> float:

@@ -32,8 +32,7 @@ import yaml
 
 from planner.costs import CostModel
 from planner.roofline import Hardware, ModelShape, RooflineCost
-from planner.simulator import SimRequest, SystemSpec, goodput, simulate
-from workloads import sim_requests
+from planner.simulator import SimRequest, SystemSpec, goodput, sim_requests, simulate
 
 Kind = Literal["disaggregated", "colocated"]
 IDEAL_STEP_S = 1e-6  # an ideal phase's step: positive, so simulated time always advances

@@ -22,9 +22,10 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 from planner.costs import CostModel
-from planner.simulator import SimRecord, SimRequest, SimResult, SystemSpec
+from planner.sim_types import SimRecord, SimRequest, SimResult, SystemSpec
 
 SEGMENT_STEPS = (4, 64)  # decode steps planned at once: from 4, doubling while no cut comes, up to 64
 STEP_END, XFER_DONE, TICK, START = 0, 1, 2, 3
@@ -94,6 +95,21 @@ class Replica:
         return self.num_running + len(self.joining) + len(self.kv_wait)
 
 
+class Lending(Protocol):
+    """The autoscaler inside a run (``planner.sim_elastic.Elastic``): the loop calls ``tick``
+    every ``interval_s``, asks ``lent_target`` for each arriving request (None: the
+    disaggregated path) and tells ``finished`` each request's end."""
+
+    interval_s: float
+    actions: list[tuple[float, str, int]]
+
+    def tick(self, now: float) -> None: ...
+
+    def lent_target(self, req: Req) -> Replica | None: ...
+
+    def finished(self, req: Req, now: float) -> None: ...
+
+
 class Simulation:
     """One run of ``SystemSpec`` over a list of requests."""
 
@@ -114,11 +130,7 @@ class Simulation:
             self.prefill = [Replica(i, PREFILL, system.prefill_cost) for i in range(system.prefill_replicas)]
             offset = system.prefill_replicas
             self.decode = [Replica(offset + i, DECODE, system.decode_cost) for i in range(system.decode_replicas)]
-        self.elastic = None
-        if system.policy is not None and system.kind == "disaggregated":
-            from planner.sim_elastic import Elastic
-
-            self.elastic = Elastic(self, system.policy)
+        self.elastic: Lending | None = None  # attached by ``simulate`` (``planner.sim_elastic.Elastic``)
 
     # ---- the loop -----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Discrete-event simulation of the served systems: ``simulate(system, requests) -> SimResult``.
 
 What one run models (``planner.sim_engine`` holds the replica model, ``planner.sim_elastic``
-the autoscaler's lending):
+the autoscaler's lending, ``planner.sim_types`` the inputs and outputs):
 
 * **disaggregated (pull)**: the ingress sends each prompt to a prefill replica (the less
   loaded of two, as Serve's power-of-two router; every replica when there are two or fewer).
@@ -46,98 +46,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from planner.costs import NO_STACK, CostModel, ServingStack
+from planner.sim_elastic import Elastic
+from planner.sim_engine import Simulation
+from planner.sim_types import SimRecord, SimRequest, SimResult, SystemSpec
+from workloads.lengths import arrival_times, check_workload, draw_lengths
 
-if TYPE_CHECKING:
-    from autoscaling.policy import Policy
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    """One configuration to simulate. Colocated: ``prefill_replicas`` replicas doing both
-    phases at ``prefill_cost`` (``decode_replicas`` and ``decode_cost`` are ignored)."""
-
-    kind: Literal["disaggregated", "colocated"]
-    prefill_replicas: int
-    decode_replicas: int
-    prefill_cost: CostModel
-    decode_cost: CostModel
-    chunked_prefill: bool = False  # colocated only
-    # colocated only: vLLM <= 0.2's scheduler (DistServe's baseline): a step runs the waiting
-    # prompts it can admit alone, the running decodes wait; decodes step when none can be admitted
-    prefill_first: bool = False
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    interference: float = 0.0  # slowdown of a step while another replica computes (0 on separate GPUs)
-    policy: Policy | None = None  # elastic lending per an autoscaling policy (disaggregated only)
-    stack: ServingStack = NO_STACK  # the serving stack's share (calibrated on shared CPU cores; 0 on GPUs)
-
-    @property
-    def num_replicas(self) -> int:
-        return self.prefill_replicas if self.kind == "colocated" else self.prefill_replicas + self.decode_replicas
-
-
-@dataclass(frozen=True)
-class SimRecord:
-    prompt_tokens: int
-    output_tokens: int
-    arrival_s: float
-    ttft_s: float
-    tpot_s: float | None  # None for a one-token output
-    e2e_s: float
-
-    def met(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
-        """Both SLOs met (as ``bench.slo.SLO.met``: a one-token output meets the TPOT half)."""
-        return self.ttft_s <= ttft_slo_s and (self.tpot_s is None or self.tpot_s <= tpot_slo_s)
-
-
-def _distribution(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90, p99 with numpy's linear percentiles (as ``bench.slo.distribution``)."""
-    if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    array = np.asarray(values, dtype=float)
-    return {
-        "mean": float(array.mean()),
-        **{f"p{p}": float(np.percentile(array, p)) for p in (50, 90, 99)},
-    }
-
-
-@dataclass(frozen=True)
-class SimResult:
-    records: tuple[SimRecord, ...]  # in arrival order
-    actions: tuple[tuple[float, str, int], ...] = ()  # elastic: (time, lend/reclaim, replica index)
-
-    def attainment(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
-        """Share of requests meeting both SLOs (DistServe's SLO attainment)."""
-        if not self.records:
-            return 0.0
-        return sum(r.met(ttft_slo_s, tpot_slo_s) for r in self.records) / len(self.records)
-
-    def percentiles(self) -> dict[str, dict[str, float]]:
-        return {
-            "ttft_s": _distribution([r.ttft_s for r in self.records]),
-            "tpot_s": _distribution([r.tpot_s for r in self.records if r.tpot_s is not None]),
-            "e2e_s": _distribution([r.e2e_s for r in self.records]),
-        }
+__all__ = [
+    "SimRecord",
+    "SimRequest",
+    "SimResult",
+    "SystemSpec",
+    "goodput",
+    "sim_requests",
+    "simulate",
+    "uncontended_latency",
+]
 
 
 def simulate(system: SystemSpec, requests: Sequence[SimRequest]) -> SimResult:
     """Run ``requests`` (any order; sorted by arrival here) through ``system``."""
-    from planner.sim_engine import Simulation
+    simulation = Simulation(system, requests)
+    if system.policy is not None and system.kind == "disaggregated":
+        simulation.elastic = Elastic(simulation, system.policy)
+    return simulation.run()
 
-    return Simulation(system, requests).run()
+
+def sim_requests(
+    name: str,
+    rate: float,
+    num_requests: int,
+    max_model_len: int,
+    seed: int = 0,
+    process: str = "poisson",
+    cv: float = 1.0,
+) -> list[SimRequest]:
+    """``num_requests`` requests of workload ``name`` (lengths only) arriving at ``rate``:
+    the lengths ``workloads.make_requests`` gives for ``seed`` and the offsets ``bench.serve``
+    sends them at for ``seed`` (both from ``workloads.lengths``). For a model with another
+    context (OPT-66B's 2,048, ...) pass its ``max_model_len``: every length scales with it."""
+    check_workload(name)
+    rng = np.random.default_rng(seed)
+    drawn = [draw_lengths(name, rng, max_model_len - 1) for _ in range(num_requests)]
+    offsets = arrival_times(num_requests, rate, process, cv, seed)
+    return [SimRequest(float(t), d.prompt_tokens, d.output_tokens) for t, d in zip(offsets, drawn)]
 
 
 def uncontended_latency(system: SystemSpec, prompt_tokens: int, output_tokens: int = 32) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from workloads.generators import (
     make_requests,
     median_request,
 )
-from workloads.lengths import WORKLOADS, DrawnLengths, arrival_times, draw_lengths, sim_requests
+from workloads.lengths import WORKLOADS, DrawnLengths, arrival_times, draw_lengths
 
 __all__ = [
     "WORKLOADS",
@@ -28,5 +28,4 @@ __all__ = [
     "load_trace",
     "make_requests",
     "median_request",
-    "sim_requests",
 ]

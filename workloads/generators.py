@@ -96,7 +96,7 @@ class PromptBuilder:
 
 def make_requests(name: str, tokenizer, max_model_len: int, num_requests: int, seed: int = 0) -> list[BenchRequest]:
     """``num_requests`` requests of workload ``name`` for a server with this context (the
-    lengths are ``workloads.lengths.draw_lengths``'s, the same ones ``sim_requests`` draws)."""
+    lengths are ``workloads.lengths.draw_lengths``'s, the same ones ``planner.simulator.sim_requests`` draws)."""
     check_workload(name)
     rng = np.random.default_rng(seed)
     builder = PromptBuilder(tokenizer)

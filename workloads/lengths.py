@@ -2,7 +2,7 @@
 
 ``draw_lengths`` is the one definition of each workload's length distributions: the
 token-level generator (``workloads.generators.make_requests``, what ``bench`` sends) and
-``sim_requests`` (what ``planner`` simulates) both draw from it, in the same order from the
+``planner.simulator.sim_requests`` (what ``planner`` simulates) both draw from it, in the same order from the
 same seeded generator, so the same seed gives the same lengths in both. Lengths scale with
 the context (``max_model_len``):
 
@@ -21,12 +21,8 @@ and coefficient of variation ``cv`` (burstier for ``cv > 1``); the first request
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from planner.simulator import SimRequest
 
 WORKLOADS = ("chatbot", "code", "summarization", "azure-code", "azure-conversation")
 
@@ -86,25 +82,3 @@ def arrival_times(num: int, rate: float, process: str = "poisson", cv: float = 1
         raise ValueError(f"unknown arrival process {process!r} (poisson, gamma)")
     gaps[0] = 0.0
     return list(np.cumsum(gaps))
-
-
-def sim_requests(
-    name: str,
-    rate: float,
-    num_requests: int,
-    max_model_len: int,
-    seed: int = 0,
-    process: str = "poisson",
-    cv: float = 1.0,
-) -> list[SimRequest]:
-    """``num_requests`` requests of workload ``name`` (lengths only) arriving at ``rate``:
-    the lengths ``make_requests`` gives for ``seed`` and the offsets ``bench.serve`` sends
-    them at for ``seed``. For a model with another context (OPT-66B's 2,048, ...) pass its
-    ``max_model_len``: every length scales with it."""
-    from planner.simulator import SimRequest
-
-    check_workload(name)
-    rng = np.random.default_rng(seed)
-    drawn = [draw_lengths(name, rng, max_model_len - 1) for _ in range(num_requests)]
-    offsets = arrival_times(num_requests, rate, process, cv, seed)
-    return [SimRequest(float(t), d.prompt_tokens, d.output_tokens) for t, d in zip(offsets, drawn)]

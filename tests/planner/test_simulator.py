@@ -11,8 +11,7 @@ import pytest
 from autoscaling.policy import Scaling, load_policy
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, calibrated_cost, load_calibration
 from planner.sim_engine import mixed_step_s
-from planner.simulator import SimRequest, SystemSpec, goodput, simulate, uncontended_latency
-from workloads import sim_requests
+from planner.simulator import SimRequest, SystemSpec, goodput, sim_requests, simulate, uncontended_latency
 
 FROZEN = Path(__file__).parent / "goodput_frozen.json"
 KV_BYTES = 1000
