@@ -12,11 +12,13 @@ Starts ``disagg_app`` (1 prefill + 1 decode replica, fixed pools, ``kv_transfer_
    ``--stall-every-s`` and a replica killed every ``--kill-every-s`` (prefill and decode in
    turn, by requests whose id carries the fault rule's prefix); then the same leak check.
 
-Each request's outcome is what the client saw (``bench.reliability_report``); a hang is no
-byte for longer than the service's own bounds plus 15 s (the client's read timeout).
-``/admin/kv`` is read every second: invariants, engine ids (restarts) and each replica's
-resident memory. Writes ``<out>/benchmarks/reliability.json`` and ``<out>/reliability.md``
-(``--quick``: a small smoke run into /tmp/reliability_quick).
+Each request's outcome is what the client saw (``Outcome``); a hang is no byte for longer
+than the service's own bounds plus 15 s (the client's read timeout). ``/admin/kv`` is read
+every second: invariants, engine ids (restarts) and each replica's resident memory. Writes
+``<out>/benchmarks/reliability.json`` (each mode's summary; the other modes kept) and the
+block of ``<out>/reliability.md`` rendered from it (``--quick``: a small smoke run into
+/tmp/reliability_quick). Times are seconds on the run's clock (0: the client started, once
+the application answered ``/ready``).
 """
 
 from __future__ import annotations
@@ -26,57 +28,143 @@ import asyncio
 import json
 import math
 import random
-import shutil
-import signal
+import re
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.reliability_report import (
-    CLIENT_ERROR,
-    COMPLETED,
-    CUT,
-    DISCONNECTED,
-    ERROR_EVENT,
-    HANG,
-    HELD_FIELDS,
-    HTTP_4XX,
-    HTTP_5XX,
-    HTTP_503,
-    HTTP_504,
-    SHORT,
-    Bounds,
-    EngineMemory,
-    FaultSpec,
-    KillEvent,
-    LeakCheck,
-    Outcome,
-    kill_summary,
-    memory_rows,
-    phase_summary,
-    save,
-    scan_logs,
-)
+from bench.report import first_paragraph, read_json, table, template, write_json, write_page
 
+NAME = "bench.reliability"
 HTTP_PORT = 18660
 MAX_MODEL_LEN = 512
 TIMEOUT_S = 20.0  # transport.kv_transfer_timeout_s
 PEER_CHECK_S = 5.0
 STREAM_IDLE_S = 60.0  # limits.stream_idle_timeout_s (the default)
 SLACK_S = 15.0
+HANG_S, LONG_S = max(STREAM_IDLE_S, TIMEOUT_S) + SLACK_S, TIMEOUT_S + SLACK_S  # no byte for this long: a hang
 POOLS = ("PrefillServer", "DecodeServer")
+# what the client saw of one request (``Outcome.result``)
+COMPLETED = "completed"  # 200, every token asked for, [DONE]
+DISCONNECTED = "disconnected"  # the client closed the stream on purpose
+ERROR_EVENT = "error_event"  # 200, then data: {"error": ...} and [DONE]
+HTTP_503, HTTP_504, HTTP_4XX, HTTP_5XX = "http_503", "http_504", "http_4xx", "http_5xx"
+SHORT = "short"  # 200 and [DONE] without an error, but fewer tokens than asked: a silent cut
+CUT = "cut"  # the stream ended without [DONE]: a silent cut
+HANG = "hang"  # no byte for longer than the hang bound (the client's read timeout)
+CLIENT_ERROR = "client_error"  # connection refused, reset, ...
+ANOMALIES = (HTTP_5XX, SHORT, CUT, HANG, CLIENT_ERROR)
+RESULT_ORDER = (COMPLETED, DISCONNECTED, ERROR_EVENT, HTTP_503, HTTP_504, HTTP_4XX, *ANOMALIES)
+MEMORY_GROWTH_LIMIT = 0.10
+MIN_MEMORY_WINDOW_S = 60.0  # a replica's growth is judged over at least this long
+QUICK = {"concurrency": 20, "soak_s": 90.0, "kill_every_s": 30.0, "stall_every_s": 40.0, "warmup_s": 20.0}
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    request_id: str
+    phase: str  # burst | soak | warmup
+    kind: str  # plain | disconnect | stall | kill-prefill | kill-decode | probe
+    faults: tuple[str, ...]  # the probabilistic fault rules drawn for this request id
+    prompt_tokens: int
+    max_tokens: int
+    sent_s: float
+    end_s: float | None = None
+    status: int | None = None
+    result: str = CLIENT_ERROR
+    cause: str | None = None  # the error's code (or message), the exception's type
+    num_tokens: int = 0  # text chunks received
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    max_silence_s: float = 0.0  # longest time without a byte, from the send on
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.sent_s
+
+
+@dataclass
+class KillEvent:
+    """One replica killed by a prefixed request (``kind``: prefill or decode)."""
+
+    kind: str
+    request_id: str
+    old_engine: str | None
+    new_engine: str | None
+    crash_s: float | None  # decode: the kill request's last token; prefill: the dead replica's last report
+    restarted_s: float | None  # the new engine id first seen live in /admin/kv
+
+
+@dataclass
+class EngineMemory:
+    """One engine replica's resident memory: after its warm-up, and last seen."""
+
+    engine_id: str
+    deployment: str
+    first_seen_s: float
+    last_seen_s: float
+    warm_s: float | None = None
+    warm_rss: int | None = None
+    last_rss: int | None = None
+    live_at_end: bool = False
+
+    @property
+    def growth(self) -> float | None:
+        if self.warm_rss is None or self.last_rss is None or self.last_seen_s - self.warm_s < MIN_MEMORY_WINDOW_S:
+            return None
+        return self.last_rss / self.warm_rss - 1
+
+
+@dataclass
+class LeakCheck:
+    """Blocks still held (in use, which counts the pinned and reserved ones) on the live replicas once traffic
+    stopped and the KV leases ran out; ``settled_s`` how long that took (None: never)."""
+
+    held_blocks: int
+    settled_s: float | None
+    ok: bool  # every live replica's invariants held
+    live: list[str] = field(default_factory=list)  # deployments live at the end
+    replicas: list[dict[str, Any]] = field(default_factory=list)  # each live replica's accounting (HELD_FIELDS)
+
+
+HELD_FIELDS = (  # of a replica's /admin/kv entry, kept with a leak check
+    "deployment", "engine_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_in_use_blocks",
+    "num_pinned_blocks", "num_reserved_blocks", "num_requests", "num_pinned_requests", "num_reserved_requests",
+    "oldest_pinned_s", "oldest_reserved_s", "problems",
+)  # fmt: skip
+
+
+@dataclass
+class FaultSpec:
+    """A named fault of the run: its rules (``faults:`` entries) and how requests meet it."""
+
+    name: str
+    kind: str  # random (drawn per request id) or the request kind that triggers it (stall, kill-prefill, ...)
+    rules: list[dict[str, Any]]
+    effect: str  # what it does, in words
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The client's bounds: a hang is no byte for ``hang_s``; a long silence, ``long_s``."""
+
+    hang_s: float
+    long_s: float
 
 
 def fault_specs(mode: str) -> list[FaultSpec]:
     """The faults of a run: probabilistic ones at 5% of requests each, and ones selected by
     a request id prefix (the script sends those requests when it wants the fault)."""
-    transfer = "fetch" if mode == "pull" else "push_layer"
-    slow = "fetch" if mode == "pull" else "finish_push"
+    transfer, slow = ("fetch", "fetch") if mode == "pull" else ("push_layer", "finish_push")
     specs = [
         FaultSpec("transfer failure", "random", [_rule(transfer, "fail", probability=0.05)], "the transfer raises"),
         FaultSpec(
@@ -97,8 +185,7 @@ def fault_specs(mode: str) -> list[FaultSpec]:
         kill = [_rule("push_layer", "crash", layer=15, request_id_prefix="kill-prefill-", max_times=None)]
     specs.append(FaultSpec("prefill replica killed mid-transfer", "kill-prefill", kill, "SIGKILL"))
     decode = _rule("mid_decode", "crash", request_id_prefix="kill-decode-", after_tokens=4, max_times=None)
-    specs.append(FaultSpec("decode replica killed mid-stream", "kill-decode", [decode], "SIGKILL after 4 tokens"))
-    return specs
+    return [*specs, FaultSpec("decode replica killed mid-stream", "kill-decode", [decode], "SIGKILL after 4 tokens")]
 
 
 def _rule(point: str, action: str, **fields: Any) -> dict[str, Any]:
@@ -106,7 +193,6 @@ def _rule(point: str, action: str, **fields: Any) -> dict[str, Any]:
 
 
 def app_args(mode: str, specs: list[FaultSpec]) -> dict[str, str]:
-    rules = [rule for spec in specs for rule in spec.rules]
     return {
         "model.max_model_len": str(MAX_MODEL_LEN),
         "prefill.num_cpus": "0.25",
@@ -116,66 +202,8 @@ def app_args(mode: str, specs: list[FaultSpec]) -> dict[str, str]:
         "transport.kv_transfer_timeout_s": str(TIMEOUT_S),
         "transport.peer_check_interval_s": str(PEER_CHECK_S),
         "limits.stream_idle_timeout_s": str(STREAM_IDLE_S),
-        "faults": json.dumps(rules),
+        "faults": json.dumps([rule for spec in specs for rule in spec.rules]),
     }
-
-
-# ---- the server ------------------------------------------------------------------------------
-
-
-class Server:
-    """disagg_app in its own local Ray (2 CPUs), stopped on exit; its logs copied to ``keep_logs``."""
-
-    def __init__(self, args: dict[str, str], keep_logs: Path) -> None:
-        self.args, self.keep_logs = args, keep_logs
-        self.url = f"http://127.0.0.1:{HTTP_PORT}"
-        self.log_dir: Path | None = None
-
-    def __enter__(self) -> Server:
-        import ray
-        from ray import serve
-
-        from app.config import disagg_app
-        from bench.ray_local import start_local_ray
-
-        signal.signal(signal.SIGTERM, _exit_on_signal)
-        start_local_ray(num_cpus=2)
-        self.log_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
-            serve.run(disagg_app(dict(self.args)), name="reliability", route_prefix="/")
-            deadline = time.monotonic() + 240
-            while not _ready(self.url):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.url}/ready did not answer 200 within 240 s")
-                time.sleep(0.5)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import ray
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-        if self.log_dir is not None:
-            shutil.rmtree(self.keep_logs, ignore_errors=True)
-            shutil.copytree(self.log_dir, self.keep_logs, ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(f"stopped by signal {signum}")
 
 
 # ---- one request -----------------------------------------------------------------------------
@@ -244,22 +272,14 @@ class Client:
             out.result, out.cause = HANG, "no byte within the read timeout"
             out.max_silence_s = max(out.max_silence_s, self.now() - last_byte[0])
         except httpx.HTTPError as exc:
-            out.result = CUT if out.status == 200 else CLIENT_ERROR
-            out.cause = type(exc).__name__
+            out.result, out.cause = CUT if out.status == 200 else CLIENT_ERROR, type(exc).__name__
         out.end_s = self.now()
         self.outcomes.append(out)
         return out
 
     async def _exchange(self, planned: Planned, out: Outcome, last_byte: list[float]) -> None:
-        body = {
-            "model": self.model,
-            "prompt": planned.prompt,
-            "max_tokens": planned.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = {"model": self.model, "prompt": planned.prompt, "max_tokens": planned.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         headers = {"X-Request-Id": planned.request_id}
         async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             self._tick(out, last_byte)
@@ -318,38 +338,20 @@ def _http_result(status: int, body: bytes, headers: httpx.Headers) -> tuple[str,
         message = body[:100].decode(errors="replace")
     if "retry-after" in headers:
         message += f" (Retry-After: {headers['retry-after']})"
-    kinds = {503: HTTP_503, 504: HTTP_504}
-    return kinds.get(status, HTTP_4XX if status < 500 else HTTP_5XX), message
+    return {503: HTTP_503, 504: HTTP_504}.get(status, HTTP_4XX if status < 500 else HTTP_5XX), message
 
 
 # ---- the phases ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Options:
-    mode: str
-    concurrency: int
-    burst_disconnect: float
-    soak_s: float
-    rate: float
-    soak_disconnect: float
-    kill_every_s: float
-    stall_every_s: float
-    warmup_s: float
-    seed: int
-    out: Path
-    raw: Path
 
 
 class Prompts:
     """Exact-length prompts cut from the corpus (``workloads``), lengths drawn from a seeded RNG."""
 
     def __init__(self, seed: int) -> None:
-        from engine.loader import ModelSpec, load_tokenizer
+        from bench.host import tokenizer
         from workloads import PromptBuilder
 
-        self.builder = PromptBuilder(load_tokenizer(ModelSpec(source="default")))
-        self.rng = random.Random(seed)
+        self.builder, self.rng = PromptBuilder(tokenizer()), random.Random(seed)
 
     def prompt(self, low: int, high: int) -> list[int]:
         return self.builder.summarization(self.rng.randint(low, high), self.rng.randrange(10_000))
@@ -371,46 +373,38 @@ class Prompts:
         return replace(planned, kind="disconnect", cut_after_s=self.rng.uniform(0.05, 8.0))
 
 
-async def burst(client: Client, prompts: Prompts, opts: Options) -> list[Outcome]:
-    plans = [prompts.plan(f"{opts.mode}-b-{i}", "burst", opts.burst_disconnect) for i in range(opts.concurrency)]
-    return list(await asyncio.gather(*(client.send(p) for p in plans)))
-
-
 class Soak:
     """Poisson traffic for ``soak_s``, with the stalls and kills at their times."""
 
-    def __init__(self, client: Client, prompts: Prompts, watch: KVWatch, opts: Options) -> None:
+    def __init__(self, client: Client, prompts: Prompts, watch: KVWatch, opts: argparse.Namespace) -> None:
         self.client, self.prompts, self.watch, self.opts = client, prompts, watch, opts
         self.kills: list[KillEvent] = []
         self.tasks: set[asyncio.Task] = set()
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
     async def run(self) -> None:
         opts, start = self.opts, self.client.now()
         rng = random.Random(opts.seed + 1)
         events = [(start + at, "kill") for at in _every(opts.kill_every_s, opts.soak_s)]
         events += [(start + at, "stall") for at in _every(opts.stall_every_s, opts.soak_s)]
-        at, n = start, 0
-        while True:
-            at += rng.expovariate(opts.rate)
-            if at >= start + opts.soak_s:
-                break
+        at = start
+        while (at := at + rng.expovariate(opts.rate)) < start + opts.soak_s:
             events.append((at, "plain"))
-        for at, what in sorted(events):
+        for n, (at, what) in enumerate(sorted(events), 1):
             await asyncio.sleep(max(0.0, at - self.client.now()))
-            n += 1
-            self._spawn(self._event(what, n))
-        await self._drain()
+            task = asyncio.ensure_future(self._event(what, n))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        if self.tasks:  # what is in flight (each request is bounded by the read timeout)
+            await asyncio.wait(set(self.tasks), timeout=self.client.hang_s + 240)
+        for task in list(self.tasks):  # past every bound: counted as hangs by their absence
+            task.cancel()
 
     async def _event(self, what: str, n: int) -> None:
+        send, prompt = self.client.send, self.prompts.prompt
         if what == "plain":
-            await self.client.send(self.prompts.plan(f"{self.opts.mode}-s-{n}", "soak", self.opts.soak_disconnect, 0.2))
+            await send(self.prompts.plan(f"{self.opts.mode}-s-{n}", "soak", self.opts.soak_disconnect, 0.2))
         elif what == "stall":
-            await self.client.send(Planned(f"stall-{n}", "soak", "stall", self.prompts.prompt(48, 96), 16))
+            await send(Planned(f"stall-{n}", "soak", "stall", prompt(48, 96), 16))
         else:
             kind = ("prefill", "decode")[len(self.kills) % 2]
             self.kills.append(KillEvent(kind, f"kill-{kind}-{n}", None, None, None, None))
@@ -425,41 +419,18 @@ class Soak:
         planned = Planned(kill.request_id, "soak", f"kill-{kill.kind}", self.prompts.prompt(48, 96), 32)
         outcome = await self.client.send(planned)
         new = await self.watch.wait_new(pool, before, timeout_s=180)
-        last_report = self.watch.last_seen(kill.old_engine) if new else None
+        last_report = self.watch.seen(kill.old_engine, "last_seen_s") if new else None
         by_client = outcome.last_token_s if kill.kind == "decode" and outcome.result == ERROR_EVENT else None
         kill.crash_s = by_client if by_client is not None else last_report
         if new is not None:
-            kill.new_engine, kill.restarted_s = new, self.watch.first_seen(new)
+            kill.new_engine, kill.restarted_s = new, self.watch.seen(new, "first_seen_s")
             probe = Planned(f"probe-{kill.request_id}", "soak", "probe", self.prompts.prompt(32, 64), 16)
             await self.client.send(probe)
-
-    async def _drain(self) -> None:
-        """Wait for what is in flight (each request is bounded by the read timeout)."""
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=self.client.hang_s + 240)
-        for task in list(self.tasks):  # past every bound: counted as hangs by their absence
-            task.cancel()
 
 
 def _every(period_s: float, until_s: float) -> list[float]:
     """``period_s``, 2 x ``period_s``, ... strictly before ``until_s``."""
     return [k * period_s for k in range(1, math.ceil(until_s / period_s))]
-
-
-async def settle(watch: KVWatch, client: Client, timeout_s: float = TIMEOUT_S + 70) -> Any:
-    """The leak check: wait (leases run out in ``TIMEOUT_S``) until the live replicas of both
-    pools hold no block; the check as it stood at the deadline otherwise."""
-    start = client.now()
-    while True:
-        check = watch.leak_check()
-        if check.held_blocks == 0 and check.ok and sorted(check.live) == sorted(POOLS):
-            return replace(check, settled_s=round(client.now() - start, 1))
-        if client.now() - start > timeout_s:
-            return check
-        await asyncio.sleep(1.0)
-
-
-# ---- GET /admin/kv ---------------------------------------------------------------------------
 
 
 class KVWatch:
@@ -483,9 +454,8 @@ class KVWatch:
         try:
             response = await self.client.http.get("/admin/kv", timeout=10)
         except httpx.HTTPError:
-            self.failures += 1
-            return
-        if response.status_code != 200:
+            response = None
+        if response is None or response.status_code != 200:
             self.failures += 1
             return
         self.view = response.json()
@@ -494,35 +464,30 @@ class KVWatch:
                 self._record(entry)
 
     def _record(self, entry: dict[str, Any]) -> None:
-        at, rss = entry["published_at"] - self.client.wall0, entry.get("rss_bytes")
-        engine = self.engines.setdefault(
-            entry["engine_id"], EngineMemory(entry["engine_id"], entry["deployment"], at, at)
-        )
+        at, rss, engine_id = entry["published_at"] - self.client.wall0, entry.get("rss_bytes"), entry["engine_id"]
+        engine = self.engines.setdefault(engine_id, EngineMemory(engine_id, entry["deployment"], at, at))
         engine.last_seen_s, engine.last_rss = max(engine.last_seen_s, at), rss
         if engine.warm_s is None and at >= max(engine.first_seen_s, self.warm_from_s) + self.warmup_s:
             engine.warm_s, engine.warm_rss = at, rss
         problems = list(entry.get("problems") or [])
         seen = {(v["engine_id"], tuple(v["problems"])) for v in self.violations}
-        if not entry["ok"] and (entry["engine_id"], tuple(problems)) not in seen:
-            row = {"t_s": round(at, 1), "engine_id": entry["engine_id"], "deployment": entry["deployment"]}
+        if not entry["ok"] and (engine_id, tuple(problems)) not in seen:
+            row = {"t_s": round(at, 1), "engine_id": engine_id, "deployment": entry["deployment"]}
             self.violations.append({**row, "problems": problems})
+
+    def seen(self, engine_id: str | None, when: str) -> float | None:
+        """``first_seen_s`` or ``last_seen_s`` of an engine; None for one never seen."""
+        return getattr(self.engines[engine_id], when) if engine_id in self.engines else None
 
     def live(self, pool: str) -> set[str]:
         return {e["engine_id"] for e in self.view["replicas"] if e["live"] and e["deployment"] == pool}
-
-    def first_seen(self, engine_id: str | None) -> float | None:
-        return self.engines[engine_id].first_seen_s if engine_id in self.engines else None
-
-    def last_seen(self, engine_id: str | None) -> float | None:
-        return self.engines[engine_id].last_seen_s if engine_id in self.engines else None
 
     async def wait_new(self, pool: str, before: set[str], timeout_s: float) -> str | None:
         """The id of a live engine of ``pool`` not in ``before`` (the restarted one)."""
         deadline = self.client.now() + timeout_s
         while self.client.now() < deadline:
-            new = self.live(pool) - before
-            if new:
-                return min(new, key=lambda e: self.first_seen(e) or 0.0)
+            if new := self.live(pool) - before:
+                return min(new, key=lambda e: self.seen(e, "first_seen_s") or 0.0)
             await asyncio.sleep(0.5)
         return None
 
@@ -532,90 +497,475 @@ class KVWatch:
         replicas = [{k: e.get(k) for k in HELD_FIELDS} for e in live]
         return LeakCheck(held, None, bool(self.view["ok"]), sorted({e["deployment"] for e in live}), replicas)
 
-    def mark_end(self) -> None:
-        live = {e["engine_id"] for e in self.view["replicas"] if e["live"]}
-        for engine in self.engines.values():
-            engine.live_at_end = engine.engine_id in live
+    async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> LeakCheck:
+        """The leak check once the live replicas of both pools hold no block (leases run out in
+        ``TIMEOUT_S``); the check as it stood at the deadline otherwise."""
+        start = self.client.now()
+        while True:
+            check = self.leak_check()
+            if check.held_blocks == 0 and check.ok and sorted(check.live) == sorted(POOLS):
+                return replace(check, settled_s=round(self.client.now() - start, 1))
+            if self.client.now() - start > timeout_s:
+                return check
+            await asyncio.sleep(1.0)
 
 
 # ---- the run ---------------------------------------------------------------------------------
 
 
-def bounds() -> Bounds:
-    """A hang: no byte for longer than the service's longest bound (the stream idle timeout,
-    the transfer timeout) plus ``SLACK_S``; a long silence: the transfer timeout plus it."""
-    return Bounds(hang_s=max(STREAM_IDLE_S, TIMEOUT_S) + SLACK_S, long_s=TIMEOUT_S + SLACK_S)
-
-
-async def run_phases(url: str, opts: Options, specs: list[FaultSpec]) -> dict[str, Any]:
+async def run_phases(url: str, opts: argparse.Namespace, specs: list[FaultSpec]) -> dict[str, Any]:
     """Warm up, the burst and its leak check, the soak and its leak check."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as plain:
         model = (await plain.get("/v1/models")).json()["data"][0]["id"]
-    client = Client(url, model, specs, bounds().hang_s)
+    client = Client(url, model, specs, HANG_S)
     prompts, watch = Prompts(opts.seed), KVWatch(client, opts.warmup_s)
     watcher = asyncio.ensure_future(watch.run())
     try:
         for i in range(3):
             await client.send(Planned(f"warmup-{i}", "warmup", "plain", prompts.prompt(32, 64), 8))
         start = client.now()
-        await burst(client, prompts, opts)
-        burst_s, burst_leak = client.now() - start, await settle(watch, client)
+        plans = [prompts.plan(f"{opts.mode}-b-{i}", "burst", opts.burst_disconnect) for i in range(opts.concurrency)]
+        await asyncio.gather(*(client.send(p) for p in plans))
+        burst_s, burst_leak = client.now() - start, await watch.settle()
         print(f"burst: {burst_s:.0f} s, leak check {burst_leak}", file=sys.stderr)
         watch.warm_from_s = start = client.now()
         soak = Soak(client, prompts, watch, opts)
         await soak.run()
-        soak_s, soak_leak = client.now() - start, await settle(watch, client)
+        soak_s, soak_leak = client.now() - start, await watch.settle()
         print(f"soak: {soak_s:.0f} s, leak check {soak_leak}", file=sys.stderr)
         await watch.poll()
-        watch.mark_end()
+        live = {e["engine_id"] for e in watch.view["replicas"] if e["live"]}
+        for engine in watch.engines.values():
+            engine.live_at_end = engine.engine_id in live
     finally:
         watcher.cancel()
         await client.http.aclose()
-    return {
-        "outcomes": client.outcomes,
-        "durations": (burst_s, soak_s),
-        "leaks": (burst_leak, soak_leak),
-        "kills": soak.kills,
-        "watch": watch,
-    }
+    phases = {"burst": (burst_s, burst_leak), "soak": (soak_s, soak_leak)}
+    return {"outcomes": client.outcomes, "phases": phases, "kills": soak.kills, "watch": watch}
 
 
-def summarize(opts: Options, specs: list[FaultSpec], result: dict[str, Any], logs: dict[str, Any]) -> dict[str, Any]:
+def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str, Any], logs: dict[str, Any]) -> dict:
     import ray
 
     from bench.host import machine
 
-    outcomes, watch = result["outcomes"], result["watch"]
-    phases = {p: [o for o in outcomes if o.phase == p] for p in ("burst", "soak")}
-    settings = {k: v for k, v in asdict(opts).items() if k not in ("out", "raw")}
-    settings.update(
-        kv_transfer_timeout_s=TIMEOUT_S, stream_idle_timeout_s=STREAM_IDLE_S, app_args=app_args(opts.mode, specs)
-    )
-    return {
+    settings = {k: v for k, v in vars(opts).items() if k not in ("out", "raw", "quick")}
+    settings |= {"kv_transfer_timeout_s": TIMEOUT_S, "stream_idle_timeout_s": STREAM_IDLE_S}
+    summary = {
         "mode": opts.mode,
         "command": " ".join(["python -m bench.reliability", *sys.argv[1:]]),
         "machine": machine(),
         "ray": ray.__version__,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "settings": settings,
+        "settings": settings | {"app_args": app_args(opts.mode, specs)},
         "faults": [asdict(spec) for spec in specs],
-        "burst": phase_summary(phases["burst"], result["leaks"][0], bounds(), specs, result["durations"][0]),
-        "soak": phase_summary(phases["soak"], result["leaks"][1], bounds(), specs, result["durations"][1]),
-        "kills": [kill_summary(kill, phases["soak"]) for kill in result["kills"]],
-        "memory": memory_rows(list(watch.engines.values())),
-        "invariant_violations": watch.violations,
-        "admin_kv_failures": watch.failures,
-        "logs": logs,
     }
+    bounds = Bounds(HANG_S, LONG_S)
+    for phase, (seconds, leak) in result["phases"].items():
+        mine = [o for o in result["outcomes"] if o.phase == phase]
+        summary[phase] = phase_summary(mine, leak, bounds, specs, seconds)
+    soak = [o for o in result["outcomes"] if o.phase == "soak"]
+    summary["kills"] = [kill_summary(kill, soak) for kill in result["kills"]]
+    watch = result["watch"]
+    return summary | {"memory": memory_rows(list(watch.engines.values())), "invariant_violations": watch.violations,
+                      "admin_kv_failures": watch.failures, "logs": logs}  # fmt: skip
+
+
+# ---- figures ---------------------------------------------------------------------------------
+
+
+def result_counts(outcomes: list[Outcome]) -> dict[str, int]:
+    counts = Counter(o.result for o in outcomes)
+    return {r: counts[r] for r in RESULT_ORDER if counts[r]}
+
+
+def cause_counts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """Rows (result, cause, before/after the first token, count) of the requests not completed."""
+    counts = Counter(
+        (o.result, o.cause or "", "after tokens" if o.num_tokens else "before a token")
+        for o in outcomes
+        if o.result != COMPLETED
+    )
+    rows = [{"result": r, "cause": c, "when": w, "count": n} for (r, c, w), n in counts.items()]
+    return sorted(rows, key=lambda row: (RESULT_ORDER.index(row["result"]), -row["count"]))
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def phase_summary(
+    outcomes: list[Outcome], leak: LeakCheck | None, bounds: Bounds, faults: list[FaultSpec], duration_s: float
+) -> dict[str, Any]:
+    """One phase: counts by result and cause, per fault and per planned kind, latencies, hangs
+    and long silences, the leak check."""
+    done = [o for o in outcomes if o.result == COMPLETED]
+    e2e = [o.e2e_s for o in done]
+    plain = _median([o.e2e_s for o in outcomes if not o.faults and o.kind == "plain" and o.result == COMPLETED])
+    met = {
+        s.name: [o for o in outcomes if s.name in o.faults and o.kind != "disconnect"]
+        for s in faults
+        if s.kind == "random"
+    }
+    kinds = {kind: [o for o in outcomes if o.kind == kind] for kind in ("disconnect", "stall")}
+    return {
+        "requests": len(outcomes),
+        "duration_s": round(duration_s, 1),
+        "results": result_counts(outcomes),
+        "causes": cause_counts(outcomes),
+        # per probabilistic fault: the requests that met it (not disconnected by design), their
+        # results and median E2E beside that of the requests that met no fault
+        "faults": [_group(mine, fault=name) | {"plain_median_e2e_s": plain} for name, mine in met.items()],
+        # the requests of each planned kind (by design: a disconnect, a stall past the lease)
+        "kinds": [_group(mine, kind=kind) for kind, mine in kinds.items() if mine],
+        "median_e2e_s": _median(e2e),
+        "p90_e2e_s": round(statistics.quantiles(e2e, n=10)[-1], 3) if len(e2e) > 1 else None,
+        "median_ttft_s": _median([o.first_token_s - o.sent_s for o in done if o.first_token_s is not None]),
+        "hangs": sum(o.result == HANG for o in outcomes),
+        "hang_bound_s": bounds.hang_s,
+        "long_silences": sum(o.max_silence_s > bounds.long_s for o in outcomes),
+        "long_silence_s": bounds.long_s,
+        "max_silence_s": round(max((o.max_silence_s for o in outcomes), default=0.0), 3),
+        "anomalies": [asdict(o) for o in outcomes if o.result in ANOMALIES],
+        "leak": None if leak is None else asdict(leak),
+    }
+
+
+def _group(outcomes: list[Outcome], **name: str) -> dict[str, Any]:
+    done = [o.e2e_s for o in outcomes if o.result == COMPLETED]
+    return name | {"requests": len(outcomes), "results": result_counts(outcomes), "median_e2e_s": _median(done)}
+
+
+def kill_summary(kill: KillEvent, outcomes: list[Outcome]) -> dict[str, Any]:
+    """One kill: what its own request saw; what the requests in flight at the crash or sent
+    before the restart saw; restart time; recovery: the first request sent after the restart
+    (so served by the restarted replica: one per pool) that completed."""
+    own = next((o for o in outcomes if o.request_id == kill.request_id), None)
+    row: dict[str, Any] = {**asdict(kill), "client_saw": None, "affected": {}, "restart_s": None, "recover_s": None}
+    if own is not None:
+        row["client_saw"] = {"result": own.result, "cause": own.cause, "tokens": own.num_tokens}
+    if kill.crash_s is None:
+        return row
+    until = kill.restarted_s if kill.restarted_s is not None else math.inf
+    others = [o for o in outcomes if o.request_id != kill.request_id]
+    row["affected"] = result_counts(
+        [o for o in others if o.sent_s < until and (o.end_s is None or o.end_s >= kill.crash_s)]
+    )
+
+    def first_ok_after(t: float) -> float | None:
+        ends = [o.end_s for o in outcomes if o.sent_s >= t and o.result == COMPLETED]
+        return round(min(ends) - kill.crash_s, 3) if ends else None
+
+    row["first_ok_after_crash_s"] = first_ok_after(kill.crash_s)
+    if kill.restarted_s is not None:
+        row["restart_s"], row["recover_s"] = round(kill.restarted_s - kill.crash_s, 3), first_ok_after(kill.restarted_s)
+    return row
+
+
+def memory_rows(engines: list[EngineMemory]) -> list[dict[str, Any]]:
+    rows = []
+    for engine in sorted(engines, key=lambda e: (e.deployment, e.first_seen_s)):
+        rows.append({**asdict(engine), "growth": None if engine.growth is None else round(engine.growth, 4)})
+    return rows
+
+
+def verdict(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets against what was measured: (check, target, measured, met)."""
+    phases = [summary[p] for p in ("burst", "soak") if summary.get(p)]
+    leaks = [p["leak"]["held_blocks"] if p["leak"] else None for p in phases]
+    growth = max((m["growth"] for m in summary["memory"] if m["growth"] is not None), default=None)
+    anomalies, hangs = sum(len(p["anomalies"]) for p in phases), sum(p["hangs"] for p in phases)
+    violations, recovered = len(summary.get("invariant_violations", [])), [k["recover_s"] for k in summary["kills"]]
+    rows = [
+        ("blocks leaked (each phase, after the leases)", "0", "/".join(map(str, leaks)), all(x == 0 for x in leaks)),
+        ("invariant violations seen in /admin/kv", "0", str(violations), violations == 0),
+        ("hangs", "0", str(hangs), hangs == 0),
+        ("silent cuts, short streams, 500s, client errors", "0", str(anomalies), anomalies == 0),
+        ("memory growth of the replicas, after warm-up to end", f"<= {MEMORY_GROWTH_LIMIT:.0%}",
+         "n/a" if growth is None else f"max {growth:+.1%}", growth is not None and growth <= MEMORY_GROWTH_LIMIT),
+        ("every kill recovered (a request on the restarted replica completed)", "all",
+         f"{sum(r is not None for r in recovered)} of {len(recovered)}", all(r is not None for r in recovered)),
+    ]  # fmt: skip
+    return [{"check": c, "target": t, "measured": m, "met": ok} for c, t, m, ok in rows]
+
+
+# ---- the logs --------------------------------------------------------------------------------
+
+EXPECTED_LOG = {  # one line each, by design; a line counts under its first match, the ingress's first
+    "ingress: retried before the first token": "retrying",
+    "ingress: ended with an error after tokens": "ended with an error",
+    "ingress: aborted for no output (504)": "no output for",
+    "ingress: no replica within recovery.wait_s (503)": "no replica could take",
+    "replica: crash injected": "fault injection: crashing",
+    "replica: exported KV unclaimed, freed at the lease's end": "unclaimed after",
+    "replica call failed (Serve's line): injected transfer fault": "injected failure at",
+    "replica call failed (Serve's line): fetch refused, its lease over": "lease expired",
+    "replica call failed (Serve's line): READ from a killed peer": "NIXL_ERR_REMOTE_DISCONNECT",
+    "proxy: client disconnected": "disconnected, cancelling request",
+}
+SERVE_COMPONENTS = ("controller", "proxy")  # Ray Serve's own processes, not this project's code
+HEX_ID = re.compile(r"[0-9a-f]{16,}")
+NUMBER = re.compile(r"\d+(\.\d+)?")
+SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [\d:,]+ (\S+) ")
+MAX_EXAMPLES = 30
+
+
+def scan_logs(log_dir: Path) -> dict[str, Any]:
+    """The Ray session's logs after the run (``serve/*.log`` and the workers' ``*.err``, where
+    the engine replicas' lines land; a line in both is counted once): the expected one-line
+    events counted; every traceback, ``ERROR`` line not expected, and ``WARNING`` line not
+    expected, counted by text and prefixed with the process's Serve component."""
+    counts: dict[str, Counter] = {k: Counter() for k in ("expected", "unexpected", "serve", "warnings")}
+    controllers = {p.stem.split("_")[-1] for p in (log_dir / "serve").glob("controller_*.log")}
+    paths = sorted((log_dir / "serve").glob("*.log"))
+    paths += [p for p in sorted(log_dir.glob("worker-*.err")) if p.stem.split("-")[-1] not in controllers]
+    seen: set[str] = set()
+    for path in paths:
+        lines = path.read_text(errors="replace").splitlines()
+        _classify(lines, seen, counts)
+        components = Counter(m.group(2) for m in map(SERVE_LINE.match, lines) if m)
+        prefix = path.stem.split("_")[0]
+        source = components.most_common(1)[0][0] if components else prefix if prefix in SERVE_COMPONENTS else path.name
+        for i, line in enumerate(lines):  # each traceback as its exception line (the first unindented after it)
+            if line.startswith("Traceback (most recent call last)"):
+                tail = next((t for t in lines[i + 1 :] if t and not t[0].isspace()), "(end of file)")
+                found = f"{source}: traceback: {HEX_ID.sub('<id>', tail[:200])}"
+                counts["serve" if source in SERVE_COMPONENTS else "unexpected"][found] += 1
+    expected = counts["expected"]
+    summary: dict[str, Any] = {"dir": str(log_dir), "expected": {n: expected[n] for n in EXPECTED_LOG if expected[n]}}
+    for key, name in (("unexpected", "unexpected"), ("serve", "serve_internal"), ("warnings", "other_warnings")):
+        summary[f"{name}_count"] = sum(counts[key].values())
+        summary[name] = [{"line": k, "count": v} for k, v in counts[key].most_common(MAX_EXAMPLES)]
+    return summary
+
+
+def _classify(lines: list[str], seen: set[str], counts: dict[str, Counter]) -> None:
+    for line in lines:
+        match = SERVE_LINE.match(line)
+        if match:
+            if line in seen:
+                continue
+            seen.add(line)
+        names = [name for name, text in EXPECTED_LOG.items() if text in line][:1]
+        counts["expected"].update(names)
+        if names or not match:
+            continue
+        message = f"{match.group(2)}: {HEX_ID.sub('<id>', line.split(' -- ', 1)[-1][:200])}"
+        serve = match.group(2) in SERVE_COMPONENTS
+        if match.group(1) == "WARNING":  # grouped by shape: numbers (ids, times) left out
+            counts["serve" if serve else "warnings"][NUMBER.sub("N", message)] += 1
+        elif match.group(1) in ("ERROR", "CRITICAL"):
+            counts["serve" if serve else "unexpected"][message] += 1
+
+
+# ---- the page --------------------------------------------------------------------------------
+
+
+def save(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Merge this mode's summary into ``out/benchmarks/reliability.json`` (other modes kept)
+    and render the block of ``out/reliability.md`` from all of them; returns the merged summaries."""
+    path = out / "benchmarks" / "reliability.json"
+    merged = read_json(path) if path.exists() else {}
+    write_json(path, merged | {summary["mode"]: summary}, sort_keys=True)
+    merged = read_json(path)  # rendered as a re-render from the file will see it
+    title = "# Reliability: load and soak with faults, through the HTTP API"
+    write_page(out / "reliability.md", NAME, render(merged), template(NAME, title))
+    return merged
+
+
+def _counts(results: dict[str, int]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in results.items()) or "-"
+
+
+def _s(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f} s"
+
+
+def _span(values: list[float | None]) -> str:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return "-"
+    return f"{known[0]:.1f} s" if len(known) == 1 else f"{known[0]:.1f}-{known[-1]:.1f} s"
+
+
+def _rules(spec: dict[str, Any]) -> str:
+    order = ("point", "action", "probability", "seconds", "request_id_prefix")
+    parts = []
+    for rule in spec["rules"]:
+        keys = sorted(rule, key=lambda k: (order.index(k) if k in order else len(order), k))
+        parts.append("`" + ", ".join(f"{k}={rule[k]}" for k in keys if rule[k] is not None) + "`")
+    return "<br>".join(parts) or "-"
+
+
+def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """One row of the per-fault table: fault, rules, how many met it, what the client saw,
+    time to recover, blocks leaked after."""
+    label, phases = (
+        f"{spec['name']}: {spec['effect']}",
+        ("soak",) if spec["kind"].startswith("kill-") else ("burst", "soak"),
+    )
+    leaks = ", ".join(
+        f"{summary[p]['leak']['held_blocks']} ({p})" for p in phases if summary.get(p) and summary[p]["leak"]
+    )
+    if spec["kind"].startswith("kill-"):
+        kills = [k for k in summary["kills"] if k["kind"] == spec["kind"].removeprefix("kill-")]
+        own, affected = Counter(), Counter()
+        for kill in kills:
+            saw = kill["client_saw"] or {}
+            own[f"{saw.get('result')} ({saw.get('cause') or 'ok'})"] += 1
+            affected.update(kill["affected"])
+        seen = f"its request: {', '.join(f'{k} x{v}' for k, v in own.items())}; others: {_counts(dict(affected))}"
+        recover = (
+            f"restart {_span([k['restart_s'] for k in kills])}, recovered {_span([k['recover_s'] for k in kills])}"
+        )
+        return [label, _rules(spec), f"{len(kills)} kills", seen, recover, leaks or "-"]
+    key, field_, name = (
+        ("faults", "fault", spec["name"]) if spec["kind"] == "random" else ("kinds", "kind", spec["kind"])
+    )
+    found = [(p, r) for p in ("burst", "soak") for r in summary[p][key] if r[field_] == name]
+    results: Counter = Counter()
+    for _, row in found:
+        results.update(row["results"])
+    if spec["kind"] == "disconnect":
+        recover = "-"
+    elif spec["kind"] == "random":
+        medians = [f"{p} {_s(r['median_e2e_s'])} (no fault {_s(r['plain_median_e2e_s'])})" for p, r in found]
+        recover = "in the request; median E2E " + ", ".join(medians)
+    else:
+        recover = f"in the request; median E2E {_span([r['median_e2e_s'] for _, r in found])}"
+    met = str(sum(r["requests"] for _, r in found))
+    return [label, _rules(spec), met, _counts(dict(results)), recover, leaks or "-"]
+
+
+def _phase_lines(name: str, phase: dict[str, Any]) -> list[str]:
+    lines = [
+        f"**{name}**: {phase['requests']} requests in {phase['duration_s']:.0f} s; "
+        f"completed: median E2E {_s(phase['median_e2e_s'], 2)}, p90 {_s(phase['p90_e2e_s'], 2)}, "
+        f"median TTFT {_s(phase['median_ttft_s'], 2)}; hangs (no byte for > {phase['hang_bound_s']:g} s): "
+        f"{phase['hangs']}; long silences (> {phase['long_silence_s']:g} s): {phase['long_silences']}; "
+        f"longest silence {_s(phase['max_silence_s'])}.",
+        "",
+    ]
+    rows = [[COMPLETED, "", "", str(phase["results"].get(COMPLETED, 0))]]
+    rows += [[c["result"], f"`{c['cause']}`" if c["cause"] else "", c["when"], c["count"]] for c in phase["causes"]]
+    lines += table("outcome | cause | when | requests", rows)
+    leak = phase["leak"]
+    if leak:
+        settled = "never" if leak["settled_s"] is None else f"after {leak['settled_s']:.0f} s"
+        lines += [
+            "",
+            f"After the phase: {leak['held_blocks']} blocks held on the live replicas ({settled}), "
+            f"invariants {'held' if leak['ok'] else 'VIOLATED'}, live: {', '.join(leak['live'])}.",
+        ]
+        held = (
+            "- {deployment} `{engine_id}`: {num_in_use_blocks} in use, {num_pinned_blocks} pinned, "
+            "{num_reserved_blocks} reserved of {num_total_blocks}; {num_requests} requests, {num_pinned_requests} "
+            "pinned, {num_reserved_requests} reserved; problems: {problems}"
+        )
+        lines += [
+            held.format(**r | {"problems": r["problems"] or "none"})
+            for r in leak.get("replicas", [])
+            if leak["held_blocks"]
+        ]
+    return lines
+
+
+def render_mode(summary: dict[str, Any]) -> list[str]:
+    """One mode's section."""
+    s = summary["settings"]
+    lines = [
+        f"## {summary['mode']} mode",
+        "",
+        f"Command: `{summary['command']}`  ",
+        f"Run {summary['date']} on {summary['machine']}, Ray {summary['ray']}.  ",
+        f"Setup: 1 prefill + 1 decode replica, `transport.kv_transfer_timeout_s={s['kv_transfer_timeout_s']:g}`, "
+        f"burst of {s['concurrency']} concurrent streams ({s['burst_disconnect']:.0%} disconnected at random "
+        f"points), then a {s['soak_s']:.0f} s soak at {s['rate']:g} req/s Poisson ({s['soak_disconnect']:.0%} "
+        f"disconnected), a kill every {s['kill_every_s']:.0f} s (prefill and decode in turn), a stalled transfer "
+        f"every {s['stall_every_s']:.0f} s.",
+        "",
+        "### Targets",
+        "",
+        *table(
+            "check | target | measured | met",
+            [[*list(v.values())[:3], "yes" if v["met"] else "**NO**"] for v in verdict(summary)],
+        ),
+        "",
+        "### Per fault",
+        "",
+    ]
+    disconnect = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
+    rows = [_fault_row(summary, spec) for spec in [*summary["faults"], disconnect]]
+    header = "fault | rules (`faults:`) | met | what the client saw | time to recover | blocks leaked after"
+    lines += [*table(header, rows), "", "### Requests by outcome", ""]
+    lines += _phase_lines("Burst", summary["burst"]) + [""] + _phase_lines("Soak", summary["soak"])
+    rows = []
+    for n, kill in enumerate(summary["kills"], 1):
+        saw = kill["client_saw"] or {}
+        cause = f" `{saw['cause']}`" if saw.get("cause") else ""
+        own = f"{saw.get('result')}{cause} after {saw.get('tokens')} text chunks"
+        times = [_s(kill["restart_s"]), _s(kill.get("first_ok_after_crash_s")), _s(kill["recover_s"])]
+        rows.append([n, kill["kind"], f"`{kill['request_id']}`", own, _counts(kill["affected"]), *times])
+    header = "# | replica | request | its client saw | others in flight or sent before the restart | restart | "
+    lines += ["", "### Kills", "", *table(header + "first OK after crash | recovered", rows), "", "### Memory", ""]
+    rows = []
+    for m in summary["memory"]:
+        growth = "not judged (< 60 s)" if m["growth"] is None else f"{m['growth']:+.1%}"
+        state = "live at the end" if m["live_at_end"] else f"gone at {m['last_seen_s']:.0f} s (killed)"
+        rss = ["-" if v is None else f"{v / 2**20:.0f}" for v in (m["warm_rss"], m["last_rss"])]
+        rows.append(
+            [m["deployment"], f"`{m['engine_id'][:12]}`", f"{max(0.0, m['first_seen_s']):.0f} s", state, *rss, growth]
+        )
+    lines += table("deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth", rows)
+    return lines + ["", "### Logs", "", *_log_lines(summary["logs"]), *_outside_lines(summary)]
+
+
+def _log_lines(logs: dict[str, Any]) -> list[str]:
+    lines = [f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):", ""]
+    expected = logs.get("expected", {})
+    lines += [f"- {name}: {expected[name]} lines" for name in EXPECTED_LOG if name in expected]
+    for key, title in (
+        ("unexpected", "unexpected in the ingress and engine replicas (tracebacks, errors not injected)"),
+        ("other_warnings", "other warnings of the ingress and engine replicas"),
+        ("serve_internal", "warnings, errors and tracebacks of Ray Serve's own controller and proxy"),
+    ):
+        lines.append(f"- {title}: {logs.get(key + '_count', 0)}")
+        lines += [f"  - {row['count']} x `{row['line']}`" for row in logs.get(key, [])[:10]]
+    return lines
+
+
+def _outside_lines(summary: dict[str, Any]) -> list[str]:
+    """The requests that ended outside the contract, and the invariant violations, if any."""
+    lines: list[str] = []
+    anomalies = [a for p in ("burst", "soak") for a in summary[p]["anomalies"]]
+    if anomalies:
+        lines += ["", "Requests that ended outside the contract (hangs, silent cuts, 500s, client errors):", ""]
+        rows = [
+            [f"`{a['request_id']}`", a["result"], a["cause"] or "", _s(a["sent_s"]), _s(a["end_s"]), a["num_tokens"]]
+            for a in anomalies
+        ]
+        lines += table("request | result | cause | sent | ended | text chunks", rows)
+    violations = summary.get("invariant_violations", [])
+    if violations:
+        lines += ["", "Invariant violations seen:", ""]
+        lines += [f"- {v['t_s']:.0f} s, {v['deployment']} `{v['engine_id'][:12]}`: {v['problems']}" for v in violations]
+    return lines
+
+
+def render(merged: dict[str, dict[str, Any]]) -> list[str]:
+    """The generated block of ``docs/reliability.md``, from every mode's summary (pull first)."""
+    lines = ["", "Generated by `python -m bench.reliability` (`bench/reliability.py`); the numbers are in "
+             "`docs/benchmarks/reliability.json`."]  # fmt: skip
+    for mode in sorted(merged, key=lambda m: (m != "pull", m)):
+        lines += ["", *render_mode(merged[mode])]
+    return lines
 
 
 # ---- the command line ------------------------------------------------------------------------
 
-QUICK = {"concurrency": 20, "soak_s": 90.0, "kill_every_s": 30.0, "stall_every_s": 40.0, "warmup_s": 20.0}
 
-
-def parse_args(argv: list[str] | None = None) -> Options:
-    parser = argparse.ArgumentParser(prog="bench.reliability", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--concurrency", type=int, default=200, help="streams of the burst")
     parser.add_argument("--burst-disconnect", type=float, default=0.3, help="share of the burst the client cuts")
@@ -629,24 +979,28 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--out", help="docs folder (default docs; --quick: /tmp/reliability_quick)")
     parser.add_argument("--raw", help="every request's outcome as JSON (default /tmp/reliability_raw_<mode>.json)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: " + json.dumps(QUICK))
-    args = vars(parser.parse_args(argv))
-    quick = args.pop("quick")
-    if quick:
-        args.update({k: v for k, v in QUICK.items() if args[k] == parser.get_default(k)})
-    args["out"] = Path(args["out"] or ("/tmp/reliability_quick" if quick else "docs"))
-    args["raw"] = Path(args["raw"] or f"/tmp/reliability_raw_{args['mode']}.json")
-    return Options(**args)
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        for key, value in QUICK.items():
+            if getattr(opts, key) == parser.get_default(key):
+                setattr(opts, key, value)
+    opts.out = Path(opts.out or ("/tmp/reliability_quick" if opts.quick else "docs"))
+    opts.raw = Path(opts.raw or f"/tmp/reliability_raw_{opts.mode}.json")
+    return opts
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.ray_local import Server
+
     opts = parse_args(argv)
     specs = fault_specs(opts.mode)
     keep_logs = Path(f"/tmp/reliability_logs_{opts.mode}")
-    server = Server(app_args(opts.mode, specs), keep_logs)
-    with server:
+    with Server(
+        "disagg", app_args(opts.mode, specs), port=HTTP_PORT, name="reliability", keep_logs=keep_logs
+    ) as server:
         result = asyncio.run(run_phases(server.url, opts, specs))
     summary = summarize(opts, specs, result, scan_logs(keep_logs))
-    opts.raw.write_text(json.dumps([asdict(o) for o in result["outcomes"]], indent=0))
+    write_json(opts.raw, [asdict(o) for o in result["outcomes"]], indent=0)
     save(opts.out, summary)
     print(f"wrote {opts.out / 'reliability.md'}; logs kept in {keep_logs}", file=sys.stderr)
 

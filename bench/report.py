@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import string
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -52,21 +53,40 @@ def write_page(path: Path, name: str, lines: Sequence[str], new: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """A markdown table; a row may have fewer cells than the header (a failed measurement)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+class _Cells(string.Formatter):
+    """``str.format`` where ``{x:ms.1f}`` is ``x`` in milliseconds and None is ``missing``."""
+
+    def __init__(self, missing: str) -> None:
+        self.missing = missing
+
+    def format_field(self, value, spec: str) -> str:
+        if value is None:
+            return self.missing
+        return format(value * 1e3, spec[2:]) if spec.startswith("ms") else format(value, spec)
+
+
+def cells(template: str, item: dict, missing: str = "n/a") -> str:
+    """One table row's cells: ``template`` ("{a} | {b:.2f}") filled from ``item``."""
+    return _Cells(missing).vformat(template, (), item)
+
+
+def table(header: str | Sequence[str], rows: Iterable[str | Sequence[object]]) -> list[str]:
+    """A markdown table. ``header``: its cells, or one string "a | b"; a row: its cells (fewer
+    than the header's for a failed measurement), or one string of them (``cells``)."""
+    header = header.split(" | ") if isinstance(header, str) else header
+    rows = (row if isinstance(row, str) else " | ".join(map(str, row)) for row in rows)
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *(f"| {row} |" for row in rows)]
 
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
-def write_json(path: Path, data, indent: int | None = 1) -> None:
-    """``indent=None``: one line (the raw records, not committed)."""
+def write_json(path: Path, data, indent: int | None = 1, **dumps) -> None:
+    """``indent=None``: one line (the raw records, not committed); ``dumps``: ``json.dumps``'s options."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent) + "\n")
+    path.write_text(json.dumps(data, indent=indent, **dumps) + "\n")
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:

@@ -11,12 +11,10 @@ from dataclasses import asdict
 import pytest
 
 from app.settings import AppConfig
-from bench.reliability import Planned, _every, _http_result, _take, app_args, fault_specs, parse_args
-from bench.reliability_report import (
+from bench.reliability import (
     COMPLETED,
     CUT,
     DISCONNECTED,
-    END,
     ERROR_EVENT,
     HANG,
     SHORT,
@@ -26,15 +24,23 @@ from bench.reliability_report import (
     KillEvent,
     LeakCheck,
     Outcome,
+    Planned,
+    _every,
+    _http_result,
+    _take,
+    app_args,
     cause_counts,
+    fault_specs,
     kill_summary,
     memory_rows,
+    parse_args,
     phase_summary,
     render,
     save,
     scan_logs,
     verdict,
 )
+from bench.report import block, markers
 from kv_transport.faults import FaultPoints
 
 SPECS = [
@@ -154,14 +160,15 @@ def test_verdict_names_what_missed_its_target():
 def test_render_and_merge(tmp_path):
     save(tmp_path, _summary("push"))
     page = tmp_path / "reliability.md"
-    assert "## Findings" in page.read_text() and "## What this shows, and its limits" in page.read_text()
-    page.write_text(page.read_text().split(END)[0] + END + "\n\n## Findings\n\nWritten by hand.\n")
+    assert "## Reading the results" in page.read_text()
+    begin, end = markers("bench.reliability")
+    page.write_text(page.read_text().split(end)[0] + end + "\n\n## Findings\n\nWritten by hand.\n")
     merged = save(tmp_path, _summary("pull"))
     assert sorted(merged) == ["pull", "push"]
     assert json.loads((tmp_path / "benchmarks" / "reliability.json").read_text())["push"]["mode"] == "push"
     text = page.read_text()
-    assert text.endswith(END + "\n\n## Findings\n\nWritten by hand.\n")  # kept across runs
-    assert text == render(merged, text)
+    assert text.endswith(end + "\n\n## Findings\n\nWritten by hand.\n")  # kept across runs
+    assert block(text, "bench.reliability") == "\n".join([begin, *render(merged), end])
     assert text.index("## pull mode") < text.index("## push mode")
     assert "Command: `python -m bench.reliability --mode pull`" in text
     assert "| hangs | 0 | 1 | **NO** |" in text
@@ -179,7 +186,7 @@ def test_a_leak_names_the_replica_holding_blocks():
             "num_pinned_blocks": 14, "num_reserved_blocks": 0, "num_requests": 0, "num_pinned_requests": 4,
             "num_reserved_requests": 0, "problems": []}  # fmt: skip
     summary["burst"]["leak"] = asdict(LeakCheck(14, None, True, ["DecodeServer", "PrefillServer"], [held]))
-    text = render({"pull": summary})
+    text = "\n".join(render({"pull": summary}))
     assert "| blocks leaked (each phase, after the leases) | 0 | 14/0 | **NO** |" in text
     assert "After the phase: 14 blocks held on the live replicas (never)" in text
     assert "- PrefillServer `prefill-1`: 14 in use, 14 pinned, 0 reserved of 364; 0 requests, 4 pinned," in text
