@@ -54,7 +54,10 @@ def write_page(path: Path, name: str, lines: Sequence[str], new: str) -> None:
 
 
 class _Cells(string.Formatter):
-    """``str.format`` where ``{x:ms.1f}`` is ``x`` in milliseconds and None is ``missing``."""
+    """``str.format`` where ``{x:ms.1f}`` is seconds ``x`` in milliseconds, ``{x:MB.2f}`` bytes
+    ``x`` in MB, and None is ``missing``."""
+
+    SCALES = {"ms": 1e3, "MB": 1e-6}
 
     def __init__(self, missing: str) -> None:
         self.missing = missing
@@ -62,7 +65,8 @@ class _Cells(string.Formatter):
     def format_field(self, value, spec: str) -> str:
         if value is None:
             return self.missing
-        return format(value * 1e3, spec[2:]) if spec.startswith("ms") else format(value, spec)
+        scale = self.SCALES.get(spec[:2])
+        return format(value * scale, spec[2:]) if scale else format(value, spec)
 
 
 def cells(template: str, item: dict, missing: str = "n/a") -> str:
