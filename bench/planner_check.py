@@ -6,40 +6,42 @@ For each system of ``bench.compare`` checked (``colocated``: 2 replicas doing bo
 system's goodput measured in docs/benchmarks/goodput.json, twice per rate (the same requests
 and arrivals: the spread of the two runs is this machine's run-to-run noise). The simulator,
 calibrated on this machine only (``planner/calibration/cpu-2core.json``, written by
-``bench.calibrate_planner`` from engine and transfer measurements, its interference
-factor and the serving stack measured through the served app), predicts TTFT and TPOT
-p50 / p90 for the very same lengths and arrivals
-(``planner.simulator.sim_requests`` with the same seed). The serving stack's part is probed on each
-system's app just before its runs (``bench.calibrate_planner.probe_stack``: idle-app probes,
-batches of 2 and 4, a short load run, all of their own prompts): this machine's speed drifts by more
-than the bound within minutes, so a stack probed at calibration time is reported beside it
-(``--file-stack`` skips the probe). A prediction agrees when its error against
-the mean of the two runs is within max(15%, twice their spread). The app runs with prefix
-caching off: the runs repeat the same prompts, which a cache would serve from the previous run.
+``bench.calibrate_planner``), predicts TTFT and TPOT p50 / p90 for the very same lengths and
+arrivals (``planner.simulator.sim_requests`` with the same seed). The serving stack's part is probed
+on each system's app just before its runs (``bench.calibrate_planner.probe_stack``): this
+machine's speed drifts by more than the bound within minutes, so a stack probed at
+calibration time is reported beside it (``--file-stack`` skips the probe). A prediction agrees
+when its error against the mean of the two runs is within max(15%, twice their spread). The
+app runs with prefix caching off: the runs repeat the same prompts, which a cache would serve
+from the previous run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.calibrate_planner import NO_PREFIX_CACHE, cpu_ticks, probe_stack
+from bench.calibrate_planner import NO_PREFIX_CACHE, probe_stack
 from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS
-from bench.ray_local import Server
+from bench.host import cpu_ticks, ticks_between, tree_ticks
+from bench.report import command_line, figure, first_paragraph, read_json, table, template, write_json, write_page
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
+from planner.sim_engine import mixed_step_s
 from planner.simulator import SystemSpec, goodput, sim_requests, simulate, uncontended_latency
 from workloads import arrival_times, make_requests, median_request
 
+NAME = "bench.planner_check"
 DOC = Path("docs/benchmarks")
 GOODPUT = DOC / "goodput.json"
+ROOT = Path(__file__).resolve().parents[1]
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
 MIN_BOUND = 0.15
 
@@ -73,10 +75,13 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
     """Runs of ``system`` at each rate (``options.runs`` each), in one server session; unless
     ``options.file_stack``, the serving stack is probed on this app first (idle probes, batched
     probes and a short load run of their own prompts, ``bench.calibrate_planner.probe_stack``)."""
+    from bench.host import tokenizer
+    from bench.ray_local import Server
+
     application, extra = SYSTEMS[system]
     with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
         target = Target(server.url, server.model())
-        requests = make_requests(workload, _tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
+        requests = make_requests(workload, tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
         idle = uncontended(target, median_request(requests))  # also warms the replicas up
         print(f"{system}: uncontended {idle}", file=sys.stderr)
         probed = {}
@@ -85,34 +90,26 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
             probed = {"stack": probe_stack(server.url, target, cost, stack_kind(system))}
         points = []
         for rate in rates:
-            offsets = arrival_times(len(requests), rate, seed=options.seed)
-            runs = []
+            offsets, runs = arrival_times(len(requests), rate, seed=options.seed), []
             for number in range(options.runs):
-                before = cpu_ticks()
+                before = (cpu_ticks()[0], tree_ticks(), time.monotonic())
                 records, duration = asyncio.run(run(target, requests, offsets, f"{system} {rate:.3g}/s #{number + 1}"))
                 summary = summarize(records, duration)
                 runs.append({m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")})
-                runs[-1]["other_cores"] = other_cores(before, cpu_ticks())
-                print(f"  {system} {rate:.3g}/s run {number + 1}: {_short(summary)}", file=sys.stderr)
+                runs[-1]["other_cores"] = other_cores(before)
+                short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
+                print(f"  {system} {rate:.3g}/s run {number + 1}: {short}, failed {summary['failed']}", file=sys.stderr)
             points.append({"rate": rate, "runs": runs})
         return {"uncontended": idle, **probed, "points": points}
 
 
-def other_cores(before: tuple[int, int, float], after: tuple[int, int, float]) -> float:
-    """Cores that processes outside this check used meanwhile (other sessions' tests: the
-    replicas run at Ray's worker niceness, 15, so any such process takes CPU from them)."""
-    seconds = (after[0] - before[0] - (after[1] - before[1])) / os.sysconf("SC_CLK_TCK")
-    return max(seconds, 0.0) / max(after[2] - before[2], 1e-9)
-
-
-def _tokenizer():
-    from engine.loader import ModelSpec, load_tokenizer
-
-    return load_tokenizer(ModelSpec())
-
-
-def _short(summary: dict) -> str:
-    return ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS) + f", failed {summary['failed']}"
+def other_cores(before: tuple[int, dict, float]) -> float:
+    """Cores that processes outside this check (not this process and those it started) used
+    since ``before`` (other sessions' tests: the replicas run at Ray's worker niceness, 15, so
+    any such process takes CPU from them)."""
+    machine0, ours0, time0 = before
+    ticks = cpu_ticks()[0] - machine0 - ticks_between(ours0, tree_ticks())
+    return max(ticks / os.sysconf("SC_CLK_TCK"), 0.0) / max(time.monotonic() - time0, 1e-9)
 
 
 def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
@@ -122,21 +119,10 @@ def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
         values = [r[metric][pct] for r in runs]
         mean = sum(values) / len(values)
         spread = (max(values) - min(values)) / mean if mean else 0.0
-        bound = max(MIN_BOUND, 2 * spread)
-        guess = predicted[metric][pct]
+        bound, guess = max(MIN_BOUND, 2 * spread), predicted[metric][pct]
         error = (guess - mean) / mean if mean else float("inf")
-        rows.append(
-            {
-                "metric": f"{metric.removesuffix('_s')} {pct}",
-                "measured": values,
-                "mean": mean,
-                "spread": spread,
-                "predicted": guess,
-                "error": error,
-                "bound": bound,
-                "within": abs(error) <= bound,
-            }
-        )
+        rows.append({"metric": f"{metric.removesuffix('_s')} {pct}", "measured": values, "mean": mean, "spread": spread,
+                     "predicted": guess, "error": error, "bound": bound, "within": abs(error) <= bound})  # fmt: skip
     return rows
 
 
@@ -144,45 +130,33 @@ def simulator_speed(calibration: Path) -> dict:
     """Seconds for simulate() on a 1,000-replica disaggregated system (400 prefill + 600
     decode replicas of this machine's cost, no interference) under chatbot traffic."""
     cost = load_calibration(calibration)
-    spec = SystemSpec("disaggregated", 400, 600, cost, cost)
     requests = sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
     start = time.perf_counter()
-    result = simulate(spec, requests)
+    result = simulate(SystemSpec("disaggregated", 400, 600, cost, cost), requests)
     seconds = time.perf_counter() - start
-    return {
-        "replicas": 1000,
-        "requests": len(requests),
-        "rate": 250.0,
-        "output_tokens": sum(r.output_tokens for r in requests),
-        "seconds": seconds,
-        "ttft_p90_s": result.percentiles()["ttft_s"]["p90"],
-    }
-
-
-def relative_slos(calibration: Path, prompt_tokens: int, multiples: dict[str, float]) -> dict[str, float]:
-    """``bench.compare``'s SLOs on the simulated machine: ``multiples`` (5x TTFT, 2x TPOT) of
-    the idle colocated system's uncontended latency (one request of the workload's median
-    prompt, 32 output tokens). Scaled to the calibration's own speed, as goodput.json's are to
-    the speed of the day it was measured on, so the two compare across days of a drifting machine."""
-    ttft, tpot = uncontended_latency(system_spec("colocated", calibration), prompt_tokens)
-    return {"ttft": multiples["ttft"] * ttft, "tpot": multiples["tpot"] * tpot}
+    tokens, p90 = sum(r.output_tokens for r in requests), result.percentiles()["ttft_s"]["p90"]
+    return {"replicas": 1000, "requests": len(requests), "rate": 250.0, "output_tokens": tokens, "seconds": seconds,
+            "ttft_p90_s": p90}  # fmt: skip
 
 
 def simulated_goodputs(calibration: Path) -> dict:
     """Per workload of goodput.json: each system's measured goodput and the simulator's, on
-    SLOs defined as that benchmark defines them (``relative_slos``), 5 x 80 requests a rate
+    SLOs set as that benchmark sets them: ``slo_multiples`` (5x TTFT, 2x TPOT) of the idle
+    colocated system's uncontended latency (one request of the workload's median prompt),
+    scaled to the calibration's own speed, as goodput.json's are to the speed of the day it was
+    measured on, so the two compare across days of a drifting machine; 5 x 80 requests a rate
     (the same method as tests/planner/test_simulator.py)."""
-    measured = json.loads(GOODPUT.read_text())
-    table = {}
+    measured, table_ = read_json(GOODPUT), {}
     for workload, systems in measured["results"].items():
-        median = measured["calibration"][workload]["prompt_tokens"]
-        slo = relative_slos(calibration, median, measured["slo_multiples"])
+        median, x = measured["calibration"][workload]["prompt_tokens"], measured["slo_multiples"]
+        ttft, tpot = uncontended_latency(system_spec("colocated", calibration), median)
+        slo = {"ttft": x["ttft"] * ttft, "tpot": x["tpot"] * tpot}
 
         def make(rate: float, workload: str = workload) -> list:
             runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
             return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
 
-        table[workload] = {"slo_s": slo} | {
+        table_[workload] = {"slo_s": slo} | {
             system: {
                 "measured": systems[system]["goodput"]["rate"],
                 "bound": systems[system]["goodput"]["bound"],
@@ -190,60 +164,24 @@ def simulated_goodputs(calibration: Path) -> dict:
             }
             for system in ("colocated", "colocated-chunked", "disagg-pull")
         }
-    return table
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.planner_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", default="chatbot")
-    parser.add_argument("--systems", default="colocated,disagg-pull")
-    parser.add_argument("--fractions", default="0.3,0.6,0.9", help="shares of each system's measured goodput")
-    parser.add_argument("--num-requests", type=int, default=30)
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
-    parser.add_argument("--out", default=str(DOC))
-    parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
-    parser.add_argument(
-        "--file-stack", action="store_true", help="do not probe the serving stack before the runs (the calibration's)"
-    )
-    options = parser.parse_args(argv)
-    from bench.planner_report import write_report
-
-    out = Path(options.out)
-    calibration = Path(options.calibration)
-    if options.predict_only:
-        report = json.loads((out / "planner.json").read_text())
-    else:
-        report = measure(options, calibration)
-    report = add_predictions(report, calibration)
-    report["simulator_speed"] = simulator_speed(calibration)
-    report["goodput_ordering"] = simulated_goodputs(calibration)
-    write_report(report, out)
+    return table_
 
 
 def measure(options: argparse.Namespace, calibration: Path) -> dict:
     from bench.host import machine
 
-    goodput = json.loads(GOODPUT.read_text())["results"][options.workload]
+    goodputs = read_json(GOODPUT)["results"][options.workload]
     fractions = [float(f) for f in options.fractions.split(",")]
-    Path(options.out).mkdir(parents=True, exist_ok=True)
     started = time.time()
-    report = {
-        "command": "python -m bench.planner_check" + "".join(f" {a}" for a in (options and sys.argv[1:])),
-        "machine": machine(),
-        "workload": options.workload,
-        "num_requests": options.num_requests,
-        "seed": options.seed,
-        "fractions": fractions,
-        "systems": {},
-    }
+    report = {"command": command_line(NAME), "machine": machine(), "workload": options.workload,
+              "num_requests": options.num_requests, "seed": options.seed, "fractions": fractions,
+              "systems": {}}  # fmt: skip
     for system in options.systems.split(","):
-        measured = goodput[system]["goodput"]["rate"]
+        measured = goodputs[system]["goodput"]["rate"]
         rates = [round(f * measured, 4) for f in fractions]
         report["systems"][system] = {"goodput": measured, **measure_system(system, options.workload, rates, options)}
         report["elapsed_s"] = time.time() - started
-        Path(options.out, "planner.json").write_text(json.dumps(report, indent=1))  # kept after each system
+        write_json(Path(options.out, "planner.json"), report)  # kept after each system
     return report
 
 
@@ -262,6 +200,200 @@ def add_predictions(report: dict, calibration: Path) -> dict:
                 point["rows" + suffix] = compare_point(point["runs"], predicted)
     report["calibration"] = os.path.relpath(calibration)
     return report
+
+
+# ---- the page --------------------------------------------------------------------------------
+
+
+def _count(report: dict, key: str = "rows") -> tuple[int, int]:
+    """(within their bound, predictions) over every point's ``key`` rows."""
+    rows = [r for s in report["systems"].values() for p in s["points"] for r in p.get(key, [])]
+    return sum(r["within"] for r in rows), len(rows)
+
+
+def render(report: dict) -> list[str]:
+    """The generated block of planner.md, from planner.json (and the calibration it names)."""
+    (within, total), (file_within, file_total) = _count(report), _count(report, "rows_file")
+    headline = f"**{within} of {total} predictions within their bound**"
+    if file_total:
+        headline += (
+            " with the serving stack probed on each app just before its runs; "
+            f"{file_within} of {file_total} with the calibration file's stack"
+        )
+    lines = [
+        "",
+        f"Command: `{report['command']}` ({report.get('elapsed_s', 0) / 60:.0f} min). Machine: {report['machine']}.",
+        f"Workload `{report['workload']}` ({report['num_requests']} requests a run, seed {report['seed']},"
+        " context 512);",
+        "each rate run twice with the same requests and arrivals. Predictions: `planner.simulator.simulate` on",
+        f"`{report['calibration']}` (no measurement of this check feeds it), same lengths and arrivals.",
+        "Error = (predicted - mean of the two runs) / that mean; bound = max(15%, 2 x spread of the runs).",
+        "",
+        headline + ".",
+        "",
+        *_calibration_lines(ROOT / report["calibration"]),
+    ]
+    for system, data in report["systems"].items():
+        lines += _system_lines(system, data, report["fractions"])
+    if speed := report.get("simulator_speed"):
+        lines += [
+            "",
+            f"Simulator speed: `simulate()` on {speed['replicas']} replicas (400 prefill + 600 decode, this",
+            f"machine's costs), {speed['requests']:,} chatbot requests at {speed['rate']:g} req/s "
+            f"({speed['output_tokens']:,} output tokens): {speed['seconds']:.2f} s, pure Python.",
+        ]
+    return [
+        *lines,
+        *_ordering_lines(report.get("goodput_ordering")),
+        "",
+        "![predicted against measured](planner.png)",
+        "",
+    ]
+
+
+def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
+    """One system's section: its idle latency, its probed stack, a row per point and metric,
+    and measured over predicted per metric (median over the rates: the size of what the model
+    misses, as a diagnostic, not fed back into any prediction)."""
+    lines = ["", f"### {system} (measured goodput {data['goodput']:.3g} req/s)", ""]
+    if idle := data.get("uncontended"):
+        lines += [
+            f"Uncontended (median prompt, {idle['prompt_tokens']} tokens, one at a time): TTFT "
+            f"{idle['ttft_s']:.3f} s, TPOT {idle['tpot_s'] * 1e3:.1f} ms.",
+            "",
+        ]
+    if data.get("stack"):
+        lines += [f"Serving stack probed on this app before its runs: {_stack_cell(data['stack'])}.", ""]
+    rows, ratios = [], {}
+    for point, share in zip(data["points"], fractions):
+        for row in point["rows"]:
+            scale, unit = (1e3, "ms") if row["metric"].startswith("tpot") else (1.0, "s")
+            runs = [f"{v * scale:.3g} {unit}" for v in row["measured"]]
+            rows.append([f"{point['rate']:.3g} ({share:.0%})", row["metric"], *runs, f"{row['spread']:.0%}"]
+                        + [f"{row['predicted'] * scale:.3g} {unit}", f"{row['error']:+.0%}", f"{row['bound']:.0%}"]
+                        + ["yes" if row["within"] else "no"])  # fmt: skip
+            ratios.setdefault(row["metric"], []).append(row["mean"] / row["predicted"])
+    header = "rate (share of goodput) | metric | run 1 | run 2 | spread | predicted | error | bound | within"
+    cells_ = ", ".join(f"{metric} {statistics.median(values):.2f}x" for metric, values in ratios.items())
+    return [*lines, *table(header, rows), "", f"Measured / predicted (median over the rates): {cells_}."]
+
+
+def _ordering_lines(ordering: dict | None) -> list[str]:
+    if not ordering:
+        return []
+    rows = []
+    for workload, systems in ordering.items():
+        slo = systems.get("slo_s")
+        found = {name: row for name, row in systems.items() if name != "slo_s"}
+        ratio = ""
+        if "disagg-pull" in found and "colocated" in found:
+            measured = found["disagg-pull"]["measured"] / found["colocated"]["measured"]
+            simulated = found["disagg-pull"]["simulated"] / max(found["colocated"]["simulated"], 1e-12)
+            ratio = f"{measured:.2f}x, {simulated:.2f}x"
+        slos = f"{slo['ttft']:.3g} s, {slo['tpot'] * 1e3:.0f} ms" if slo else ""
+        for system, row in found.items():
+            measured = ("&ge; " if row["bound"] == "at_least" else "") + f"{row['measured']:.3g}"
+            pull = ratio if system == "disagg-pull" else ""
+            rows.append(f"{workload} | {slos} | {system} | {measured} | {row['simulated']:.3g} | {pull}")
+    return [
+        "",
+        "Goodput (req/s), measured in goodput.md and simulated, each on SLOs of 5x TTFT and 2x TPOT",
+        "of its own idle colocated system (measured there; simulated here, the workload's median prompt);",
+        "5 x 80 requests a rate:",
+        "",
+        *table(
+            "workload | simulated SLOs | system | measured | simulated | disagg-pull / colocated: measured, simulated",
+            rows,
+        ),
+    ]
+
+
+def _calibration_lines(path: Path) -> list[str]:
+    cost = load_calibration(path)
+    raw, decode, transfer = cost.raw, cost.decode, cost.transfer
+    prefill = ", ".join(f"{x:.0f} tok {y:.3f} s" for x, y in zip(cost.prefill.xs, cost.prefill.ys))
+    rows = [
+        ["prefill", f"piecewise-linear: {prefill}", len(raw["prefill"])],
+        ["decode step", f"{decode.intercept * 1e3:.1f} ms + {decode.coefs[0] * 1e3:.2f} ms x batch + "
+         f"{decode.coefs[1] * 1e6:.3f} us x KV tokens + {decode.coefs[2] * 1e3:.1f} ms if batch >= 2",
+         len(raw["decode"])],
+        ["KV pull (NIXL)", f"{transfer.intercept * 1e3:.2f} ms + bytes / {cost.transfer_bytes_per_s / 1e9:.2f} GB/s",
+         len(raw["transfer"])],
+        ["interference", f"{cost.interference:+.1%} on a step started while another replica computes", "1 floor run"],
+    ]  # fmt: skip
+    for kind, stack in sorted(cost.stacks.items()):
+        probes = len(raw["stack"]["kinds"][kind].get("probes", []))
+        batches = f", {len(stack.batched_decode_factors)} batches" if stack.batched_decode_factors else ""
+        rows.append([f"serving stack, {kind}", _stack_cell(stack), f"{probes} idle-app probes{batches}, 1 load run"])
+    lines = [
+        f"Calibration (`{raw['command']}`, {raw['machine']}, {raw['created']}):",
+        "",
+        *table("part | fit | points", rows),
+    ]
+    if mixed := raw.get("mixed", []):
+        checks = ", ".join(
+            f"{m['batch']} decodes + {m['prompt_tokens']} prompt tokens: {m['seconds']:.3f} s measured, "
+            f"{mixed_step_s(cost, m['batch'], m['context_tokens'], m['prompt_tokens']):.3f} s modelled"
+            for m in mixed
+        )
+        lines += ["", f"Mixed steps (not fitted, checked): {checks}."]
+    return lines
+
+
+def _stack_cell(stack: ServingStack | dict) -> str:
+    stack = ServingStack.of(stack) if isinstance(stack, dict) else stack
+    batched = "".join(f", x {f:.2f} at batch {b}" for b, f in stack.batched_decode_factors)
+    return (
+        f"TTFT + {stack.ttft_s * 1e3:.0f} ms; prefill x {stack.prefill_factor:.2f}, decode x {stack.decode_factor:.2f}"
+        f"{batched}; {stack.cpu_s_per_token * 1e3:.1f} ms CPU per streamed token on {stack.cores} shared cores"
+    )
+
+
+def write_report(report: dict, out: Path) -> None:
+    """planner.json, planner.md's block and planner.png (measured against predicted) in ``out``."""
+    write_json(out / "planner.json", report)
+    write_page(
+        out / "planner.md", NAME, render(report), template(NAME, "# Planner: the simulator against the served app")
+    )
+    metrics = (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90"))
+    with figure(out / "planner.png", 1, 4, (14, 3.6), dpi=90) as (*axes, _):
+        for ax, (metric, pct) in zip(axes, metrics):
+            for system, data in report["systems"].items():
+                rates = [p["rate"] for p in data["points"]]
+                rows = [next(r for r in p["rows"] if r["metric"] == f"{metric} {pct}") for p in data["points"]]
+                colour = ax.plot(rates, [r["mean"] for r in rows], marker="o", label=f"{system} measured")[
+                    0
+                ].get_color()
+                for rate, row in zip(rates, rows):
+                    ax.plot([rate, rate], [min(row["measured"]), max(row["measured"])], color=colour)
+                predicted = [r["predicted"] for r in rows]
+                ax.plot(rates, predicted, ls="--", marker="x", color=colour, label=f"{system} predicted")
+            ax.set(title=f"{metric.upper()} {pct} (s)", xlabel="rate (req/s)")
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=7)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser.add_argument("--workload", default="chatbot")
+    parser.add_argument("--systems", default="colocated,disagg-pull")
+    parser.add_argument("--fractions", default="0.3,0.6,0.9", help="shares of each system's measured goodput")
+    parser.add_argument("--num-requests", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
+    parser.add_argument("--out", default=str(DOC))
+    parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
+    parser.add_argument(
+        "--file-stack", action="store_true", help="do not probe the serving stack before the runs (the calibration's)"
+    )
+    options = parser.parse_args(argv)
+    out, calibration = Path(options.out), Path(options.calibration)
+    report = read_json(out / "planner.json") if options.predict_only else measure(options, calibration)
+    report = add_predictions(report, calibration)
+    report["simulator_speed"] = simulator_speed(calibration)
+    report["goodput_ordering"] = simulated_goodputs(calibration)
+    write_report(report, out)
 
 
 if __name__ == "__main__":

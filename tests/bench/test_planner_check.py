@@ -3,8 +3,7 @@ runs, and beside them with the calibration file's stack."""
 
 from __future__ import annotations
 
-from bench.planner_check import add_predictions
-from bench.planner_report import _body
+from bench.planner_check import add_predictions, render
 from planner.costs import DEFAULT_CALIBRATION
 
 
@@ -34,7 +33,7 @@ def test_a_probed_stack_drives_the_predictions_and_the_file_stack_is_reported_be
     assert point["predicted"]["ttft_s"]["p50"] > point["predicted_file"]["ttft_s"]["p50"] + 1.5
     assert point["predicted"]["tpot_s"]["p50"] > 2 * point["predicted_file"]["tpot_s"]["p50"]
     assert [r["within"] for r in point["rows"]] == [False] * 4
-    text = "\n".join(_body(report))
+    text = "\n".join(render(report))
     assert "**0 of 4 predictions within their bound** with the serving stack probed" in text
     assert "Serving stack probed on this app before its runs: TTFT + 2000 ms; prefill x 1.00, decode x 3.00" in text
 
@@ -43,4 +42,4 @@ def test_without_a_probe_the_calibration_file_stack_alone() -> None:
     report = add_predictions(_report(None), DEFAULT_CALIBRATION)
     (point,) = report["systems"]["colocated"]["points"]
     assert "predicted_file" not in point and len(point["rows"]) == 4
-    assert "with the calibration file's stack" not in "\n".join(_body(report))
+    assert "with the calibration file's stack" not in "\n".join(render(report))
