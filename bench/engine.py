@@ -1,4 +1,4 @@
-"""Engine benchmark: ``python -m bench.engine`` (summary in docs/benchmarks/engine.md).
+"""Engine benchmark: ``python -m bench.engine`` (docs/benchmarks/engine.md: the block between its markers).
 
 For each torch thread count (1 and 2), in a fresh subprocess so peak RSS is per run:
   * memory-bandwidth floor of one decode step: float32 weight bytes / ``torch.mv``
@@ -23,13 +23,14 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.host import worker_json
+from bench.report import cells, command_line, first_paragraph, table, template, write_json, write_page
 from workloads.corpus import CORPUS
 
 NUM_STEPS = 60
@@ -214,106 +215,58 @@ TARGETS = {
 }
 
 
-def report(runs: list[dict[str, float]], command: str) -> str:
+ROWS = (  # the figures' table: label, a run's figure (``report.cells``)
+    ("mv bandwidth (GB/s, 512 MB matrix)", "{mv_bandwidth_gb_per_s:.1f}"),
+    ("bandwidth floor of one step (ms)", "{bandwidth_floor_step_ms:.1f}"),
+    ("our batch-1 decode step, 128 ctx (ms, median of 60, interleaved)", "{our_decode_step_ms:.1f}"),
+    ("transformers forward step with cache (ms)", "{hf_decode_step_ms:.1f}"),
+    ("transformers generate, batch 1 (tokens/s)", "{hf_generate_tokens_per_s:.1f}"),
+    ("ours, 32 concurrent, end to end (tokens/s)", "{our_32_end_to_end_tokens_per_s:.1f}"),
+    ("ours, 32 concurrent, decode steps only (tokens/s)", "{our_32_decode_tokens_per_s:.1f}"),
+    ("transformers generate_batch, same 32 (tokens/s)", "{hf_generate_batch_32_tokens_per_s:.1f}"),
+    ("our 2,048-token prefill (s)", "{our_prefill_2048_s:.2f}"),
+    ("transformers forward, 2,048 tokens (s)", "{hf_prefill_2048_s:.2f}"),
+    ("peak RSS of our engine (MB, 512 MB KV pool, before transformers runs)", "{our_peak_rss_mb:.0f}"),
+)
+
+
+def render(summary: dict) -> list[str]:
+    """The generated block of engine.md, from engine.json: the figures and the ratios against
+    their targets, per thread count."""
+    runs = summary["runs"]
+    threads = [f"{r['threads']} thread(s)" for r in runs]
     lines = [
-        "# Engine benchmark",
+        f"Command: `{summary['command']}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process).",
         "",
-        f"Command: `{command}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process).",
+        *table(["metric", *threads], [[label, *(cells(f, r) for r in runs)] for label, f in ROWS]),
         "",
-        "| metric | " + " | ".join(f"{r['threads']} thread(s)" for r in runs) + " |",
-        "|---|" + "---|" * len(runs),
     ]
-    rows = [
-        ("mv bandwidth (GB/s, 512 MB matrix)", "mv_bandwidth_gb_per_s", "{:.1f}"),
-        ("bandwidth floor of one step (ms)", "bandwidth_floor_step_ms", "{:.1f}"),
-        ("our batch-1 decode step, 128 ctx (ms, median of 60, interleaved)", "our_decode_step_ms", "{:.1f}"),
-        ("transformers forward step with cache (ms)", "hf_decode_step_ms", "{:.1f}"),
-        ("transformers generate, batch 1 (tokens/s)", "hf_generate_tokens_per_s", "{:.1f}"),
-        ("ours, 32 concurrent, end to end (tokens/s)", "our_32_end_to_end_tokens_per_s", "{:.1f}"),
-        ("ours, 32 concurrent, decode steps only (tokens/s)", "our_32_decode_tokens_per_s", "{:.1f}"),
-        ("transformers generate_batch, same 32 (tokens/s)", "hf_generate_batch_32_tokens_per_s", "{:.1f}"),
-        ("our 2,048-token prefill (s)", "our_prefill_2048_s", "{:.2f}"),
-        ("transformers forward, 2,048 tokens (s)", "hf_prefill_2048_s", "{:.2f}"),
-        ("peak RSS of our engine (MB, 512 MB KV pool, before transformers runs)", "our_peak_rss_mb", "{:.0f}"),
-    ]
-    for label, key, fmt in rows:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(r[key]) for r in runs) + " |")
-    lines += ["", "| ratio | target | " + " | ".join(f"{r['threads']} thread(s)" for r in runs) + " |"]
-    lines.append("|---|---|" + "---|" * len(runs))
+    rows = []
     for name, (op, bound) in TARGETS.items():
-        cells = []
-        for r in runs:
-            value = ratios(r)[name]
-            ok = value <= bound if op == "<=" else value >= bound
-            cells.append(f"{value:.2f} {'ok' if ok else 'MISSED'}")
-        lines.append(f"| {name} | {op} {bound} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + NOTES
+        values = [ratios(r)[name] for r in runs]
+        met = [value <= bound if op == "<=" else value >= bound for value in values]
+        rows.append([name, f"{op} {bound}", *(f"{v:.2f} {'ok' if ok else 'MISSED'}" for v, ok in zip(values, met))])
+    return lines + table(["ratio", "target", *threads], rows)
 
 
-NOTES = """
-## Reading the numbers
-
-* **The bandwidth-floor target is missed.** The floor divides the weight bytes by the
-  bandwidth of `torch.mv` over one 512 MB matrix, but a decode step is a chain of
-  matrix-vector products over matrices of 0.4 to 7 MB (and a 113 MB LM head), which this
-  machine's BLAS streams at 7 to 24 GB/s depending on shape, layout and call (table in
-  `cpu_kernels.md`). The engine runs 4 products per layer instead of 7 (q/k/v and
-  gate/up fused, `engine/fused_linear.py`) with column-major `x @ W_t` where that streams
-  faster. In a torch-profiler run of 5 batch-1 steps (1 thread, 40 ms a step) the 121
-  products took 32 ms a step, about 1.3x the floor by themselves; the other 8 ms are
-  eager PyTorch's per-operator cost (norms, RoPE, attention: about 20 operators a layer).
-  Tried and not shipped: `torch.compile` of the decoder (after a 2-minute compile on
-  2 cores, 46 -> 41 ms, 1.85x the floor); the weights on 2 MB pages (no change); a
-  helper thread reading the next layer's weights ahead (45 -> 52 ms: one core already
-  takes the memory bandwidth this machine gives, `torch.mv` on 2 threads is no faster
-  than on 1); oneDNN for the one-row products too (42.0 -> 50.7 ms). transformers' own
-  forward step is further from the floor than ours.
-* Steps of two rows or more (batched decode, prefill) multiply through oneDNN on its
-  packed copy of the weights (`engine/cpu_matmul.py`, `EngineConfig.cpu_packed_weights`,
-  on by default): MKL's few-row products made a 4-sequence step 2.2x a 1-sequence one.
-  The copy adds the weights once more to the peak RSS (about 540 MB for this model). Decode
-  attention gathers whole KV blocks and groups the query heads that share a KV head
-  (`engine/attention.py`).
-* "32 concurrent, decode steps only" counts the steps in which all 32 requests decode
-  (the aggregate decode rate); "end to end" includes the 32 prompts' prefill and is the
-  figure compared with `generate_batch`, which is timed end to end too.
-* The decode steps (ours, transformers') and the `torch.mv` bandwidth are measured in 6
-  alternating rounds, and the 2,048-token prefill and the transformers forward run
-  interleaved (ABAB, first pair dropped), so machine drift hits both sides of each ratio
-  alike. The 32-request figures are not interleaved.
-* The machine is shared and its speed drifts by tens of percent within minutes: the
-  `torch.mv` bandwidth moved between 16 and 24 GB/s on the same day, and the same decode
-  step between 46 and 68 ms. Ratios within one run are what this table is for; targets
-  close to their limit (batch 32 vs batch 1, prefill vs the forward pass) moved across
-  the line between runs.
-"""
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.engine", description=first_paragraph(__doc__))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="docs/benchmarks", help="folder for engine.json and engine.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
     runs = []
     for threads in args.threads:
         print(f"running with {threads} torch thread(s)...", file=sys.stderr, flush=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "bench.engine", "--worker", str(threads)], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            sys.exit(proc.stderr)
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = [{**r, "ratios": ratios(r)} for r in runs]
-    (out / "engine.json").write_text(json.dumps(summary, indent=2) + "\n")
-    text = report(runs, "python -m bench.engine " + " ".join(sys.argv[1:]))
-    (out / "engine.md").write_text(text)
-    print(text)
+        runs.append(worker_json("bench.engine", "--worker", str(threads)))
+    summary = {"command": command_line("bench.engine", argv), "runs": [{**r, "ratios": ratios(r)} for r in runs]}
+    write_json(Path(args.out) / "engine.json", summary)
+    write_page(
+        Path(args.out) / "engine.md", "bench.engine", render(summary), template("bench.engine", "# Engine benchmark")
+    )
 
 
 if __name__ == "__main__":

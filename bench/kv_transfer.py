@@ -30,6 +30,7 @@ import ray
 import torch
 
 from bench.ray_local import start_local_ray
+from bench.report import cells, command_line, figure, first_paragraph, table, template, write_json, write_page
 
 SIZES_MB = (1, 16, 64, 256)
 REPEATS = 21
@@ -288,35 +289,40 @@ def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
     }
 
 
-def report(rows: list[dict[str, float]], pipe: dict[str, float], descs: dict[str, float], command: str) -> str:
-    """kv_transfer.md: the bandwidth table, the pull against its targets, the descriptors'
-    own cost and the push pipelining table."""
-    lines = _bandwidth_section(rows, command) + _targets_paragraph(rows) + _descriptor_paragraph(descs)
-    lines += _pipelining_section(pipe)
-    return "\n".join(lines) + "\n"
+BANDWIDTH = (
+    "size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors"
+    " | raw NIXL, 4 KB pages | torch copy (1 process) | pull / raw",
+    "{size_mb:.1f} | {num_blocks} | {nixl_pull:.2f} | {nixl_push:.2f} | {object_store:.2f} | {raw_nixl:.2f}"
+    " | {raw_nixl_60_descs:.2f} | {raw_nixl_4k_pages:.2f} | {torch_copy:.2f} | {pull_vs_raw:.2f}",
+)
 
 
-def _bandwidth_section(rows: list[dict[str, float]], command: str) -> list[str]:
-    lines = [
-        "# KV transfer benchmark",
-        "",
-        f"Command: `{command}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
+def render(summary: dict) -> list[str]:
+    """The generated block of kv_transfer.md, from kv_transfer.json: the bandwidth table, the
+    pull against its targets, the descriptors' own cost and the push pipelining table."""
+    rows, descs, pipe = summary["bandwidth_gb_per_s"], summary["descriptor_cost"], summary["push_pipelining"]
+    large = [r for r in rows if r["size_mb"] >= 15]  # the targets hold from 16 MB up
+
+    def ratios(numerator: str, denominator: str, suffix: str) -> str:
+        return ", ".join(f"{r['size_mb']:.0f} MB {r[numerator] / r[denominator]:.2f}{suffix}" for r in large)
+
+    one_layer, extra_us = pipe["pipelined_one_layer_ms"], descs["per_extra_descriptor_us"]
+    modes = [
+        ["push, pipelined", f"{pipe['pipelined_tail_ms']:.1f}", pipe["pipelined_tail_in_layers"]],
+        [
+            "push, all layers after the forward",
+            f"{pipe['not_pipelined_tail_ms']:.1f}",
+            pipe["not_pipelined_tail_ms"] / one_layer,
+        ],
+        ["pull (fetch after prefill)", f"{pipe['pull_after_prefill_ms']:.1f}", pipe["pull_in_layers"]],
+    ]
+    return [
+        f"Command: `{summary['command']}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
         "on CPU memory; blocks of the default model's layout (30 layers x K/V x 16 tokens x 3 heads x 64,",
         f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
         f"after one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.",
         "",
-        "| size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors "
-        "| raw NIXL, 4 KB pages | torch copy (1 process) | pull / raw |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['size_mb']:.1f} | {r['num_blocks']} | {r['nixl_pull']:.2f} | {r['nixl_push']:.2f} | "
-            f"{r['object_store']:.2f} | {r['raw_nixl']:.2f} | {r['raw_nixl_60_descs']:.2f} | "
-            f"{r['raw_nixl_4k_pages']:.2f} | {r['torch_copy']:.2f} | {r['pull_vs_raw']:.2f} |"
-        )
-    return [
-        *lines,
+        *table(BANDWIDTH[0], [cells(BANDWIDTH[1], r) for r in rows]),
         "",
         "'raw NIXL' reads a buffer allocated as the engine's KV pool is (2 MB pages where the kernel",
         "allows, `engine/host_memory.py`), so 'pull / raw' compares the same memory; 'raw NIXL, 4 KB",
@@ -328,18 +334,6 @@ def _bandwidth_section(rows: list[dict[str, float]], command: str) -> list[str]:
         "agents) in the same two processes, as a deployment runs one mode: a connection that carries",
         "pushes one way makes UCX finish each READ the other way only after a round trip with the peer.",
         "",
-    ]
-
-
-def _targets_paragraph(rows: list[dict[str, float]]) -> list[str]:
-    """One line: the pull against raw NIXL (its target), against raw NIXL as 60 descriptors
-    and on 4 KB pages, from 16 MB up."""
-    large = [r for r in rows if r["size_mb"] >= 15]
-
-    def ratios(numerator: str, denominator: str, suffix: str) -> str:
-        return ", ".join(f"{r['size_mb']:.0f} MB {r[numerator] / r[denominator]:.2f}{suffix}" for r in large)
-
-    return [
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in large)
         + ". Against raw NIXL as 60 descriptors: "
@@ -350,37 +344,22 @@ def _targets_paragraph(rows: list[dict[str, float]]) -> list[str]:
         + ratios("nixl_pull", "raw_nixl_4k_pages", "x")
         + ".",
         "",
-    ]
-
-
-def _descriptor_paragraph(descs: dict[str, float]) -> list[str]:
-    return [
         f"The descriptors' own cost, same run: a raw READ of 60 x 64 B took {descs['sixty_descriptors_us']:.0f} us,",
-        f"one of 64 B {descs['one_descriptor_us']:.0f} us: {descs['per_extra_descriptor_us']:.1f} us per extra",
+        f"one of 64 B {descs['one_descriptor_us']:.0f} us: {extra_us:.1f} us per extra",
         "descriptor (NIXL prepares each, and UCX reads each between CPU memories with its own",
-        f"`process_vm_readv` call), {59 * descs['per_extra_descriptor_us']:.0f} us for a pull's 60 against",
+        f"`process_vm_readv` call), {59 * extra_us:.0f} us for a pull's 60 against",
         "one contiguous READ, before any of our code runs.",
         "",
-    ]
-
-
-def _pipelining_section(pipe: dict[str, float]) -> list[str]:
-    one_layer = pipe["pipelined_one_layer_ms"]
-    return [
         "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
         "",
         "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
         "timestamps; one layer = median (write done - write posted) of the pipelined run. Medians",
         f"of {PIPELINE_REPEATS} requests after one warm-up.",
         "",
-        "| mode | tail (ms) | one layer (ms) | tail / one layer |",
-        "|---|---|---|---|",
-        f"| push, pipelined | {pipe['pipelined_tail_ms']:.1f} | {one_layer:.2f} | "
-        f"{pipe['pipelined_tail_in_layers']:.2f} |",
-        f"| push, all layers after the forward | {pipe['not_pipelined_tail_ms']:.1f} | {one_layer:.2f} | "
-        f"{pipe['not_pipelined_tail_ms'] / one_layer:.2f} |",
-        f"| pull (fetch after prefill) | {pipe['pull_after_prefill_ms']:.1f} | {one_layer:.2f} | "
-        f"{pipe['pull_in_layers']:.2f} |",
+        *table(
+            "mode | tail (ms) | one layer (ms) | tail / one layer",
+            [[m, tail, f"{one_layer:.2f}", f"{n:.2f}"] for m, tail, n in modes],
+        ),
         "",
         "Target: pipelined tail <= 2x one layer's transfer time.",
         "",
@@ -388,62 +367,39 @@ def _pipelining_section(pipe: dict[str, float]) -> list[str]:
     ]
 
 
-def plot(rows: list[dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    sizes = [r["size_mb"] for r in rows]
-    for key, label in (
-        ("nixl_pull", "our NIXL pull"),
-        ("nixl_push", "our NIXL push"),
-        ("raw_nixl", "raw NIXL"),
-        ("object_store", "object store"),
-        ("torch_copy", "torch copy, 1 process"),
-    ):
-        ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV bytes per request (MB)")
-    ax.set_ylabel("GB/s")
-    ax.set_title("KV transfer between two processes (CPU, UCX)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.kv_transfer", description=first_paragraph(__doc__))
     parser.add_argument("--out", default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
     parser.add_argument("--skip-pipelining", action="store_true")
     parser.add_argument("--only-pipelining", action="store_true", help="print the push pipelining figures only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     start_local_ray(object_store_memory=1 << 30)
     try:
         if args.only_pipelining:
             print(json.dumps(pipelining(), indent=2))
             return
         producer, consumer = TransferActor.remote("bench-producer"), TransferActor.remote("bench-consumer")
-        rows = bandwidth_table(producer, consumer)
-        descs = descriptor_cost_us(producer, consumer)
+        rows, descs = bandwidth_table(producer, consumer), descriptor_cost_us(producer, consumer)
         ray.kill(producer)
         ray.kill(consumer)
         pipe = {} if args.skip_pipelining else pipelining()
     finally:
         ray.shutdown()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_transfer.json").write_text(
-        json.dumps({"bandwidth_gb_per_s": rows, "descriptor_cost": descs, "push_pipelining": pipe}, indent=2)
-    )
-    plot(rows, out / "kv_transfer.png")
+    summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "descriptor_cost": descs}
+    write_json(out / "kv_transfer.json", summary | {"push_pipelining": pipe})
+    with figure(out / "kv_transfer.png", 1, 1, (6, 4), dpi=100) as (ax, _):
+        sizes = [r["size_mb"] for r in rows]
+        for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
+                           ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):  # fmt: skip
+            ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s")
+        ax.set_title("KV transfer between two processes (CPU, UCX)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
     if pipe:
-        text = report(rows, pipe, descs, "python -m bench.kv_transfer " + " ".join(sys.argv[1:]))
-        (out / "kv_transfer.md").write_text(text)
-        print(text)
+        new = template("bench.kv_transfer", "# KV transfer benchmark")
+        write_page(out / "kv_transfer.md", "bench.kv_transfer", render(summary | {"push_pipelining": pipe}), new)
     else:
         print(json.dumps({"rows": rows, "descriptor_cost": descs}, indent=2))
 

@@ -1,4 +1,4 @@
-"""Serve overhead benchmark: ``python -m bench.serve_overhead`` (docs/benchmarks/serve_overhead.md).
+"""Serve overhead benchmark: ``python -m bench.serve_overhead`` (docs/benchmarks/serve_overhead.md, its block).
 
 One run on one machine, one request at a time:
   * inter-token latency (ITL) of a streamed request through the ingress (SSE chunk arrival
@@ -17,15 +17,15 @@ per-repetition differences.
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from bench.ray_local import start_local_ray
+from bench.report import command_line, first_paragraph, table, template, write_json, write_page
 
 PORT = 18433
 MODEL = "SmolLM2-135M-Instruct"
@@ -82,7 +82,8 @@ def stream_once(url: str) -> tuple[float, list[float]]:
     return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="bench.serve_overhead", description=first_paragraph(__doc__)).parse_args(argv)
     import ray
     from ray import serve
 
@@ -107,15 +108,13 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     rows = [row for row, _ in repetitions]
-    result = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    result = {"command": command_line("bench.serve_overhead")}
+    result |= {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     result["itl_p50_ms"] = statistics.median(gap for _, gaps in repetitions for gap in gaps) * 1e3
-    result["repetitions"] = rows
     out = Path("docs/benchmarks")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = report(result, "python -m bench.serve_overhead " + " ".join(sys.argv[1:]))
-    (out / "serve_overhead.md").write_text(text)
-    print(text)
+    write_json(out / "serve_overhead.json", result | {"repetitions": rows})
+    new = template("bench.serve_overhead", "# Serve overhead benchmark")
+    write_page(out / "serve_overhead.md", "bench.serve_overhead", render(result), new)
 
 
 def repetition(base: str, decode, local: InProcessEngine) -> tuple[dict[str, float], list[float]]:
@@ -143,34 +142,31 @@ def repetition(base: str, decode, local: InProcessEngine) -> tuple[dict[str, flo
     return row, gaps
 
 
-def report(r: dict[str, float], command: str) -> str:
-    return f"""# Serve overhead benchmark
+ROWS = (  # figure, its key in serve_overhead.json, target
+    ("engine decode step, in process", "engine_step_ms", ""),
+    ("engine step inside the decode replica (its last 64 model steps)", "decode_replica_step_ms", ""),
+    ("inter-token latency through the ingress, p50 of all tokens", "itl_p50_ms", ""),
+    ("overhead per token (request's ITL p50 - engine step in process)", "itl_overhead_ms", "<= 2"),
+    ("the Serve path alone (request's ITL p50 - replica step)", "serve_path_ms", ""),
+    ("TTFT, disagg_app", "ttft_disagg_ms", ""),
+    ("TTFT, colocated_app", "ttft_colocated_ms", ""),
+    ("KV transfer measured on the decode replica", "kv_transfer_ms", ""),
+    ("TTFT added by the prefill -> decode hop, without the transfer", "hop_added_ms", "<= 15"),
+)
 
-Command: `{command}` (2-core CPU machine; SmolLM2-135M-Instruct, float32; one request at a
-time; {REPEATS} repetitions after one warm-up, each a request of {NUM_TOKENS} tokens through disagg_app, the
-same through colocated_app and on an engine in this process; replicas with one torch thread).
-Each figure is the median over the repetitions; the overheads are medians of the
-per-repetition differences (the machine's speed drifts within minutes; pairing keeps the
-drift out of the differences). `serve_overhead.json` holds every repetition.
 
-| figure | ms | target |
-|---|---|---|
-| engine decode step, in process | {r["engine_step_ms"]:.1f} | |
-| engine step inside the decode replica (its last 64 model steps) | {r["decode_replica_step_ms"]:.1f} | |
-| inter-token latency through the ingress, p50 of all tokens | {r["itl_p50_ms"]:.1f} | |
-| overhead per token (request's ITL p50 - engine step in process) | {r["itl_overhead_ms"]:.1f} | <= 2 |
-| the Serve path alone (request's ITL p50 - replica step) | {r["serve_path_ms"]:.1f} | |
-| TTFT, disagg_app | {r["ttft_disagg_ms"]:.1f} | |
-| TTFT, colocated_app | {r["ttft_colocated_ms"]:.1f} | |
-| KV transfer measured on the decode replica | {r["kv_transfer_ms"]:.1f} | |
-| TTFT added by the prefill -> decode hop, without the transfer | {r["hop_added_ms"]:.1f} | <= 15 |
-
-The overhead per token is the Serve streaming path (ITL - replica step) plus the engine
-step inside the replica against the same step in this process (same thread count; the
-replica shares the 2 cores with the other replicas, the proxy and this client).
-The TTFT hop is the prefill call returning its handle, the decode call starting and its
-first item crossing the ingress, without the KV transfer itself.
-"""
+def render(r: dict) -> list[str]:
+    """The generated block of serve_overhead.md, from serve_overhead.json."""
+    return [
+        f"Command: `{r['command']}` (2-core CPU machine; SmolLM2-135M-Instruct, float32; one request at a",
+        f"time; {REPEATS} repetitions after one warm-up, each a request of {NUM_TOKENS} tokens through disagg_app, the",
+        "same through colocated_app and on an engine in this process; replicas with one torch thread).",
+        "Each figure is the median over the repetitions; the overheads are medians of the",
+        "per-repetition differences (the machine's speed drifts within minutes; pairing keeps the",
+        "drift out of the differences). `serve_overhead.json` holds every repetition.",
+        "",
+        *table("figure | ms | target", [[label, f"{r[key]:.1f}", target] for label, key, target in ROWS]),
+    ]
 
 
 if __name__ == "__main__":
