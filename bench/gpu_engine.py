@@ -1,24 +1,19 @@
 """The engine on one GPU: ``python3 -m bench.gpu_engine [--out PATH] [--tiny]``.
 
-Prints one markdown table row per measurement (and JSON with ``--out``):
-  * device-to-device copy bandwidth: ``copy_`` of a 2 GiB tensor, bytes read + written,
-    median of several after warm-up, timed with CUDA events;
-  * bfloat16 matmul TFLOP/s at 8192^3;
-  * for a 1B-class and an 8B-class Llama config with random bfloat16 weights made on the GPU
-    (``engine.loader``'s dummy weights): how long that took; decode tokens/s through
-    ``EngineCore`` at batch 1 and 64 (greedy, ``ignore_eos``, 128-token prompts, 64 new
-    tokens, after a warm-up run), the step time, and the HBM floor of a step, each batch
-    twice: decode steps replayed from CUDA graphs (the engine's default on CUDA; the warm-up
-    run captures the graphs) and eager;
-    prefill tokens/s of one 2,048-token prompt against the FLOP floor.
+Prints one markdown table row per measurement (and JSON with ``--out``): device-to-device copy
+bandwidth (``copy_`` of a 2 GiB tensor, bytes read + written, CUDA events); bfloat16 matmul
+TFLOP/s at 8192^3; and for a 1B-class and an 8B-class Llama config with random bfloat16 weights
+made on the GPU (``engine.loader``'s dummy weights): how long that took; decode tokens/s through
+``EngineCore`` at batch 1 and 64 (greedy, ``ignore_eos``, 128-token prompts, 64 new tokens,
+after a warm-up run that captures the CUDA graphs), each batch replayed from CUDA graphs (the
+engine's default on CUDA) and eager; prefill tokens/s of one 2,048-token prompt.
 
 Floors. Decode: the bytes of the weights one step reads (every parameter once; the input
 embedding only where it is the tied LM head, as an untied one is read one row per token)
 divided by the measured copy bandwidth counted as bytes read + written, i.e. assuming reads
-alone stream at the copy's total traffic rate (the lower floor; a copy-read-only bound would
-be twice it). KV reads are not in it. Prefill: 2 x (decoder-layer parameters) x prompt
-tokens / the measured matmul FLOP/s; the LM head runs for the last token only and the
-attention score FLOPs (T^2) are left out.
+alone stream at the copy's total traffic rate (the lower floor). KV reads are not in it.
+Prefill: 2 x (decoder-layer parameters) x prompt tokens / the measured matmul FLOP/s (the LM
+head and the attention score FLOPs left out).
 
 Every row is computed in its own ``try``: a failure prints ``failed: <error>`` and the rest
 go on. ``--tiny`` runs the same code with tiny sizes on the CPU (the dry run of the path).
@@ -47,26 +42,17 @@ from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
 from engine.params import GenerationRequest, SamplingParams
 
-LLAMA_1B = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=8192,
-    vocab_size=128256,
-    tie_word_embeddings=True,
-)
-LLAMA_8B = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
-TINY_LLAMA = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
+LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
 )
 
 
@@ -87,35 +73,13 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(
-    device="cuda",
-    copy_bytes=2 << 30,
-    matmul_n=8192,
-    reps=10,
-    models=(("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B)),
-    decode_batches=(1, 64),
-    prompt_len=128,
-    new_tokens=64,
-    prefill_len=2048,
-    prefill_reps=3,
-    kv_cache_bytes=4 << 30,
+    "cuda", 2 << 30, 8192, 10, (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B)), (1, 64), 128, 64, 2048, 3, 4 << 30
 )
-TINY_SIZES = Sizes(
-    device="cpu",
-    copy_bytes=64 << 20,
-    matmul_n=256,
-    reps=5,
-    models=(
-        ("tiny-tied", {**TINY_LLAMA, "vocab_size": 512, "tie_word_embeddings": True}),
-        ("tiny-untied", {**TINY_LLAMA, "vocab_size": 512, "tie_word_embeddings": False}),
-    ),
-    decode_batches=(1, 8),
-    prompt_len=16,
-    new_tokens=8,
-    prefill_len=256,
-    prefill_reps=2,
-    kv_cache_bytes=16 << 20,
-    max_model_len=512,
+TINY_MODELS = (
+    ("tiny-tied", {**TINY, "tie_word_embeddings": True}),
+    ("tiny-untied", {**TINY, "tie_word_embeddings": False}),
 )
+TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, max_model_len=512)
 
 
 @dataclass
@@ -142,8 +106,15 @@ class Row:
 
         fmt = ",.0f" if self.value is not None and abs(self.value) >= 1000 else ".4g"
         value = f"failed: {self.error}" if self.error else num(self.value, fmt)
-        cells = [self.name, value, self.unit, num(self.time_ms, ".3f"), num(self.floor_ms, ".3f")]
-        return "| " + " | ".join([*cells, num(self.ratio, ".2f"), self.notes]) + " |"
+        cells = [
+            self.name,
+            value,
+            self.unit,
+            num(self.time_ms, ".3f"),
+            num(self.floor_ms, ".3f"),
+            num(self.ratio, ".2f"),
+        ]
+        return "| " + " | ".join([*cells, self.notes]) + " |"
 
 
 HEADER = "| measurement | value | unit | time ms | floor ms | time / floor | notes |\n|---|---|---|---|---|---|---|"
@@ -191,15 +162,13 @@ def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup:
 def copy_bandwidth(sizes: Sizes, device: torch.device) -> Row:
     src = torch.ones(sizes.copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), sizes.reps, device)
-    gb = sizes.copy_bytes / 1e9
+    ms, gb = median_ms(lambda: dst.copy_(src), sizes.reps, device), sizes.copy_bytes / 1e9
     return Row("copy bandwidth", 2 * gb / (ms / 1e3), "GB/s", ms, notes=f"copy_ of {gb:.2f} GB, read + written")
 
 
 def matmul_flops(sizes: Sizes, device: torch.device) -> Row:
     n = sizes.matmul_n
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
     out = torch.empty_like(a)
     ms = median_ms(lambda: torch.mm(a, b, out=out), sizes.reps, device)
     return Row("bf16 matmul", 2 * n**3 / (ms / 1e3) / 1e12, "TFLOP/s", ms, notes=f"{n}^3")
@@ -216,8 +185,9 @@ def build_model(name: str, overrides: dict, sizes: Sizes) -> tuple[LoadedModel, 
         synchronize(torch.device(sizes.device))
         seconds = time.perf_counter() - start
     num_params = sum(p.numel() for p in loaded.model.parameters())
-    row = Row(f"{name} dummy weights on {sizes.device}", seconds, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
-    return loaded, row
+    return loaded, Row(
+        f"{name} dummy weights on {sizes.device}", seconds, "s", notes=f"{num_params / 1e6:,.1f} M parameters"
+    )
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -230,29 +200,11 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def layer_params(model: torch.nn.Module) -> int:
-    """Parameters every prompt token multiplies through (the decoder layers)."""
-    return sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters())
-
-
-def make_engine(loaded: LoadedModel, sizes: Sizes) -> EngineCore:
-    config = EngineConfig(
-        max_model_len=sizes.max_model_len,
-        kv_cache_bytes=sizes.kv_cache_bytes,
-        max_num_seqs=max(sizes.decode_batches),
-        # every batch's prompts in one step, so all its requests decode from the same step on
-        max_num_batched_tokens=max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len),
-    )
-    return EngineCore(loaded, config)
-
-
 def make_requests(core: EngineCore, tag: str, count: int, prompt_len: int, new_tokens: int) -> list[GenerationRequest]:
     rng = random.Random(f"{tag}-{count}-{prompt_len}")
     sampling = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    return [
-        GenerationRequest(f"{tag}-{i}", tuple(rng.randrange(core.vocab_size) for _ in range(prompt_len)), sampling)
-        for i in range(count)
-    ]
+    prompts = [tuple(rng.randrange(core.vocab_size) for _ in range(prompt_len)) for _ in range(count)]
+    return [GenerationRequest(f"{tag}-{i}", prompt, sampling) for i, prompt in enumerate(prompts)]
 
 
 def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[float, int, int]:
@@ -264,8 +216,7 @@ def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[flo
     while len(started) < len(requests):
         started.update(out.request_id for out in core.step() if out.token_ids)
     synchronize(core.device)
-    start = time.perf_counter()
-    steps = tokens = 0
+    start, steps, tokens = time.perf_counter(), 0, 0
     while core.has_work():
         tokens += sum(len(out.token_ids) for out in core.step())
         steps += 1
@@ -284,7 +235,6 @@ def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row,
     # so the warm-up captures every graph the timed run replays
     run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
     seconds, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
-    step_ms = seconds / steps * 1e3
     weight_bytes = decode_weight_bytes(core.runner.model)
     floor_ms = weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
     notes = f"{steps} steps, ctx {sizes.prompt_len}-{sizes.prompt_len + sizes.new_tokens}; "
@@ -292,13 +242,12 @@ def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row,
     if core.runner.graphs is not None:
         captured = ", ".join(f"{k.batch}x{k.num_blocks}" for k in core.runner.graphs.captured)
         notes += f"; graphs (batch x blocks): {captured}; {core.runner.graphs.num_replays} replays"
-    return Row(label, tokens / seconds, "tok/s", step_ms, floor_ms, notes)
+    return Row(label, tokens / seconds, "tok/s", seconds / steps * 1e3, floor_ms, notes)
 
 
 def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
     def once(tag: str) -> float:
-        (request,) = make_requests(core, tag, 1, sizes.prefill_len, 1)
-        core.add_request(request)
+        core.add_request(make_requests(core, tag, 1, sizes.prefill_len, 1)[0])
         synchronize(core.device)
         start = time.perf_counter()
         while core.has_work():
@@ -308,7 +257,8 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
 
     once("prefill-warm")
     seconds = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
-    flops = 2 * layer_params(core.runner.model) * sizes.prefill_len
+    model = core.runner.model
+    flops = 2 * sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters()) * sizes.prefill_len
     floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
     notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
     return Row(
@@ -322,7 +272,7 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
 
 
 def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> list[Row]:
-    """The build row, then decode at each batch size and prefill, each guarded on its own."""
+    """The build row, then decode at each batch size (graphs, eager) and prefill, each guarded."""
     built: list[LoadedModel] = []
 
     def build() -> Row:
@@ -331,28 +281,32 @@ def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row)
         return row
 
     rows = [guarded(f"{name} dummy weights", build)]
+    core = None
     if built:
-        rows += engine_rows(name, built.pop(), sizes, copy, matmul)
-    gc.collect()  # the model's memory back before the next model is made
-    if sizes.device == "cuda":
-        torch.cuda.empty_cache()
-    return rows
-
-
-def engine_rows(name: str, loaded: LoadedModel, sizes: Sizes, copy: Row, matmul: Row) -> list[Row]:
-    try:
-        core = make_engine(loaded, sizes)
-    except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
-        return [error_row(f"{name} engine", exc)]
-    rows = []
-    for batch in sizes.decode_batches:
+        config = EngineConfig(
+            max_model_len=sizes.max_model_len,
+            kv_cache_bytes=sizes.kv_cache_bytes,
+            max_num_seqs=max(sizes.decode_batches),
+            # every batch's prompts in one step, so all its requests decode from the same step on
+            max_num_batched_tokens=max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len),
+        )
+        try:
+            core = EngineCore(built.pop(), config)
+        except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
+            rows.append(error_row(f"{name} engine", exc))
+    for batch in sizes.decode_batches if core else ():
         for graphs in (True, False):
             label = f"{name} decode batch {batch}, {'CUDA graphs' if graphs else 'eager'}"
             rows.append(guarded(label, lambda b=batch, g=graphs: decode_row(name, core, b, sizes, copy, g)))
             core.abort_all()  # a failed row must not leave requests behind for the next
-    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
-    rows.append(guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul)))
-    core.abort_all()
+    if core:
+        core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
+        rows.append(guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul)))
+        core.abort_all()
+    core = None  # its memory back (the model with it) before the next model is made
+    gc.collect()
+    if sizes.device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -370,14 +324,8 @@ def run(sizes: Sizes, emit: Callable[[Row], None]) -> list[Row]:
     return rows
 
 
-def describe(sizes: Sizes) -> str:
-    if sizes.device == "cuda":
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench.gpu_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a dry run of the code path")
     args = parser.parse_args(argv)
@@ -387,12 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         print(Row("all rows", notes="skipped: no CUDA (use --tiny for the CPU dry run)").markdown())
         return 0
     start = time.perf_counter()
-    print(f"{describe(sizes)}\n\n{HEADER}", flush=True)
+    if sizes.device == "cuda":
+        device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    else:
+        device = f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}"
+    print(f"{device}\n\n{HEADER}", flush=True)
     rows = run(sizes, lambda row: print(row.markdown(), flush=True))
     total_s = time.perf_counter() - start
     print(f"\ntotal {total_s:.1f} s")
     if args.out:
-        report = {"device": describe(sizes), "tiny": args.tiny, "total_s": total_s, "rows": [asdict(r) for r in rows]}
+        report = {"device": device, "tiny": args.tiny, "total_s": total_s, "rows": [asdict(r) for r in rows]}
         args.out.write_text(json.dumps(report, indent=2))
     return 0
 

@@ -43,15 +43,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from bench.gpu_kv_side import CONSUMER, PRODUCER, Plan, PushRun, child_main
+from bench.report import cells, table
 from engine.kv_pool import KVLayout
 
 ROLES = (PRODUCER, CONSUMER)
 _UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
 GPU_PLAN = Plan(
-    device="cuda",
+    "cuda",
     # an 8B-class model's KV (32 layers, 8 KV heads of 128, bfloat16): 2 MB per 16-token block
-    layout=KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+    KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
     # 256 MB is left out: on the last run its READ went over TCP (0.4 GB/s) and outlived the lease
     sizes_mb=(16, 64),
     num_repeats=12,
@@ -65,21 +68,9 @@ GPU_PLAN = Plan(
     num_staged_repeats=5,
     staging_bytes=768 << 20,  # 6 exports of 64 MB at once, or a push's 256 MB on each side
 )
-CPU_PLAN = Plan(
-    device="cpu",
-    layout=KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16"),
-    sizes_mb=(1, 4),
-    num_repeats=8,
-    push_blocks=16,
-    num_push_repeats=3,
-    compute_ms=2.0,
-    start_timeout_s=30.0,
-    row_timeout_s=10.0,
-    budget_s=50.0,
-    staging_sizes_mb=(1, 4),
-    num_staged_repeats=3,
-    staging_bytes=64 << 20,
-)
+CPU_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+CPU_PLAN = Plan("cpu", CPU_LAYOUT, (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, staging_sizes_mb=(1, 4))
+CPU_PLAN = dataclasses.replace(CPU_PLAN, num_staged_repeats=3, staging_bytes=64 << 20)
 
 
 class _Pair:
@@ -304,72 +295,63 @@ def _guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dic
         return {"error": f"failed: {type(exc).__name__}: {exc}".replace("|", "/")}
 
 
-def _print(line: str) -> None:
-    print(line, flush=True)
+BANDWIDTH = (
+    "size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s) | our pull (GB/s)"
+    " | pull / raw (>= 0.9) | pull / raw as many | bytes ok",
+    "{size_mb:.1f} | {num_blocks} | {num_descriptors} | {raw_gb_per_s:.1f} | {raw_split_gb_per_s:.1f}"
+    " | {pull_gb_per_s:.1f} | {pull_vs_raw:.2f} | {pull_vs_raw_split:.2f} | {ok}",
+)
+STAGED = (
+    "size (MB) | staged pull (GB/s) | unstaged pull (GB/s) | raw READ (GB/s) | staged / unstaged | bytes ok",
+    "{size_mb:.1f} | {pull_gb_per_s:.2f} | {plain:.2f} | {raw:.2f} | {ratio:.2f} | {ok}",
+)
+PUSH = (
+    "forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms) | tail / one layer (<= 2)"
+    " | tail to last write (ms) | last write / one layer | bytes ok",
+    "{compute_per_layer_ms:.3f} | {one_layer_ms:.3f} | {tail_to_notice_ms:.3f} | {tail_in_layers:.2f}"
+    " | {tail_to_last_write_ms:.3f} | {last_write_in_layers:.2f} | {ok}",
+)
+LAYER = "{layer} | {compute_end_ms:.3f} | {push_layer_called_ms:.3f} | {posted_ms:.3f} | {done_ms:.3f}"
+
+
+def _print(*lines: str) -> None:
+    for line in lines:
+        print(line, flush=True)
+
+
+def _line(template: str, row: dict, size_mb: int | None = None) -> str:
+    """One printed row: its cells, or the failure (a row of its own)."""
+    if "error" in row:
+        return f"| {row['error']} |" if size_mb is None else f"| {size_mb} | {row['error']} |"
+    return f"| {cells(template, row | {'ok': 'yes' if row['bytes_ok'] else 'NO'}, missing='')} |"
 
 
 def run_rows(pair: _Pair) -> dict:
+    """The pull against the raw READ per size, the push, then the same through host staging."""
     plan = pair.plan
     budget_deadline = time.monotonic() + plan.budget_s
     kind = f"{plan.mem_type} -> {plan.mem_type}"
     _print(f"## KV over NIXL, {kind}, two processes ({plan.device}), {plan.layout.num_layers} layers x K/V")
-    _print(
-        "| size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s) "
-        "| our pull (GB/s) | pull / raw (>= 0.9) | pull / raw as many | bytes ok |"
-    )
-    _print("|---|---|---|---|---|---|---|---|---|")
+    _print(*table(BANDWIDTH[0], []))
     rows = []
     for size_mb in plan.sizes_mb:
         row = _guarded(pair, budget_deadline, functools.partial(bandwidth_row, pair, size_mb))
         rows.append({"requested_mb": size_mb} | row)
-        _print(_bandwidth_line(size_mb, row))
+        _print(_line(BANDWIDTH[1], row, size_mb))
     push = _guarded(pair, budget_deadline, functools.partial(push_row, pair))
-    for line in _push_lines(plan, push):
-        _print(line)
-    staged = run_staged_rows(pair, budget_deadline, rows)
-    return {"pull_vs_raw": rows, "push": push} | staged
-
-
-def run_staged_rows(pair: _Pair, budget_deadline: float, unstaged: list[dict]) -> dict:
-    """The staged pulls and push (``transport.staging=host``), beside the unstaged figures."""
-    plan = pair.plan
-    _print("")
-    _print(f"## through pinned host staging (transport.staging=host), {plan.num_staged_repeats} pulls per size")
-    _print("| size (MB) | staged pull (GB/s) | unstaged pull (GB/s) | raw READ (GB/s) | staged / unstaged | bytes ok |")
-    _print("|---|---|---|---|---|---|")
-    by_size = {row["requested_mb"]: row for row in unstaged}
-    rows = []
+    _print(*_push_lines(plan, push))
+    _print("", f"## through pinned host staging (transport.staging=host), {plan.num_staged_repeats} pulls per size")
+    _print(*table(STAGED[0], []))
+    by_size, staged = {row["requested_mb"]: row for row in rows}, []
     for size_mb in plan.staging_sizes_mb:
         row = _guarded(pair, budget_deadline, functools.partial(bandwidth_row, pair, size_mb, staging="host"))
-        rows.append({"requested_mb": size_mb} | row)
-        _print(_staged_line(size_mb, row, by_size.get(size_mb, {})))
-    push = _guarded(pair, budget_deadline, functools.partial(push_row, pair, staging="host"))
-    for line in _push_lines(plan, push, "staged push (its notice waits for the copy into the pool)")[:6]:
-        _print(line)
-    return {"staged_pull": rows, "staged_push": push}
-
-
-def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}"
-
-
-def _staged_line(size_mb: int, row: dict, unstaged: dict) -> str:
-    if "error" in row:
-        return f"| {size_mb} | {row['error']} |"
-    plain, raw, staged = unstaged.get("pull_gb_per_s"), unstaged.get("raw_gb_per_s"), row["pull_gb_per_s"]
-    ratio = staged / plain if plain else None
-    ok = "yes" if row["bytes_ok"] else "NO"
-    return f"| {row['size_mb']:.1f} | {staged:.2f} | {_fmt(plain)} | {_fmt(raw)} | {_fmt(ratio)} | {ok} |"
-
-
-def _bandwidth_line(size_mb: int, row: dict) -> str:
-    if "error" in row:
-        return f"| {size_mb} | {row['error']} |"
-    return (
-        f"| {row['size_mb']:.1f} | {row['num_blocks']} | {row['num_descriptors']} | {row['raw_gb_per_s']:.1f} | "
-        f"{row['raw_split_gb_per_s']:.1f} | {row['pull_gb_per_s']:.1f} | {row['pull_vs_raw']:.2f} | "
-        f"{row['pull_vs_raw_split']:.2f} | {'yes' if row['bytes_ok'] else 'NO'} |"
-    )
+        staged.append({"requested_mb": size_mb} | row)
+        plain, raw = by_size.get(size_mb, {}).get("pull_gb_per_s"), by_size.get(size_mb, {}).get("raw_gb_per_s")
+        ratio = row["pull_gb_per_s"] / plain if plain and "error" not in row else None
+        _print(_line(STAGED[1], row | {"plain": plain, "raw": raw, "ratio": ratio}, size_mb))
+    staged_push = _guarded(pair, budget_deadline, functools.partial(push_row, pair, staging="host"))
+    _print(*_push_lines(plan, staged_push, "staged push (its notice waits for the copy into the pool)")[:5])
+    return {"pull_vs_raw": rows, "push": push, "staged_pull": staged, "staged_push": staged_push}
 
 
 def _push_lines(plan: Plan, push: dict, title: str = "push") -> list[str]:
@@ -378,57 +360,31 @@ def _push_lines(plan: Plan, push: dict, title: str = "push") -> list[str]:
         "",
         f"## {title}: {plan.layout.num_layers} layers x {layer_mb:.1f} MB, simulated forward {plan.compute_ms:.2f} ms "
         f"per layer; medians of {plan.num_push_repeats} after one warm-up",
-        "| forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms) | tail / one layer (<= 2) "
-        "| tail to last write (ms) | last write / one layer | bytes ok |",
-        "|---|---|---|---|---|---|---|",
+        *table(PUSH[0], [_line(PUSH[1], push)[2:-2]]),
     ]
     if "error" in push:
-        return [*lines, f"| {push['error']} |"]
-    lines.append(
-        f"| {push['compute_per_layer_ms']:.3f} | {push['one_layer_ms']:.3f} | {push['tail_to_notice_ms']:.3f} | "
-        f"{push['tail_in_layers']:.2f} | {push['tail_to_last_write_ms']:.3f} | {push['last_write_in_layers']:.2f} | "
-        f"{'yes' if push['bytes_ok'] else 'NO'} |"
-    )
-    lines += [
+        return lines
+    posted, called = push["posted_after_compute_ms"], -push["call_before_compute_end_ms"]
+    median = f"median of all layers | 0 | {called:.3f} | {posted:.3f} | {posted + push['one_layer_ms']:.3f}"
+    return lines + [
         "",
         "Last layers of the last push, ms from the last layer's compute end (compute end: the layer's",
         "event on the GPU; push_layer called: the host call, LayerTiming.compute_end):",
-        "| layer | compute end | push_layer called | posted | done |",
-        "|---|---|---|---|---|",
+        *table(
+            "layer | compute end | push_layer called | posted | done",
+            [*(cells(LAYER, t) for t in push["last_layers"]), median],
+        ),
     ]
-    for t in push["last_layers"]:
-        lines.append(
-            f"| {t['layer']} | {t['compute_end_ms']:.3f} | {t['push_layer_called_ms']:.3f} | {t['posted_ms']:.3f} "
-            f"| {t['done_ms']:.3f} |"
-        )
-    lines.append(
-        f"| median of all layers | 0 | {-push['call_before_compute_end_ms']:.3f} | "
-        f"{push['posted_after_compute_ms']:.3f} | {push['posted_after_compute_ms'] + push['one_layer_ms']:.3f} |"
-    )
-    return lines
 
 
-def _ucx_lines(found: list[str]) -> list[str]:
-    lines = ["", "| UCX protocol (UCX_PROTO_INFO) |", "|---|"]
-    if not found:
-        return [*lines, "| not reported: no protocol tables in the two processes' logs |"]
-    return lines + [f"| {entry.replace('|', '/')} |" for entry in found[:8]]
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.gpu_kv", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--cpu", action="store_true", help="CPU pools (DRAM) and small sizes: a dry run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     plan = CPU_PLAN if args.cpu else GPU_PLAN
     result: dict = {"plan": dataclasses.asdict(plan)}
-    if plan.device == "cuda" and not _cuda_available():
+    if plan.device == "cuda" and not torch.cuda.is_available():
         _print("| gpu_kv | skipped: no CUDA (use --cpu for the dry run) |")
         result["skipped"] = "no CUDA"
     else:
@@ -441,8 +397,9 @@ def main() -> None:
             finally:
                 pair.close()
             result["ucx_transports"] = ucx_transports(Path(log_dir))
-        for line in _ucx_lines(result["ucx_transports"]):
-            _print(line)
+        found = [f"| {entry.replace('|', '/')} |" for entry in result["ucx_transports"][:8]]
+        _print("", "| UCX protocol (UCX_PROTO_INFO) |", "|---|")
+        _print(*(found or ["| not reported: no protocol tables in the two processes' logs |"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

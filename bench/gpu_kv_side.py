@@ -31,9 +31,7 @@ from kv_transport.handle import KVDestination, KVHandle
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
-PRODUCER = "producer"  # the engine ids of the two processes' unstaged transports
-CONSUMER = "consumer"
-STAGINGS = ("none", "host")
+PRODUCER, CONSUMER = "producer", "consumer"  # the engine ids of the two processes' unstaged transports
 PATTERN_SEED = 1234
 RAW_PROGRESS_S = 0.001  # the raw agents' progress on the side being read, as bench.kv_transfer's
 
@@ -123,7 +121,10 @@ class SharedDictRegistry(BasePeerRegistry):
 def child_main(role: str, plan: Plan, entries: MutableMapping[str, bytes], conn, log_path: str) -> None:
     """One process of the pair: answer the parent's commands until ``close`` or a closed pipe.
     Its stdout and stderr (UCX's protocol tables among them) go to ``log_path``."""
-    _redirect_output(log_path)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     try:
         side = _Side(role, plan, entries)
     except Exception as exc:
@@ -148,23 +149,9 @@ def child_main(role: str, plan: Plan, entries: MutableMapping[str, bytes], conn,
             break
 
 
-def _redirect_output(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def _describe(exc: BaseException) -> str:
     traceback.print_exc()  # the whole story into the log; the parent gets one line
     return f"{type(exc).__name__}: {exc}"
-
-
-def _bind_thread(device: str) -> None:
-    """Make the GPU's primary context current in this thread (as ``NixlWorker.bind_cuda``)."""
-    if device == "cuda":
-        torch.cuda.set_device(0)
-        torch.cuda.current_stream().query()
 
 
 def _synchronize(plan: Plan) -> None:
@@ -194,17 +181,10 @@ class _Side:
         _synchronize(plan)  # written before anyone reads it
         self.released: list[str] = []
         registry = SharedDictRegistry(entries)
-        timeout_s = plan.kv_transfer_timeout_s
-        self.transports = {
-            "none": NixlTransport(role, plan.layout, registry, kv_transfer_timeout_s=timeout_s),
-            "host": NixlTransport(
-                f"{role}-staged",
-                plan.layout,
-                registry,
-                kv_transfer_timeout_s=timeout_s,
-                staging="host",
-                staging_bytes=plan.staging_bytes,
-            ),
+        staged = {"staging": "host", "staging_bytes": plan.staging_bytes}
+        self.transports = {  # staging "none" and "host"
+            kind: NixlTransport(name, plan.layout, registry, kv_transfer_timeout_s=plan.kv_transfer_timeout_s, **extra)
+            for kind, name, extra in (("none", role, {}), ("host", f"{role}-staged", staged))
         }
         for transport in self.transports.values():  # the same pool under both
             transport.register_pool(self.pool, self.released.append)
@@ -215,6 +195,9 @@ class _Side:
         for transport in self.transports.values():
             transport.close()
 
+    def raw_meta(self) -> tuple[bytes, int, int]:
+        return self.raw.meta()
+
     def _tail_blocks(self, count: int) -> list[int]:
         return list(range(self.plan.pool_blocks - count, self.plan.pool_blocks))
 
@@ -222,9 +205,6 @@ class _Side:
         return torch.equal(self.pool[:, :, local], _pattern(self.plan)[:, :, remote])
 
     # ---- producer ---------------------------------------------------------------------
-
-    def raw_meta(self) -> tuple[bytes, int, int]:
-        return self.raw.meta()
 
     def export(self, num_blocks: int, count: int, tag: str, staging: str = "none") -> list[KVHandle]:
         tokens = num_blocks * self.plan.layout.block_size
@@ -369,7 +349,9 @@ class _RawAgent:
 
     def _progress(self, device: str) -> None:
         """Progress UCX on the side being read (connection set-up needs its answers)."""
-        _bind_thread(device)
+        if device == "cuda":  # the GPU's primary context current in this thread (as ``NixlWorker.bind_cuda``)
+            torch.cuda.set_device(0)
+            torch.cuda.current_stream().query()
         while True:
             with self.lock:
                 self.agent.get_new_notifs()
