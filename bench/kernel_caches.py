@@ -19,22 +19,12 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 
+from bench.host import engine_core, worker_json
+from bench.report import first_paragraph
+
 CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-
-
-def _core():
-    import torch
-
-    torch.set_num_threads(1)
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-
-    config = EngineConfig(max_model_len=1024, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
-    return EngineCore.from_spec(config=config)
 
 
 def _request(name: str, rng: random.Random, length: int, max_tokens: int):
@@ -48,7 +38,8 @@ def worker(prompts: int, batches: int) -> dict:
     """The measurement, in this process: RSS every 50 prompts, then decode tokens/s."""
     import psutil
 
-    core, rng, rss = _core(), random.Random(0), []
+    core = engine_core(max_model_len=1024, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    rng, rss = random.Random(0), []
     started, tokens = time.perf_counter(), 0
     for i in range(prompts):
         length = rng.randint(16, 900)
@@ -75,17 +66,8 @@ def worker(prompts: int, batches: int) -> dict:
     }
 
 
-def run(setting: str, prompts: int, batches: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in CACHES}
-    # "default": PyTorch's own capacities (setting the variables to 1024 keeps the engine's bound off)
-    env.update(dict.fromkeys(CACHES, "1024" if setting == "default" else setting))
-    args = [sys.executable, "-m", "bench.kernel_caches", "--worker", "--prompts", str(prompts)]
-    out = subprocess.run([*args, "--batches", str(batches)], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.kernel_caches", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench.kernel_caches", description=first_paragraph(__doc__))
     parser.add_argument("--caches", default="default,8,64", help="settings to compare, comma-separated")
     parser.add_argument("--prompts", type=int, default=250)
     parser.add_argument("--batches", type=int, default=40)
@@ -95,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(worker(args.prompts, args.batches)))
         return
     for setting in args.caches.split(","):
-        result = run(setting, args.prompts, args.batches)
+        env = {k: v for k, v in os.environ.items() if k not in CACHES}
+        # "default": PyTorch's own capacities (setting the variables to 1024 keeps the engine's bound off)
+        env.update(dict.fromkeys(CACHES, "1024" if setting == "default" else setting))
+        sizes = ("--prompts", str(args.prompts), "--batches", str(args.batches))
+        result = worker_json("bench.kernel_caches", "--worker", *sizes, env=env)
         series = ", ".join(f"{p['prompts']}: {p['rss_mib']}" for p in result["rss"])
         print(
             f"{setting}: RSS MiB after prompts {series}; prefill {result['prefill_tokens_per_s']} tok/s,"
