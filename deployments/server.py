@@ -82,8 +82,8 @@ def _fault_points(config: AppConfig) -> Any:
 class EngineServer:
     def __init__(self, config: AppConfig, home: Role, controller: Any = None) -> None:
         """``config``: the application's settings, validated once by the builder; ``home``: the
-        pool's role (``both``: colocated), the replica's initial role; its deployment section
-        of the config (``AppConfig.pool``) names its metrics' ``pool`` label;
+        pool's role and the replica's initial one (``both``: colocated); the pool's section of
+        the config is ``config.pool(home)``, its name the metrics' ``pool`` label;
         ``controller``: the autoscaler's controller handle (disagg_app with autoscaling on),
         which the replica reports its load to and takes its assigned role from."""
         import torch
