@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import block, markers, read_json, splice, table, template
+from bench.report import block, cells, markers, read_json, splice, table, template
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "benchmarks"
@@ -65,3 +65,9 @@ def test_table_rows_may_be_short() -> None:
         "| 1 | x |",
         "| failed: boom |",
     ]
+
+
+def test_cells_scale_seconds_and_bytes_and_name_what_is_missing() -> None:
+    row = {"t": 0.0421, "b": 10_710_000, "n": None, "d": {"p50": 1.5}}
+    assert cells("{t:ms.1f} | {b:MB.2f} | {n:.2f} | {d[p50]:ms,.0f}", row) == "42.1 | 10.71 | n/a | 1,500"
+    assert cells("{n}", row, missing="-") == "-"
