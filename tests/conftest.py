@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from engine.loader import LoadedModel, ModelSpec, load_model
+from tests.serving import SharedServe
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 
@@ -24,3 +26,22 @@ def smol_reference() -> LoadedModel:
     loaded = load_model(ModelSpec())
     loaded.model.generation_config.eos_token_id = None  # compare a fixed number of tokens
     return loaded
+
+
+@pytest.fixture(scope="session")
+def shared_serve() -> Iterator[SharedServe]:
+    """The session's one Ray and Serve (tests/serving.py), started at first use."""
+    shared = SharedServe()
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="module")
+def own_cluster(shared_serve: SharedServe) -> None:
+    """For a module that starts a Ray cluster of its own: the shared one is stopped first."""
+    shared_serve.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a cluster of their own run first, so the shared Ray starts only once."""
+    items.sort(key=lambda item: "own_cluster" not in item.fixturenames)

@@ -1,17 +1,25 @@
-"""Run Serve applications for a test module: one way to start them, wait for them, and tear down.
+"""Run Serve applications for the tests: one Ray and one Serve for the whole test session.
 
-``local_serve`` starts a local Ray (own temp dir, see ``bench.ray_local``) and runs the
-applications on it; ``run_apps`` runs them on a Ray the caller already started (the pinning
-test's multi-node ``cluster_utils`` cluster). Either one shuts Serve (and Ray, when it
-started it) down on the way out, also when starting failed half-way, so a module that could
-not start its applications does not leave a Ray behind for the next module's ``ray.init``.
-
-Used from module-scoped fixtures, so the applications start once per module::
+Starting Ray, Serve and an engine replica is most of what a served test costs on a small
+machine, so the session starts Ray and Serve once (``SharedServe``, the ``shared_serve``
+fixture in tests/conftest.py) and each module runs its applications on it, each at its own
+route prefix::
 
     @pytest.fixture(scope="module")
-    def served():
-        with local_serve([ServeApp("busy", colocated_app, {...})], port=PORT) as served:
-            yield served
+    def url(shared_serve):
+        with shared_serve.apps([ServeApp("busy", colocated_app, {...})]) as served:
+            yield served.url("busy")
+
+An application is deleted when its module is done, unless the module keeps it for the next
+one (``keep=True``: the same name with the same arguments is then reused as it runs). The
+number of engine replicas alive at once is bounded (``MAX_ENGINE_REPLICAS``): kept
+applications that no module is using are deleted first. An application that a test left
+unhealthy (not RUNNING, or ``/ready`` not answering) is deployed again, and a Ray that died
+is started again, so a failure in one module does not fail the next.
+
+Modules that need a cluster of their own (several nodes: ``run_apps`` on ``cluster_utils``)
+ask for the ``own_cluster`` fixture, which stops the shared Ray first; tests/conftest.py runs
+those modules before the others, so the shared Ray starts once.
 """
 
 from __future__ import annotations
@@ -23,40 +31,57 @@ from dataclasses import dataclass, field
 import httpx
 import ray
 from ray import serve
+from ray.serve.api import RunTarget
 from ray.serve.handle import DeploymentHandle
 
 from bench.ray_local import start_local_ray
 from tests.waiting import wait_until
 
 HOST = "127.0.0.1"
+SHARED_PORT = 18400
+SHARED_NUM_CPUS = 4  # Ray's logical CPUs: room for a module's replicas beside the kept ones
 SMALL_COLOCATED = {  # one small colocated replica: for tests of the ingress's own checks
     "model.max_model_len": "512",
     "engine.kv_cache_bytes": str(32 << 20),
     "colocated.num_replicas": "1",
 }
 READY_TIMEOUT_S = 240.0
+ENGINE_DEPLOYMENTS = frozenset({"PrefillServer", "DecodeServer", "ColocatedServer"})
+MAX_ENGINE_REPLICAS = 6  # an engine replica peaks near 2.5 GB; the machine has 24 GiB
+MODULE_ENGINE_REPLICAS = 5  # the most one module runs at once (three apps: 2 + 2 + 1)
 
 
 @dataclass(frozen=True)
 class ServeApp:
-    """One application: ``builder(args)`` (e.g. ``app.config.disagg_app``) served at ``route_prefix``."""
+    """One application: ``builder(args)`` (e.g. ``app.config.disagg_app``) served at
+    ``route_prefix`` (by default ``/<name>``)."""
 
     name: str
     builder: Callable[[dict[str, str]], serve.Application]
     args: dict[str, str] = field(default_factory=dict)
-    route_prefix: str = "/"
+    route_prefix: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        return self.route_prefix or f"/{self.name}"
 
     @property
     def url_prefix(self) -> str:
         """The prefix to put after the base URL: ``""`` for the root application."""
-        return self.route_prefix.rstrip("/")
+        return self.prefix.rstrip("/")
 
 
 @dataclass(frozen=True)
 class ServedApps:
-    """What the tests get: the HTTP base URL (no trailing slash) and deployment handles."""
+    """What the tests get: the HTTP base URL (no trailing slash), each application's URL and
+    deployment handles."""
 
     base_url: str
+    apps: tuple[ServeApp, ...] = ()
+
+    def url(self, app: str) -> str:
+        (served,) = [a for a in self.apps if a.name == app]
+        return self.base_url + served.url_prefix
 
     def handle(self, deployment: str, app: str) -> DeploymentHandle:
         return serve.get_deployment_handle(deployment, app_name=app)
@@ -76,27 +101,119 @@ def wait_http_ready(base_url: str, apps: Sequence[ServeApp], timeout_s: float = 
         wait_until(lambda url=url: _ready(url), timeout_s, f"GET {url} to answer 200", poll_s=0.1)
 
 
+def _deploy(apps: Sequence[ServeApp]) -> None:
+    """All of ``apps`` at once (their replicas start side by side); returns once they run."""
+    if apps:
+        serve.run_many([RunTarget(a.builder(dict(a.args)), name=a.name, route_prefix=a.prefix) for a in apps])
+
+
 @contextmanager
 def run_apps(apps: Sequence[ServeApp], port: int) -> Iterator[ServedApps]:
     """Start Serve's HTTP proxy on ``port``, run ``apps`` and wait until each answers over
-    HTTP; ``serve.shutdown()`` on exit. Ray must be running."""
+    HTTP; ``serve.shutdown()`` on exit. Ray must be running (a cluster of the caller's)."""
     try:
         serve.start(http_options={"host": HOST, "port": port})
-        for app in apps:  # each call returns once the application's replicas are running
-            serve.run(app.builder(dict(app.args)), name=app.name, route_prefix=app.route_prefix)
+        _deploy(apps)
         base_url = f"http://{HOST}:{port}"
         wait_http_ready(base_url, apps)
-        yield ServedApps(base_url)
+        yield ServedApps(base_url, tuple(apps))
     finally:
         serve.shutdown()
 
 
-@contextmanager
-def local_serve(apps: Sequence[ServeApp], port: int) -> Iterator[ServedApps]:
-    """``run_apps`` on a local Ray started here (2 CPUs, own temp dir); ``ray.shutdown()`` on exit."""
-    start_local_ray()
-    try:
-        with run_apps(apps, port) as served:
-            yield served
-    finally:
-        ray.shutdown()
+class SharedServe:
+    """The test session's Ray and Serve, and the applications running on them (see the
+    module's docstring)."""
+
+    def __init__(self, port: int = SHARED_PORT) -> None:
+        self.base_url = f"http://{HOST}:{port}"
+        self._port = port
+        self._running: dict[str, ServeApp] = {}  # deployed here, in order of last use
+        self._kept: set[str] = set()
+
+    @contextmanager
+    def apps(self, apps: Sequence[ServeApp], keep: bool = False) -> Iterator[ServedApps]:
+        """Run ``apps`` (reusing those already running as asked and healthy); delete them on
+        the way out unless ``keep``."""
+        self._start()
+        wanted = {a.name for a in apps}
+        stale = [a for a in apps if self._running.get(a.name) != a or not self._healthy(a)]
+        for app in stale:
+            self._delete(app.name)
+        self._make_room(wanted)
+        try:
+            _deploy(stale)
+        except Exception:
+            for app in stale:
+                self._delete(app.name)
+            raise
+        for app in apps:
+            self._running.pop(app.name, None)
+            self._running[app.name] = app
+        self._kept = (self._kept | wanted) if keep else (self._kept - wanted)
+        try:
+            wait_http_ready(self.base_url, apps)
+            yield ServedApps(self.base_url, tuple(apps))
+        finally:
+            if not keep:
+                for app in apps:
+                    self._delete(app.name)
+
+    def ray(self) -> None:
+        """Ray running (for tests that start actors of their own on it)."""
+        self._start()
+
+    def stop(self) -> None:
+        """Serve and Ray down (a module that starts its own cluster asks for this first)."""
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+        self._running.clear()
+        self._kept.clear()
+
+    def _start(self) -> None:
+        if ray.is_initialized() and not self._alive():
+            self.stop()  # a Ray that died under a test: start a new one
+        if not ray.is_initialized():
+            self._running.clear()
+            start_local_ray(num_cpus=SHARED_NUM_CPUS)
+            serve.start(http_options={"host": HOST, "port": self._port})
+
+    @staticmethod
+    def _alive() -> bool:
+        try:
+            serve.status()
+        except Exception:  # the controller or Ray itself is gone: anything may be broken
+            return False
+        return True
+
+    def _healthy(self, app: ServeApp) -> bool:
+        status = serve.status().applications.get(app.name)
+        return status is not None and status.status == "RUNNING" and _ready(f"{self.base_url}{app.url_prefix}/ready")
+
+    def _delete(self, name: str) -> None:
+        self._running.pop(name, None)
+        self._kept.discard(name)
+        if name in serve.status().applications:
+            serve.delete(name)
+
+    def _engine_replicas(self, names: set[str]) -> int:
+        applications = serve.status().applications
+        return sum(
+            sum(deployment.replica_states.values())
+            for name in names
+            if name in applications
+            for deployment_name, deployment in applications[name].deployments.items()
+            if deployment_name in ENGINE_DEPLOYMENTS
+        )
+
+    def _make_room(self, wanted: set[str]) -> None:
+        """Delete kept applications no module is using (least recently used first) until the
+        next module's replicas fit within ``MAX_ENGINE_REPLICAS``."""
+        budget = MAX_ENGINE_REPLICAS - MODULE_ENGINE_REPLICAS
+        for name in [n for n in self._running if n not in wanted]:
+            if self._engine_replicas(set(self._running) - wanted) <= budget:
+                return
+            self._delete(name)

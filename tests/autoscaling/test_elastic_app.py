@@ -19,10 +19,9 @@ import pytest
 from app.config import disagg_app
 from engine.loader import ModelSpec, load_model
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
-from tests.serving import ServeApp, local_serve
+from tests.serving import ServeApp
 from tests.waiting import wait_until
 
-PORT = 18560
 NUM_TOKENS = MIN_COMPARED_TOKENS + 8
 NUM_BURST = 24
 STAGGER_S = 0.25
@@ -56,9 +55,9 @@ def reference(model_and_prompts) -> list[GreedyTrace]:
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with local_serve([ServeApp("elastic", disagg_app, ARGS)], port=PORT) as served:
-        yield served.base_url
+def base_url(shared_serve) -> Iterator[str]:
+    with shared_serve.apps([ServeApp("elastic", disagg_app, ARGS)]) as served:
+        yield served.url("elastic")
 
 
 def _trace(choice: dict) -> GreedyTrace:

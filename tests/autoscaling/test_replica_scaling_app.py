@@ -2,37 +2,40 @@
 
 A sustained decode-heavy load makes the controller raise the decode pool's target; the
 decode replicas relay it to Serve, whose policy function follows it, and a second decode
-replica starts and reports. When the load falls to a few long requests spread over both
-replicas, the target falls back to 1 and Serve stops one of them: the requests in flight
-there finish (Serve drains the replica, then its ``__del__`` keeps exported KV until
-fetched) with the same greedy output as the engine alone (tests/same_output.py's rule).
+replica starts and reports. The load then falls to a few long requests, each client sending
+its next one as soon as the last ends, until the pool has shrunk: the target falls back to
+1 and Serve stops one replica while long requests are in flight by construction. Every
+request completes with the same greedy output as the engine alone (tests/same_output.py's
+rule): Serve drains the stopped replica, then its ``__del__`` keeps exported KV until
+fetched. Where Serve's router places each request is not asserted (it depends on timing).
 Lending is off in this policy (``max_lent: 0``) so only the replica count moves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from app.config import disagg_app
-from deployments.openai_format import token_text_of
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from engine.loader import ModelSpec, load_model
-from engine.params import GenerationRequest, SamplingParams
-from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, trace_from_outputs
-from tests.serving import ServeApp, local_serve
+from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
+from tests.serving import ServeApp
+from tests.waiting import wait_until_async
 
-PORT = 18590
-LONG_TOKENS = 112  # long enough to outlast the scale-down decision (2 s of surplus) and Serve's stop
+LONG_TOKENS = 64
 SHORT_TOKENS = 24
 NUM_LOAD = 6  # streams kept in flight by the load: needs 2 decode replicas at 5 each
 NUM_LONG = 4  # 4 <= 0.9 * 5 on one replica: the surplus that scales back down
-PROMPT = "Write a long story about a lighthouse keeper and the ships that pass."
+SHORT_PROMPT = "Write a long story about a lighthouse keeper and the ships that pass."
+LONG_PROMPTS = (  # distinct from their first token: no prefix keeps them on one replica
+    "Tell a long tale of a baker who wakes before dawn in a mountain village.",
+    "Describe, at length, a train journey across a desert at night.",
+    "Narrate the voyage of a small fishing boat caught in a summer storm.",
+    "Recount the story of a clockmaker who repairs the town's tower clock.",
+)
 POLICY = """
 slo: {ttft_p90_ms: 5000, tpot_p90_ms: 500}
 interval_s: 0.5
@@ -58,26 +61,20 @@ VIEW_TIMEOUT_S = 150.0
 
 
 @pytest.fixture(scope="module")
-def prompt_ids() -> list[int]:
-    return load_model(ModelSpec(source="default")).tokenizer(PROMPT).input_ids
+def prompts() -> tuple[list[int], list[list[int]]]:
+    """The load's prompt and the long requests' prompts, as token ids."""
+    tokenizer = load_model(ModelSpec(source="default")).tokenizer
+    return tokenizer(SHORT_PROMPT).input_ids, [tokenizer(p).input_ids for p in LONG_PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def reference(prompt_ids) -> GreedyTrace:
-    """The engine alone, as the tokens' texts the API returns."""
-    loaded = load_model(ModelSpec(source="default"))
-    core = EngineCore(loaded, EngineConfig(max_model_len=512, kv_cache_bytes=64 << 20))
-    sampling = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-    core.add_request(GenerationRequest("ref", tuple(prompt_ids), sampling))
-    outputs = []
-    while core.has_work():
-        outputs += core.step()
-    trace, text_of = trace_from_outputs(outputs), token_text_of(loaded.tokenizer)
-    return GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, top)) for top in trace.top))
+def reference(prompts) -> list[GreedyTrace]:
+    """The engine alone, one long prompt at a time, as the tokens' texts the API returns."""
+    return engine_text_traces(load_model(ModelSpec(source="default")), prompts[1], LONG_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory) -> Iterator[str]:
+def base_url(shared_serve, tmp_path_factory) -> Iterator[str]:
     policy = tmp_path_factory.mktemp("policy") / "scaling.yaml"
     policy.write_text(POLICY)
     args = {
@@ -87,8 +84,8 @@ def base_url(tmp_path_factory) -> Iterator[str]:
         "decode.num_cpus": "0.25",
         "autoscaling.policy": str(policy),
     }
-    with local_serve([ServeApp("scaling", disagg_app, args)], port=PORT) as served:
-        yield served.base_url
+    with shared_serve.apps([ServeApp("scaling", disagg_app, args)]) as served:
+        yield served.url("scaling")
 
 
 async def _view(client: httpx.AsyncClient) -> dict:
@@ -101,14 +98,12 @@ def _decode_replicas(view: dict) -> dict[str, int]:
     return {r["replica_id"]: r["load"]["decoding"] for r in view["replicas"] if r["deployment"] == "DecodeServer"}
 
 
-async def _until(client: httpx.AsyncClient, what: str, test, timeout_s: float = VIEW_TIMEOUT_S) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+async def _until(client: httpx.AsyncClient, what: str, test) -> dict:
+    async def view_if() -> dict | None:
         view = await _view(client)
-        if test(view):
-            return view
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"no {what} within {timeout_s:.0f}s; last view: {view}")
+        return view if test(view) else None
+
+    return await wait_until_async(view_if, VIEW_TIMEOUT_S, what, poll_s=0.25)
 
 
 def _body(model: str, prompt_ids: list[int], max_tokens: int) -> dict:
@@ -122,62 +117,49 @@ def _body(model: str, prompt_ids: list[int], max_tokens: int) -> dict:
     }
 
 
-async def _scenario(base_url: str, prompt_ids: list[int]) -> tuple[list[httpx.Response], list[dict], list[int]]:
+async def _until_set(event: asyncio.Event, send) -> list:
+    """``send()`` one request after another until ``event`` is set; every answer, in order."""
+    answers = []
+    while not event.is_set():
+        answers.append(await send())
+    return answers
+
+
+async def _scenario(base_url: str, prompts) -> tuple[list[int], list[list[httpx.Response]], dict]:
+    short_ids, long_ids = prompts
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        view = await _view(client)
-        assert view["scaling"]["enabled"] is True
-        stop = asyncio.Event()
-        statuses: list[int] = []
+        assert (await _view(client))["scaling"]["enabled"] is True
+        load_over, shrunk = asyncio.Event(), asyncio.Event()
 
-        async def load() -> None:  # one stream after another until told to stop
-            while not stop.is_set():
-                response = await client.post("/v1/completions", json=_body(model, prompt_ids, SHORT_TOKENS))
-                statuses.append(response.status_code)
+        def sender(prompt: list[int], max_tokens: int):
+            return lambda: client.post("/v1/completions", json=_body(model, prompt, max_tokens))
 
-        workers = [asyncio.create_task(load()) for _ in range(NUM_LOAD)]
-        await _until(client, "second decode replica", lambda v: len(_decode_replicas(v)) == 2)
-        # a few long requests, spaced so the router sees each one's load, then the load stops
-        longs = []
-        for _ in range(NUM_LONG):
-            longs.append(
-                asyncio.create_task(client.post("/v1/completions", json=_body(model, prompt_ids, LONG_TOKENS)))
-            )
-            await asyncio.sleep(0.75)
-        stop.set()
-        await asyncio.gather(*workers)
-        views = []
-
-        def scaled_down(v: dict) -> bool:
-            if v["scaling"]["pools"]["decode"]["target"] == 1:
-                return True
-            views.append(v)  # the views before the decision
-            return False
-
-        await _until(client, "scale-down decision", scaled_down)
-        responses = await asyncio.gather(*longs)
+        shorts = [asyncio.create_task(_until_set(load_over, sender(short_ids, SHORT_TOKENS))) for _ in range(NUM_LOAD)]
+        await _until(client, "a second decode replica", lambda v: len(_decode_replicas(v)) == 2)
+        longs = [asyncio.create_task(_until_set(shrunk, sender(ids, LONG_TOKENS))) for ids in long_ids]
+        load_over.set()
+        short_answers = [r for answers in await asyncio.gather(*shorts) for r in answers]
+        await _until(client, "the scale-down decision", lambda v: v["scaling"]["pools"]["decode"]["target"] == 1)
         await _until(client, "one decode replica left", lambda v: len(_decode_replicas(v)) == 1)
-        views.append(await _view(client))
-        return responses, views, statuses
+        shrunk.set()  # the long requests were in flight through the decision and the stop
+        long_answers = await asyncio.gather(*longs)
+        return [r.status_code for r in short_answers], long_answers, await _view(client)
 
 
-def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, prompt_ids, base_url):
-    responses, views, statuses = asyncio.run(_scenario(base_url, prompt_ids))
+def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, prompts, base_url):
+    statuses, long_answers, final = asyncio.run(_scenario(base_url, prompts))
     assert statuses and set(statuses) == {200}
-    # just before the scale-down decision both decode replicas held long requests: whichever
-    # Serve stopped had requests in flight
-    assert views, "scaled down before the long requests were seen on the replicas"
-    before = _decode_replicas(views[-2])
-    assert len(before) == 2 and all(n >= 1 for n in before.values()), before
-    for i, response in enumerate(responses):
-        assert response.status_code == 200, response.text
-        (choice,) = response.json()["choices"]
-        assert choice["finish_reason"] == "length"
-        logprobs = choice["logprobs"]
-        trace = GreedyTrace(tuple(logprobs["tokens"]), tuple(tuple(top) for top in logprobs["top_logprobs"]))
-        assert len(trace.tokens) == LONG_TOKENS >= MIN_COMPARED_TOKENS
-        assert_same_output(reference, trace, exact=False, label=f"long request {i}")
-    final = views[-1]
+    for prompt, answers in enumerate(long_answers):
+        assert answers, f"long prompt {prompt}: no request completed"
+        for i, response in enumerate(answers):
+            assert response.status_code == 200, response.text
+            (choice,) = response.json()["choices"]
+            assert choice["finish_reason"] == "length"
+            logprobs = choice["logprobs"]
+            trace = GreedyTrace(tuple(logprobs["tokens"]), tuple(tuple(top) for top in logprobs["top_logprobs"]))
+            assert len(trace.tokens) == LONG_TOKENS >= MIN_COMPARED_TOKENS
+            assert_same_output(reference[prompt], trace, exact=False, label=f"long prompt {prompt}, request {i}")
     decisions = [(d["action"], d.get("pool"), tuple(d.get("replicas") or ())) for d in final["decisions"]]
     assert ("scale_up", "decode", (1, 2)) in decisions and ("scale_down", "decode", (2, 1)) in decisions
     assert not [d for d in decisions if d[0] in ("lend", "give_up")]

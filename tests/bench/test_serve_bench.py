@@ -12,15 +12,14 @@ import pytest
 
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
-from tests.serving import ServeApp, local_serve
+from tests.serving import ServeApp
 from workloads import make_requests, median_request
 
-PORT = 18436
 CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def target() -> Iterator[Target]:
+def target(shared_serve) -> Iterator[Target]:
     from app.config import disagg_app
 
     args = {
@@ -30,10 +29,10 @@ def target() -> Iterator[Target]:
         "decode.num_cpus": "0.25",
         "autoscaling.enabled": "false",
     }
-    with local_serve([ServeApp("bench", disagg_app, args)], port=PORT) as served:
-        model = httpx.get(served.base_url + "/v1/models", timeout=30).json()["data"][0]
+    with shared_serve.apps([ServeApp("bench", disagg_app, args)]) as served:
+        model = httpx.get(served.url("bench") + "/v1/models", timeout=30).json()["data"][0]
         assert model["max_model_len"] == CONTEXT
-        yield Target(served.base_url, model["id"])
+        yield Target(served.url("bench"), model["id"])
 
 
 @pytest.fixture(scope="module")

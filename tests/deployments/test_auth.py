@@ -4,7 +4,6 @@ the official ``openai`` client; probes and the schema stay open; and no key reac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,12 +12,9 @@ import pytest
 import ray
 
 from deployments.auth import ApiKeys, bearer_token
-from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
+from tests.deployments.keyed_app import FILE_KEY, INLINE_KEY
 
-PORT = 18441
 MODEL = "SmolLM2-135M-Instruct"
-FILE_KEY = "sk-tandem-file-7f3c9a1e5b2d"
-INLINE_KEY = "sk-tandem-inline-2d8e4b6f0a"
 WRONG_KEY = "sk-tandem-wrong-99aa11bb33"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 PROTECTED = [
@@ -40,18 +36,8 @@ def test_keys_match_by_index_and_headers_parse_as_bearer_only():
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory) -> Iterator[str]:
-    from app.config import colocated_app
-
-    key_file = tmp_path_factory.mktemp("auth") / "api_keys"
-    key_file.write_text(f"# the auth test's keys\n\n{FILE_KEY}\n")
-    args = {
-        **SMALL_COLOCATED,
-        "auth.api_keys_file": str(key_file),
-        "auth.api_keys": f"[{INLINE_KEY}]",
-    }
-    with local_serve([ServeApp("auth", colocated_app, args)], port=PORT) as served:
-        yield served.base_url
+def url(keyed_url: str) -> str:
+    return keyed_url
 
 
 def _request(url: str, method: str, path: str, key: str | None) -> httpx.Response:

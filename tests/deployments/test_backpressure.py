@@ -7,24 +7,23 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
+from tests.serving import SMALL_COLOCATED, ServeApp
 from tests.waiting import wait_until
 
-PORT = 18434
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def url(shared_serve) -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
         **SMALL_COLOCATED,
         "max_queued_requests": "1",
     }
-    with local_serve([ServeApp("busy", colocated_app, args)], port=PORT) as served:
-        yield served.base_url + "/v1/chat/completions"
+    with shared_serve.apps([ServeApp("backpressure", colocated_app, args)]) as served:
+        yield served.url("backpressure") + "/v1/chat/completions"
 
 
 def test_full_ingress_answers_503_with_retry_after(url):

@@ -8,7 +8,6 @@ error body, and no stream may carry a server error. Auth is on (the fuzzer sends
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -16,12 +15,10 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
+from tests.deployments.keyed_app import FUZZ_KEY as KEY
+from tests.deployments.keyed_app import MAX_TOKENS
 
-PORT = 18443
 MODEL = "SmolLM2-135M-Instruct"
-KEY = "sk-tandem-fuzz-5e6f7a8b"
-MAX_TOKENS = 4
 POST_PATHS = ("/v1/chat/completions", "/v1/completions")
 # cases per (method, path, mode); GET operations not listed get GET_CASES each
 PLAN = {
@@ -34,16 +31,8 @@ GET_CASES = 5  # an operation without parameters has one distinct case: hypothes
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    from app.config import colocated_app
-
-    args = {
-        **SMALL_COLOCATED,
-        "auth.api_keys": f"[{KEY}]",
-        "limits.max_tokens": str(MAX_TOKENS),
-    }
-    with local_serve([ServeApp("fuzz", colocated_app, args)], port=PORT) as served:
-        yield served.base_url
+def url(keyed_url: str) -> str:
+    return keyed_url
 
 
 def _served_model(case: schemathesis.Case) -> schemathesis.Case:

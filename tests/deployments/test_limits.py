@@ -11,10 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving import SMALL_COLOCATED, ServeApp, local_serve
+from tests.serving import SMALL_COLOCATED, ServeApp
 from tests.waiting import wait_until
 
-PORT = 18442
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "sk-tandem-limits-a1b2c3", "sk-tandem-limits-d4e5f6"
 MAX_BODY_BYTES = 65536
@@ -22,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def url(shared_serve) -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
@@ -33,8 +32,8 @@ def url() -> Iterator[str]:
         "limits.max_tokens": "200",
         "limits.max_concurrent_per_key": "1",
     }
-    with local_serve([ServeApp("limits", colocated_app, args)], port=PORT) as served:
-        yield served.base_url
+    with shared_serve.apps([ServeApp("limits", colocated_app, args)]) as served:
+        yield served.url("limits")
 
 
 def _post(url: str, path: str, body: dict, key: str = KEY_A, **kwargs) -> httpx.Response:

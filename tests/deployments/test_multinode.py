@@ -63,7 +63,7 @@ class Socket:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def cluster(own_cluster) -> Iterator[LocalCluster]:
     assert shutil.which("ss"), "this test reads TCP byte counts with `ss` (iproute2)"
     # TANDEM_KEEP_CLUSTER_LOGS=1 keeps the nodes' temp dirs (their logs) after the module
     with local_cluster(keep_logs=bool(os.environ.get("TANDEM_KEEP_CLUSTER_LOGS"))) as nodes:

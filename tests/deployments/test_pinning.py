@@ -21,7 +21,7 @@ PORT = 18432
 
 
 @pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Cluster]:
+def two_nodes(own_cluster) -> Iterator[Cluster]:
     repo_on_pythonpath()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     with pytest.MonkeyPatch.context() as env:

@@ -28,10 +28,10 @@ from app.settings import AppConfig
 from engine.loader import ModelSpec, load_model
 from kv_transport.faults import FaultPoints
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
-from tests.serving import ServeApp, local_serve
-from tests.waiting import wait_until
+from tests.serving import ServeApp
+from tests.waiting import wait_until, wait_until_async
 
-PORT = 18640
+ROOT = "/recovery"  # this module's applications: pull here, push and busy below
 NUM_TOKENS = MIN_COMPARED_TOKENS
 TIMEOUT_S = 20.0
 PEER_CHECK_S = 5.0
@@ -86,14 +86,14 @@ def reference() -> list[GreedyTrace]:
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
+def base_url(shared_serve) -> Iterator[str]:
     apps = [
-        ServeApp("pull", disagg_app, PULL_ARGS, route_prefix="/"),
-        ServeApp("push", disagg_app, PUSH_ARGS, route_prefix="/push"),
-        ServeApp("busy", colocated_app, BUSY_ARGS, route_prefix="/busy"),
+        ServeApp("recovery-pull", disagg_app, PULL_ARGS, route_prefix=ROOT),
+        ServeApp("recovery-push", disagg_app, PUSH_ARGS, route_prefix=f"{ROOT}/push"),
+        ServeApp("recovery-busy", colocated_app, BUSY_ARGS, route_prefix=f"{ROOT}/busy"),
     ]
-    with local_serve(apps, port=PORT) as served:
-        yield served.base_url
+    with shared_serve.apps(apps) as served:
+        yield served.url("recovery-pull")
 
 
 @dataclass
@@ -272,19 +272,22 @@ def test_dropped_release_and_stalled_fetch_end_at_the_lease(base_url, reference)
     been reused: never read) and the request is retried, completing with the engine's output."""
     _assert_nothing_held(base_url, "")
 
+    async def both_pinned(client: httpx.AsyncClient) -> dict | None:
+        """The view once the prefill replica holds drop-1's export (no release notice came)
+        and stall-1's (its consumer still asleep), both older than 2 s: neither freed early."""
+        view = (await client.get("/admin/kv")).json()
+        (prefill,) = _live(view, "PrefillServer")
+        return view if prefill["num_pinned_requests"] == 2 and prefill["oldest_pinned_s"] > 2 else None
+
     async def main() -> tuple[Streamed, dict, Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
             stalled = asyncio.ensure_future(_stream(client, "", "stall-1", 1))
             dropped = await _stream(client, "", "drop-1", 0)
-            await asyncio.sleep(2.5)  # two publishing periods of /admin/kv
-            view = (await client.get("/admin/kv")).json()
+            view = await wait_until_async(lambda: both_pinned(client), TIMEOUT_S / 2, "both exports pinned")
             return dropped, view, await stalled
 
     dropped, view, stalled = asyncio.run(main())
     _assert_same([dropped, stalled], [0, 1], reference)
-    (prefill,) = _live(view, "PrefillServer")
-    # drop-1's export (no release notice came) and stall-1's (its consumer still asleep)
-    assert prefill["num_pinned_requests"] == 2 and prefill["oldest_pinned_s"] > 2, prefill
     assert view["ok"], view
     _assert_nothing_held(base_url, "")  # both freed at their lease's end
 
@@ -294,11 +297,16 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url):
     gets no output past ``limits.stream_idle_timeout_s`` (4 s), is aborted with an error
     event (code ``timeout``) and frees its blocks; the long one completes."""
 
+    async def running(client: httpx.AsyncClient) -> bool:
+        view = (await client.get("/busy/admin/kv")).json()
+        return any(r["num_requests"] > 0 for r in _live(view, "ColocatedServer"))
+
     async def main() -> tuple[Streamed, Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            long = _complete(client, "/busy", "busy-long", max_tokens=250)
-            waiting = _stream(client, "/busy", "busy-idle", 0, delay_s=0.5)
-            return await asyncio.gather(long, waiting)
+            long = asyncio.ensure_future(_complete(client, "/busy", "busy-long", max_tokens=250))
+            await wait_until_async(lambda: running(client), 60, "the long request running on the busy replica")
+            waiting = await _stream(client, "/busy", "busy-idle", 0)
+            return await long, waiting
 
     long, idle = asyncio.run(main())
     assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 250, long.text

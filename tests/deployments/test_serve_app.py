@@ -1,7 +1,8 @@
 """The Serve applications through real HTTP on a local Ray cluster.
 
-Three applications in one Serve instance: ``disagg_app`` with pull (at /), ``disagg_app``
-with push (at /push), and ``colocated_app`` with one replica (at /colo).
+Three applications on the session's Serve: ``disagg_app`` with pull (at /serve),
+``disagg_app`` with push (at /serve/push), and ``colocated_app`` with one replica (at
+/serve/colo).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import httpx
 import pytest
 import ray
 
-from tests.serving import ServeApp, ServedApps, local_serve
+from tests.serving import ServeApp, ServedApps
 from tests.waiting import wait_until
 
-PORT = 18431
+ROOT = "/serve"
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[ServedApps]:
+def served(shared_serve) -> Iterator[ServedApps]:
     from app.config import colocated_app, disagg_app
 
     common = {
@@ -35,17 +36,17 @@ def served() -> Iterator[ServedApps]:
         "autoscaling.enabled": "false",  # fixed pools: these tests are not about autoscaling
     }
     apps = [
-        ServeApp("disagg", disagg_app, common, route_prefix="/"),
-        ServeApp("push", disagg_app, {**common, "transport.mode": "push"}, route_prefix="/push"),
-        ServeApp("colo", colocated_app, common, route_prefix="/colo"),
+        ServeApp("disagg", disagg_app, common, route_prefix=ROOT),
+        ServeApp("push", disagg_app, {**common, "transport.mode": "push"}, route_prefix=f"{ROOT}/push"),
+        ServeApp("colo", colocated_app, common, route_prefix=f"{ROOT}/colo"),
     ]
-    with local_serve(apps, port=PORT) as served:
+    with shared_serve.apps(apps) as served:
         yield served
 
 
 @pytest.fixture(scope="module")
 def base_url(served: ServedApps) -> str:
-    return served.base_url
+    return served.url("disagg")
 
 
 @pytest.fixture(params=["", "/push", "/colo"], ids=["pull", "push", "colocated"])
@@ -314,7 +315,7 @@ def test_client_disconnect_frees_blocks_on_both_replicas(served):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", served.url("disagg") + "/v1/chat/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 10:
                 break

@@ -15,7 +15,6 @@ import pytest
 import ray
 import torch
 
-from bench.ray_local import start_local_ray
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
 from tests.same_output import assert_same_output, trace_from_outputs
@@ -32,10 +31,9 @@ HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lea
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    start_local_ray(object_store_memory=200 << 20)
-    yield
-    ray.shutdown()
+def cluster(shared_serve) -> None:
+    """The session's Ray: this module's engine actors run on it, closed at the module's end."""
+    shared_serve.ray()
 
 
 @pytest.fixture(scope="module")
