@@ -1,8 +1,9 @@
 """The ingress's side of the elastic autoscaler.
 
 It syncs with the controller every ``SYNC_PERIOD_S`` (sending the latencies of the requests
-that finished, getting the routing plan back), counts exactly what it has in flight, and
-picks a route per request (``autoscaling.placement``'s rules):
+that finished, getting the routing plan back), counts exactly what it has in flight
+(``track``: one try of a request, from its start to its end), and picks a route per
+request (``autoscaling.placement``'s rules):
 
 * ``LENT``: the whole request on a lent prefill replica (role ``both``), through the prefill
   deployment's handle (its role-aware router picks a replica in the decode or both role);
@@ -20,11 +21,14 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoscaling.messages import LatencySample, RoutingPlan
 from autoscaling.placement import PromptLoad, decode_heavy, place_prompt, prefer_lent
 from autoscaling.policy import Policy
+
+if TYPE_CHECKING:
+    from engine.params import GenerationRequest
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
 SYNC_PERIOD_S = 0.25
@@ -50,8 +54,6 @@ class ElasticRouting:
         self._routed = dict.fromkeys(Route, 0)  # requests per route since start
         self._decoding: Counter[int] = Counter()  # output lengths of requests on the decode pool
         self._speeds: deque[float] = deque(maxlen=SPEED_SAMPLES)
-        self._pending: dict[str, tuple[Route, int]] = {}  # request id -> its route and prompt tokens
-        self._prefill_s: dict[str, float] = {}  # request id -> its prefill call's seconds (pull)
         self._task: asyncio.Task | None = None
 
     # ---- choosing ------------------------------------------------------------------------
@@ -81,58 +83,38 @@ class ElasticRouting:
         return Route.DISAGGREGATED
 
     @contextmanager
-    def in_flight(self, route: Route, output_tokens: int) -> Iterator[None]:
+    def track(self, request: GenerationRequest, route: Route) -> Iterator[Tracked]:
+        """One try of ``request`` on ``route``, from its start to its end: counted in flight on
+        its route (and its output length on the decode pool), its prompt counted as queued
+        until ``Tracked.prefilled`` (a pull's prefill call returned, or its first output)."""
+        output_tokens = request.sampling.max_tokens
+        on_decode_pool = route is not Route.LENT
         self._in_flight[route] += 1
         self._routed[route] += 1
-        on_decode_pool = route is not Route.LENT
         if on_decode_pool:
             self._decoding[output_tokens] += 1
+        tracked = Tracked(self, route, len(request.prompt_token_ids))
+        self._queue(route, tracked.prompt_tokens, +1)
         try:
-            yield
+            yield tracked
         finally:
+            tracked.prefilled()
             self._in_flight[route] -= 1
             if on_decode_pool:
                 self._decoding[output_tokens] -= 1
                 if not self._decoding[output_tokens]:
                     del self._decoding[output_tokens]
 
-    @contextmanager
-    def prompt_pending(self, request_id: str, route: Route, prompt_tokens: int) -> Iterator[None]:
-        """Counts the prompt as queued from the request's start until its prefill call returns
-        (``prefill_returned``, pull) or its first token (or its end)."""
-        self._pending[request_id] = (route, prompt_tokens)
+    def _queue(self, route: Route, prompt_tokens: int, sign: int) -> None:
+        """A prompt enters (+1) or leaves (-1) the prefill queue of its route."""
         if route is Route.DISAGGREGATED:
-            self._prefill_tokens += prompt_tokens
+            self._prefill_tokens += sign * prompt_tokens
         elif route is Route.ON_DECODE:
-            self._prompts_on_decode += 1
-        try:
-            yield
-        finally:
-            self._end_prompt(request_id)
-
-    def _end_prompt(self, request_id: str) -> None:
-        pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return
-        route, prompt_tokens = pending
-        if route is Route.DISAGGREGATED:
-            self._prefill_tokens -= prompt_tokens
-        elif route is Route.ON_DECODE:
-            self._prompts_on_decode -= 1
+            self._prompts_on_decode += sign
 
     # ---- what was measured -----------------------------------------------------------------
 
-    def prefill_returned(self, request_id: str, call_s: float, prompt_tokens: int, compute_s: float) -> None:
-        """A pull's prefill call returned after ``call_s``: its prompt is no longer queued, and
-        ``call_s`` is the request's prefill part of TTFT (what a lend or reclaim changes)."""
-        self._end_prompt(request_id)
-        self._prefill_s[request_id] = call_s
-        self.prefill_speed(prompt_tokens, compute_s)
-
-    def pop_prefill_s(self, request_id: str) -> float | None:
-        return self._prefill_s.pop(request_id, None)
-
-    def prefill_speed(self, prompt_tokens: int, compute_s: float) -> None:
+    def _prefill_speed(self, prompt_tokens: int, compute_s: float) -> None:
         """Seconds per prompt token: the least of the last ``SPEED_SAMPLES`` prefills. A prompt
         batched with others reports the whole step's compute, so an average would count the
         same tokens several times; the least is a prompt that ran (nearly) alone."""
@@ -176,3 +158,20 @@ class ElasticRouting:
             "seconds_per_prompt_token": self.seconds_per_prompt_token,
         }
         return view
+
+
+class Tracked:
+    """One try of a request as ``ElasticRouting.track`` counts it."""
+
+    def __init__(self, routing: ElasticRouting, route: Route, prompt_tokens: int) -> None:
+        self._routing, self.route, self.prompt_tokens = routing, route, prompt_tokens
+        self._queued = True
+
+    def prefilled(self, compute_s: float | None = None) -> None:
+        """Its prompt left the prefill queue (once; later calls leave the count alone);
+        ``compute_s``, its prefill's compute seconds, feeds the seconds-per-token estimate."""
+        if self._queued:
+            self._queued = False
+            self._routing._queue(self.route, self.prompt_tokens, -1)
+        if compute_s is not None:
+            self._routing._prefill_speed(self.prompt_tokens, compute_s)

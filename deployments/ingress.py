@@ -2,17 +2,17 @@
 
 Per request: parse and validate the body (400 naming the field), check the model (404),
 let the request schema convert itself into a ``GenerationRequest`` (tokenized, checked
-against the context: 400 naming the field), then send it to prefill and then to decode (or
-to a colocated replica) and stream the tokens back. Backpressure: at most
-``max_queued_requests`` requests in flight per ingress replica; beyond that 503 with
-``Retry-After``. A client that goes away cancels the replica calls, which abort the request
-and free its blocks on every replica. Errors from replicas are mapped by type (``_http_error``).
+against the context: 400 naming the field), admit it, then answer with its choices' outputs
+(``deployments.request_path``: routed, prefilled, decoded, retried, accounted), streamed as
+server-sent events or as one body. Backpressure: at most ``max_queued_requests`` requests in
+flight per ingress replica; beyond that 503 with ``Retry-After``. A client that goes away
+ends the outputs, which cancels the replica calls (the request's blocks are freed on every
+replica).
 """
 
 import asyncio
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -21,7 +21,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -35,7 +34,8 @@ from app.openai_protocol import (
 from app.settings import AppConfig
 from deployments import logs
 from deployments.auth import KEY_ID, APIKeyMiddleware, ApiKeys
-from deployments.elastic_routing import ElasticRouting, Route
+from deployments.elastic_routing import ElasticRouting
+from deployments.http_errors import HTTPError
 from deployments.limits import BodyTooLarge, HeldStreamingResponse, KeySlots, Slot, read_body
 from deployments.metrics import IngressMetrics
 from deployments.openai_format import (
@@ -48,11 +48,9 @@ from deployments.openai_format import (
     token_text_of,
 )
 from deployments.openapi import ServedAPI, error_responses
-from engine.core import RoleError
+from deployments.request_path import RequestPath
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
-from kv_transport.base import KVTransferError
-from kv_transport.engine_link import KVCapacityError
 
 logger = logs.install()  # Serve's logger: lines land in the replica's log file, with the request id
 api = ServedAPI(title="tandem", docs_url=None, redoc_url=None)
@@ -127,73 +125,6 @@ async def merge_after_first(streams: list[AsyncIterator[Any]]) -> AsyncIterator[
             await stream.aclose()
 
 
-def _cached(output: RequestOutput, num_cached_tokens: int) -> RequestOutput:
-    """A decode replica's output with the prompt tokens the prefill replica's cache skipped."""
-    return dataclasses.replace(output, num_cached_tokens=num_cached_tokens) if num_cached_tokens else output
-
-
-class RoleRefused(Exception):
-    """The replica the router chose had just changed role and refused the admission (nothing
-    was admitted there): the request takes another path."""
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        super().__init__(body["error"]["message"])
-        self.status, self.body, self.headers = status, body, headers or {}
-
-    @classmethod
-    def bad_request(cls, exc: FieldError) -> "HTTPError":
-        return cls(400, error_body(exc.message, exc.param))
-
-    @classmethod
-    def busy(cls, message: str) -> "HTTPError":
-        return cls(503, error_body(message, None, "server_error"), {"Retry-After": "1"})
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
-
-
-class ReplicaFailure(HTTPError):
-    """A replica died, or the KV transfer failed, on one ``side`` of a request (``prefill``:
-    the prefill call or the transfer; ``decode``: the replica that streams the tokens). Before
-    any token reached the client the ingress retries the request once (``_recovering``);
-    after, the client gets this error."""
-
-    def __init__(self, side: str, reason: str, body: dict) -> None:
-        super().__init__(503, body, {"Retry-After": "1"})
-        self.side, self.reason = side, reason
-
-
-def _replica_died(exc: BaseException) -> bool:
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-
-    return isinstance(exc, RayActorError | ReplicaUnavailableError | DeploymentUnavailableError)
-
-
-def _http_error(exc: BaseException, side: str = "decode") -> HTTPError:
-    """What a replica call raised (``RayTaskError.cause`` when the replica raised it), as the
-    client's error: by type. A dead replica and a failed transfer are ``ReplicaFailure``s
-    (expected events: one log line, no traceback, by ``_recovering``)."""
-    cause = getattr(exc, "cause", None) or exc
-    if isinstance(cause, KVCapacityError):
-        return HTTPError.busy("no KV capacity on the decode pool, retry later")
-    if isinstance(cause, FieldError):  # the engine refused the request's input
-        return HTTPError.bad_request(cause)
-    if isinstance(cause, ValueError):  # e.g. a request id already on that engine
-        return HTTPError(400, error_body(str(cause), None))
-    name = type(cause).__name__
-    if isinstance(cause, KVTransferError):
-        message = f"KV transfer failed ({name}): {cause.message}"
-        return ReplicaFailure("prefill", message, error_body(message, None, "server_error", "kv_transfer_failed"))
-    if _replica_died(exc) or _replica_died(cause):
-        message = f"the {side} replica serving this request is gone ({name})"
-        return ReplicaFailure(side, message, error_body(message, None, "server_error", "replica_unavailable"))
-    logger.error("request failed", exc_info=cause)
-    return HTTPError(500, error_body(f"internal error ({name})", None, "server_error"))
-
-
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(
@@ -218,7 +149,6 @@ class OpenAIIngress:
             max_prompt_tokens=limits.max_prompt_tokens,
             max_tokens=limits.max_tokens,
         )
-        self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.in_flight = 0
         self._active_ids: set[str] = set()
         self.metrics = IngressMetrics()
@@ -228,6 +158,7 @@ class OpenAIIngress:
         if controller is not None:
             slo = self.config.slo
             self.elastic = ElasticRouting(controller, self.config.autoscaling.load(slo.ttft_ms, slo.tpot_ms))
+        self.path = RequestPath(self.config, self.metrics, prefill, decode, colocated, self.elastic)
 
     # ---- endpoints ----------------------------------------------------------------------
 
@@ -237,7 +168,7 @@ class OpenAIIngress:
 
     @api.get("/ready")
     async def ready(self) -> dict:
-        if self.colocated is not None:
+        if self.path.colocated is not None:
             mode = "colocated"
         else:
             mode = f"disaggregated-{self.config.transport.mode}"
@@ -393,7 +324,7 @@ class OpenAIIngress:
             raise HTTPError(400, error_body(message, "X-Request-Id"))
         if self.in_flight >= self.config.max_queued_requests:
             raise HTTPError.busy("server busy: too many requests in flight")
-        self._active_ids.add(request.request_id)  # discarded when _timed ends
+        self._active_ids.add(request.request_id)  # discarded when its outputs end
 
     async def _stream(
         self, fmt: ResponseFormat, request_id: str, choices: list[GenerationRequest], include_usage: bool, text_of: Any
@@ -429,261 +360,12 @@ class OpenAIIngress:
         other choices where that prefix went, so the prompt is computed and moved once."""
         try:
             if len(choices) == 1:
-                async for output in self._timed(choices[0]):
-                    yield 0, output
+                async with aclosing(self.path.outputs(choices[0])) as outputs:
+                    async for output in outputs:
+                        yield 0, output
                 return
-            async with aclosing(merge_after_first([self._timed(c) for c in choices])) as merged:
+            async with aclosing(merge_after_first([self.path.outputs(c) for c in choices])) as merged:
                 async for index, output in merged:
                     yield index, output
         finally:
             self._active_ids.discard(request_id)
-
-    async def _timed(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """``_recovering`` with TTFT / TPOT / E2E recorded (TTFT: the first token leaving here),
-        and the idle bound: no output for ``limits.stream_idle_timeout_s`` ends the request
-        (its replica calls cancelled, so its blocks are freed) with a 504."""
-        start, first, num_tokens = time.perf_counter(), None, 0
-        route = self._route(request)
-        idle_s = self.config.limits.stream_idle_timeout_s
-        try:
-            async with aclosing(self._recovering(request, route)) as outputs:
-                while True:
-                    try:
-                        output = await asyncio.wait_for(anext(outputs), idle_s)
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError:
-                        logger.warning("request %s: no output for %.0f s, aborted", request.request_id, idle_s)
-                        message = f"no output for {idle_s:g} s (limits.stream_idle_timeout_s): request aborted"
-                        raise HTTPError(504, error_body(message, None, "server_error", "timeout")) from None
-                    if first is None and output.token_ids:
-                        first = time.perf_counter()
-                    num_tokens += len(output.token_ids)
-                    yield output
-        finally:
-            self._active_ids.discard(request.request_id)
-            prefill_s = self.elastic.pop_prefill_s(request.request_id) if self.elastic is not None else None
-        end = time.perf_counter()
-        path = "colocated" if self.colocated is not None else "disaggregated"
-        self.metrics.observe(path, start, first, end, num_tokens)
-        self.metrics.requests.inc(1, {"status": "200"})
-        if self.elastic is not None and first is not None:
-            self._observe(route, prefill_s, first - start, end - first, num_tokens)
-
-    async def _recovering(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
-        """``_outputs``, retried once when a replica died or the KV transfer failed before any
-        output left here: prefilled on the decode replica when the prefill side failed, else
-        the same path again (Serve picks a live replica, or the restarted one: its first output
-        is awaited ``recovery.wait_s`` at most, then 503 with ``Retry-After``). After an output
-        left, the failure ends the request (a stream gets an error event)."""
-        rid, sent = request.request_id, False
-        try:
-            async with aclosing(self._outputs(request, route)) as outputs:
-                async for output in outputs:
-                    sent = True
-                    yield output
-            return
-        except ReplicaFailure as exc:
-            if sent or not self.config.recovery.retry:
-                logger.warning("request %s: %s; ended with an error", rid, exc.reason)
-                raise
-            failure = exc
-        retry = Route.ON_DECODE if failure.side == "prefill" and route is not None else route
-        where = "on the decode replica" if retry is Route.ON_DECODE else "once more"
-        logger.warning("request %s: %s; no output sent yet: retrying %s", rid, failure.reason, where)
-        self.metrics.retries.inc(1, {"side": failure.side})
-        again = dataclasses.replace(request, request_id=f"{rid}-retry")  # the first try's id may linger there
-        try:
-            async with aclosing(self._retried(again, retry)) as outputs:
-                async for output in outputs:
-                    yield output
-        except ReplicaFailure as exc:
-            logger.warning("request %s: its retry failed too: %s; ended with an error", rid, exc.reason)
-            raise
-
-    async def _retried(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
-        """``_outputs`` with its first output awaited ``recovery.wait_s`` at most (503 beyond)."""
-        async with aclosing(self._outputs(request, route)) as outputs:
-            try:
-                output = await asyncio.wait_for(anext(outputs), self.config.recovery.wait_s)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                message = f"no replica could take the request within {self.config.recovery.wait_s:g} s; retry later"
-                logger.warning("request %s: %s", request.request_id, message)
-                raise HTTPError(503, error_body(message, None, "server_error"), {"Retry-After": "5"}) from None
-            yield output
-            async for output in outputs:
-                yield output
-
-    # ---- the paths through the replicas ---------------------------------------------------
-
-    def _observe(
-        self, route: Route | None, prefill_s: float | None, ttft_s: float, decode_s: float, num_tokens: int
-    ) -> None:
-        """Hand a finished request's latencies to the autoscaler: TTFT, TPOT and its prefill
-        part (a pull's prefill call; in push mode, where the prefill call ends with the
-        transfer, the TTFT)."""
-        if prefill_s is None and route is Route.DISAGGREGATED and self.config.transport.mode == "push":
-            prefill_s = ttft_s
-        self.elastic.observe(ttft_s, decode_s / (num_tokens - 1) if num_tokens > 1 else None, prefill_s)
-
-    def _route(self, request: GenerationRequest) -> Route | None:
-        """None: colocated, or a short prompt prefilled on decode (``disagg_min_prompt_tokens``)."""
-        if self.colocated is not None or len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
-            return None
-        if self.elastic is None:
-            return Route.DISAGGREGATED
-        return self.elastic.route(len(request.prompt_token_ids), request.sampling.max_tokens)
-
-    async def _outputs(self, request: GenerationRequest, route: Route | None) -> AsyncIterator[RequestOutput]:
-        """Route one request: colocated, prefilled on decode, on a lent replica, pull or push."""
-        if route is Route.LENT:
-            try:
-                async with aclosing(self._tracked(route, request)) as outputs:
-                    async for output in outputs:
-                        yield output
-                return
-            except RoleRefused:  # reclaimed meanwhile, before admitting anything there
-                route = Route.DISAGGREGATED
-        try:
-            async with aclosing(self._tracked(route, request)) as outputs:
-                async for output in outputs:
-                    yield output
-        except RoleRefused as exc:  # a replica outside its role: not expected off the lent path
-            raise HTTPError.busy(f"replica role changed, retry: {exc}") from None
-
-    def _path(self, route: Route | None, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        if route is None:
-            return self._generate(self.colocated or self.decode, request, "decode")
-        if route is Route.LENT:
-            return self._generate(self.prefill, request, "prefill")
-        if route is Route.ON_DECODE:
-            return self._generate(self.decode, request, "decode")
-        return self._pull(request) if self.config.transport.mode == "pull" else self._push(request)
-
-    async def _tracked(self, route: Route | None, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """The route's path; counted in flight on its route, its prompt until the first token."""
-        async with aclosing(self._path(route, request)) as outputs:
-            if self.elastic is None or route is None:
-                async for output in outputs:
-                    yield output
-                return
-            with self.elastic.in_flight(route, request.sampling.max_tokens):
-                with self.elastic.prompt_pending(request.request_id, route, len(request.prompt_token_ids)):
-                    output = await anext(outputs, None)
-                if output is None:
-                    return
-                yield output
-                async for output in outputs:
-                    yield output
-
-    async def _generate(self, deployment: Any, request: GenerationRequest, side: str) -> AsyncIterator[RequestOutput]:
-        """The whole request on one replica (``side``: the pool it belongs to, for recovery)."""
-        async for output in self._relay(deployment.options(stream=True).generate.remote(request), side):
-            yield output
-
-    async def _pull(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Prefill returns a handle; decode reads the KV with it, then streams."""
-        hop_start = time.perf_counter()
-        result, handle = await self._call(self.prefill.prefill.remote(request), "prefill")
-        self.metrics.prefill_hop.observe(time.perf_counter() - hop_start)
-        if self.elastic is not None:
-            hop_s = time.perf_counter() - hop_start
-            self.elastic.prefill_returned(request.request_id, hop_s, len(request.prompt_token_ids), result.compute_s)
-        if handle is None:  # ended at its first token
-            yield result.final_output()
-            return
-        # the decode replica has no logits for the first token: its log-probabilities go along
-        stream = self.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
-        async for output in self._relay(stream, "decode"):
-            yield _cached(output, result.num_cached_tokens)  # usage counts the prefill replica's cache
-
-    async def _push(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Decode reserves blocks and answers with a destination first; prefill writes into it
-        layer by layer (the first token's log-probabilities ride on the completion notice)."""
-        stream = self.decode.options(stream=True).decode_push.remote(request)
-        try:
-            destination = await self._call(stream.__anext__())
-        except BaseException:
-            stream.cancel()
-            raise
-        prefill_call = self.prefill.prefill_push.remote(request, destination)
-        async for output in self._relay(stream, "decode", prefill_call, self._push_done(request)):
-            yield output
-
-    def _push_done(self, request: GenerationRequest) -> Any:
-        def done(result: Any, last: RequestOutput) -> RequestOutput:
-            if self.elastic is not None:
-                self.elastic.prefill_speed(len(request.prompt_token_ids), result[0].compute_s)
-            return _cached(last, result[0].num_cached_tokens)
-
-        return done
-
-    async def _relay(
-        self, stream: Any, side: str, companion: Any = None, on_companion: Any = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield a replica stream's outputs; with a ``companion`` (the push's prefill call), the
-        last one waits for it and goes through ``on_companion(result, last)`` (its usage needs
-        the prefill's figures; the prefill ends before the decode in practice). The companion
-        is watched meanwhile: if its replica dies or its push fails, the stream is given up at
-        once (its decode replica would wait for the KV until the transfer timeout).
-        Unfinished (client gone, an error): cancelling both aborts the request on the replicas."""
-        finished = False
-        watched = asyncio.ensure_future(self._call(companion, "prefill")) if companion is not None else None
-        try:
-            while True:
-                try:
-                    output = await self._next(stream, side, watched)
-                except StopAsyncIteration:
-                    break
-                finished = output.finished
-                if finished and watched is not None:
-                    result, watched = await watched, None
-                    output = on_companion(result, output) if on_companion is not None else output
-                yield output
-            if watched is not None:
-                await watched
-        finally:
-            if watched is not None and not watched.done():  # first: its call is cancelled next
-                watched.cancel()
-                await asyncio.gather(watched, return_exceptions=True)  # retrieved: nothing logged
-            if not finished:
-                stream.cancel()
-                if companion is not None:
-                    companion.cancel()
-
-    async def _next(self, stream: Any, side: str, watched: asyncio.Future | None) -> RequestOutput:
-        """The stream's next output; raises the watched call's error first if that fails."""
-        if watched is None or watched.done() and watched.exception() is None:
-            return await self._call(stream.__anext__(), side)
-        step = asyncio.ensure_future(self._call(stream.__anext__(), side))
-        try:
-            await asyncio.wait({step, watched}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            step.cancel()
-            await asyncio.gather(step, return_exceptions=True)
-            raise
-        if not step.done():
-            if watched.exception() is not None:
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-                raise watched.exception()
-            await asyncio.wait({step})
-        return step.result()
-
-    @staticmethod
-    async def _call(awaitable: Any, side: str = "decode") -> Any:
-        """Await a replica call on ``side`` (prefill or decode); map what it raises to an HTTP
-        error (never a stack trace)."""
-        try:
-            return await awaitable
-        except (StopAsyncIteration, asyncio.CancelledError):
-            raise
-        except RequestCancelledError:  # this ingress cancelled the call (client gone, request ended)
-            raise asyncio.CancelledError() from None
-        except Exception as exc:
-            cause = getattr(exc, "cause", exc)
-            if isinstance(cause, RoleError):
-                raise RoleRefused(str(cause)) from None
-            raise _http_error(exc, side) from None
