@@ -300,13 +300,8 @@ BANDWIDTH = (
 def render(summary: dict) -> list[str]:
     """The generated block of kv_transfer.md, from kv_transfer.json: the bandwidth table, the
     pull against its targets, the descriptors' own cost and the push pipelining table."""
-    rows, descs, pipe = summary["bandwidth_gb_per_s"], summary["descriptor_cost"], summary["push_pipelining"]
-    large = [r for r in rows if r["size_mb"] >= 15]  # the targets hold from 16 MB up
-
-    def ratios(numerator: str, denominator: str, suffix: str) -> str:
-        return ", ".join(f"{r['size_mb']:.0f} MB {r[numerator] / r[denominator]:.2f}{suffix}" for r in large)
-
-    one_layer, extra_us = pipe["pipelined_one_layer_ms"], descs["per_extra_descriptor_us"]
+    rows, pipe = summary["bandwidth_gb_per_s"], summary["push_pipelining"]
+    one_layer = pipe["pipelined_one_layer_ms"]
     modes = [
         ["push, pipelined", f"{pipe['pipelined_tail_ms']:.1f}", pipe["pipelined_tail_in_layers"]],
         [
@@ -334,6 +329,32 @@ def render(summary: dict) -> list[str]:
         "agents) in the same two processes, as a deployment runs one mode: a connection that carries",
         "pushes one way makes UCX finish each READ the other way only after a round trip with the peer.",
         "",
+        *_target_lines(rows, summary["descriptor_cost"]),
+        "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
+        "",
+        "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
+        "timestamps; one layer = median (write done - write posted) of the pipelined run. Medians",
+        f"of {PIPELINE_REPEATS} requests after one warm-up.",
+        "",
+        *table(
+            "mode | tail (ms) | one layer (ms) | tail / one layer",
+            [[m, tail, f"{one_layer:.2f}", f"{n:.2f}"] for m, tail, n in modes],
+        ),
+        "",
+        "Target: pipelined tail <= 2x one layer's transfer time.",
+        "",
+        "![bandwidth](kv_transfer.png)",
+    ]
+
+
+def _target_lines(rows: list[dict], descs: dict) -> list[str]:
+    """The pull against its targets (from 16 MB up), and the descriptors' own cost."""
+    large, extra_us = [r for r in rows if r["size_mb"] >= 15], descs["per_extra_descriptor_us"]
+
+    def ratios(numerator: str, denominator: str, suffix: str) -> str:
+        return ", ".join(f"{r['size_mb']:.0f} MB {r[numerator] / r[denominator]:.2f}{suffix}" for r in large)
+
+    return [
         "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
         + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in large)
         + ". Against raw NIXL as 60 descriptors: "
@@ -350,20 +371,6 @@ def render(summary: dict) -> list[str]:
         f"`process_vm_readv` call), {59 * extra_us:.0f} us for a pull's 60 against",
         "one contiguous READ, before any of our code runs.",
         "",
-        "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
-        "",
-        "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
-        "timestamps; one layer = median (write done - write posted) of the pipelined run. Medians",
-        f"of {PIPELINE_REPEATS} requests after one warm-up.",
-        "",
-        *table(
-            "mode | tail (ms) | one layer (ms) | tail / one layer",
-            [[m, tail, f"{one_layer:.2f}", f"{n:.2f}"] for m, tail, n in modes],
-        ),
-        "",
-        "Target: pipelined tail <= 2x one layer's transfer time.",
-        "",
-        "![bandwidth](kv_transfer.png)",
     ]
 
 
