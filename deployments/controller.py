@@ -20,7 +20,6 @@ trace for replay.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import time
@@ -34,6 +33,7 @@ from autoscaling.decide import Action, ActionKind, ControllerState, decide
 from autoscaling.messages import LatencySample, RelayedTargets, ReplicaReport, ReportAnswer, RoutingPlan
 from autoscaling.scale import POOLS, ScaleEvent, ScaleState, decide_counts
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
+from deployments.background import keep_running
 from deployments.metrics import AutoscalerMetrics
 from engine.params import Role
 
@@ -152,8 +152,7 @@ class AutoscalerController:
     def _start(self) -> None:
         """The decision loop, started by the first call; in a context of its own, so its log
         lines carry no request id of the call that happened to start it."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
+        self._task = keep_running(self._task, self._loop)
 
     async def _loop(self) -> None:
         while True:

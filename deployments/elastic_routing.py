@@ -15,7 +15,6 @@ request (``autoscaling.placement``'s rules):
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from autoscaling.messages import LatencySample, RoutingPlan
 from autoscaling.placement import PromptLoad, decode_heavy, place_prompt, prefer_lent
 from autoscaling.policy import Policy
+from deployments.background import keep_running
 
 if TYPE_CHECKING:
     from engine.params import GenerationRequest
@@ -132,8 +132,7 @@ class ElasticRouting:
     def _start(self) -> None:
         """The sync loop, started by the first request; in a context of its own, so the syncs
         carry no request id of the client request that happened to start it."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._sync_loop(), context=contextvars.Context())
+        self._task = keep_running(self._task, self._sync_loop)
 
     async def _sync_loop(self) -> None:
         while True:

@@ -129,13 +129,16 @@ async def merge_after_first(streams: list[AsyncIterator[Any]]) -> AsyncIterator[
 class OpenAIIngress:
     def __init__(
         self,
-        config: dict[str, Any],
+        config: AppConfig,
         prefill: Any = None,
         decode: Any = None,
         colocated: Any = None,
         controller: Any = None,
     ):
-        self.config = AppConfig.model_validate(config)
+        """``config``: the application's settings, validated once by the builder; ``prefill`` and
+        ``decode`` (disagg_app) or ``colocated`` (colocated_app): the engine pools' handles;
+        ``controller``: the autoscaler's handle when autoscaling is on."""
+        self.config = config
         spec = ModelSpec(source=self.config.model.source)
         self.tokenizer = load_tokenizer(spec)
         self._text_of = token_text_of(self.tokenizer)

@@ -10,7 +10,6 @@ request router (``deployments.router``) from the engine thread's stats snapshot 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import os
 import time
@@ -21,6 +20,7 @@ from app.settings import POOL_SECTIONS, AppConfig
 from autoscaling.messages import PoolTarget, ReplicaReport
 from autoscaling.serve_policy import SEQ_METRIC, TARGET_METRIC
 from deployments import logs
+from deployments.background import keep_running
 from engine.params import EngineStats, GenerationRequest, PrefillResult, RequestOutput, Role, TokenLogprobs
 from kv_transport.base import TransferStats
 from kv_transport.handle import KVDestination, KVHandle
@@ -127,13 +127,12 @@ class EngineServer:
         if self._stopping:
             return
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:
             return
-        if self._kv_publisher is None or self._kv_publisher.done():
-            self._kv_publisher = loop.create_task(self._publish_kv_loop(), context=contextvars.Context())
-        if self._controller is not None and (self._reporter is None or self._reporter.done()):
-            self._reporter = loop.create_task(self._report_loop(), context=contextvars.Context())
+        self._kv_publisher = keep_running(self._kv_publisher, self._publish_kv_loop)
+        if self._controller is not None:
+            self._reporter = keep_running(self._reporter, self._report_loop)
 
     async def _publish_kv_loop(self) -> None:
         """``GET /admin/kv``'s data (``deployments.kv_state``), about once a second."""
