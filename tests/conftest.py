@@ -11,7 +11,10 @@ import torch
 from engine.loader import LoadedModel, ModelSpec, load_model
 from tests.serving import SharedServe
 
-torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+# one thread per xdist worker (``make test`` runs two): the other worker and the Ray replicas
+# share the cores
+DEFAULT_THREADS = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", DEFAULT_THREADS)))
 
 
 @pytest.fixture(scope="session")
@@ -43,5 +46,11 @@ def own_cluster(shared_serve: SharedServe) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a cluster of their own run first, so the shared Ray starts only once."""
+    """Modules with a cluster of their own run first, so the shared Ray starts only once.
+    Every test on a Ray cluster is in one xdist group: under ``-n 2 --dist loadgroup``
+    (``make test``) one worker runs them in this order while the other runs the rest, and
+    there is never more than one cluster (the memory bound of ``tests/serving.py``)."""
     items.sort(key=lambda item: "own_cluster" not in item.fixturenames)
+    for item in items:
+        if "shared_serve" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray"))

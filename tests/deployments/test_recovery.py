@@ -230,25 +230,27 @@ def test_prefill_killed_during_transfer_requests_complete(base_url, reference, p
 
 
 def test_decode_killed_mid_stream(base_url, reference):
-    """The decode replica dies after a stream's 8th token. Streams that had tokens end with
-    an error event (then ``[DONE]``) within ``peer_check_interval_s`` + 5 s; a request with no
-    token yet is retried on the restarted replica (or gets a 503 with ``Retry-After`` once
-    ``recovery.wait_s`` passed); afterwards the service answers with the engine's output."""
+    """The decode replica dies after a stream's 8th token. Streams the ingress had passed an
+    output of end with an error event (then ``[DONE]``) within ``peer_check_interval_s`` + 5 s
+    of the last token; a request with no output yet is retried on the restarted replica (or
+    gets a 503 with ``Retry-After`` once ``recovery.wait_s`` passed); afterwards the service
+    answers with the engine's output."""
     _assert_nothing_held(base_url, "")
     before = _engine_ids(base_url, "", "DecodeServer")
     requests = [("kill-decode-1", 0, 0.0), ("decode-peer-1", 1, 0.0), ("decode-peer-2", 2, 0.2)]
     results = _run("", requests, base_url)
-    killed = results[0]
-    assert killed.status == 200 and killed.error is not None and killed.done, killed
-    assert killed.error["type"] == "server_error" and "gone" in killed.error["message"], killed.error
-    assert 1 <= len(killed.tokens) <= 8  # the replica died after producing 8: some were still on their way
-    assert killed.error_at - killed.last_token_at <= ERROR_DEADLINE_S
-    for result, (_, prompt, _) in zip(results[1:], requests[1:]):
-        if result.error is not None:  # had tokens when the replica died: an error event, in time
-            assert result.tokens and result.done and result.error_at - killed.last_token_at <= ERROR_DEADLINE_S
-        elif result.status == 503:  # no token, no replica back within recovery.wait_s
+    # The replica died after producing the killed request's 8th token; what was still on its
+    # way died with it, so a client may have seen none of a request's tokens.
+    assert len(results[0].tokens) <= 8, results[0]
+    seen = [r.last_token_at for r in results if r.error is not None and r.last_token_at is not None]
+    for result, (_, prompt, _) in zip(results, requests):
+        if result.error is not None:  # an output had left the ingress: an error event, in time
+            assert result.status == 200 and result.done and result.error["type"] == "server_error", result
+            assert "gone" in result.error["message"], result.error
+            assert not seen or result.error_at - max(seen) <= ERROR_DEADLINE_S, result
+        elif result.status == 503:  # no output, no replica back within recovery.wait_s
             assert "retry" in result.body.lower()
-        else:
+        else:  # no output yet: retried on the restarted replica
             _assert_same([result], [prompt], reference)
     _restarted(base_url, "", "DecodeServer", before)
     (again,) = _run("", [("after-decode-restart", 2, 0.0)], base_url)
