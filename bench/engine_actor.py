@@ -8,16 +8,10 @@ import ray
 
 @ray.remote(num_cpus=0.5)
 class EngineActor:
-    def __init__(
-        self,
-        engine_id: str,
-        role: str,
-        transport: str = "nixl",
-        timeout_s: float = 60.0,
-        faults: dict | None = None,
-        push_pipelined: bool = True,
-        **engine_config,
-    ) -> None:
+    """One engine in its own process and, after ``start``, its KV link; the methods run the link's steps."""
+
+    def __init__(self, engine_id: str, role: str, transport: str = "nixl", timeout_s: float = 60.0,
+                 push_pipelined: bool = True, **engine_config) -> None:  # fmt: skip
         import torch
 
         torch.set_num_threads(1)
@@ -30,23 +24,17 @@ class EngineActor:
         engine_config.setdefault("kv_cache_bytes", 128 << 20)
         self.core = EngineCore(load_model(ModelSpec()), EngineConfig(role=Role(role), **engine_config))
         self.engine_id, self.transport_kind, self.timeout_s = engine_id, transport, timeout_s
-        self.faults = faults or {}
-        self.push_pipelined = push_pipelined
-        self.link = None
+        self.push_pipelined, self.link = push_pipelined, None
 
     async def start(self) -> str:
         from engine.async_engine import AsyncEngine
         from kv_transport.config import TransportConfig
         from kv_transport.engine_link import KVEngineLink
         from kv_transport.factory import make_transport
-        from kv_transport.faults import FaultPoints
 
         engine = AsyncEngine(self.core)
         config = TransportConfig(kind=self.transport_kind, kv_transfer_timeout_s=self.timeout_s)
-        faults = FaultPoints.of(
-            self.faults.get("delay_s"), self.faults.get("fail", ()), self.faults.get("drop_release", False)
-        )
-        transport = make_transport(config, self.engine_id, engine.pool_view().layout, faults=faults)
+        transport = make_transport(config, self.engine_id, engine.pool_view().layout)
         self.link = KVEngineLink(engine, transport, push_pipelined=self.push_pipelined)
         return transport.incarnation
 

@@ -1,14 +1,16 @@
-"""This machine and its processes, as the benchmarks measure and describe them: the machine
-line of every report, CPU ticks from ``/proc``, an engine in this process, a measurement in
-a fresh subprocess."""
+"""This machine and its processes as the benchmarks see them: the report's machine line, CPU
+ticks from ``/proc``, timings that drift alike, an engine in this process, a fresh subprocess."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -30,15 +32,13 @@ def cpu_model() -> str:
 
 
 def cpu_ticks() -> tuple[int, int, int]:
-    """(busy, total, steal) CPU ticks of the whole machine so far (``/proc/stat``; idle and
-    iowait are not busy)."""
+    """(busy, total, steal) CPU ticks of the machine so far (``/proc/stat``; idle and iowait are not busy)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks), ticks[7]
 
 
 def tree_ticks(root: int | None = None) -> dict[int, int]:
-    """utime + stime ticks of ``root`` (this process) and each of its live descendants, by pid:
-    the driver, the Ray cluster and the replicas it started."""
+    """utime + stime ticks of ``root`` (this process) and each live descendant, by pid."""
     children: dict[int, list[int]] = {}
     ticks: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -58,14 +58,30 @@ def tree_ticks(root: int | None = None) -> dict[int, int]:
 
 
 def ticks_between(before: dict[int, int], after: dict[int, int]) -> int:
-    """Ticks the processes used between two ``tree_ticks`` readings (one that ended meanwhile
-    counts nothing, never less than nothing)."""
+    """Ticks used between two ``tree_ticks`` readings (a process that ended counts nothing)."""
     return sum(max(0, ticks - before.get(pid, 0)) for pid, ticks in after.items())
 
 
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one ``fn()``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def medians(kinds: Sequence, repeats: int, once: Callable[[object, int], float]) -> dict:
+    """Median of ``once(kind, rep)`` per kind over ``repeats`` after a warm-up; each repetition
+    starts with the next kind, so a slow spell of the machine hits every kind alike."""
+    kinds = list(kinds)
+    times: dict = {kind: [] for kind in kinds}
+    for rep in range(repeats + 1):
+        for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
+            times[kind].append(once(kind, rep))
+    return {kind: statistics.median(t[1:]) for kind, t in times.items()}
+
+
 def engine_core(threads: int = 1, **config):
-    """An ``EngineCore`` of the default model in this process, ``threads`` torch threads (a
-    replica runs one)."""
+    """An ``EngineCore`` of the default model in this process, ``threads`` torch threads (a replica runs one)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -82,8 +98,8 @@ def tokenizer(source: str = "default"):
 
 
 def worker_json(module: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    """``python -m module args`` in a fresh process (its own torch threads, memory and caches);
-    the JSON of its last stdout line. Exits with its stderr when it fails."""
+    """The JSON of the last stdout line of ``python -m module args`` in a fresh process (its own
+    threads, memory and caches); exits with its stderr when it fails."""
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(proc.stderr[-3000:])

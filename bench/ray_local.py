@@ -4,12 +4,17 @@ application in one of its own."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import ray
 
 ROOT = Path(__file__).resolve().parents[1]
+HTTP_PORT = 18480
+METRICS_PORT = 18490  # + the server's index: a fresh cluster's metrics never mix with the last one's
 
 
 def repo_on_pythonpath() -> None:
@@ -22,46 +27,33 @@ def start_local_ray(num_cpus: int = 2, object_store_memory: int | None = None, *
     repo_on_pythonpath()
     if object_store_memory:
         kwargs["object_store_memory"] = object_store_memory
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-        log_to_driver=False,
-        **kwargs,
-    )
-
-
-HTTP_PORT = 18480
-METRICS_PORT = 18490  # + the server's index: a fresh cluster's metrics never mix with the last one's
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False, **kwargs)
 
 
 class Server:
-    """One Serve application (``colocated``: colocated_app, ``disagg``: disagg_app, with
-    ``args``) in its own local Ray cluster, stopped on exit; the session's logs copied to
-    ``keep_logs`` then. ``metrics_url``: Ray's Prometheus export of this cluster."""
+    """One Serve application (``colocated``: colocated_app, ``disagg``: disagg_app, with ``args``)
+    in its own local Ray cluster, stopped on exit, its logs then copied to ``keep_logs``;
+    ``metrics_url``: Ray's Prometheus export of this cluster."""
 
-    def __init__(self, application: str, args: dict[str, str], index: int = 0, **options) -> None:
-        self.application, self.args, self.index = application, dict(args), index
-        self.name, self.keep_logs = options.get("name", "bench"), options.get("keep_logs")
-        self.url = f"http://127.0.0.1:{options.get('port', HTTP_PORT)}"
-        self.metrics_url = f"http://127.0.0.1:{METRICS_PORT + index}/metrics"
-        self.log_dir: Path | None = None
+    def __init__(self, application: str, args: dict[str, str], index: int = 0, *, name: str = "bench",
+                 keep_logs: Path | None = None, port: int = HTTP_PORT) -> None:  # fmt: skip
+        self.application, self.args, self.index, self.name = application, dict(args), index, name
+        self.keep_logs, self.port, self.log_dir = keep_logs, port, None
+        self.url, self.metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{METRICS_PORT + index}/metrics"
 
     def __enter__(self) -> Server:
-        import signal
-
         from ray import serve
 
         from app.config import colocated_app, disagg_app
 
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C and SIGTERM end the run
         signal.signal(signal.SIGTERM, _exit_on_signal)  # ... and stop this cluster in __exit__
-        start_local_ray(
-            _metrics_export_port=METRICS_PORT + self.index, _system_config={"metrics_report_interval_ms": 1000}
-        )
+        start_local_ray(_metrics_export_port=METRICS_PORT + self.index,
+                        _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
         self.log_dir = _logs_dir()
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": int(self.url.rsplit(":", 1)[1])})
+            serve.start(http_options={"host": "127.0.0.1", "port": self.port})
             builder = colocated_app if self.application == "colocated" else disagg_app
             serve.run(builder(dict(self.args)), name=self.name, route_prefix="/")
             self._wait_ready(240.0)
@@ -71,8 +63,6 @@ class Server:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        import time
-
         import httpx
 
         deadline = time.monotonic() + timeout_s
@@ -93,9 +83,6 @@ class Server:
         return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
     def __exit__(self, *exc) -> None:
-        import shutil
-        import time
-
         from ray import serve
 
         try:

@@ -1,10 +1,6 @@
-"""What every benchmark's report shares: the summary JSON, the block a run regenerates in its
-docs page, markdown tables, the command line, and matplotlib figures.
-
-A page's generated block sits between two markers named after the benchmark
-(``markers("bench.compare")``); a run rewrites only that block and keeps the hand-written text
-around it. Each benchmark renders its block from its summary JSON alone (its ``render``), so
-a committed page re-renders from its committed JSON (tests/bench/test_reports.py)."""
+"""What every benchmark's report shares: the summary JSON, markdown tables, figures, the command
+line, and the block of its docs page between two markers named after it, which a run rewrites
+from its summary JSON alone (its ``render``), keeping the hand-written text around it."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ def template(name: str, title: str) -> str:
 
 
 def splice(text: str, name: str, lines: Sequence[str], new: str) -> str:
-    """``text`` with ``name``'s block replaced by ``lines`` between its markers; ``new`` (which
-    holds the empty block) is appended first when ``text`` has none."""
+    """``text`` with ``name``'s block holding ``lines``; ``new`` (with the empty block) appended where there is none."""
     begin, end = markers(name)
     if begin not in text or end not in text:
         text = text.rstrip("\n") + ("\n" if text else "") + new
@@ -54,8 +49,7 @@ def write_page(path: Path, name: str, lines: Sequence[str], new: str) -> None:
 
 
 class _Cells(string.Formatter):
-    """``str.format`` where ``{x:ms.1f}`` is seconds ``x`` in milliseconds, ``{x:MB.2f}`` bytes
-    ``x`` in MB, and None is ``missing``."""
+    """``str.format`` where ``{x:ms.1f}`` is seconds in ms, ``{x:MB.2f}`` bytes in MB, and None ``missing``."""
 
     SCALES = {"ms": 1e3, "MB": 1e-6}
 
@@ -75,8 +69,7 @@ def cells(template: str, item: dict, missing: str = "n/a") -> str:
 
 
 def table(header: str | Sequence[str], rows: Iterable[str | Sequence[object]]) -> list[str]:
-    """A markdown table. ``header``: its cells, or one string "a | b"; a row: its cells (fewer
-    than the header's for a failed measurement), or one string of them (``cells``)."""
+    """A markdown table; the header and each row as cells or one string "a | b" (a row may be short)."""
     header = header.split(" | ") if isinstance(header, str) else header
     rows = (row if isinstance(row, str) else " | ".join(map(str, row)) for row in rows)
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *(f"| {row} |" for row in rows)]
@@ -87,7 +80,7 @@ def read_json(path: Path):
 
 
 def write_json(path: Path, data, indent: int | None = 1, **dumps) -> None:
-    """``indent=None``: one line (the raw records, not committed); ``dumps``: ``json.dumps``'s options."""
+    """``indent=None``: one line (raw records); ``dumps``: ``json.dumps``'s options."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=indent, **dumps) + "\n")
@@ -101,9 +94,6 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
 def first_paragraph(doc: str | None) -> str:
     """A module docstring's first paragraph: its ``--help`` description."""
     return (doc or "").split("\n\n")[0]
-
-
-# ---- figures ---------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -122,8 +112,7 @@ def figure(path: Path, rows: int, cols: int, size: tuple[float, float], dpi: int
 
 
 def plot_attainment(results: dict[str, dict[str, dict]], path: Path, target: float = 0.9) -> None:
-    """Attainment against rate per system (as DistServe's figures); ``results[workload][system]``
-    is a sweep (``points`` with ``rate`` and ``attainment``)."""
+    """Attainment against rate per system, one panel per workload (``results[workload][system]``: a sweep)."""
     with figure(path, 1, len(results), (5 * len(results), 3.8)) as (*axes, _):
         for ax, (workload, systems) in zip(axes, results.items()):
             for system, sweep in systems.items():
@@ -136,7 +125,7 @@ def plot_attainment(results: dict[str, dict[str, dict]], path: Path, target: flo
 
 
 def plot_cdfs(points: dict[str, dict], path: Path, title: str) -> None:
-    """TTFT and TPOT CDFs; ``points[system]`` is one rate point with its ``records`` (JSON rows)."""
+    """TTFT and TPOT CDFs; ``points[system]``: one rate point with its ``records``."""
     import numpy as np
 
     with figure(path, 1, 2, (10, 3.8)) as (ttft_ax, tpot_ax, fig):

@@ -1,19 +1,11 @@
 """Load generator for any OpenAI-compatible server: ``python -m bench.serve`` (or ``tandem-bench``).
 
-Streams ``/v1/completions`` requests with prompts given as token ids (exact lengths; pass
-``--prompt-format text`` for servers that only take text) and ``ignore_eos``, at arrivals
-drawn from a Poisson process (DistServe, Splitwise), a gamma process (bursty, ``--cv``), or
-replayed from a JSONL trace. Sweeps rates, reports TTFT / TPOT / ITL / E2E, throughput,
-SLO attainment and goodput (``bench.slo``), writes JSON and PNG plots.
+Streams ``/v1/completions`` (prompts as token ids of exact lengths, or ``--prompt-format text``;
+``ignore_eos``) at Poisson, gamma (``--cv``) or traced arrivals; per rate TTFT / TPOT / ITL / E2E,
+throughput and SLO attainment, and the goodput (``bench.slo``), as JSON and plots. SLOs are fixed
+(``--slo-ttft-ms``, ``--slo-tpot-ms``) or multiples of the idle server's latency (``--slo-scale``).
 
-SLOs: ``--slo-ttft-ms`` / ``--slo-tpot-ms``, or ``--slo-scale TTFT_X,TPOT_X`` to measure the
-uncontended latency of the workload's median prompt on the idle server first and use
-multiples of it (Splitwise's method). With ``--metrics-url`` (a Prometheus endpoint, e.g.
-Ray's metrics export port) the server-side TTFT split is scraped around each rate point.
-
-Example:
-  python -m bench.serve --url http://127.0.0.1:8000 --workload summarization \\
-      --rates 0.2,0.4,0.6 --num-requests 40 --slo-scale 5,2 --out /tmp/sweep
+  python -m bench.serve --url http://127.0.0.1:8000 --workload summarization --rates 0.2,0.4,0.6
 """
 
 from __future__ import annotations
@@ -38,17 +30,10 @@ from workloads import WORKLOADS, BenchRequest, arrival_times, load_trace, make_r
 POLL_S = 1.0  # GET /admin/autoscaler period of ``poll_autoscaler``
 
 # server-side TTFT parts (Prometheus histograms exported by the tandem replicas)
-SPLIT_METRICS = {
-    "ingress_ttft": "ray_tandem_ttft_seconds",
-    "prefill_hop": "ray_tandem_ttft_prefill_hop_seconds",
-    "prefill_queue": "ray_tandem_ttft_prefill_queue_seconds",
-    "prefill_compute": "ray_tandem_ttft_prefill_compute_seconds",
-    "decode_queue": "ray_tandem_ttft_decode_queue_seconds",
-    "kv_transfer": "ray_tandem_kv_transfer_seconds",
+SPLIT_METRICS = {"ingress_ttft": "ray_tandem_ttft_seconds", "kv_transfer": "ray_tandem_kv_transfer_seconds"} | {
+    part: f"ray_tandem_ttft_{part}_seconds"
+    for part in ("prefill_hop", "prefill_queue", "prefill_compute", "decode_queue")
 }
-
-
-# ---- one request, one run ------------------------------------------------------------------
 
 
 @dataclass
@@ -62,15 +47,8 @@ class Target:
         prompt = request.prompt
         if self.prompt_format == "text" and not isinstance(prompt, str):
             prompt = self.tokenizer.decode(prompt)
-        return {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": request.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        return {"model": self.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
 
 
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
@@ -130,24 +108,21 @@ async def run(
     return list(records), duration
 
 
-# ---- uncontended latency (Splitwise-style SLOs) -------------------------------------------
+def run_checked(target: Target, requests: list[BenchRequest], what: str) -> list[RequestRecord]:
+    """``requests`` sent at once, no progress bar; raises when one fails."""
+    records, _ = asyncio.run(run(target, requests, [0.0] * len(requests), progress=False))
+    if bad := [r.error for r in records if not r.ok]:
+        raise RuntimeError(f"{what} failed: {bad[0]}")
+    return records
 
 
 def uncontended(target: Target, request: BenchRequest, repeats: int = 3, max_tokens: int = 32) -> dict[str, float]:
-    """TTFT and TPOT of ``request`` on the idle server, one at a time (medians of ``repeats``)."""
+    """TTFT and TPOT of ``request`` on the idle server, one at a time (medians of ``repeats`` after a warm-up)."""
     probe = BenchRequest(request.prompt, request.prompt_tokens, max_tokens)
-    records = [asyncio.run(run(target, [probe], [0.0], progress=False))[0][0] for _ in range(repeats + 1)][1:]
-    bad = [r.error for r in records if not r.ok]
-    if bad:
-        raise RuntimeError(f"uncontended probe failed: {bad[0]}")
-    return {
-        "prompt_tokens": request.prompt_tokens,
-        "ttft_s": statistics.median(r.ttft for r in records),
-        "tpot_s": statistics.median(r.tpot for r in records),
-    }
+    records = [run_checked(target, [probe], "uncontended probe")[0] for _ in range(repeats + 1)][1:]
+    ttft, tpot = statistics.median(r.ttft for r in records), statistics.median(r.tpot for r in records)
+    return {"prompt_tokens": request.prompt_tokens, "ttft_s": ttft, "tpot_s": tpot}
 
-
-# ---- server-side TTFT split --------------------------------------------------------------
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 
@@ -157,16 +132,10 @@ def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:
     if not metrics_url:
         return {}
     totals: dict[str, list[float]] = {}
-    text = httpx.get(metrics_url, timeout=10).text
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, value = match.group(1), float(match.group(2))
+    for match in map(_SAMPLE.match, httpx.get(metrics_url, timeout=10).text.splitlines()):
         for key, metric in SPLIT_METRICS.items():
-            if name in (metric + "_sum", metric + "_count"):
-                slot = totals.setdefault(key, [0.0, 0.0])
-                slot[0 if name.endswith("_sum") else 1] += value
+            if match and match.group(1) in (metric + "_sum", metric + "_count"):
+                totals.setdefault(key, [0.0, 0.0])[match.group(1).endswith("_count")] += float(match.group(2))
     return {k: (v[0], v[1]) for k, v in totals.items()}
 
 
@@ -175,26 +144,14 @@ def split_means(before: dict, after: dict) -> dict[str, float]:
     means = {}
     for key, (total, count) in after.items():
         total0, count0 = before.get(key, (0.0, 0.0))
-        if count - count0 > 0:
+        if count > count0:
             means[key] = (total - total0) / (count - count0)
     return means
 
 
-# ---- sweeps --------------------------------------------------------------------------------
-
-
-def sweep(
-    target: Target,
-    requests: list[BenchRequest],
-    rates: list[float],
-    slo: SLO,
-    process: str = "poisson",
-    cv: float = 1.0,
-    seed: int = 0,
-    metrics_url: str | None = None,
-    label: str = "",
-    metrics_delay_s: float = 3.0,
-) -> dict:
+def sweep(target: Target, requests: list[BenchRequest], rates: list[float], slo: SLO, process: str = "poisson",
+          cv: float = 1.0, seed: int = 0, metrics_url: str | None = None, label: str = "",
+          metrics_delay_s: float = 3.0) -> dict:  # fmt: skip
     """Run the same requests at each rate; attainment per rate and the goodput."""
     points = []
     for rate in rates:
@@ -203,17 +160,12 @@ def sweep(
         records, duration = asyncio.run(run(target, requests, offsets, f"{label} {rate:.3g} req/s"))
         if metrics_url:
             time.sleep(metrics_delay_s)  # let the replicas' metrics reach the exporter
-        summary = summarize(records, duration, slo)
-        summary["rate"] = rate
-        summary["server_ttft_split_s"] = split_means(before, scrape(metrics_url))
-        summary["records"] = [r.to_json() for r in records]
-        points.append(summary)
-        print(
-            f"  {label} rate {rate:.3g}/s: attainment {summary['attainment']:.0%}, "
-            f"TTFT p90 {summary['ttft_s']['p90']:.2f} s, TPOT p90 {summary['tpot_s']['p90'] * 1e3:.0f} ms, "
-            f"failed {summary['failed']}",
-            file=sys.stderr,
-        )
+        split = split_means(before, scrape(metrics_url))
+        summary = summarize(records, duration, slo) | {"rate": rate, "server_ttft_split_s": split}
+        points.append(summary | {"records": [r.to_json() for r in records]})
+        ttft, tpot = summary["ttft_s"]["p90"], summary["tpot_s"]["p90"]
+        print(f"  {label} rate {rate:.3g}/s: attainment {summary['attainment']:.0%}, TTFT p90 {ttft:.2f} s, "
+              f"TPOT p90 {tpot * 1e3:.0f} ms, failed {summary['failed']}", file=sys.stderr)  # fmt: skip
     found = goodput([(p["rate"], p["attainment"]) for p in points])
     return {"points": points, "goodput": {"rate": found.rate, "bound": found.bound, "text": str(found)}}
 
@@ -222,33 +174,20 @@ def warm_up(target: Target, requests: list[BenchRequest]) -> None:
     """Two short requests (4 tokens) like each of ``requests``, at once, through every path (not counted)."""
     for request in requests:
         probe = BenchRequest(request.prompt, request.prompt_tokens, 4)
-        records, _ = asyncio.run(run(target, [probe, probe], [0.0, 0.0], progress=False))
-        bad = [r.error for r in records if not r.ok]
-        if bad:
-            raise RuntimeError(f"warm-up request failed: {bad[0]}")
+        run_checked(target, [probe, probe], "warm-up request")
 
 
 def timeline_sample(view: dict, t: float) -> dict:
     """One ``GET /admin/autoscaler`` answer, without the decisions (those are kept once each)."""
-    replicas = [
-        {"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
-        for r in view.get("replicas", [])
-    ]
-    ingress = view.get("ingress", {})
-    return {
-        "t": round(t, 2),
-        "replicas": replicas,
-        "in_flight": ingress.get("in_flight", {}),
-        "observed": view.get("observed", {}),
-    }
+    replicas = [{"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
+                for r in view.get("replicas", [])]  # fmt: skip
+    in_flight, observed = view.get("ingress", {}).get("in_flight", {}), view.get("observed", {})
+    return {"t": round(t, 2), "replicas": replicas, "in_flight": in_flight, "observed": observed}
 
 
 async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.Event, extra=None) -> tuple[list, list]:
-    """One sample per ``POLL_S`` until ``stop``: the autoscaler's view (``timeline_sample``, each
-    pool's ``scaling``) and ``await extra()``'s fields; every decision seen, once (by its
-    controller time, action, subject and role). ``started``: the run's start on
-    ``time.perf_counter``'s and ``time.time``'s clocks. Returns the samples and the decisions
-    (in order of time, ``t`` since the start)."""
+    """Samples of the autoscaler's view (and ``await extra()``'s fields) every ``POLL_S`` until ``stop``,
+    and every decision seen, once, by time since ``started`` (its ``perf_counter`` and ``time`` clocks)."""
     (t0, wall0), timeline, decisions = started, [], {}
     async with httpx.AsyncClient(timeout=5.0) as client:
         while not stop.is_set():
@@ -258,19 +197,14 @@ async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.
                 view = (await client.get(url + "/admin/autoscaler")).json()
                 sample |= timeline_sample(view, tick - t0) | {"scaling": view.get("scaling", {})}
                 for d in view.get("decisions", []):
-                    decisions[(d["monotonic_s"], d["action"], d["replica"], d["role"])] = {
-                        "t": round(d["time"] - wall0, 2),
-                        **d,
-                    }
+                    key = (d["monotonic_s"], d["action"], d["replica"], d["role"])
+                    decisions[key] = {"t": round(d["time"] - wall0, 2), **d}
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 print(f"autoscaler poll failed: {exc!r}", file=sys.stderr)
             timeline.append(sample)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, POLL_S - (time.perf_counter() - tick)))
     return timeline, sorted(decisions.values(), key=lambda d: d["t"])
-
-
-# ---- command line --------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -298,44 +232,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]
-    model = args.model or info["id"]
     max_model_len = args.max_model_len or info.get("max_model_len")
     if max_model_len is None:
         sys.exit("--max-model-len is needed: the server does not report its context")
     from bench.host import tokenizer as load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
-    target = Target(args.url, model, args.prompt_format, tokenizer)
+    target = Target(args.url, args.model or info["id"], args.prompt_format, tokenizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
     if args.trace:
         requests = load_trace(args.trace, tokenizer)
         offsets = [r.arrival_s - requests[0].arrival_s for r in requests]
         records, duration = asyncio.run(run(target, requests, offsets, "trace"))
-        slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
         result = {"trace": args.trace, **summarize(records, duration, slo)}
     else:
-        requests = make_requests(args.workload, tokenizer, max_model_len, args.num_requests, args.seed)
-        base = None
-        if args.slo_ttft_ms and args.slo_tpot_ms:
-            slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-        else:
-            ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
-            base = uncontended(target, median_request(requests))
-            slo = SLO(ttft_x * base["ttft_s"], tpot_x * base["tpot_s"])
-        print(f"SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms", file=sys.stderr)
-        rates = [float(r) for r in args.rates.split(",")]
-        result = {
-            "workload": args.workload,
-            "model": model,
-            "uncontended": base,
-            **sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload),
-        }
+        result = rate_sweep(
+            args, target, make_requests(args.workload, tokenizer, max_model_len, args.num_requests, args.seed), slo
+        )
         plot_attainment({args.workload: {"this server": result}}, out / "attainment.png")
         plot_cdfs({"this server": result["points"][-1]}, out / "cdf.png", args.workload)
     write_json(out / "results.json", result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("points", "records")}, indent=1))
     print(f"wrote {out / 'results.json'}", file=sys.stderr)
+
+
+def rate_sweep(args: argparse.Namespace, target: Target, requests: list[BenchRequest], slo: SLO | None) -> dict:
+    """The command line's sweep; without fixed SLOs, multiples of the idle server's latency first."""
+    base = None
+    if slo is None:
+        ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
+        base = uncontended(target, median_request(requests))
+        slo = SLO(ttft_x * base["ttft_s"], tpot_x * base["tpot_s"])
+    print(f"SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms", file=sys.stderr)
+    rates = [float(r) for r in args.rates.split(",")]
+    points = sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload)
+    return {"workload": args.workload, "model": target.model, "uncontended": base, **points}
 
 
 if __name__ == "__main__":

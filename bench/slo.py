@@ -1,11 +1,10 @@
-"""Latency metrics, SLO attainment and goodput, defined as the published methods define them.
+"""Latency metrics, SLO attainment and goodput, as the published methods define them.
 
-Per request (as ``vllm bench serve``): TTFT = first content chunk - send; E2E = last chunk
-- send; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = every gap between consecutive
-content chunks. SLO attainment (DistServe): the fraction of the requests sent that finished
-with TTFT <= the TTFT SLO and TPOT <= the TPOT SLO (a failed request is a miss; a one-token
-output has no TPOT and meets that half). Goodput (DistServe): the highest arrival rate at
-which attainment is still >= the target (90%), read off a rate sweep.
+Per request (``vllm bench serve``): TTFT = first content chunk - send; E2E = last chunk - send;
+TPOT = (E2E - TTFT) / (output tokens - 1); ITL = each gap between content chunks. Attainment
+(DistServe): the share of requests sent that finished within both SLOs (a failure misses; a
+one-token output has no TPOT and meets that half). Goodput: the highest rate whose attainment
+is still >= the target (90%), read off a rate sweep.
 """
 
 from __future__ import annotations
@@ -49,9 +48,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens >= 2 else None
 
     @property
     def itls(self) -> list[float]:
@@ -77,10 +74,7 @@ class SLO:
     tpot_s: float
 
     def met(self, record: RequestRecord) -> bool:
-        if not record.ok or record.ttft > self.ttft_s:
-            return False
-        tpot = record.tpot
-        return tpot is None or tpot <= self.tpot_s
+        return record.ok and record.ttft <= self.ttft_s and (record.tpot is None or record.tpot <= self.tpot_s)
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:
@@ -98,39 +92,34 @@ def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> dict:
     """The figures of one run: latency distributions, throughput and (with an SLO) attainment."""
     done = [r for r in records if r.ok]
+    per_s = lambda n: n / duration_s if duration_s > 0 else 0.0  # noqa: E731
     summary = {
         "requests": len(records),
         "completed": len(done),
         "failed": len(records) - len(done),
         "duration_s": duration_s,
-        "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
-        "output_throughput": sum(r.output_tokens for r in done) / duration_s if duration_s > 0 else 0.0,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(sum(r.output_tokens for r in done)),
         "ttft_s": distribution([r.ttft for r in done]),
         "tpot_s": distribution([t for r in done if (t := r.tpot) is not None]),
         "itl_s": distribution([gap for r in done for gap in r.itls]),
         "e2e_s": distribution([r.e2e for r in done]),
     }
     if slo is not None:
-        summary["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
-        summary["attainment"] = attainment(records, slo)
+        summary |= {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "attainment": attainment(records, slo)}
     return summary
 
 
 @dataclass(frozen=True)
 class Goodput:
-    """``rate`` req/s; ``bound``: 'exact' (the 90% crossing, interpolated between the last
-    passing and the first failing rate), 'at_least' (every rate tried passed) or 'below'
-    (the lowest rate tried already failed; ``rate`` is 0)."""
+    """``rate`` req/s; ``bound``: 'exact' (the crossing, interpolated between the last passing and
+    the first failing rate), 'at_least' (every rate passed) or 'below' (the lowest failed; rate 0)."""
 
     rate: float
     bound: str
 
     def __str__(self) -> str:
-        if self.bound == "at_least":
-            return f">= {self.rate:.3g}"
-        if self.bound == "below":
-            return "< lowest rate"
-        return f"{self.rate:.3g}"
+        return {"at_least": f">= {self.rate:.3g}", "below": "< lowest rate"}.get(self.bound, f"{self.rate:.3g}")
 
 
 def goodput(points: Sequence[tuple[float, float]], target: float = 0.9) -> Goodput:
@@ -138,14 +127,10 @@ def goodput(points: Sequence[tuple[float, float]], target: float = 0.9) -> Goodp
     ordered = sorted(points)
     if not ordered:
         raise ValueError("goodput needs at least one (rate, attainment) point")
-    last_pass: tuple[float, float] | None = None
-    for rate, value in ordered:
-        if value >= target:
-            last_pass = (rate, value)
-            continue
-        if last_pass is None:
-            return Goodput(0.0, "below")
-        pass_rate, pass_value = last_pass
-        crossing = pass_rate + (pass_value - target) / (pass_value - value) * (rate - pass_rate)
-        return Goodput(crossing, "exact")
-    return Goodput(ordered[-1][0], "at_least")
+    failing = next((i for i, (_, value) in enumerate(ordered) if value < target), None)
+    if failing is None:
+        return Goodput(ordered[-1][0], "at_least")
+    if failing == 0:
+        return Goodput(0.0, "below")
+    (pass_rate, pass_value), (rate, value) = ordered[failing - 1], ordered[failing]
+    return Goodput(pass_rate + (pass_value - target) / (pass_value - value) * (rate - pass_rate), "exact")
