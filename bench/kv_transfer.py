@@ -1,18 +1,7 @@
-"""KV transfer benchmark: ``python -m bench.kv_transfer`` (summary in docs/benchmarks/kv_transfer.md).
+"""KV transfer between two processes: ``python -m bench.kv_transfer`` (docs/benchmarks/kv_transfer.md).
 
-Part 1, bytes/s between two processes (two Ray actors, each with a KV pool of the default
-model's layout), for 1, 16, 64 and 256 MB of real KV blocks, buffers touched before
-timing, median of several repetitions:
-  * our NIXL pull (``fetch``: descriptors, one READ, completion seen by the progress thread);
-  * our NIXL push (30 layers' writes posted, then all completions);
-  * the object store (copy out + ``ray.put`` in the producer, ``ray.get`` + copy in);
-  * raw NIXL: one READ of one contiguous buffer of the same size, no handles or registry,
-    completion polled in a tight loop, on memory allocated as the pool is (2 MB pages,
-    ``engine/host_memory.py``), and the same on ordinary 4 KB pages (``MADV_NOHUGEPAGE``);
-  * a torch copy of the same bytes inside one process, all threads.
-Part 2, pipelined push on a 2,048-token prompt (real prefill of the default model): from
-the per-layer timestamps, (last layer's KV complete at decode) - (prefill compute end),
-against one layer's transfer time; the same for push without pipelining and for pull.
+Bytes/s of our NIXL pull and push, the object store, raw NIXL reads and a torch copy over blocks
+of the default model's KV layout; then the tail of a layer-pipelined push on a real prefill.
 """
 
 from __future__ import annotations
@@ -29,6 +18,7 @@ from pathlib import Path
 import ray
 import torch
 
+from bench.host import medians, seconds
 from bench.ray_local import start_local_ray
 from bench.report import cells, command_line, figure, first_paragraph, table, template, write_json, write_page
 
@@ -37,42 +27,41 @@ REPEATS = 21
 PIPELINE_REPEATS = 5
 BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # default model, float32, 16-token blocks
 POOL_BLOCKS = 420  # > 256 MB of blocks
+RAW_BYTES = 256 << 20  # each raw NIXL buffer
 
 
 @ray.remote(num_cpus=0.5)
 class TransferActor:
-    """A pool and a transport, without a model: moves real-layout KV blocks."""
+    """A KV pool of the default model's layout and its transports, without a model; and two
+    contiguous buffers (2 MB and 4 KB pages) for raw NIXL reads."""
 
     def __init__(self, engine_id: str) -> None:
         torch.set_num_threads(1)
+        from nixl._api import nixl_agent, nixl_agent_config
+
         from engine.host_memory import host_tensor
         from engine.kv_pool import KVLayout
         from kv_transport.nixl_transport import NixlTransport
         from kv_transport.object_store import ObjectStoreTransport
         from kv_transport.registry import RayPeerRegistry
 
-        self.layout = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+        layout = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
         self.pool = host_tensor((30, 2, POOL_BLOCKS, 16, 3, 64), torch.float32).uniform_()  # as the engine's pool
         self.released: list[str] = []
-        # pull and push each on their own transport (own NIXL agents), as a deployment runs
-        # one mode: when one connection carries pushes one way, UCX completes each READ the
-        # other way only after a round trip with the peer (docs/architecture.md)
-        self.nixl = NixlTransport(engine_id, self.layout, RayPeerRegistry())
-        self.nixl.register_pool(self.pool, self.released.append)
-        self.nixl_push = NixlTransport(f"{engine_id}-push", self.layout, RayPeerRegistry())
-        self.nixl_push.register_pool(self.pool, self.released.append)
-        self.store = ObjectStoreTransport(engine_id, self.layout)
-        self.store.register_pool(self.pool, self.released.append)
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        # as our transport's agents: no spinning progress thread; the reader's tight poll and,
-        # on the side being read, a 1 ms poll (as our transport's) progress UCX
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.raw_agent = nixl_agent(f"raw-{engine_id}", config)
-        # 256 MB contiguous: on memory allocated as the pool is, and on ordinary pages
-        pool_pages = host_tensor((256 << 18,), torch.float32).uniform_()
-        small_pages = host_tensor((256 << 18,), torch.float32, huge_pages=False).uniform_()
-        self.raw = {"pool_pages": pool_pages, "4k_pages": small_pages}
+        # pull and push on their own NIXL agents, as a deployment runs one mode (kv_transfer.md)
+        self.transports = {
+            "nixl": NixlTransport(engine_id, layout, RayPeerRegistry()),
+            "push": NixlTransport(f"{engine_id}-push", layout, RayPeerRegistry()),
+            "store": ObjectStoreTransport(engine_id, layout),
+        }
+        for transport in self.transports.values():
+            transport.register_pool(self.pool, self.released.append)
+        # as our transport's agents: no progress thread; the reader polls, the side read a 1 ms poll
+        self.raw_agent = nixl_agent(f"raw-{engine_id}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.raw = {
+            "pool_pages": host_tensor((RAW_BYTES // 4,), torch.float32).uniform_(),
+            "4k_pages": host_tensor((RAW_BYTES // 4,), torch.float32, huge_pages=False).uniform_(),
+        }
         for buffer in self.raw.values():
             self.raw_agent.register_memory(buffer)
         self.raw_lock = threading.Lock()  # the agent is used from two threads
@@ -93,12 +82,13 @@ class TransferActor:
 
         with self.raw_lock:
             name = self.raw_agent.add_remote_agent(meta)
-        piece, stride = num_bytes // num_descs, (256 << 20) // num_descs
-        offsets = [i * stride for i in range(num_descs)]
-        local_rows = np.array([[self.raw[pages].data_ptr() + o, piece, 0] for o in offsets], dtype=np.uint64)
-        remote_rows = np.array([[remote_address + o, piece, 0] for o in offsets], dtype=np.uint64)
-        local = self.raw_agent.get_xfer_descs(local_rows, "DRAM")
-        remote = self.raw_agent.get_xfer_descs(remote_rows, "DRAM")
+        piece, stride = num_bytes // num_descs, RAW_BYTES // num_descs
+        local, remote = (
+            self.raw_agent.get_xfer_descs(
+                np.array([[base + i * stride, piece, 0] for i in range(num_descs)], dtype=np.uint64), "DRAM"
+            )
+            for base in (self.raw[pages].data_ptr(), remote_address)
+        )
         start = time.perf_counter()
         with self.raw_lock:
             handle = self.raw_agent.initialize_xfer("READ", local, remote, name)
@@ -111,185 +101,122 @@ class TransferActor:
         assert state == "DONE", state
         return elapsed
 
-    def export(self, transport_name: str, request_id: str, num_blocks: int):
-        transport = self.nixl if transport_name == "nixl" else self.store
+    def export(self, kind: str, request_id: str, num_blocks: int):
         start = time.perf_counter()
-        handle = transport.export(request_id, list(range(num_blocks)), num_blocks * 16, 1)
+        handle = self.transports[kind].export(request_id, list(range(num_blocks)), num_blocks * 16, 1)
         return handle, time.perf_counter() - start
 
-    async def fetch_s(self, transport_name: str, handle) -> float:
-        transport = self.nixl if transport_name == "nixl" else self.store
-        blocks = list(range(POOL_BLOCKS - handle_blocks(handle), POOL_BLOCKS))  # the caller's input
+    async def fetch_s(self, kind: str, handle) -> float:
+        blocks = list(range(POOL_BLOCKS - sum(n for _, n in handle.block_ranges), POOL_BLOCKS))  # the caller's input
         start = time.perf_counter()
-        await transport.fetch(handle, blocks)
+        await self.transports[kind].fetch(handle, blocks)
         return time.perf_counter() - start
 
     def destination(self, request_id: str, num_blocks: int):
-        return self.nixl_push.destination(request_id, list(range(num_blocks)), num_blocks * 16)
+        return self.transports["push"].destination(request_id, list(range(num_blocks)), num_blocks * 16)
 
     async def push_s(self, destination) -> float:
-        blocks = list(range(POOL_BLOCKS - len(destination.block_ids), POOL_BLOCKS))
-        self.nixl_push.begin_push(destination)
+        push, blocks = self.transports["push"], list(range(POOL_BLOCKS - len(destination.block_ids), POOL_BLOCKS))
+        push.begin_push(destination)
         start = time.perf_counter()
         for layer in range(30):
-            self.nixl_push.push_layer(destination.request_id, layer, blocks, 0)
-        await self.nixl_push.finish_push(destination.request_id, 1)
+            push.push_layer(destination.request_id, layer, blocks, 0)
+        await push.finish_push(destination.request_id, 1)
         return time.perf_counter() - start
 
     async def wait_push(self, destination) -> None:
-        await self.nixl_push.wait_push(destination)
-
-
-def handle_blocks(handle) -> int:
-    return sum(count for _, count in handle.block_ranges)
-
-
-def torch_copy_gbps(num_bytes: int) -> float:
-    torch.set_num_threads(os.cpu_count() or 1)
-    src = torch.rand(num_bytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return num_bytes / statistics.median(times) / 1e9
+        await self.transports["push"].wait_push(destination)
 
 
 METHODS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
 
 
-def measure(
-    method: str, producer, consumer, tag: str, num_blocks: int, meta: bytes, addresses: dict[str, int]
-) -> float:
-    """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``method``."""
-    if method == "nixl_pull":
-        handle, _ = ray.get(producer.export.remote("nixl", f"pull-{tag}", num_blocks))
-        return ray.get(consumer.fetch_s.remote("nixl", handle))
+def measure(method: str, producer, consumer, tag: str, num_blocks: int, raw: tuple | None = None) -> float:
+    """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``method`` (``raw``: the
+    producer's ``raw_meta``, for the raw NIXL methods)."""
+    if method in ("nixl_pull", "object_store"):  # the object store's export copies out: it counts
+        kind = "nixl" if method == "nixl_pull" else "store"
+        handle, export_s = ray.get(producer.export.remote(kind, f"{kind}-{tag}", num_blocks))
+        return (export_s if kind == "store" else 0.0) + ray.get(consumer.fetch_s.remote(kind, handle))
     if method == "nixl_push":
         dest = ray.get(consumer.destination.remote(f"push-{tag}", num_blocks))
         waiting = consumer.wait_push.remote(dest)
         seconds = ray.get(producer.push_s.remote(dest))
         ray.get(waiting)
         return seconds
-    if method == "object_store":
-        handle, export_s = ray.get(producer.export.remote("store", f"store-{tag}", num_blocks))
-        return export_s + ray.get(consumer.fetch_s.remote("store", handle))
-    num_descs = 60 if method == "raw_nixl_60_descs" else 1
-    pages = "4k_pages" if method == "raw_nixl_4k_pages" else "pool_pages"
+    meta, addresses = raw
+    num_descs, pages = 60 if method == "raw_nixl_60_descs" else 1, "4k_pages" if "4k" in method else "pool_pages"
     return ray.get(consumer.raw_read_s.remote(meta, pages, addresses[pages], num_blocks * BYTES_PER_BLOCK, num_descs))
 
 
-def descriptor_cost_us(producer, consumer) -> dict[str, float]:
-    """The fixed cost of a descriptor, none of our code: one raw READ of 60 x 64 B against one
-    of 64 B (medians, ``initialize_xfer`` included). Per descriptor NIXL prepares it and UCX,
-    between CPU memories, reads it with its own ``process_vm_readv`` call; a pull in the pool
-    layout (>= 60 descriptors) pays that for 59 more than one contiguous READ."""
-    meta, addresses = ray.get(producer.raw_meta.remote())
-    times: dict[int, list[float]] = {1: [], 60: []}
-    for rep in range(REPEATS + 1):
-        for num_descs in (1, 60) if rep % 2 else (60, 1):
-            args = (meta, "pool_pages", addresses["pool_pages"], 64 * num_descs, num_descs)
-            times[num_descs].append(ray.get(consumer.raw_read_s.remote(*args)))
-    one, sixty = (statistics.median(times[n][1:]) * 1e6 for n in (1, 60))
-    return {"one_descriptor_us": one, "sixty_descriptors_us": sixty, "per_extra_descriptor_us": (sixty - one) / 59}
-
-
 def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
-    rows = []
-    meta, addresses = ray.get(producer.raw_meta.remote())
-    for size_mb in SIZES_MB:
-        num_blocks = max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))
-        num_bytes = num_blocks * BYTES_PER_BLOCK
-        times: dict[str, list[float]] = {method: [] for method in METHODS}
-        for rep in range(REPEATS + 1):  # the first repetition warms up
-            # each repetition starts with another method: none is always first after the others
-            for method in METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]:
-                times[method].append(
-                    measure(method, producer, consumer, f"{size_mb}-{rep}", num_blocks, meta, addresses)
-                )
-        gbps = {method: num_bytes / statistics.median(t[1:]) / 1e9 for method, t in times.items()}
-        rows.append(
-            {
-                "size_mb": num_bytes / 2**20,
-                "num_blocks": num_blocks,
-                **gbps,
-                "torch_copy": torch_copy_gbps(num_bytes),
-                "pull_vs_raw": gbps["nixl_pull"] / gbps["raw_nixl"],
-            }
-        )
-        print(f"  {size_mb} MB done", file=sys.stderr, flush=True)
-    return rows
+    """GB/s of each method and of a torch copy in this process (all threads), per size."""
+    raw = ray.get(producer.raw_meta.remote())
+    torch.set_num_threads(os.cpu_count() or 1)
+    return [
+        _size_row(producer, consumer, raw, max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))) for size_mb in SIZES_MB
+    ]
+
+
+def _size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, float]:
+    num_bytes = num_blocks * BYTES_PER_BLOCK
+    once = lambda m, rep: measure(m, producer, consumer, f"{num_blocks}-{rep}", num_blocks, raw)  # noqa: E731
+    gbps = {method: num_bytes / s / 1e9 for method, s in medians(METHODS, REPEATS, once).items()}
+    src = torch.rand(num_bytes // 4)
+    dst = torch.empty_like(src)
+    copy_s = medians(["copy"], REPEATS, lambda *_: seconds(lambda: dst.copy_(src)))["copy"]
+    print(f"  {num_bytes / 2**20:.0f} MB done", file=sys.stderr, flush=True)
+    return {"size_mb": num_bytes / 2**20, "num_blocks": num_blocks, **gbps, "torch_copy": num_bytes / copy_s / 1e9,
+            "pull_vs_raw": gbps["nixl_pull"] / gbps["raw_nixl"]}  # fmt: skip
 
 
 def pipelining(prompt_len: int = 2048) -> dict[str, float]:
+    """Medians of the push tails (pipelined or not) and of the pull after prefill, one decode engine."""
     from bench.engine import corpus_ids
     from bench.engine_actor import EngineActor
     from engine.loader import ModelSpec, load_model
     from engine.params import GenerationRequest, SamplingParams
 
-    prompt = corpus_ids(load_model(ModelSpec()).tokenizer, prompt_len)
-    # every repetition prefills (and pushes) the whole prompt: the same prompt again must not hit a prefix cache
+    prompt = tuple(corpus_ids(load_model(ModelSpec()).tokenizer, prompt_len))
+    # every repetition prefills (and moves) the whole prompt: the same prompt again must not hit a prefix cache
     config = dict(
         max_model_len=4096, kv_cache_bytes=256 << 20, max_num_batched_tokens=4096, enable_prefix_caching=False
     )
-    consumer = EngineActor.remote("bench-decode", "decode", **config)
-    result: dict[str, float] = {}
-    for name, pipelined in (("pipelined", True), ("not_pipelined", False)):
-        producer = EngineActor.remote(f"bench-prefill-{name}", "prefill", push_pipelined=pipelined, **config)
-        ray.get([consumer.start.remote(), producer.start.remote()] if name == "pipelined" else producer.start.remote())
+    consumer, result = EngineActor.remote("bench-decode", "decode", **config), {}
+    ray.get(consumer.start.remote())
+    for mode in ("pipelined", "not_pipelined", "pull"):  # the pull from a producer that never pushed
+        producer = EngineActor.remote(f"bench-prefill-{mode}", "prefill", push_pipelined=mode == "pipelined", **config)
+        ray.get(producer.start.remote())
         figures = []
         for rep in range(PIPELINE_REPEATS + 1):  # the first warms up
-            request = GenerationRequest(f"{name}-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
-            dest = ray.get(consumer.reserve_push.remote(request))
-            decoding = consumer.decode_push.remote(request, dest)
-            _, stats = ray.get(producer.prefill_push.remote(request, dest))
-            ray.get(decoding)
-            figures.append(_push_figures(name, stats, pipelined))
-        result.update(_median_figures(figures[1:]))
-        if name == "not_pipelined":  # pull from a producer that never pushed (see TransferActor)
-            ray.kill(producer)
-            producer = EngineActor.remote("bench-prefill-pull", "prefill", **config)
-            ray.get(producer.start.remote())
-            pulls = []
-            for rep in range(PIPELINE_REPEATS + 1):
-                request = GenerationRequest(f"pull-{rep}", tuple(prompt), SamplingParams(max_tokens=2, temperature=0))
-                _, handle = ray.get(producer.prefill_pull.remote(request))
-                ray.get(consumer.decode_pull.remote(request, handle))
-                pulls.append(ray.get(consumer.last_fetch_ms.remote()))
-            result["pull_after_prefill_ms"] = statistics.median(pulls[1:])
+            request = GenerationRequest(f"{mode}-{rep}", prompt, SamplingParams(max_tokens=2, temperature=0))
+            figures.append(_one_request(mode, producer, consumer, request))
+        result |= {key: statistics.median(f[key] for f in figures[1:]) for key in figures[0]}
         ray.kill(producer)
     ray.kill(consumer)
     result["pull_in_layers"] = result["pull_after_prefill_ms"] / result["pipelined_one_layer_ms"]
     return result
 
 
-def _median_figures(figures: list[dict]) -> dict:
-    """Median of each numeric figure over the repetitions; the last repetition's layer detail."""
-    merged = {k: statistics.median(f[k] for f in figures) for k, v in figures[0].items() if isinstance(v, float)}
-    return figures[-1] | merged
+def _one_request(mode: str, producer, consumer, request) -> dict[str, float]:
+    if mode == "pull":
+        _, handle = ray.get(producer.prefill_pull.remote(request))
+        ray.get(consumer.decode_pull.remote(request, handle))
+        return {"pull_after_prefill_ms": ray.get(consumer.last_fetch_ms.remote())}
+    dest = ray.get(consumer.reserve_push.remote(request))
+    decoding = consumer.decode_push.remote(request, dest)
+    _, stats = ray.get(producer.prefill_push.remote(request, dest))
+    ray.get(decoding)
+    return push_figures(mode, stats.layer_times, mode == "pipelined")
 
 
-def _push_figures(name: str, stats, pipelined: bool) -> dict[str, float]:
-    """From the layer timestamps (one clock: the producer's). Pipelined: the forward pass
-    ends at the last layer's compute end; not pipelined: when the first write is posted."""
-    layers = stats.layer_times
+def push_figures(mode: str, layers: list, pipelined: bool) -> dict[str, float]:
+    """Tail and one layer's write from the layer timestamps (one clock: the producer's). The
+    forward pass ends at the last layer's compute end (pipelined) or the first's (not)."""
     compute_end = layers[-1].compute_end if pipelined else min(t.compute_end for t in layers)
-    complete = max(t.done for t in layers)
-    one_layer = statistics.median(t.done - t.posted for t in layers)
-    last = {
-        f"{name}_last_layers_ms": [
-            {k: round((getattr(t, k) - compute_end) * 1e3, 3) for k in ("compute_end", "posted", "done")}
-            for t in layers[-3:]
-        ]
-    }
-    return last | {
-        f"{name}_tail_ms": (complete - compute_end) * 1e3,
-        f"{name}_one_layer_ms": one_layer * 1e3,
-        f"{name}_tail_in_layers": (complete - compute_end) / one_layer,
-        f"{name}_bytes": stats.num_bytes,
-    }
+    tail, one_layer = max(t.done for t in layers) - compute_end, statistics.median(t.done - t.posted for t in layers)
+    return {f"{mode}_tail_ms": tail * 1e3, f"{mode}_one_layer_ms": one_layer * 1e3,
+            f"{mode}_tail_in_layers": tail / one_layer}  # fmt: skip
 
 
 BANDWIDTH = (
@@ -298,41 +225,35 @@ BANDWIDTH = (
     "{size_mb:.1f} | {num_blocks} | {nixl_pull:.2f} | {nixl_push:.2f} | {object_store:.2f} | {raw_nixl:.2f}"
     " | {raw_nixl_60_descs:.2f} | {raw_nixl_4k_pages:.2f} | {torch_copy:.2f} | {pull_vs_raw:.2f}",
 )
+TARGETS = (  # the pull against its targets: text, numerator, denominator, suffix
+    ("Target: our pull >= 0.9x raw NIXL from 16 MB up: ", "nixl_pull", "raw_nixl", ""),
+    (". Against raw NIXL as 60 descriptors: ", "nixl_pull", "raw_nixl_60_descs", "x"),
+    (". The same READ as 60 descriptors, none of our code: ", "raw_nixl_60_descs", "raw_nixl", "x raw"),
+    (". Against raw NIXL on 4 KB pages our pull is ", "nixl_pull", "raw_nixl_4k_pages", "x"),
+)
 
 
 def render(summary: dict) -> list[str]:
-    """The generated block of kv_transfer.md, from kv_transfer.json: the bandwidth table, the
-    pull against its targets, the descriptors' own cost and the push pipelining table."""
+    """The generated block of kv_transfer.md, from kv_transfer.json."""
     rows, pipe = summary["bandwidth_gb_per_s"], summary["push_pipelining"]
-    one_layer = pipe["pipelined_one_layer_ms"]
-    modes = [
-        ["push, pipelined", f"{pipe['pipelined_tail_ms']:.1f}", pipe["pipelined_tail_in_layers"]],
-        [
-            "push, all layers after the forward",
-            f"{pipe['not_pipelined_tail_ms']:.1f}",
-            pipe["not_pipelined_tail_ms"] / one_layer,
-        ],
-        ["pull (fetch after prefill)", f"{pipe['pull_after_prefill_ms']:.1f}", pipe["pull_in_layers"]],
-    ]
+    large, one = [r for r in rows if r["size_mb"] >= 15], pipe["pipelined_one_layer_ms"]
+    targets = "".join(
+        text + ", ".join(f"{r['size_mb']:.0f} MB {r[num] / r[den]:.2f}{suffix}" for r in large)
+        for text, num, den, suffix in TARGETS
+    )
+    modes = (
+        ("push, pipelined", pipe["pipelined_tail_ms"], pipe["pipelined_tail_in_layers"]),
+        ("push, all layers after the forward", pipe["not_pipelined_tail_ms"], pipe["not_pipelined_tail_ms"] / one),
+        ("pull (fetch after prefill)", pipe["pull_after_prefill_ms"], pipe["pull_in_layers"]),
+    )
     return [
-        f"Command: `{summary['command']}`. Two Ray actors (processes) on one 2-core CPU machine, NIXL over UCX",
-        "on CPU memory; blocks of the default model's layout (30 layers x K/V x 16 tokens x 3 heads x 64,",
-        f"float32, {BYTES_PER_BLOCK} bytes per block). GB/s = bytes / median time of {REPEATS} repetitions",
-        f"after one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.",
+        f"Command: `{summary['command']}` (setup below). GB/s = bytes / median time of {REPEATS} repetitions after",
+        f"one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.",
         "",
         *table(BANDWIDTH[0], [cells(BANDWIDTH[1], r) for r in rows]),
         "",
-        "'raw NIXL' reads a buffer allocated as the engine's KV pool is (2 MB pages where the kernel",
-        "allows, `engine/host_memory.py`), so 'pull / raw' compares the same memory; 'raw NIXL, 4 KB",
-        "pages' is the same READ between two buffers madvised against huge pages, what the pool cost",
-        "before it moved to huge pages. A request's KV in the pool layout `[layers, K/V, blocks, ...]`",
-        "is at least 60 byte runs (30 layers x K/V), so our pull posts >= 60 descriptors where raw",
-        "NIXL posts one; the column 'raw NIXL, 60 descriptors' is the same READ split like our layout,",
-        "with none of our code around it. Pull and push run on two transports (each its own NIXL",
-        "agents) in the same two processes, as a deployment runs one mode: a connection that carries",
-        "pushes one way makes UCX finish each READ the other way only after a round trip with the peer.",
+        targets + ".",
         "",
-        *_target_lines(rows, summary["descriptor_cost"]),
         "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
         "",
         "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
@@ -341,7 +262,7 @@ def render(summary: dict) -> list[str]:
         "",
         *table(
             "mode | tail (ms) | one layer (ms) | tail / one layer",
-            [[m, tail, f"{one_layer:.2f}", f"{n:.2f}"] for m, tail, n in modes],
+            [[mode, f"{tail:.1f}", f"{one:.2f}", f"{n:.2f}"] for mode, tail, n in modes],
         ),
         "",
         "Target: pipelined tail <= 2x one layer's transfer time.",
@@ -350,31 +271,15 @@ def render(summary: dict) -> list[str]:
     ]
 
 
-def _target_lines(rows: list[dict], descs: dict) -> list[str]:
-    """The pull against its targets (from 16 MB up), and the descriptors' own cost."""
-    large, extra_us = [r for r in rows if r["size_mb"] >= 15], descs["per_extra_descriptor_us"]
-
-    def ratios(numerator: str, denominator: str, suffix: str) -> str:
-        return ", ".join(f"{r['size_mb']:.0f} MB {r[numerator] / r[denominator]:.2f}{suffix}" for r in large)
-
-    return [
-        "Target: our pull >= 0.9x raw NIXL from 16 MB up: "
-        + ", ".join(f"{r['size_mb']:.0f} MB {r['pull_vs_raw']:.2f}" for r in large)
-        + ". Against raw NIXL as 60 descriptors: "
-        + ratios("nixl_pull", "raw_nixl_60_descs", "x")
-        + ". The same READ as 60 descriptors, none of our code: "
-        + ratios("raw_nixl_60_descs", "raw_nixl", "x raw")
-        + ". Against raw NIXL on 4 KB pages our pull is "
-        + ratios("nixl_pull", "raw_nixl_4k_pages", "x")
-        + ".",
-        "",
-        f"The descriptors' own cost, same run: a raw READ of 60 x 64 B took {descs['sixty_descriptors_us']:.0f} us,",
-        f"one of 64 B {descs['one_descriptor_us']:.0f} us: {extra_us:.1f} us per extra",
-        "descriptor (NIXL prepares each, and UCX reads each between CPU memories with its own",
-        f"`process_vm_readv` call), {59 * extra_us:.0f} us for a pull's 60 against",
-        "one contiguous READ, before any of our code runs.",
-        "",
-    ]
+def plot(rows: list[dict], path: Path) -> None:
+    with figure(path, 1, 1, (6, 4), dpi=100) as (ax, _):
+        for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
+                           ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):  # fmt: skip
+            ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s")
+        ax.set(title="KV transfer between two processes (CPU, UCX)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -389,29 +294,21 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(pipelining(), indent=2))
             return
         producer, consumer = TransferActor.remote("bench-producer"), TransferActor.remote("bench-consumer")
-        rows, descs = bandwidth_table(producer, consumer), descriptor_cost_us(producer, consumer)
+        rows = bandwidth_table(producer, consumer)
         ray.kill(producer)
         ray.kill(consumer)
         pipe = {} if args.skip_pipelining else pipelining()
     finally:
         ray.shutdown()
     out = Path(args.out)
-    summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "descriptor_cost": descs}
-    write_json(out / "kv_transfer.json", summary | {"push_pipelining": pipe})
-    with figure(out / "kv_transfer.png", 1, 1, (6, 4), dpi=100) as (ax, _):
-        sizes = [r["size_mb"] for r in rows]
-        for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
-                           ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):  # fmt: skip
-            ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s")
-        ax.set_title("KV transfer between two processes (CPU, UCX)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+    summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
+    write_json(out / "kv_transfer.json", summary)
+    plot(rows, out / "kv_transfer.png")
     if pipe:
         new = template("bench.kv_transfer", "# KV transfer benchmark")
-        write_page(out / "kv_transfer.md", "bench.kv_transfer", render(summary | {"push_pipelining": pipe}), new)
+        write_page(out / "kv_transfer.md", "bench.kv_transfer", render(summary), new)
     else:
-        print(json.dumps({"rows": rows, "descriptor_cost": descs}, indent=2))
+        print(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
