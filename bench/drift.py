@@ -1,12 +1,8 @@
 """How far this machine's own speed moves while nothing else runs: ``python -m bench.drift``.
 
-One engine (the default model, one torch thread, as a replica runs it) times the same three
-shapes again and again: a batch-1 decode step and a batch-8 decode step (medians of 8 steps)
-and one 256-token prefill step, one sample of each every ``--every`` seconds for ``--minutes``
-minutes, with the machine's steal time (CPU taken by the hypervisor) in between. The summary
-gives, per shape, the range of the samples and the largest change between two samples at
-most ``WINDOW_S`` apart: the drift a calibration taken a few minutes before a measurement
-cannot see, against the planner check's 15% bound (docs/benchmarks/planner.md).
+One engine (as a replica runs it) times the same three shapes every ``--every`` seconds for
+``--minutes``, with the hypervisor's steal time; per shape the range, and the largest change
+within ``WINDOW_S``: the drift a calibration taken minutes before a measurement cannot see.
 """
 
 from __future__ import annotations
@@ -25,31 +21,21 @@ SHAPES = ("decode batch 1", "decode batch 8", "prefill 256 tokens")
 
 
 def sample(engine, prompts) -> dict[str, float]:
-    """One timing of each shape (seconds)."""
-    from bench.calibrate_planner import finish, start_batch, timed_prefill, timed_step
+    """One timing of each shape (seconds; a decode step: median of 8)."""
+    from bench.calibrate_planner import timed_decode, timed_prefill
 
-    out = {}
-    for batch in (1, 8):
-        start_batch(engine, prompts, batch, 224, 12)
-        engine.step()  # the first decode step warms the batch's shapes up
-        out[f"decode batch {batch}"] = statistics.median(timed_step(engine) for _ in range(8))
-        finish(engine)
-    return out | {"prefill 256 tokens": timed_prefill(engine, prompts, 1, 256)}
+    decode = {f"decode batch {batch}": timed_decode(engine, prompts, batch, 224) for batch in (1, 8)}
+    return decode | {"prefill 256 tokens": timed_prefill(engine, prompts, 1, 256)}
 
 
 def summarize(samples: list[dict], window_s: float = WINDOW_S) -> dict[str, dict[str, float]]:
-    """Per shape: median, min, max, max / min, and the largest relative change (later over
-    earlier, either way) between two samples at most ``window_s`` apart."""
+    """Per shape: median, min, max, max / min, and the largest relative change (either way) between
+    two samples at most ``window_s`` apart."""
     summary = {}
     for shape in SHAPES:
-        values = [(s["t"], s[shape]) for s in samples]
-        changes = [
-            abs(v1 - v0) / min(v0, v1)
-            for i, (t0, v0) in enumerate(values)
-            for t1, v1 in values[i + 1 :]
-            if t1 - t0 <= window_s
-        ]
-        seconds = [v for _, v in values]
+        values, seconds = [(s["t"], s[shape]) for s in samples], [s[shape] for s in samples]
+        changes = [abs(v1 - v0) / min(v0, v1) for i, (t0, v0) in enumerate(values) for t1, v1 in values[i + 1 :]
+                   if t1 - t0 <= window_s]  # fmt: skip
         summary[shape] = {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
                           "max_over_min": max(seconds) / min(seconds),
                           "largest_change_within_window": max(changes, default=0.0)}  # fmt: skip
@@ -70,9 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     samples, start, steal = [], time.monotonic(), cpu_ticks()[2]
     while time.monotonic() - start < options.minutes * 60:
         began = time.monotonic()
-        point = {"t": round(began - start, 1), **sample(engine, prompts), "steal_ticks": cpu_ticks()[2] - steal}
-        samples.append(point)
-        print(json.dumps(point), file=sys.stderr, flush=True)
+        samples.append({"t": round(began - start, 1), **sample(engine, prompts), "steal_ticks": cpu_ticks()[2] - steal})
+        print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
         time.sleep(max(options.every - (time.monotonic() - began), 0.0))
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - start)))
     summary = summarize(samples)
@@ -84,11 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     write_json(options.out, report | {"summary": summary, "samples": samples})
     for shape, row in summary.items():
-        print(
-            f"{shape}: median {row['median_s'] * 1e3:.1f} ms, {row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f} ms"
-            f" (x{row['max_over_min']:.2f}), largest change within {WINDOW_S:.0f} s:"
-            f" {row['largest_change_within_window']:.0%}"
-        )
+        print(f"{shape}: median {row['median_s'] * 1e3:.1f} ms, {row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f} ms"
+              f" (x{row['max_over_min']:.2f}), largest change within {WINDOW_S:.0f} s:"
+              f" {row['largest_change_within_window']:.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

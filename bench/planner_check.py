@@ -1,19 +1,9 @@
 """The simulator against the served app: ``python -m bench.planner_check`` (docs/benchmarks/planner.md).
 
-For each system of ``bench.compare`` checked (``colocated``: 2 replicas doing both phases;
-``disagg-pull``: 1 prefill + 1 decode, pull, fixed pools), in its own local Ray cluster as
-``bench.compare`` starts it, one workload's requests are sent at 30%, 60% and 90% of that
-system's goodput measured in docs/benchmarks/goodput.json, twice per rate (the same requests
-and arrivals: the spread of the two runs is this machine's run-to-run noise). The simulator,
-calibrated on this machine only (``planner/calibration/cpu-2core.json``, written by
-``bench.calibrate_planner``), predicts TTFT and TPOT p50 / p90 for the very same lengths and
-arrivals (``planner.simulator.sim_requests`` with the same seed). The serving stack's part is probed
-on each system's app just before its runs (``bench.calibrate_planner.probe_stack``): this
-machine's speed drifts by more than the bound within minutes, so a stack probed at
-calibration time is reported beside it (``--file-stack`` skips the probe). A prediction agrees
-when its error against the mean of the two runs is within max(15%, twice their spread). The
-app runs with prefix caching off: the runs repeat the same prompts, which a cache would serve
-from the previous run.
+Each of ``bench.compare``'s systems checked serves one workload at shares of its goodput in
+docs/benchmarks/goodput.json, twice per rate with the same requests and arrivals; the simulator,
+calibrated on this machine (``bench.calibrate_planner``) with the serving stack probed on the app
+just before its runs, predicts TTFT and TPOT p50 / p90 for the same lengths and arrivals.
 """
 
 from __future__ import annotations
@@ -25,16 +15,15 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from bench.calibrate_planner import NO_PREFIX_CACHE, probe_stack
 from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS
-from bench.host import cpu_ticks, ticks_between, tree_ticks
 from bench.report import command_line, figure, first_paragraph, read_json, table, template, write_json, write_page
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
-from planner.sim_engine import mixed_step_s
 from planner.simulator import SystemSpec, goodput, sim_requests, simulate, uncontended_latency
 from workloads import arrival_times, make_requests, median_request
 
@@ -44,6 +33,11 @@ GOODPUT = DOC / "goodput.json"
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"))
 MIN_BOUND = 0.15
+TWINS = {  # bench.compare's systems the simulator has a twin of: the twin's changes from colocated
+    "colocated": {},
+    "colocated-chunked": {"chunked_prefill": True, "max_num_batched_tokens": 256},
+    "disagg-pull": {"kind": "disaggregated", "prefill_replicas": 1, "decode_replicas": 1},
+}
 
 
 def stack_kind(system: str) -> str:
@@ -52,18 +46,14 @@ def stack_kind(system: str) -> str:
 
 
 def system_spec(system: str, calibration: Path, stack: dict | None = None) -> SystemSpec:
-    """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core
-    each), with the calibration's serving stack or ``stack`` (a probed stack's fields)."""
+    """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core each),
+    with the calibration's serving stack or ``stack`` (a probed stack's fields)."""
     cost = load_calibration(calibration)
     served = ServingStack.of(stack) if stack else cost.stack(stack_kind(system))
     base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=served)
-    if system == "colocated":
-        return base
-    if system == "colocated-chunked":
-        return replace(base, chunked_prefill=True, max_num_batched_tokens=256)
-    if system == "disagg-pull":
-        return replace(base, kind="disaggregated", prefill_replicas=1, decode_replicas=1)
-    raise SystemExit(f"no simulated twin of {system!r} (colocated, colocated-chunked, disagg-pull)")
+    if system not in TWINS:
+        raise SystemExit(f"no simulated twin of {system!r} ({', '.join(TWINS)})")
+    return replace(base, **TWINS[system])
 
 
 def predict(spec: SystemSpec, workload: str, rate: float, num_requests: int, seed: int) -> dict:
@@ -72,9 +62,8 @@ def predict(spec: SystemSpec, workload: str, rate: float, num_requests: int, see
 
 
 def measure_system(system: str, workload: str, rates: list[float], options: argparse.Namespace) -> dict:
-    """Runs of ``system`` at each rate (``options.runs`` each), in one server session; unless
-    ``options.file_stack``, the serving stack is probed on this app first (idle probes, batched
-    probes and a short load run of their own prompts, ``bench.calibrate_planner.probe_stack``)."""
+    """``options.runs`` runs of ``system`` per rate in one server session, after its idle latency
+    and (unless ``options.file_stack``) its serving stack probed (``bench.calibrate_planner``)."""
     from bench.host import tokenizer
     from bench.ray_local import Server
 
@@ -88,28 +77,20 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
         if not options.file_stack:
             cost = load_calibration(options.calibration)
             probed = {"stack": probe_stack(server.url, target, cost, stack_kind(system))}
-        points = []
-        for rate in rates:
-            offsets, runs = arrival_times(len(requests), rate, seed=options.seed), []
-            for number in range(options.runs):
-                before = (cpu_ticks()[0], tree_ticks(), time.monotonic())
-                records, duration = asyncio.run(run(target, requests, offsets, f"{system} {rate:.3g}/s #{number + 1}"))
-                summary = summarize(records, duration)
-                runs.append({m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")})
-                runs[-1]["other_cores"] = other_cores(before)
-                short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
-                print(f"  {system} {rate:.3g}/s run {number + 1}: {short}, failed {summary['failed']}", file=sys.stderr)
-            points.append({"rate": rate, "runs": runs})
-        return {"uncontended": idle, **probed, "points": points}
+        points = [
+            {"rate": rate, "runs": [_run(target, requests, rate, options.seed, f"{system} {rate:.3g}/s #{n + 1}")
+                                    for n in range(options.runs)]}
+            for rate in rates
+        ]  # fmt: skip
+    return {"uncontended": idle, **probed, "points": points}
 
 
-def other_cores(before: tuple[int, dict, float]) -> float:
-    """Cores that processes outside this check (not this process and those it started) used
-    since ``before`` (other sessions' tests: the replicas run at Ray's worker niceness, 15, so
-    any such process takes CPU from them)."""
-    machine0, ours0, time0 = before
-    ticks = cpu_ticks()[0] - machine0 - ticks_between(ours0, tree_ticks())
-    return max(ticks / os.sysconf("SC_CLK_TCK"), 0.0) / max(time.monotonic() - time0, 1e-9)
+def _run(target: Target, requests: list, rate: float, seed: int, label: str) -> dict:
+    records, duration = asyncio.run(run(target, requests, arrival_times(len(requests), rate, seed=seed), label))
+    summary = summarize(records, duration)
+    short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
+    print(f"  {label}: {short}, failed {summary['failed']}", file=sys.stderr)
+    return {m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")}
 
 
 def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
@@ -127,8 +108,7 @@ def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
 
 
 def simulator_speed(calibration: Path) -> dict:
-    """Seconds for simulate() on a 1,000-replica disaggregated system (400 prefill + 600
-    decode replicas of this machine's cost, no interference) under chatbot traffic."""
+    """Seconds for simulate() on 1,000 replicas of this machine's cost (400 prefill + 600 decode), chatbot traffic."""
     cost = load_calibration(calibration)
     requests = sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
     start = time.perf_counter()
@@ -139,32 +119,27 @@ def simulator_speed(calibration: Path) -> dict:
             "ttft_p90_s": p90}  # fmt: skip
 
 
+def _five_runs(workload: str, rate: float) -> list:
+    """5 x 80 simulated requests of ``workload`` at ``rate``, one run after the other."""
+    runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
+    return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
+
+
 def simulated_goodputs(calibration: Path) -> dict:
-    """Per workload of goodput.json: each system's measured goodput and the simulator's, on
-    SLOs set as that benchmark sets them: ``slo_multiples`` (5x TTFT, 2x TPOT) of the idle
-    colocated system's uncontended latency (one request of the workload's median prompt),
-    scaled to the calibration's own speed, as goodput.json's are to the speed of the day it was
-    measured on, so the two compare across days of a drifting machine; 5 x 80 requests a rate
-    (the same method as tests/planner/test_simulator.py)."""
-    measured, table_ = read_json(GOODPUT), {}
+    """Per workload of goodput.json: each system's measured goodput and the simulator's, on SLOs set
+    as there (multiples of the idle colocated system's latency on the median prompt), here of the
+    calibration's own speed, so the two compare across days of a drifting machine."""
+    measured, found = read_json(GOODPUT), {}
     for workload, systems in measured["results"].items():
         median, x = measured["calibration"][workload]["prompt_tokens"], measured["slo_multiples"]
         ttft, tpot = uncontended_latency(system_spec("colocated", calibration), median)
         slo = {"ttft": x["ttft"] * ttft, "tpot": x["tpot"] * tpot}
-
-        def make(rate: float, workload: str = workload) -> list:
-            runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
-            return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
-
-        table_[workload] = {"slo_s": slo} | {
-            system: {
-                "measured": systems[system]["goodput"]["rate"],
-                "bound": systems[system]["goodput"]["bound"],
-                "simulated": goodput(system_spec(system, calibration), make, slo["ttft"], slo["tpot"], rel_tol=0.02),
-            }
-            for system in ("colocated", "colocated-chunked", "disagg-pull")
-        }
-    return table_
+        found[workload] = {"slo_s": slo}
+        for system in TWINS:
+            spec, known = system_spec(system, calibration), systems[system]["goodput"]
+            simulated = goodput(spec, partial(_five_runs, workload), slo["ttft"], slo["tpot"], rel_tol=0.02)
+            found[workload][system] = {"measured": known["rate"], "bound": known["bound"], "simulated": simulated}
+    return found
 
 
 def measure(options: argparse.Namespace, calibration: Path) -> dict:
@@ -186,9 +161,8 @@ def measure(options: argparse.Namespace, calibration: Path) -> dict:
 
 
 def add_predictions(report: dict, calibration: Path) -> dict:
-    """Each point's prediction and comparison: from the calibration's engine fits with the
-    serving stack probed on the app before its runs (when probed), and, as ``predicted_file``
-    / ``rows_file``, with the calibration file's own stack."""
+    """Each point's prediction and comparison, with the serving stack probed on the app (when it
+    was) and, as ``predicted_file`` / ``rows_file``, with the calibration file's own stack."""
     for system, data in report["systems"].items():
         specs = {"": system_spec(system, calibration, data.get("stack"))}
         if data.get("stack"):
@@ -202,9 +176,6 @@ def add_predictions(report: dict, calibration: Path) -> dict:
     return report
 
 
-# ---- the page --------------------------------------------------------------------------------
-
-
 def _count(report: dict, key: str = "rows") -> tuple[int, int]:
     """(within their bound, predictions) over every point's ``key`` rows."""
     rows = [r for s in report["systems"].values() for p in s["points"] for r in p.get(key, [])]
@@ -214,12 +185,9 @@ def _count(report: dict, key: str = "rows") -> tuple[int, int]:
 def render(report: dict) -> list[str]:
     """The generated block of planner.md, from planner.json (and the calibration it names)."""
     (within, total), (file_within, file_total) = _count(report), _count(report, "rows_file")
-    headline = f"**{within} of {total} predictions within their bound**"
-    if file_total:
-        headline += (
-            " with the serving stack probed on each app just before its runs; "
-            f"{file_within} of {file_total} with the calibration file's stack"
-        )
+    headline = f"**{within} of {total} predictions within their bound**" + (
+        f" with the serving stack probed on each app just before its runs; {file_within} of {file_total} with the"
+        " calibration file's stack" if file_total else "")  # fmt: skip
     lines = [
         "",
         f"Command: `{report['command']}` ({report.get('elapsed_s', 0) / 60:.0f} min). Machine: {report['machine']}.",
@@ -236,12 +204,9 @@ def render(report: dict) -> list[str]:
     for system, data in report["systems"].items():
         lines += _system_lines(system, data, report["fractions"])
     if speed := report.get("simulator_speed"):
-        lines += [
-            "",
-            f"Simulator speed: `simulate()` on {speed['replicas']} replicas (400 prefill + 600 decode, this",
-            f"machine's costs), {speed['requests']:,} chatbot requests at {speed['rate']:g} req/s "
-            f"({speed['output_tokens']:,} output tokens): {speed['seconds']:.2f} s, pure Python.",
-        ]
+        lines += ["", f"Simulator speed: `simulate()` on {speed['replicas']} replicas (400 prefill + 600 decode, this",
+                  f"machine's costs), {speed['requests']:,} chatbot requests at {speed['rate']:g} req/s "
+                  f"({speed['output_tokens']:,} output tokens): {speed['seconds']:.2f} s, pure Python."]  # fmt: skip
     return [
         *lines,
         *_ordering_lines(report.get("goodput_ordering")),
@@ -252,16 +217,12 @@ def render(report: dict) -> list[str]:
 
 
 def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
-    """One system's section: its idle latency, its probed stack, a row per point and metric,
-    and measured over predicted per metric (median over the rates: the size of what the model
-    misses, as a diagnostic, not fed back into any prediction)."""
+    """One system's section: its idle latency, its probed stack, a row per point and metric, and
+    measured over predicted per metric (median over the rates: a diagnostic, fed back into nothing)."""
     lines = ["", f"### {system} (measured goodput {data['goodput']:.3g} req/s)", ""]
     if idle := data.get("uncontended"):
-        lines += [
-            f"Uncontended (median prompt, {idle['prompt_tokens']} tokens, one at a time): TTFT "
-            f"{idle['ttft_s']:.3f} s, TPOT {idle['tpot_s'] * 1e3:.1f} ms.",
-            "",
-        ]
+        lines += [f"Uncontended (median prompt, {idle['prompt_tokens']} tokens, one at a time): TTFT "
+                  f"{idle['ttft_s']:.3f} s, TPOT {idle['tpot_s'] * 1e3:.1f} ms.", ""]  # fmt: skip
     if data.get("stack"):
         lines += [f"Serving stack probed on this app before its runs: {_stack_cell(data['stack'])}.", ""]
     rows, ratios = [], {}
@@ -279,33 +240,26 @@ def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
 
 
 def _ordering_lines(ordering: dict | None) -> list[str]:
-    if not ordering:
-        return []
+    """The goodput table: measured (goodput.md) and simulated per workload and system."""
     rows = []
-    for workload, systems in ordering.items():
-        slo = systems.get("slo_s")
-        found = {name: row for name, row in systems.items() if name != "slo_s"}
-        ratio = ""
-        if "disagg-pull" in found and "colocated" in found:
-            measured = found["disagg-pull"]["measured"] / found["colocated"]["measured"]
-            simulated = found["disagg-pull"]["simulated"] / max(found["colocated"]["simulated"], 1e-12)
-            ratio = f"{measured:.2f}x, {simulated:.2f}x"
-        slos = f"{slo['ttft']:.3g} s, {slo['tpot'] * 1e3:.0f} ms" if slo else ""
-        for system, row in found.items():
-            measured = ("&ge; " if row["bound"] == "at_least" else "") + f"{row['measured']:.3g}"
-            pull = ratio if system == "disagg-pull" else ""
-            rows.append(f"{workload} | {slos} | {system} | {measured} | {row['simulated']:.3g} | {pull}")
+    for workload, systems in (ordering or {}).items():
+        slo, colocated, pull = systems["slo_s"], systems["colocated"], systems["disagg-pull"]
+        ratio = (f"{pull['measured'] / colocated['measured']:.2f}x, "
+                 f"{pull['simulated'] / max(colocated['simulated'], 1e-12):.2f}x")  # fmt: skip
+        for system, row in systems.items():
+            if system != "slo_s":
+                measured = ("&ge; " if row["bound"] == "at_least" else "") + f"{row['measured']:.3g}"
+                rows.append(f"{workload} | {slo['ttft']:.3g} s, {slo['tpot'] * 1e3:.0f} ms | {system} | {measured}"
+                            f" | {row['simulated']:.3g} | {ratio if system == 'disagg-pull' else ''}")  # fmt: skip
+    header = "workload | simulated SLOs | system | measured | simulated | disagg-pull / colocated: measured, simulated"
     return [
         "",
         "Goodput (req/s), measured in goodput.md and simulated, each on SLOs of 5x TTFT and 2x TPOT",
         "of its own idle colocated system (measured there; simulated here, the workload's median prompt);",
         "5 x 80 requests a rate:",
         "",
-        *table(
-            "workload | simulated SLOs | system | measured | simulated | disagg-pull / colocated: measured, simulated",
-            rows,
-        ),
-    ]
+        *table(header, rows),
+    ] if rows else []  # fmt: skip
 
 
 def _calibration_lines(path: Path) -> list[str]:
@@ -325,19 +279,11 @@ def _calibration_lines(path: Path) -> list[str]:
         probes = len(raw["stack"]["kinds"][kind].get("probes", []))
         batches = f", {len(stack.batched_decode_factors)} batches" if stack.batched_decode_factors else ""
         rows.append([f"serving stack, {kind}", _stack_cell(stack), f"{probes} idle-app probes{batches}, 1 load run"])
-    lines = [
+    return [
         f"Calibration (`{raw['command']}`, {raw['machine']}, {raw['created']}):",
         "",
         *table("part | fit | points", rows),
     ]
-    if mixed := raw.get("mixed", []):
-        checks = ", ".join(
-            f"{m['batch']} decodes + {m['prompt_tokens']} prompt tokens: {m['seconds']:.3f} s measured, "
-            f"{mixed_step_s(cost, m['batch'], m['context_tokens'], m['prompt_tokens']):.3f} s modelled"
-            for m in mixed
-        )
-        lines += ["", f"Mixed steps (not fitted, checked): {checks}."]
-    return lines
 
 
 def _stack_cell(stack: ServingStack | dict) -> str:
@@ -352,23 +298,19 @@ def _stack_cell(stack: ServingStack | dict) -> str:
 def write_report(report: dict, out: Path) -> None:
     """planner.json, planner.md's block and planner.png (measured against predicted) in ``out``."""
     write_json(out / "planner.json", report)
-    write_page(
-        out / "planner.md", NAME, render(report), template(NAME, "# Planner: the simulator against the served app")
-    )
-    metrics = (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"), ("tpot", "p90"))
+    new = template(NAME, "# Planner: the simulator against the served app")
+    write_page(out / "planner.md", NAME, render(report), new)
     with figure(out / "planner.png", 1, 4, (14, 3.6), dpi=90) as (*axes, _):
-        for ax, (metric, pct) in zip(axes, metrics):
+        for ax, (metric, pct) in zip(axes, METRICS):
+            name = f"{metric.removesuffix('_s')} {pct}"
             for system, data in report["systems"].items():
                 rates = [p["rate"] for p in data["points"]]
-                rows = [next(r for r in p["rows"] if r["metric"] == f"{metric} {pct}") for p in data["points"]]
-                colour = ax.plot(rates, [r["mean"] for r in rows], marker="o", label=f"{system} measured")[
-                    0
-                ].get_color()
-                for rate, row in zip(rates, rows):
-                    ax.plot([rate, rate], [min(row["measured"]), max(row["measured"])], color=colour)
-                predicted = [r["predicted"] for r in rows]
-                ax.plot(rates, predicted, ls="--", marker="x", color=colour, label=f"{system} predicted")
-            ax.set(title=f"{metric.upper()} {pct} (s)", xlabel="rate (req/s)")
+                rows = [next(r for r in p["rows"] if r["metric"] == name) for p in data["points"]]
+                (line,) = ax.plot(rates, [r["mean"] for r in rows], marker="o", label=f"{system} measured")
+                colour = line.get_color()
+                ax.vlines(rates, [min(r["measured"]) for r in rows], [max(r["measured"]) for r in rows], color=colour)
+                ax.plot(rates, [r["predicted"] for r in rows], "x--", color=colour, label=f"{system} predicted")
+            ax.set(title=f"{name.upper()} (s)", xlabel="rate (req/s)")
             ax.grid(True, alpha=0.3)
         axes[0].legend(fontsize=7)
 
@@ -384,9 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--out", default=str(DOC))
     parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
-    parser.add_argument(
-        "--file-stack", action="store_true", help="do not probe the serving stack before the runs (the calibration's)"
-    )
+    parser.add_argument("--file-stack", action="store_true", help="skip the stack probe (the calibration file's stack)")
     options = parser.parse_args(argv)
     out, calibration = Path(options.out), Path(options.calibration)
     report = read_json(out / "planner.json") if options.predict_only else measure(options, calibration)
