@@ -1,20 +1,8 @@
-"""Engine benchmark: ``python -m bench.engine`` (docs/benchmarks/engine.md: the block between its markers).
+"""Engine benchmark: ``python -m bench.engine`` (docs/benchmarks/engine.md, the block between its markers).
 
-For each torch thread count (1 and 2), in a fresh subprocess so peak RSS is per run:
-  * memory-bandwidth floor of one decode step: float32 weight bytes / ``torch.mv``
-    bandwidth over a 512 MB matrix at the same thread count;
-  * batch-1 decode step at a 128-token context (median of 60 steps): ours, and one bare
-    transformers forward step with its own cache (sdpa), measured in alternating rounds
-    with the ``torch.mv`` bandwidth (the machine's speed drifts); transformers
-    ``generate`` end to end;
-  * 32 concurrent requests (128 prompt + 64 new tokens): our aggregate tokens/s and
-    transformers' ``generate_batch`` (its continuous batching) on the same requests;
-  * one 2,048-token prefill: ours and one transformers forward pass (last-token logits);
-  * peak RSS of our part (model, 512 MB KV pool, the runs above), before transformers loads.
-
-Ratios: decode step vs the floor and vs transformers; 32-concurrent decode-phase tokens/s
-vs our batch-1 tokens/s; 32-concurrent end-to-end tokens/s vs ``generate_batch`` end to
-end; prefill vs the forward pass (interleaved runs, medians).
+Our engine against transformers on the same model, per torch thread count in a fresh process: the
+batch-1 decode step against the memory-bandwidth floor, 32 concurrent requests, a 2,048-token
+prefill, and our peak RSS.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.host import worker_json
+from bench.host import seconds, worker_json
 from bench.report import cells, command_line, first_paragraph, table, template, write_json, write_page
 from workloads.corpus import CORPUS
 
@@ -41,58 +29,43 @@ NEW_TOKENS = 64
 PREFILL_LEN = 2048
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
     ids = tokenizer(CORPUS + "\n\n" + CORPUS, add_special_tokens=False)["input_ids"]
     return list(ids[offset : offset + num_tokens])
 
 
-@torch.inference_mode()
-def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUNDS) -> dict[str, float]:
-    """Batch-1 decode step, ours and one bare transformers forward step with its own cache
-    (sdpa), and the ``torch.mv`` bandwidth, measured in alternating rounds: the machine's
-    speed drifts by tens of percent within minutes, and the ratios compare like with like.
-    Both contexts start at ``len(prompt)`` and grow by one per step."""
-    from transformers import DynamicCache
-
+def _request(request_id: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True):
     from engine.params import GenerationRequest, SamplingParams
 
-    per_round = NUM_STEPS // rounds
-    core.add_request(
-        GenerationRequest("b1", tuple(prompt), SamplingParams(max_tokens=NUM_STEPS + 2, temperature=0, ignore_eos=True))
-    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+    return GenerationRequest(request_id, tuple(prompt), params)
+
+
+@torch.inference_mode()
+def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUNDS) -> dict[str, float]:
+    """Batch-1 decode step, ours and a bare transformers forward step with its own cache (sdpa),
+    and the ``torch.mv`` bandwidth, in alternating rounds: the machine's speed drifts within
+    minutes, so each ratio compares like with like. Both contexts start at ``len(prompt)``."""
+    from transformers import DynamicCache
+
+    core.add_request(_request("b1", prompt, NUM_STEPS + 2))
     core.step()  # prefill
     core.step()  # first decode step (warm-up)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
-    out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm-up
-    token = out.logits[:, -1:].argmax(-1)
+    cache, token = DynamicCache(config=model.config), [torch.tensor([prompt])]
+
+    def hf_step() -> None:
+        out = model(input_ids=token[0], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token[0] = out.logits[:, -1:].argmax(-1)
+
+    hf_step()  # the prompt
+    hf_step()  # warm-up
     matrix, vector = torch.randn(16384, 8192), torch.randn(8192)  # 512 MiB float32
     torch.mv(matrix, vector)
     ours, hf, mv = [], [], []
     for _ in range(rounds):
-        for _ in range(per_round):
-            start = time.perf_counter()
-            core.step()
-            ours.append(time.perf_counter() - start)
-        for _ in range(per_round):
-            start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = out.logits[:, -1:].argmax(-1)
-            hf.append(time.perf_counter() - start)
-        for _ in range(3):
-            start = time.perf_counter()
-            torch.mv(matrix, vector)
-            mv.append(time.perf_counter() - start)
+        ours += [seconds(core.step) for _ in range(NUM_STEPS // rounds)]
+        hf += [seconds(hf_step) for _ in range(NUM_STEPS // rounds)]
+        mv += [seconds(lambda: torch.mv(matrix, vector)) for _ in range(3)]
     while core.has_work():
         core.step()
     return {
@@ -102,117 +75,94 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
     }
 
 
-@torch.inference_mode()
-def hf_generate_tokens_per_s(model, prompt: list[int]) -> float:
-    ids = torch.tensor([prompt])
-    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
-    seconds = _median_time(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs), 2)
-    return NEW_TOKENS / seconds
-
-
 def our_concurrent(core, prompts: list[list[int]]) -> dict[str, float]:
-    from engine.params import GenerationRequest, SamplingParams
-
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add_request(GenerationRequest(f"c{i}", tuple(p), sp))
-    decode_tokens, decode_s, total_tokens = 0, 0.0, 0
-    start = time.perf_counter()
+    """Aggregate tokens/s end to end, and over the steps in which every request decodes."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(_request(f"c{i}", prompt, NEW_TOKENS))
+    decode_tokens, decode_s, total_tokens, start = 0, 0.0, 0, time.perf_counter()
     while core.has_work():
         step_start = time.perf_counter()
         outputs = core.step()
         elapsed = time.perf_counter() - step_start
         total_tokens += len(outputs)
         if core.stats().num_running == len(prompts) and all(o.num_output_tokens > 1 for o in outputs):
-            decode_tokens += len(outputs)
-            decode_s += elapsed
+            decode_tokens, decode_s = decode_tokens + len(outputs), decode_s + elapsed
     wall = time.perf_counter() - start
     return {"end_to_end_tokens_per_s": total_tokens / wall, "decode_tokens_per_s": decode_tokens / decode_s}
 
 
 @torch.inference_mode()
-def hf_generate_batch_tokens_per_s(model, prompts: list[list[int]]) -> float:
+def hf_generation(model, prompt: list[int], prompts: list[list[int]]) -> dict[str, float]:
+    """transformers ``generate`` at batch 1 (median of 2) and ``generate_batch`` (its continuous
+    batching) over ``prompts``, in tokens/s."""
     from transformers import GenerationConfig
 
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    one_s = statistics.median(
+        seconds(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)) for _ in range(2)
+    )
     config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
     start = time.perf_counter()
     results = model.generate_batch(inputs=prompts, generation_config=config)
-    wall = time.perf_counter() - start
-    return sum(len(r.generated_tokens) for r in results.values()) / wall
+    batch_s = time.perf_counter() - start
+    return {
+        "hf_generate_tokens_per_s": NEW_TOKENS / one_s,
+        "hf_generate_batch_32_tokens_per_s": sum(len(r.generated_tokens) for r in results.values()) / batch_s,
+    }
 
 
+@torch.inference_mode()
 def prefill_pair_s(core, model, prompt: list[int], repeats: int = 3) -> tuple[float, float]:
-    """Our prefill and one transformers forward over the same tokens, interleaved (ABAB)."""
-    from engine.params import GenerationRequest, SamplingParams
-
-    ids = torch.tensor([prompt])
-    ours, theirs = [], []
+    """Our prefill and one transformers forward over the same tokens, interleaved (ABAB, the first pair warms up)."""
+    ids, ours, theirs = torch.tensor([prompt]), [], []
     for i in range(repeats + 1):
-        core.add_request(GenerationRequest(f"p{i}", tuple(prompt), SamplingParams(max_tokens=1, temperature=0)))
-        start = time.perf_counter()
-        core.step()
-        ours.append(time.perf_counter() - start)
-        with torch.inference_mode():
-            start = time.perf_counter()
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            theirs.append(time.perf_counter() - start)
-    return statistics.median(ours[1:]), statistics.median(theirs[1:])  # the first pair warms up
+        core.add_request(_request(f"p{i}", prompt, 1, ignore_eos=False))
+        ours.append(seconds(core.step))
+        theirs.append(seconds(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)))
+    return statistics.median(ours[1:]), statistics.median(theirs[1:])
 
 
 def worker(threads: int) -> dict[str, float]:
+    """Every figure of one thread count, in this process: ours first (peak RSS before transformers loads)."""
     torch.set_num_threads(threads)
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.loader import ModelSpec, load_model
 
     ours = load_model(ModelSpec())
-    tok = ours.tokenizer
     core = EngineCore(ours, EngineConfig(max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096))
-    prompt = corpus_ids(tok, CONTEXT)
-    prompts = [corpus_ids(tok, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
-    result: dict[str, float] = {"threads": threads}
+    prompt = corpus_ids(ours.tokenizer, CONTEXT)
+    prompts = [corpus_ids(ours.tokenizer, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
     concurrent = our_concurrent(core, prompts)
-    result["our_32_end_to_end_tokens_per_s"] = concurrent["end_to_end_tokens_per_s"]
-    result["our_32_decode_tokens_per_s"] = concurrent["decode_tokens_per_s"]
-    result["our_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    reference = load_model(ModelSpec())
-    reference.model.generation_config.eos_token_id = None
+    result = {"threads": threads, "our_32_end_to_end_tokens_per_s": concurrent["end_to_end_tokens_per_s"],
+              "our_32_decode_tokens_per_s": concurrent["decode_tokens_per_s"],
+              "our_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
+    reference = load_model(ModelSpec()).model
+    reference.generation_config.eos_token_id = None
     # the tied embedding / LM head counted once: the bytes one decode step must read
-    weight_bytes = sum(p.numel() * p.element_size() for p in reference.model.parameters())
-    steps = interleaved_decode_steps(core, reference.model, prompt)
-    result["our_decode_step_ms"] = steps["our_decode_step_ms"]
-    result["hf_decode_step_ms"] = steps["hf_decode_step_ms"]
-    result["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(reference.model, prompt)
-    result["hf_generate_batch_32_tokens_per_s"] = hf_generate_batch_tokens_per_s(reference.model, prompts)
-    ours_s, hf_s = prefill_pair_s(core, reference.model, corpus_ids(tok, PREFILL_LEN))
-    result["our_prefill_2048_s"], result["hf_prefill_2048_s"] = ours_s, hf_s
-
-    bandwidth = steps["mv_bandwidth_bytes_per_s"]
-    result["weight_bytes"] = weight_bytes
-    result["mv_bandwidth_gb_per_s"] = bandwidth / 1e9
-    result["bandwidth_floor_step_ms"] = weight_bytes / bandwidth * 1e3
-    return result
+    weight_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    steps = interleaved_decode_steps(core, reference, prompt)
+    bandwidth = steps.pop("mv_bandwidth_bytes_per_s")
+    result |= steps | hf_generation(reference, prompt, prompts)
+    prefill = prefill_pair_s(core, reference, corpus_ids(ours.tokenizer, PREFILL_LEN))
+    floor = {"weight_bytes": weight_bytes, "mv_bandwidth_gb_per_s": bandwidth / 1e9,
+             "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
+    return result | {"our_prefill_2048_s": prefill[0], "hf_prefill_2048_s": prefill[1]} | floor
 
 
-def ratios(r: dict[str, float]) -> dict[str, float]:
-    batch1_tokens_per_s = 1e3 / r["our_decode_step_ms"]
-    return {
-        "step_vs_bandwidth_floor": r["our_decode_step_ms"] / r["bandwidth_floor_step_ms"],
-        "step_vs_hf_step": r["our_decode_step_ms"] / r["hf_decode_step_ms"],
-        "batch32_vs_batch1": r["our_32_decode_tokens_per_s"] / batch1_tokens_per_s,
-        "batch32_vs_hf_generate_batch": r["our_32_end_to_end_tokens_per_s"] / r["hf_generate_batch_32_tokens_per_s"],
-        "prefill_vs_hf_forward": r["our_prefill_2048_s"] / r["hf_prefill_2048_s"],
-    }
+TARGETS = {  # ratio: its target, and its value in one run
+    "step_vs_bandwidth_floor": ("<=", 1.3, lambda r: r["our_decode_step_ms"] / r["bandwidth_floor_step_ms"]),
+    "step_vs_hf_step": ("<=", 1.1, lambda r: r["our_decode_step_ms"] / r["hf_decode_step_ms"]),
+    "batch32_vs_batch1": (">=", 6.0, lambda r: r["our_32_decode_tokens_per_s"] / (1e3 / r["our_decode_step_ms"])),
+    "batch32_vs_hf_generate_batch": (
+        ">=", 1.5, lambda r: r["our_32_end_to_end_tokens_per_s"] / r["hf_generate_batch_32_tokens_per_s"]),
+    "prefill_vs_hf_forward": ("<=", 1.1, lambda r: r["our_prefill_2048_s"] / r["hf_prefill_2048_s"]),
+}  # fmt: skip
 
 
-TARGETS = {
-    "step_vs_bandwidth_floor": ("<=", 1.3),
-    "step_vs_hf_step": ("<=", 1.1),
-    "batch32_vs_batch1": (">=", 6.0),
-    "batch32_vs_hf_generate_batch": (">=", 1.5),
-    "prefill_vs_hf_forward": ("<=", 1.1),
-}
+def ratios(run: dict[str, float]) -> dict[str, float]:
+    return {name: value(run) for name, (_, _, value) in TARGETS.items()}
 
 
 ROWS = (  # the figures' table: label, a run's figure (``report.cells``)
@@ -231,22 +181,21 @@ ROWS = (  # the figures' table: label, a run's figure (``report.cells``)
 
 
 def render(summary: dict) -> list[str]:
-    """The generated block of engine.md, from engine.json: the figures and the ratios against
-    their targets, per thread count."""
+    """The generated block of engine.md, from engine.json: the figures, and the ratios against their targets."""
     runs = summary["runs"]
     threads = [f"{r['threads']} thread(s)" for r in runs]
-    lines = [
+    rows = []
+    for name, (op, bound, _) in TARGETS.items():
+        values = [ratios(r)[name] for r in runs]
+        met = [value <= bound if op == "<=" else value >= bound for value in values]
+        rows.append([name, f"{op} {bound}", *(f"{v:.2f} {'ok' if ok else 'MISSED'}" for v, ok in zip(values, met))])
+    return [
         f"Command: `{summary['command']}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process).",
         "",
         *table(["metric", *threads], [[label, *(cells(f, r) for r in runs)] for label, f in ROWS]),
         "",
+        *table(["ratio", "target", *threads], rows),
     ]
-    rows = []
-    for name, (op, bound) in TARGETS.items():
-        values = [ratios(r)[name] for r in runs]
-        met = [value <= bound if op == "<=" else value >= bound for value in values]
-        rows.append([name, f"{op} {bound}", *(f"{v:.2f} {'ok' if ok else 'MISSED'}" for v, ok in zip(values, met))])
-    return lines + table(["ratio", "target", *threads], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,9 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(worker_json("bench.engine", "--worker", str(threads)))
     summary = {"command": command_line("bench.engine", argv), "runs": [{**r, "ratios": ratios(r)} for r in runs]}
     write_json(Path(args.out) / "engine.json", summary)
-    write_page(
-        Path(args.out) / "engine.md", "bench.engine", render(summary), template("bench.engine", "# Engine benchmark")
-    )
+    new = template("bench.engine", "# Engine benchmark")
+    write_page(Path(args.out) / "engine.md", "bench.engine", render(summary), new)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,9 @@
 """A replica's memory against PyTorch's per-shape CPU kernel caches: ``python -m bench.kernel_caches``.
 
-One engine (the default model, one torch thread, no prefix cache) prefills prompts of random
-lengths (16-900 tokens, seeded) one at a time, as a prefill replica sees them, and prints its
-resident memory every 50 prompts with the prefill tokens/s so far; then a decode-heavy mix
-(batches of 1-16 requests, 12 output tokens each) prints its tokens/s. Each setting runs in a
-fresh subprocess, because both caches read their capacity at the first oneDNN call:
-
-    python -m bench.kernel_caches --caches default,8,64 --prompts 250 --batches 40
-
-``default``: the environment without either variable and the engine package's bound off
-(PyTorch's 1,024 entries each); a number: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
-``LRU_CACHE_CAPACITY`` set to it. Figures in docs/reliability.md.
+One engine prefills prompts of random lengths one at a time (its resident memory every 50 prompts),
+then a decode-heavy mix, per cache setting in a fresh subprocess (both caches read their capacity
+at the first oneDNN call). ``default``: PyTorch's own capacities; a number: ``CACHES`` set to it.
+Figures in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -39,8 +32,7 @@ def worker(prompts: int, batches: int) -> dict:
     import psutil
 
     core = engine_core(max_model_len=1024, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
-    rng, rss = random.Random(0), []
-    started, tokens = time.perf_counter(), 0
+    rng, rss, started, tokens = random.Random(0), [], time.perf_counter(), 0
     for i in range(prompts):
         length = rng.randint(16, 900)
         tokens += length
@@ -58,12 +50,9 @@ def worker(prompts: int, batches: int) -> dict:
         while core.has_work():
             core.step()
         tokens += 12 * size
-    return {
-        "caches": {name: os.environ.get(name) for name in CACHES},
-        "rss": rss,
-        "prefill_tokens_per_s": round(prefill_rate, 1),
-        "mixed_tokens_per_s": round(tokens / (time.perf_counter() - started), 1),
-    }
+    return {"caches": {name: os.environ.get(name) for name in CACHES}, "rss": rss,
+            "prefill_tokens_per_s": round(prefill_rate, 1),
+            "mixed_tokens_per_s": round(tokens / (time.perf_counter() - started), 1)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,11 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         sizes = ("--prompts", str(args.prompts), "--batches", str(args.batches))
         result = worker_json("bench.kernel_caches", "--worker", *sizes, env=env)
         series = ", ".join(f"{p['prompts']}: {p['rss_mib']}" for p in result["rss"])
-        print(
-            f"{setting}: RSS MiB after prompts {series}; prefill {result['prefill_tokens_per_s']} tok/s,"
-            f" mixed decode {result['mixed_tokens_per_s']} tok/s",
-            flush=True,
-        )
+        rates = f"prefill {result['prefill_tokens_per_s']} tok/s, mixed decode {result['mixed_tokens_per_s']} tok/s"
+        print(f"{setting}: RSS MiB after prompts {series}; {rates}", flush=True)
 
 
 if __name__ == "__main__":

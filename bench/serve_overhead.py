@@ -1,18 +1,8 @@
 """Serve overhead benchmark: ``python -m bench.serve_overhead`` (docs/benchmarks/serve_overhead.md, its block).
 
-One run on one machine, one request at a time:
-  * inter-token latency (ITL) of a streamed request through the ingress (SSE chunk arrival
-    times at the client) against the engine's own decode step time for the same request,
-    measured in-process with the replicas' thread count (1);
-  * the time to first token that the prefill -> decode hop adds: TTFT through
-    ``disagg_app`` minus TTFT through ``colocated_app`` (same prompt, same engine settings),
-    minus the KV transfer time the decode replica measured for that request.
-
-The machine's speed drifts by tens of percent within minutes, so every figure is paired
-within one repetition (a streamed disagg request, the decode replica's step time over
-it, the same request through ``colocated_app``, then the same request on an engine in
-this process while the replicas idle) and the reported overheads are medians of the
-per-repetition differences.
+What the Serve path adds per token (ITL through the ingress against the engine's own step) and to
+the first token (TTFT through disagg_app minus colocated_app minus the KV transfer), one request at
+a time; every figure is paired within one repetition, since the machine's speed drifts.
 """
 
 from __future__ import annotations
@@ -24,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.host import engine_core, seconds
 from bench.ray_local import start_local_ray
 from bench.report import command_line, first_paragraph, table, template, write_json, write_page
 
@@ -34,48 +25,23 @@ REPEATS = 20
 PROMPT = [{"role": "user", "content": "Write a short paragraph about the history of bridges."}]
 
 
-class InProcessEngine:
-    """The same engine in this process, one torch thread: the per-token reference."""
+def step_ms(core) -> float:
+    """Median decode step (ms) of one request like the streamed one on ``core`` (in this process)."""
+    from engine.params import SamplingParams
 
-    def __init__(self) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        from engine.config import EngineConfig
-        from engine.core import EngineCore
-
-        self.core = EngineCore.from_spec(config=EngineConfig(max_model_len=1024, kv_cache_bytes=64 << 20))
-
-    def step_ms(self) -> float:
-        """Median decode step (ms) of one request like the streamed one."""
-        from engine.params import SamplingParams
-
-        core = self.core
-        core.add_request(
-            core.make_request(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
-        )
-        core.step()
-        steps = []
-        while core.has_work():
-            start = time.perf_counter()
-            core.step()
-            steps.append(time.perf_counter() - start)
-        return statistics.median(steps) * 1e3
+    core.add_request(core.make_request(PROMPT, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)))
+    core.step()
+    steps = []
+    while core.has_work():
+        steps.append(seconds(core.step))
+    return statistics.median(steps) * 1e3
 
 
 def stream_once(url: str) -> tuple[float, list[float]]:
     """TTFT and the gaps between content chunks, seen by the client (seconds)."""
-    body = {
-        "model": MODEL,
-        "messages": PROMPT,
-        "max_tokens": NUM_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    start = time.perf_counter()
-    arrivals = []
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}
+    start, arrivals = time.perf_counter(), []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                 arrivals.append(time.perf_counter())
@@ -89,17 +55,13 @@ def main(argv: list[str] | None = None) -> None:
 
     from app.config import colocated_app, disagg_app
 
-    local = InProcessEngine()
-    local.step_ms()  # warm-up
+    local = engine_core(max_model_len=1024, kv_cache_bytes=64 << 20)  # as a replica: one torch thread
+    step_ms(local)  # warm-up
     start_local_ray()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        common = {
-            "model.max_model_len": "1024",
-            "engine.kv_cache_bytes": str(64 << 20),
-            "colocated.num_replicas": "1",
-            "autoscaling.enabled": "false",
-        }
+        common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20),
+                  "colocated.num_replicas": "1", "autoscaling.enabled": "false"}  # fmt: skip
         serve.run(disagg_app(common), name="disagg", route_prefix="/")
         serve.run(colocated_app(common), name="colo", route_prefix="/colo")
         decode = serve.get_deployment_handle("DecodeServer", app_name="disagg")
@@ -117,28 +79,20 @@ def main(argv: list[str] | None = None) -> None:
     write_page(out / "serve_overhead.md", "bench.serve_overhead", render(result), new)
 
 
-def repetition(base: str, decode, local: InProcessEngine) -> tuple[dict[str, float], list[float]]:
-    """One paired repetition (the first of a run warms up): a streamed disagg request, the
-    decode replica's step time over it, the same request through ``colocated_app``, then
-    on the engine in this process. Its figures (ms) and the request's inter-token gaps (s)."""
+def repetition(base: str, decode, local) -> tuple[dict[str, float], list[float]]:
+    """A streamed disagg request, the decode replica's step time over it, the same request through
+    colocated_app, then on the engine in this process: the figures (ms) and the request's gaps (s)."""
     t_d, gaps = stream_once(base)
     # the replica's last 64 model steps: this request's 47 and the end of the one before
     replica_step_ms = decode.stats.remote().result().median_step_ms
     transfer_s = decode.last_transfer.remote().result()["seconds"]
     t_c, _ = stream_once(base + "/colo")
-    step_ms = local.step_ms()
+    engine_ms = step_ms(local)
     itl_ms = statistics.median(gaps) * 1e3
-    row = {
-        "engine_step_ms": step_ms,
-        "decode_replica_step_ms": replica_step_ms,
-        "itl_ms": itl_ms,
-        "itl_overhead_ms": itl_ms - step_ms,
-        "serve_path_ms": itl_ms - replica_step_ms,
-        "ttft_disagg_ms": t_d * 1e3,
-        "ttft_colocated_ms": t_c * 1e3,
-        "kv_transfer_ms": transfer_s * 1e3,
-        "hop_added_ms": (t_d - t_c - transfer_s) * 1e3,
-    }
+    row = {"engine_step_ms": engine_ms, "decode_replica_step_ms": replica_step_ms, "itl_ms": itl_ms,
+           "itl_overhead_ms": itl_ms - engine_ms, "serve_path_ms": itl_ms - replica_step_ms,
+           "ttft_disagg_ms": t_d * 1e3, "ttft_colocated_ms": t_c * 1e3, "kv_transfer_ms": transfer_s * 1e3,
+           "hop_added_ms": (t_d - t_c - transfer_s) * 1e3}  # fmt: skip
     return row, gaps
 
 
