@@ -49,19 +49,15 @@ class TransferActor:
         self.pool = host_tensor((30, 2, POOL_BLOCKS, 16, 3, 64), torch.float32).uniform_()  # as the engine's pool
         self.released: list[str] = []
         # pull and push on their own NIXL agents, as a deployment runs one mode (kv_transfer.md)
-        self.transports = {
-            "nixl": NixlTransport(engine_id, layout, RayPeerRegistry()),
-            "push": NixlTransport(f"{engine_id}-push", layout, RayPeerRegistry()),
-            "store": ObjectStoreTransport(engine_id, layout),
-        }
+        self.transports = {"nixl": NixlTransport(engine_id, layout, RayPeerRegistry()),
+                           "push": NixlTransport(f"{engine_id}-push", layout, RayPeerRegistry()),
+                           "store": ObjectStoreTransport(engine_id, layout)}  # fmt: skip
         for transport in self.transports.values():
             transport.register_pool(self.pool, self.released.append)
         # as our transport's agents: no progress thread; the reader polls, the side read a 1 ms poll
         self.raw_agent = nixl_agent(f"raw-{engine_id}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.raw = {
-            "pool_pages": host_tensor((RAW_BYTES // 4,), torch.float32).uniform_(),
-            "4k_pages": host_tensor((RAW_BYTES // 4,), torch.float32, huge_pages=False).uniform_(),
-        }
+        self.raw = {"pool_pages": host_tensor((RAW_BYTES // 4,), torch.float32).uniform_(),
+                    "4k_pages": host_tensor((RAW_BYTES // 4,), torch.float32, huge_pages=False).uniform_()}  # fmt: skip
         for buffer in self.raw.values():
             self.raw_agent.register_memory(buffer)
         self.raw_lock = threading.Lock()  # the agent is used from two threads
@@ -153,9 +149,7 @@ def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
     """GB/s of each method and of a torch copy in this process (all threads), per size."""
     raw = ray.get(producer.raw_meta.remote())
     torch.set_num_threads(os.cpu_count() or 1)
-    return [
-        _size_row(producer, consumer, raw, max(1, round(size_mb * 2**20 / BYTES_PER_BLOCK))) for size_mb in SIZES_MB
-    ]
+    return [_size_row(producer, consumer, raw, max(1, round(mb * 2**20 / BYTES_PER_BLOCK))) for mb in SIZES_MB]
 
 
 def _size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, float]:
@@ -179,9 +173,8 @@ def pipelining(prompt_len: int = 2048) -> dict[str, float]:
 
     prompt = tuple(corpus_ids(load_model(ModelSpec()).tokenizer, prompt_len))
     # every repetition prefills (and moves) the whole prompt: the same prompt again must not hit a prefix cache
-    config = dict(
-        max_model_len=4096, kv_cache_bytes=256 << 20, max_num_batched_tokens=4096, enable_prefix_caching=False
-    )
+    config = {"max_model_len": 4096, "kv_cache_bytes": 256 << 20, "max_num_batched_tokens": 4096,
+              "enable_prefix_caching": False}  # fmt: skip
     consumer, result = EngineActor.remote("bench-decode", "decode", **config), {}
     ray.get(consumer.start.remote())
     for mode in ("pipelined", "not_pipelined", "pull"):  # the pull from a producer that never pushed
@@ -237,10 +230,8 @@ def render(summary: dict) -> list[str]:
     """The generated block of kv_transfer.md, from kv_transfer.json."""
     rows, pipe = summary["bandwidth_gb_per_s"], summary["push_pipelining"]
     large, one = [r for r in rows if r["size_mb"] >= 15], pipe["pipelined_one_layer_ms"]
-    targets = "".join(
-        text + ", ".join(f"{r['size_mb']:.0f} MB {r[num] / r[den]:.2f}{suffix}" for r in large)
-        for text, num, den, suffix in TARGETS
-    )
+    targets = "".join(text + ", ".join(f"{r['size_mb']:.0f} MB {r[num] / r[den]:.2f}{suffix}" for r in large)
+                      for text, num, den, suffix in TARGETS)  # fmt: skip
     modes = (
         ("push, pipelined", pipe["pipelined_tail_ms"], pipe["pipelined_tail_in_layers"]),
         ("push, all layers after the forward", pipe["not_pipelined_tail_ms"], pipe["not_pipelined_tail_ms"] / one),
@@ -276,8 +267,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
                            ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):  # fmt: skip
             ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s")
-        ax.set(title="KV transfer between two processes (CPU, UCX)")
+        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s",
+               title="KV transfer between two processes (CPU, UCX)")  # fmt: skip
         ax.grid(True, alpha=0.3)
         ax.legend()
 

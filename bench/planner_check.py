@@ -73,10 +73,8 @@ def measure_system(system: str, workload: str, rates: list[float], options: argp
         requests = make_requests(workload, tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
         idle = uncontended(target, median_request(requests))  # also warms the replicas up
         print(f"{system}: uncontended {idle}", file=sys.stderr)
-        probed = {}
-        if not options.file_stack:
-            cost = load_calibration(options.calibration)
-            probed = {"stack": probe_stack(server.url, target, cost, stack_kind(system))}
+        cost = load_calibration(options.calibration)
+        probed = {} if options.file_stack else {"stack": probe_stack(server.url, target, cost, stack_kind(system))}
         points = [
             {"rate": rate, "runs": [_run(target, requests, rate, options.seed, f"{system} {rate:.3g}/s #{n + 1}")
                                     for n in range(options.runs)]}
@@ -184,36 +182,27 @@ def _count(report: dict, key: str = "rows") -> tuple[int, int]:
 
 def render(report: dict) -> list[str]:
     """The generated block of planner.md, from planner.json (and the calibration it names)."""
+    r = report
     (within, total), (file_within, file_total) = _count(report), _count(report, "rows_file")
     headline = f"**{within} of {total} predictions within their bound**" + (
         f" with the serving stack probed on each app just before its runs; {file_within} of {file_total} with the"
         " calibration file's stack" if file_total else "")  # fmt: skip
     lines = [
-        "",
-        f"Command: `{report['command']}` ({report.get('elapsed_s', 0) / 60:.0f} min). Machine: {report['machine']}.",
-        f"Workload `{report['workload']}` ({report['num_requests']} requests a run, seed {report['seed']},"
-        " context 512);",
+        "", f"Command: `{r['command']}` ({r.get('elapsed_s', 0) / 60:.0f} min). Machine: {r['machine']}.",
+        f"Workload `{r['workload']}` ({r['num_requests']} requests a run, seed {r['seed']}, context 512);",
         "each rate run twice with the same requests and arrivals. Predictions: `planner.simulator.simulate` on",
         f"`{report['calibration']}` (no measurement of this check feeds it), same lengths and arrivals.",
         "Error = (predicted - mean of the two runs) / that mean; bound = max(15%, 2 x spread of the runs).",
-        "",
-        headline + ".",
-        "",
-        *_calibration_lines(ROOT / report["calibration"]),
-    ]
+        "", headline + ".", "", *_calibration_lines(ROOT / report["calibration"]),
+    ]  # fmt: skip
     for system, data in report["systems"].items():
         lines += _system_lines(system, data, report["fractions"])
     if speed := report.get("simulator_speed"):
         lines += ["", f"Simulator speed: `simulate()` on {speed['replicas']} replicas (400 prefill + 600 decode, this",
                   f"machine's costs), {speed['requests']:,} chatbot requests at {speed['rate']:g} req/s "
                   f"({speed['output_tokens']:,} output tokens): {speed['seconds']:.2f} s, pure Python."]  # fmt: skip
-    return [
-        *lines,
-        *_ordering_lines(report.get("goodput_ordering")),
-        "",
-        "![predicted against measured](planner.png)",
-        "",
-    ]
+    ordering = _ordering_lines(report.get("goodput_ordering"))
+    return [*lines, *ordering, "", "![predicted against measured](planner.png)", ""]
 
 
 def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:

@@ -248,9 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         records, duration = asyncio.run(run(target, requests, offsets, "trace"))
         result = {"trace": args.trace, **summarize(records, duration, slo)}
     else:
-        result = rate_sweep(
-            args, target, make_requests(args.workload, tokenizer, max_model_len, args.num_requests, args.seed), slo
-        )
+        result = rate_sweep(args, target, max_model_len, slo)
         plot_attainment({args.workload: {"this server": result}}, out / "attainment.png")
         plot_cdfs({"this server": result["points"][-1]}, out / "cdf.png", args.workload)
     write_json(out / "results.json", result)
@@ -258,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out / 'results.json'}", file=sys.stderr)
 
 
-def rate_sweep(args: argparse.Namespace, target: Target, requests: list[BenchRequest], slo: SLO | None) -> dict:
+def rate_sweep(args: argparse.Namespace, target: Target, max_model_len: int, slo: SLO | None) -> dict:
     """The command line's sweep; without fixed SLOs, multiples of the idle server's latency first."""
+    requests = make_requests(args.workload, target.tokenizer, max_model_len, args.num_requests, args.seed)
     base = None
     if slo is None:
         ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
