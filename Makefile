@@ -29,7 +29,7 @@ generate: install
 test: install
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=20
+	PY=$(PY) bash scripts/test.sh
 
 # ruff (style, imports, complexity C901 <= 12) and import-linter (the package layering)
 lint: install

@@ -11,10 +11,10 @@ import torch
 from engine.loader import LoadedModel, ModelSpec, load_model
 from tests.serving import SharedServe
 
-# one thread per xdist worker (``make test`` runs two): the other worker and the Ray replicas
-# share the cores
-DEFAULT_THREADS = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
-torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", DEFAULT_THREADS)))
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+# ``ray``: only the tests on a Ray cluster; ``local``: only the others; unset: all
+# (``make test`` runs the two parts at once, scripts/test.sh)
+PART = os.environ.get("TANDEM_TEST_PART", "")
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +45,14 @@ def own_cluster(shared_serve: SharedServe) -> None:
     shared_serve.stop()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before the -m and -k selection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with a cluster of their own run first, so the shared Ray starts only once.
-    Every test on a Ray cluster is in one xdist group: under ``-n 2 --dist loadgroup``
-    (``make test``) one worker runs them in this order while the other runs the rest, and
-    there is never more than one cluster (the memory bound of ``tests/serving.py``)."""
+    ``TANDEM_TEST_PART`` keeps one part: the tests on a Ray cluster (they need the
+    ``shared_serve`` fixture, which bounds the replicas alive at once), or the others."""
     items.sort(key=lambda item: "own_cluster" not in item.fixturenames)
-    for item in items:
-        if "shared_serve" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    if PART not in ("ray", "local"):
+        return
+    keep = [item for item in items if ("shared_serve" in item.fixturenames) == (PART == "ray")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
