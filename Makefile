@@ -29,7 +29,7 @@ generate: install
 test: install
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	PY=$(PY) bash scripts/test.sh
+	$(PY) -m pytest --durations=20
 
 # ruff (style, imports, complexity C901 <= 12) and import-linter (the package layering)
 lint: install

@@ -12,9 +12,6 @@ from engine.loader import LoadedModel, ModelSpec, load_model
 from tests.serving import SharedServe
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
-# ``ray``: only the tests on a Ray cluster; ``local``: only the others; unset: all
-# (``make test`` runs the two parts at once, scripts/test.sh)
-PART = os.environ.get("TANDEM_TEST_PART", "")
 
 
 @pytest.fixture(scope="session")
@@ -45,14 +42,6 @@ def own_cluster(shared_serve: SharedServe) -> None:
     shared_serve.stop()
 
 
-@pytest.hookimpl(tryfirst=True)  # before the -m and -k selection
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules with a cluster of their own run first, so the shared Ray starts only once.
-    ``TANDEM_TEST_PART`` keeps one part: the tests on a Ray cluster (they need the
-    ``shared_serve`` fixture, which bounds the replicas alive at once), or the others."""
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a cluster of their own run first, so the shared Ray starts only once."""
     items.sort(key=lambda item: "own_cluster" not in item.fixturenames)
-    if PART not in ("ray", "local"):
-        return
-    keep = [item for item in items if ("shared_serve" in item.fixturenames) == (PART == "ray")]
-    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-    items[:] = keep
