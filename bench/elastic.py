@@ -1,26 +1,10 @@
 """Elastic prefill/decode on a phase-changing trace: ``python -m bench.elastic``.
 
-One trace, three phases of equal length (``PHASES``): prompt-heavy (long prompts, short
-outputs), a decode-heavy burst (short prompts, long outputs, at a higher rate), prompt-heavy
-again. Three systems, one after another, each in its own fresh local Ray
-(``bench.ray_local.Server``), 2 engine replicas with 1 torch thread each:
-
-* ``static``     disagg_app, pull, no autoscaler: 1 prefill + 1 decode replica;
-* ``colocated``  colocated_app, 2 replicas doing both phases;
-* ``elastic``    disagg_app, pull, the default autoscaling policy with the benchmark's SLOs,
-  recording its snapshots (``autoscaling.record``) to the raw folder.
-
-SLOs (``bench.compare``'s rule) come from the idle colocated system at the start: TTFT 5x
-the uncontended TTFT of each class's median prompt (prompt-heavy and burst requests have
-their own), TPOT 2x the uncontended TPOT. While the elastic system runs,
-``GET /admin/autoscaler`` is polled every second for the timeline.
-
-Stages (``--stage``): ``floor`` (the interference floor: a decode step with the other core
-idle and while another process prefills, and the client's TPOT through the static app idle
-and beside 8 streams), ``run`` (calibrate, then each system), ``report`` (render from the
-raw records); ``all`` runs them in that order. Every stage saves its JSON in the raw folder
-(not committed), and the report is rendered from there: ``elastic.json`` (the figures),
-``elastic.md`` (only its generated block) and ``elastic.png`` (the timeline), in ``--out``.
+One trace (prompt-heavy, a decode-heavy burst, prompt-heavy again) through three systems, each in its
+own fresh local Ray: ``static`` (1 prefill + 1 decode), ``colocated`` (2 replicas doing both) and
+``elastic`` (the default policy lending the prefill replica), with SLOs from the idle colocated
+system. Stages: ``floor`` (a decode step beside a prefill, in the engine and through Serve), ``run``
+(the systems), ``report`` (``elastic.{json,md,png}`` in ``--out`` from the raw folder); ``all``.
 """
 
 from __future__ import annotations
@@ -43,18 +27,15 @@ from bench.compare import COMMON, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
 from bench.ray_local import Server
-from bench.report import command_line, figure, first_paragraph, read_json, table, template, write_json, write_page
+from bench.report import cells, command_line, figure, first_paragraph, table, template, write_json, write_page
 from bench.serve import Target, arrival_times, poll_autoscaler, run, send, uncontended, warm_up
 from bench.slo import SLO, RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder, median_request
 
 NAME = "bench.elastic"
-# name, request class (its TTFT SLO), prompt tokens, output tokens (inclusive ranges), req/s.
-# The rates are fixed for this 2-core machine (short trial runs): at 0.45 req/s of ~410-token
-# prompts the static 1+1 system keeps its SLOs and the prefill replica is about half busy. The
-# burst asks ~4.5x the prompt phases' output tokens per second (0.35 x 190 against 0.45 x 32):
-# more than one decode replica serves within the TPOT SLO, so its batch grows through the burst.
-# At 1.0 req/s (and already at 0.4) every system, colocated included, fell below 35% in the burst.
+# name, request class (its TTFT SLO), prompt and output tokens (inclusive ranges), req/s: set for the
+# 2-core machine so that static 1 + 1 keeps its SLOs in the prompt phases and the burst needs more
+# than one decode replica (docs/benchmarks/elastic.md)
 PHASES = (
     ("prompt-heavy 1", "prompt", (380, 440), (24, 40), 0.45),
     ("decode burst", "burst", (32, 64), (160, 220), 0.35),
@@ -64,16 +45,9 @@ PHASE_S = 180.0
 SYSTEMS = {  # name -> (application, its arguments on top of bench.compare's COMMON)
     "static": COMPARE_SYSTEMS["disagg-pull"],
     "colocated": COMPARE_SYSTEMS["colocated"],
-    "elastic": (
-        "disagg",
-        {
-            "transport.mode": "pull",
-            "autoscaling.enabled": "true",
-            "autoscaling.policy": "default",
-            "autoscaling.replica_scaling": "false",  # lending alone: fixed 1 + 1 (replica counts: bench.scaling)
-        },
-    ),
-}
+    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.policy": "default",
+                           "autoscaling.replica_scaling": "false"}),  # lending alone (replica counts: bench.scaling)
+}  # fmt: skip
 PROBE_TOKENS = 32  # output tokens of the calibration probes (as bench.compare)
 FLOOR_BATCH, FLOOR_ROUNDS = 8, 4  # decodes stepped; alternating idle / beside-prefill rounds
 FLOOR_PREFILL_TOKENS, FLOOR_DECODE_PROMPT = 400, 64
@@ -82,16 +56,12 @@ FLOOR_PROBES = 3  # probes (64 output tokens each) idle, then beside the streams
 BIN_S = 15.0  # attainment bins of the timeline
 COLOURS = {"static": "tab:blue", "colocated": "tab:orange", "elastic": "tab:purple"}
 OVERALL_MARGIN, BURST_MARGIN = 0.10, 0.20  # the targets: elastic ahead by this much attainment
-DOC = Path("docs/benchmarks")
-
-# ---- what the stages hand on -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of the trace: Poisson arrivals at ``rate`` from ``start_s`` to ``end_s``,
-    lengths drawn uniformly from the inclusive ranges. ``kind`` is the request class whose
-    TTFT SLO applies (``prompt`` or ``burst``)."""
+    """Poisson arrivals at ``rate`` from ``start_s`` to ``end_s``, lengths uniform in the ranges;
+    ``kind``: the request class whose TTFT SLO applies (``prompt`` or ``burst``)."""
 
     name: str
     kind: str
@@ -113,9 +83,8 @@ class ClassCalibration:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per class TTFT SLO: 5x its uncontended TTFT; one TPOT SLO for all: 2x the mean
-    uncontended TPOT of the classes (the same decode step, measured twice; the controller
-    takes one TPOT target)."""
+    """Each class's TTFT SLO is a multiple of its uncontended TTFT; one TPOT SLO for all, from the
+    classes' mean uncontended TPOT (the controller takes one TPOT target)."""
 
     classes: dict[str, ClassCalibration]
     model: str
@@ -129,17 +98,14 @@ class Calibration:
 
     @property
     def controller_ttft_s(self) -> float:
-        """The one TTFT target the controller gets: the prompt-heavy class's (the larger),
-        since the policy's TTFT signals are about the prefill side."""
+        """The controller's one TTFT target: the prompt class's, as its TTFT signals are about prefill."""
         return self.slo("prompt").ttft_s
 
 
 @dataclass(frozen=True)
 class SystemRun:
-    """One system on the trace. ``rows``: per request ``phase`` (index), ``arrival_s`` (its
-    offset in the trace), ``sent_s`` (since the run's start) and ``record`` (its JSON row).
-    ``timeline``: the elastic system's ``/admin/autoscaler`` polls; ``decisions``: its actions
-    (``t``, ``action``, ``replica``, ``role``, ``reason``)."""
+    """One system on the trace: per request ``rows`` (``phase`` index, ``arrival_s``, ``sent_s``,
+    ``record``); the elastic system's autoscaler polls (``timeline``) and ``decisions``."""
 
     system: str
     command: str
@@ -152,8 +118,7 @@ class SystemRun:
 
 @dataclass(frozen=True)
 class ElasticReport:
-    """Everything the report files are made from (each part None or empty until its stage
-    ran); ``floor``: ``engine_floor``'s and ``serve_floor``'s figures, with the command."""
+    """What the report is made from, each part None or empty until its stage ran."""
 
     phases: tuple[Phase, ...]
     seed: int
@@ -164,15 +129,12 @@ class ElasticReport:
 
 
 # ---- the trace, the calibration, one system ---------------------------------------------------
-
-
 def make_phases(phase_s: float) -> tuple[Phase, ...]:
     return tuple(Phase(*p, i * phase_s, (i + 1) * phase_s) for i, p in enumerate(PHASES))
 
 
 def make_trace(words, phases: tuple[Phase, ...], seed: int) -> list[tuple[int, float, BenchRequest]]:
-    """(phase index, arrival offset, request): Poisson arrivals in each phase, lengths uniform
-    in the phase's ranges; seeded."""
+    """(phase index, arrival offset, request), seeded."""
     import numpy as np
 
     rng, builder, trace = np.random.default_rng(seed), PromptBuilder(words), []
@@ -188,11 +150,18 @@ def make_trace(words, phases: tuple[Phase, ...], seed: int) -> list[tuple[int, f
     return trace
 
 
+def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequest]]:
+    """Each request class's requests, in the trace's order."""
+    classes: dict[str, list[BenchRequest]] = {}
+    for index, _, request in trace:
+        classes.setdefault(phases[index].kind, []).append(request)
+    return classes
+
+
 def calibrate(target: Target, trace: list, phases: tuple[Phase, ...]) -> Calibration:
     """Each class's median request, one at a time on the idle colocated system."""
     classes = {}
-    for kind in dict.fromkeys(p.kind for p in phases):
-        requests = [r for i, _, r in trace if phases[i].kind == kind]
+    for kind, requests in by_class(trace, phases).items():
         base = uncontended(target, median_request(requests), max_tokens=PROBE_TOKENS)
         classes[kind] = ClassCalibration(base["prompt_tokens"], base["ttft_s"], base["tpot_s"])
         print(f"calibration {kind}: {base}", file=sys.stderr)
@@ -209,20 +178,17 @@ def system_args(system: str, calibration: Calibration | None, raw: Path) -> dict
 
 
 def run_system(target: Target, system: str, trace: list, phases: tuple[Phase, ...], command: str) -> SystemRun:
-    """The whole trace on ``target`` (after a warm-up of each class); the elastic system's
-    autoscaler polled meanwhile."""
+    """The whole trace on ``target`` after a warm-up of each class; the elastic system's autoscaler
+    polled meanwhile."""
     started = time.time()
-    warm_up(
-        target, [next(r for i, _, r in trace if phases[i].kind == k) for k in dict.fromkeys(p.kind for p in phases)]
-    )
+    warm_up(target, [requests[0] for requests in by_class(trace, phases).values()])
 
     async def drive():
         stop, t0 = asyncio.Event(), time.perf_counter()
         poller = system == "elastic" and asyncio.create_task(poll_autoscaler(target.url, (t0, time.time()), stop))
         records, duration = await run(target, [r for *_, r in trace], [a for _, a, _ in trace], system)
         stop.set()
-        timeline, decisions = await poller if poller else ([], [])
-        return records, duration, timeline, decisions, t0
+        return records, duration, *(await poller if poller else ([], [])), t0
 
     records, duration, timeline, decisions, t0 = asyncio.run(drive())
     rows = [
@@ -233,13 +199,12 @@ def run_system(target: Target, system: str, trace: list, phases: tuple[Phase, ..
 
 
 def stage_run(options: argparse.Namespace, command: str) -> None:
-    """Calibrate on the colocated system (or take the raw folder's calibration when
-    colocated is not run), then run each system; the report is rewritten after each."""
+    """Calibrate on the colocated system (or take the raw folder's calibration when colocated is not
+    run), then run each system; the report is rewritten after each."""
     phases = make_phases(options.phase_s)
     trace = make_trace(tokenizer(), phases, options.seed)
     save_trace(options.raw, phases, options.seed, command)
-    per_phase = [sum(i == k for i, *_ in trace) for k in range(len(phases))]
-    print(f"trace: {len(trace)} requests, per phase {per_phase}", file=sys.stderr)
+    print(f"trace: {len(trace)} requests", file=sys.stderr)
     calibration = None if "colocated" in options.systems else load_calibration(options.raw)
     order = [s for s in SYSTEMS if s in options.systems]
     if calibration is None:  # the colocated system first: it is calibrated on
@@ -257,39 +222,37 @@ def stage_run(options: argparse.Namespace, command: str) -> None:
             result = run_system(target, system, trace, phases, command)
         save_json(options.raw / f"system_{system}.json", asdict(result))
         scores = phase_scores(result, phases, calibration)
-        text = ", ".join(f"{n} {s.attainment:.0%} (TTFT p90 {s.ttft_p90_s:.2f} s)" for n, s in scores.items())
-        print(f"{system}: attainment {text}", file=sys.stderr)
+        print(
+            f"{system}: attainment " + ", ".join(f"{n} {s.attainment:.0%}" for n, s in scores.items()), file=sys.stderr
+        )
         write_report(load_raw(options.raw), options.out)
 
 
 # ---- the interference floor --------------------------------------------------------------------
-
-
 def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False) -> dict:
-    """A batch of ``FLOOR_BATCH`` decodes on one EngineCore (1 thread), stepped in alternating
-    rounds: with the other process idle, and while it prefills back to back (the same prompt,
-    or with ``distinct`` a new one each time and no prefix cache on either side)."""
+    """``FLOOR_BATCH`` decodes on one EngineCore (1 thread), stepped in alternating rounds: the other
+    process idle, and prefilling back to back (the same prompt, or with ``distinct`` a new one each
+    time and no prefix cache on either side)."""
     from bench import elastic  # the worker's function by its module name (this may run as __main__)
 
-    core = _floor_core(distinct)
-    ctx = multiprocessing.get_context("spawn")
+    core, ctx = _floor_core(distinct), multiprocessing.get_context("spawn")
     busy, working, stop, times = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     worker = ctx.Process(target=elastic.prefill_loop, args=(busy, working, stop, times, distinct))
     worker.start()
+    step_s, cores = {"idle": [], "beside": []}, {"idle": [], "beside": []}
     try:
         busy.set()
         alone = [times.get(timeout=300) for _ in range(4)][1:]  # the first warms up
         busy.clear()
         _start_decodes(core, max_tokens=2 * steps + 16)
-        idle, beside, idle_cores, beside_cores = [], [], [], []
         for _ in range(rounds):
             busy.clear()
             while working.is_set():
                 time.sleep(0.01)
-            idle += _timed_steps(core, max(1, steps // rounds), idle_cores)
+            step_s["idle"] += _timed_steps(core, max(1, steps // rounds), cores["idle"])
             busy.set()
             working.wait(60)
-            beside += _timed_steps(core, max(1, steps // rounds), beside_cores)
+            step_s["beside"] += _timed_steps(core, max(1, steps // rounds), cores["beside"])
         busy.clear()
         contended = []
         while not times.empty():
@@ -298,18 +261,14 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
         stop.set()
         busy.set()
         worker.join(60)
-    return {
-        "batch": FLOOR_BATCH,
-        "rounds": rounds,
-        "steps": len(idle),
-        "prefill_prompt_tokens": FLOOR_PREFILL_TOKENS,
-        "decode_step_idle_ms": statistics.median(idle) * 1e3,
-        "decode_step_with_prefill_ms": statistics.median(beside) * 1e3,
-        "prefill_alone_s": statistics.median(alone),
-        "prefill_beside_decode_s": statistics.median(contended) if contended else math.nan,
-        "busy_cores_idle": statistics.mean(idle_cores),
-        "busy_cores_with_prefill": statistics.mean(beside_cores),
-    }
+    return {"batch": FLOOR_BATCH, "rounds": rounds, "steps": len(step_s["idle"]),
+            "prefill_prompt_tokens": FLOOR_PREFILL_TOKENS,
+            "decode_step_idle_ms": statistics.median(step_s["idle"]) * 1e3,
+            "decode_step_with_prefill_ms": statistics.median(step_s["beside"]) * 1e3,
+            "prefill_alone_s": statistics.median(alone),
+            "prefill_beside_decode_s": statistics.median(contended) if contended else math.nan,
+            "busy_cores_idle": statistics.mean(cores["idle"]),
+            "busy_cores_with_prefill": statistics.mean(cores["beside"])}  # fmt: skip
 
 
 def _floor_core(distinct: bool):
@@ -317,22 +276,22 @@ def _floor_core(distinct: bool):
 
 
 def _start_decodes(core, max_tokens: int) -> None:
-    """Admit the batch and step until every request is decoding (then 3 warm-up steps)."""
+    """Admit the batch and step until every request decodes, then 3 warm-up steps."""
     from engine.params import GenerationRequest, SamplingParams
 
     builder = PromptBuilder(core.tokenizer)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(FLOOR_BATCH):
         core.add_request(GenerationRequest(f"d{i}", tuple(builder.code(FLOOR_DECODE_PROMPT, 37 * i)), sampling))
-    while core.stats().num_queued_prompt_tokens:  # every prompt computed: the batch decodes
+    while core.stats().num_queued_prompt_tokens:
         core.step()
     for _ in range(3):
         core.step()
 
 
 def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
-    """``num`` decode steps' seconds; appends the machine's busy cores meanwhile (all
-    processes: about 1 alone, 2 beside the prefills; more means a stranger was running)."""
+    """``num`` decode steps' seconds; appends the machine's busy cores meanwhile (all processes:
+    more than expected means a stranger was running)."""
     times, (busy0, total0, _) = [], cpu_ticks()
     for _ in range(num):
         start = time.perf_counter()
@@ -346,8 +305,8 @@ def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
 
 
 def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
-    """The other process: while ``busy`` is set, prefill a ``FLOOR_PREFILL_TOKENS`` prompt
-    after another (``working`` set during each) and put each one's seconds on ``times``."""
+    """The other process: while ``busy`` is set, prefill one prompt after another (``working`` set
+    during each) and put each one's seconds on ``times``."""
     from engine.params import GenerationRequest, SamplingParams
 
     core, number = _floor_core(distinct), 0
@@ -370,34 +329,33 @@ def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
 
 
 def serve_floor(index: int) -> dict:
-    """(c) the client's TPOT of one stream through the static app, idle, and (d) beside
-    ``FLOOR_STREAMS`` long streams; with the decode replica's median engine step after each
-    probe (read at once: the machine's speed drifts)."""
+    """The client's TPOT of one stream through the static app, idle and beside ``FLOOR_STREAMS`` long
+    streams, each probe with the decode replica's median engine step read at once (speed drifts)."""
     from ray import serve
 
     builder = PromptBuilder(tokenizer())
     probe = BenchRequest(builder.code(48, 0), 48, 64)
     streams = [BenchRequest(builder.code(48, 101 * (i + 1)), 48, FLOOR_STREAM_TOKENS) for i in range(FLOOR_STREAMS)]
     with Server(SYSTEMS["static"][0], system_args("static", None, Path()), index) as server:
-        target = Target(server.url, server.model())
         decode = serve.get_deployment_handle("DecodeServer", app_name="bench")
-        return asyncio.run(_served_probes(target, probe, streams, decode))
+        return asyncio.run(_served_probes(Target(server.url, server.model()), probe, streams, decode))
 
 
 async def _served_probes(target: Target, probe: BenchRequest, streams: list[BenchRequest], decode) -> dict:
-    async def probes() -> list[tuple[float, float]]:
+    async def probes(load: str) -> dict:
         found = []
-        for _ in range(FLOOR_PROBES):  # the client's TPOT, then at once the replica's median step
+        for _ in range(FLOOR_PROBES):
             record = await send(client, target, probe)
             if not record.ok:
                 raise RuntimeError(f"floor probe failed: {record.error}")
             found.append((record.tpot * 1e3, (await decode.stats.remote()).median_step_ms))
-        return found
+        return {f"client_tpot_{load}_ms": statistics.median(t for t, _ in found),
+                f"replica_step_{load}_ms": statistics.median(s for _, s in found)}  # fmt: skip
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await send(client, target, probe)  # warm-up
-        idle = await probes()
+        idle = await probes("idle")
         tasks = [asyncio.create_task(send(client, target, s)) for s in streams]
         try:
             deadline = time.monotonic() + 120
@@ -405,33 +363,25 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
                 if time.monotonic() > deadline:
                     raise RuntimeError("the background streams never all reached the decode replica")
                 await asyncio.sleep(0.2)
-            loaded = await probes()
+            loaded = await probes("loaded")
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return {
-        "streams": FLOOR_STREAMS,
-        "client_tpot_idle_ms": statistics.median(t for t, _ in idle),
-        "replica_step_idle_ms": statistics.median(s for _, s in idle),
-        "client_tpot_loaded_ms": statistics.median(t for t, _ in loaded),
-        "replica_step_loaded_ms": statistics.median(s for _, s in loaded),
-    }
+    return {"streams": FLOOR_STREAMS, **idle, **loaded}
 
 
 def stage_floor(options: argparse.Namespace, command: str) -> None:
-    """(a)/(b) in a subprocess (no Ray in it), then (c)/(d) through the static app."""
-    print("floor: engine steps (a, b)...", file=sys.stderr, flush=True)
+    """The engine's part in a subprocess (no Ray in it), then through the static app."""
+    print("floor: engine steps...", file=sys.stderr, flush=True)
     engine = worker_json(NAME, "--floor-worker", str(options.floor_steps))
-    print(f"floor engine: {engine}\nfloor: through the static app (c, d)...", file=sys.stderr, flush=True)
+    print(f"floor engine: {engine}\nfloor: through the static app...", file=sys.stderr, flush=True)
     served = serve_floor(index=len(SYSTEMS) + 1)
     print(f"floor served: {served}", file=sys.stderr)
     save_json(options.raw / "floor.json", {"command": command, **engine, **served})
 
 
 # ---- the raw folder ---------------------------------------------------------------------
-
-
 def save_json(path: Path, data: dict) -> None:
     write_json(path, data, indent=None)
 
@@ -446,27 +396,27 @@ def save_calibration(raw: Path, calibration: Calibration) -> None:
 
 
 def load_calibration(raw: Path) -> Calibration | None:
-    if not (raw / "calibration.json").exists():
-        return None
-    data = read_json(raw / "calibration.json")
-    return Calibration({k: ClassCalibration(**c) for k, c in data["classes"].items()}, data["model"])
+    data = _read(raw / "calibration.json")
+    return data and Calibration({k: ClassCalibration(**c) for k, c in data["classes"].items()}, data["model"])
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def load_raw(raw: Path) -> ElasticReport:
     """The report's input, as the stages left it in ``raw``."""
-    trace = read_json(raw / "trace.json") if (raw / "trace.json").exists() else {}
+    trace = _read(raw / "trace.json") or {}
     phases = tuple(
-        Phase(**{**p, "prompt_tokens": tuple(p["prompt_tokens"]), "output_tokens": tuple(p["output_tokens"])})
+        Phase(**p | {"prompt_tokens": tuple(p["prompt_tokens"]), "output_tokens": tuple(p["output_tokens"])})
         for p in trace.get("phases", [])
     )
-    runs = {s: SystemRun(**read_json(raw / f"system_{s}.json")) for s in SYSTEMS if (raw / f"system_{s}.json").exists()}
-    floor = read_json(raw / "floor.json") if (raw / "floor.json").exists() else None
-    return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), load_calibration(raw), runs, floor)
+    runs = {s: SystemRun(**data) for s in SYSTEMS if (data := _read(raw / f"system_{s}.json"))}
+    calibration, floor = load_calibration(raw), _read(raw / "floor.json")
+    return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), calibration, runs, floor)
 
 
 # ---- the figures ------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Score:
     """Attainment (of the requests sent; a failed request is a miss) and p90 latencies."""
@@ -478,36 +428,26 @@ class Score:
     tpot_p90_s: float
 
 
-def score(records: list[RequestRecord], slos: list[SLO]) -> Score:
-    """``slos[i]`` is the SLO of ``records[i]`` (its class's)."""
-    done = [r for r in records if r.ok]
-    met = sum(slo.met(r) for r, slo in zip(records, slos))
-    return Score(
-        requests=len(records),
-        failed=len(records) - len(done),
-        attainment=met / len(records) if records else math.nan,
-        ttft_p90_s=distribution([r.ttft for r in done])["p90"],
-        tpot_p90_s=distribution([t for r in done if (t := r.tpot) is not None])["p90"],
-    )
+def score(judged: list[tuple[dict, RequestRecord, SLO]]) -> Score:
+    """The score of (row, record, its SLO) triples."""
+    done = [r for _, r, _ in judged if r.ok]
+    met = sum(slo.met(r) for _, r, slo in judged)
+    ttft, tpot = distribution([r.ttft for r in done]), distribution([t for r in done if (t := r.tpot) is not None])
+    attainment = met / len(judged) if judged else math.nan
+    return Score(len(judged), len(judged) - len(done), attainment, ttft["p90"], tpot["p90"])
 
 
-def _judged(
-    run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration
-) -> list[tuple[dict, RequestRecord, SLO]]:
+def _judged(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> list:
     """Each request's row, record and SLO (its class's)."""
-    return [
-        (row, RequestRecord.from_json(row["record"]), calibration.slo(phases[row["phase"]].kind)) for row in run.rows
-    ]
+    slos = [calibration.slo(phases[row["phase"]].kind) for row in run.rows]
+    return [(row, RequestRecord.from_json(row["record"]), slo) for row, slo in zip(run.rows, slos)]
 
 
 def phase_scores(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> dict[str, Score]:
     """Per phase (by name, in order), then ``overall``."""
     judged = _judged(run, phases, calibration)
-    scores = {}
-    for index, phase in enumerate(phases):
-        chosen = [(r, s) for row, r, s in judged if row["phase"] == index]
-        scores[phase.name] = score([r for r, _ in chosen], [s for _, s in chosen])
-    return scores | {"overall": score([r for _, r, _ in judged], [s for *_, s in judged])}
+    scores = {phase.name: score([j for j in judged if j[0]["phase"] == i]) for i, phase in enumerate(phases)}
+    return scores | {"overall": score(judged)}
 
 
 def attainment_bins(
@@ -546,8 +486,6 @@ def targets(scores: dict[str, dict[str, Score]], burst: str) -> list[tuple[str, 
 
 
 # ---- the files ---------------------------------------------------------------------------
-
-
 def write_report(report: ElasticReport, out: Path) -> None:
     """elastic.json, elastic.md's block and elastic.png in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -563,29 +501,22 @@ def write_report(report: ElasticReport, out: Path) -> None:
 
 
 def summary_json(report: ElasticReport, scores: dict[str, dict[str, Score]], host: str) -> dict:
-    """elastic.json: the report without the per-request records."""
-    calibration, bins = report.calibration, {}
-    slo_s = None
+    """elastic.json: what the page shows, without the per-request records."""
+    calibration, slo_s = report.calibration, None
     if calibration is not None:
-        bins = {s: attainment_bins(run, report.phases, calibration) for s, run in report.runs.items()}
         slo_s = {k: {"ttft": calibration.slo(k).ttft_s, "tpot": calibration.slo(k).tpot_s} for k in calibration.classes}
         slo_s["controller"] = {"ttft": calibration.controller_ttft_s, "tpot": calibration.tpot_slo_s}
     burst = next((p.name for p in report.phases if p.kind == "burst"), "burst")
     return {
-        "command": report.command,
-        "machine": host,
-        "seed": report.seed,
-        "phases": [asdict(p) for p in report.phases],
+        "command": report.command, "machine": host, "seed": report.seed, "phases": [asdict(p) for p in report.phases],
         "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
         "calibration": None if calibration is None else {k: asdict(c) for k, c in calibration.classes.items()},
-        "slo_s": slo_s,
-        "results": {s: {k: asdict(v) for k, v in per.items()} for s, per in scores.items()},
-        "attainment_bins": {s: [[t, None if math.isnan(a) else a] for t, a in b] for s, b in bins.items()},
+        "slo_s": slo_s, "results": {s: {k: asdict(v) for k, v in per.items()} for s, per in scores.items()},
         "elapsed_s": {s: run.elapsed_s for s, run in report.runs.items()},
         "decisions": report.runs["elastic"].decisions if "elastic" in report.runs else [],
         "targets": [{"target": t, "value": v, "bar": b} for t, v, b in targets(scores, burst)],
         "floor": report.floor,
-    }
+    }  # fmt: skip
 
 
 def render(summary: dict) -> list[str]:
@@ -595,25 +526,32 @@ def render(summary: dict) -> list[str]:
         lines += [f"Command: `{summary['command']}`. Machine: {summary['machine']}.", ""]
     lines += _trace_lines(summary) + _result_lines(summary)
     if "elastic" in summary["elapsed_s"]:
-        lines += ["### The elastic run's decisions", ""]
-        rows = [
-            [f"{d['t']:.1f}", _phase_at(summary["phases"], d["t"]), d["action"], d["replica"], d["role"], d["reason"]]
-            for d in summary["decisions"]
-        ]
-        header = ["time (s)", "phase", "action", "replica", "role", "reason"]
-        lines += [*(table(header, rows) if rows else ["No lend or reclaim in this run."]), ""]
+        phases, template_ = summary["phases"], "{t:.1f} | {phase} | {action} | {replica} | {role} | {reason}"
+        rows = [cells(template_, d | {"phase": _phase_at(phases, d["t"])}) for d in summary["decisions"]]
+        header = "time (s) | phase | action | replica | role | reason"
+        lines += ["### The elastic run's decisions", "", *(table(header, rows) if rows else [NO_DECISION]), ""]
     return lines + floor_lines(summary["floor"])
+
+
+NO_DECISION = "No lend or reclaim in this run."
 
 
 def _phase_at(phases: list[dict], t: float) -> str:
     return next((p["name"] for p in phases if p["start_s"] <= t < p["end_s"]), "after the trace")
 
 
+PHASE_ROW = "{name} | {start_s:.0f}-{end_s:.0f} | {requests} | {prompt_tokens[0]}-{prompt_tokens[1]} | "
+PHASE_ROW += "{output_tokens[0]}-{output_tokens[1]} | {rate:g} | {ttft} | {tpot}"
+CLASS_ROW = (
+    "{k} | {c[prompt_tokens]} | {c[ttft_s]:.3f} s | {c[tpot_s]:ms.1f} ms | {slo[ttft]:.2f} s | {slo[tpot]:ms.0f} ms"
+)
+
+
 def _trace_lines(summary: dict) -> list[str]:
     """The phases with their SLOs, and the calibration they come from."""
     if not summary["phases"]:
         return []
-    slo_s, first = summary["slo_s"], next(iter(summary["results"].values()), {})
+    slo_s, first = summary["slo_s"] or {}, next(iter(summary["results"].values()), {})
     lines = [
         "### Trace and SLOs",
         "",
@@ -624,41 +562,25 @@ def _trace_lines(summary: dict) -> list[str]:
     ]
     rows = []
     for p in summary["phases"]:
-        slo = slo_s[p["kind"]] if slo_s else None
-        ttft, tpot = (f"{slo['ttft']:.2f} s", f"{slo['tpot'] * 1e3:.0f} ms") if slo else ("n/a", "n/a")
-        count = first[p["name"]]["requests"] if p["name"] in first else "n/a"
-        (a, b), (c, d) = p["prompt_tokens"], p["output_tokens"]
+        slo = slo_s.get(p["kind"])
+        ttft, tpot = (f"{slo['ttft']:.2f} s", f"{slo['tpot'] * 1e3:.0f} ms") if slo else (None, None)
         rows.append(
-            [
-                p["name"],
-                f"{p['start_s']:.0f}-{p['end_s']:.0f}",
-                count,
-                f"{a}-{b}",
-                f"{c}-{d}",
-                f"{p['rate']:g}",
-                ttft,
-                tpot,
-            ]
+            cells(PHASE_ROW, p | {"requests": first.get(p["name"], {}).get("requests"), "ttft": ttft, "tpot": tpot})
         )
-    header = ["phase", "time (s)", "requests", "prompt tokens", "output tokens", "arrivals (req/s, Poisson)"]
-    lines += [*table([*header, "TTFT SLO", "TPOT SLO"], rows), ""]
+    header = (
+        "phase | time (s) | requests | prompt tokens | output tokens | arrivals (req/s, Poisson) | TTFT SLO | TPOT SLO"
+    )
+    lines += [*table(header, rows), ""]
     if summary["calibration"] is None:
         return lines
-    x = summary["slo_multiples"]
-    lines += [
+    x, controller = summary["slo_multiples"], slo_s["controller"]
+    rows = [cells(CLASS_ROW, {"k": k, "c": c, "slo": slo_s[k]}) for k, c in summary["calibration"].items()]
+    header = "class | median prompt (tokens) | uncontended TTFT | uncontended TPOT | TTFT SLO | TPOT SLO"
+    return lines + [
         f"SLOs from the idle colocated system, one request at a time (32 output tokens, median of 3): TTFT SLO "
         f"{x['ttft']:g}x the uncontended TTFT of the class's median prompt, TPOT SLO {x['tpot']:g}x the mean "
         "uncontended TPOT of the two classes (one decode step, measured twice; the controller takes one target).",
         "",
-    ]
-    rows = [
-        [k, c["prompt_tokens"], f"{c['ttft_s']:.3f} s", f"{c['tpot_s'] * 1e3:.1f} ms"]
-        + [f"{slo_s[k]['ttft']:.2f} s", f"{slo_s[k]['tpot'] * 1e3:.0f} ms"]
-        for k, c in summary["calibration"].items()
-    ]
-    header = ["class", "median prompt (tokens)", "uncontended TTFT", "uncontended TPOT", "TTFT SLO", "TPOT SLO"]
-    controller = slo_s["controller"]
-    return lines + [
         *table(header, rows),
         "",
         f"The elastic system's controller gets `slo.ttft_ms={controller['ttft'] * 1e3:.0f}` (the "
@@ -666,6 +588,9 @@ def _trace_lines(summary: dict) -> list[str]:
         f"`slo.tpot_ms={controller['tpot'] * 1e3:.0f}`.",
         "",
     ]
+
+
+TARGET_ROW = "{target} | {value:.0%} | {bar:.0%} | {result}"
 
 
 def _result_lines(summary: dict) -> list[str]:
@@ -681,84 +606,55 @@ def _result_lines(summary: dict) -> list[str]:
     ]
     lines = ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
     lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
-    rows = [
-        [s, *(f"{per[n]['ttft_p90_s']:.2f} / {per[n]['tpot_p90_s'] * 1e3:.0f}" for n in names)]
-        for s, per in results.items()
-    ]
-    lines += [*table(["system", *names], rows), ""]
+    p90 = "{ttft_p90_s:.2f} / {tpot_p90_s:ms.0f}"
+    lines += [*table(["system", *names], [[s, *(cells(p90, per[n]) for n in names)] for s, per in results.items()]), ""]
     rows = []
     for t in summary["targets"]:
-        value, bar = t["value"], t["bar"]
-        if value is None or bar is None:
-            rows.append([t["target"], "n/a", "n/a", "n/a"])
-        else:
-            rows.append([t["target"], f"{value:.0%}", f"{bar:.0%}", "ok" if value >= bar - 1e-9 else "MISSED"])
+        known = t["value"] is not None and t["bar"] is not None
+        result = ("ok" if t["value"] >= t["bar"] - 1e-9 else "MISSED") if known else None
+        rows.append(cells(TARGET_ROW, t | {"value": t["value"] if known else None, "result": result}))
     caption = (
         "the elastic prefill replica's role, with its decisions; attainment of the requests arriving in each "
         f"{BIN_S:g} s; requests in flight (client side)"
     )
-    return [
-        *lines,
-        *table(["target", "elastic", "bar", "result"], rows),
-        "",
-        f"![timeline: {caption}](elastic.png)",
-        "",
-    ]
+    return [*lines, *table("target | elastic | bar | result", rows), "", f"![timeline: {caption}](elastic.png)", ""]
+
+
+FLOOR_ROWS = (
+    ("(a) EngineCore decode step, batch {batch}, the other core idle", "{decode_step_idle_ms:.1f} ms"),
+    ("(b) the same while another process prefills {prefill_prompt_tokens}-token prompts back to back",
+     "{decode_step_with_prefill_ms:.1f} ms ({slowdown:+.0%})"),
+    ("the machine's busy cores (all processes, /proc/stat) during (a) / (b)",
+     "{busy_cores_idle:.2f} / {busy_cores_with_prefill:.2f}"),
+    ("that process's {prefill_prompt_tokens}-token prefill: alone / beside the decode steps",
+     "{prefill_alone_s:.2f} s / {prefill_beside_decode_s:.2f} s"),
+    ("(c) client TPOT, one stream through the static disagg_app, idle (decode replica's engine step)",
+     "{client_tpot_idle_ms:.1f} ms ({replica_step_idle_ms:.1f} ms)"),
+    ("(d) the same beside {streams} other streams (decode replica's engine step)",
+     "{client_tpot_loaded_ms:.1f} ms ({replica_step_loaded_ms:.1f} ms)"),
+)  # fmt: skip
 
 
 def floor_lines(floor: dict | None) -> list[str]:
     """The interference floor table, and what it means for the policy."""
     if floor is None:
         return []
-    f = floor
-    slowdown = f["decode_step_with_prefill_ms"] / f["decode_step_idle_ms"] - 1
-    tokens = f["prefill_prompt_tokens"]
-    rows = [
-        [f"(a) EngineCore decode step, batch {f['batch']}, the other core idle", f"{f['decode_step_idle_ms']:.1f} ms"],
-        [
-            f"(b) the same while another process prefills {tokens}-token prompts back to back",
-            f"{f['decode_step_with_prefill_ms']:.1f} ms ({slowdown:+.0%})",
-        ],
-        [
-            "the machine's busy cores (all processes, /proc/stat) during (a) / (b)",
-            f"{f['busy_cores_idle']:.2f} / {f['busy_cores_with_prefill']:.2f}",
-        ],
-        [
-            f"that process's {tokens}-token prefill: alone / beside the decode steps",
-            f"{f['prefill_alone_s']:.2f} s / {f['prefill_beside_decode_s']:.2f} s",
-        ],
-        [
-            "(c) client TPOT, one stream through the static disagg_app, idle (decode replica's engine step)",
-            f"{f['client_tpot_idle_ms']:.1f} ms ({f['replica_step_idle_ms']:.1f} ms)",
-        ],
-        [
-            f"(d) the same beside {f['streams']} other streams (decode replica's engine step)",
-            f"{f['client_tpot_loaded_ms']:.1f} ms ({f['replica_step_loaded_ms']:.1f} ms)",
-        ],
-    ]
+    f = floor | {"slowdown": floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1}
     head = (
         f"Command: `{f['command']}`. Medians; (a) and (b) in {f['rounds']} alternating rounds "
         f"({f['steps']} steps per condition), no Serve, no Ray, 1 torch thread per process."
     )
-    return [
-        "### Interference floor",
-        "",
-        head,
-        "",
-        *table(["measurement", "value"], rows),
-        "",
-        _floor_meaning(f, slowdown),
-        "",
-    ]
+    rows = [cells(f"{label} | {value}", f) for label, value in FLOOR_ROWS]
+    return ["### Interference floor", "", head, "", *table("measurement | value", rows), "", _floor_meaning(f), ""]
 
 
-def _floor_meaning(floor: dict, slowdown: float) -> str:
+def _floor_meaning(floor: dict) -> str:
     if floor["busy_cores_idle"] > 1.3:
         return (
             f"**Not a clean measurement**: {floor['busy_cores_idle']:.2f} cores were busy during (a), where only the "
             "decoding process should run: another process shared the machine. Run `--stage floor` again."
         )
-    ratio = floor["replica_step_loaded_ms"] / floor["replica_step_idle_ms"]
+    slowdown, ratio = floor["slowdown"], floor["replica_step_loaded_ms"] / floor["replica_step_idle_ms"]
     batch = f"a decode batch of {floor['streams'] + 1} costs {ratio:.1f}x"
     if slowdown < 0.05:
         return (
@@ -774,8 +670,8 @@ def _floor_meaning(floor: dict, slowdown: float) -> str:
 
 
 def plot_timeline(report: ElasticReport, path: Path) -> None:
-    """Three panels on one time axis: the elastic prefill replica's role (with its lend and
-    reclaim decisions), attainment per ``BIN_S`` bin per system, requests in flight."""
+    """On one time axis: the elastic prefill replica's role with its decisions, attainment per
+    ``BIN_S`` bin per system, requests in flight."""
     with figure(path, 3, 1, (11, 8), sharex=True) as (role_ax, bin_ax, flight_ax, _):
         for ax in (role_ax, bin_ax, flight_ax):
             for p in report.phases:
@@ -787,8 +683,7 @@ def plot_timeline(report: ElasticReport, path: Path) -> None:
             ax.grid(alpha=0.3)
         _plot_roles(role_ax, report.runs.get("elastic"))
         for system, run in report.runs.items():
-            bins = attainment_bins(run, report.phases, report.calibration)
-            if bins:
+            if bins := attainment_bins(run, report.phases, report.calibration):
                 starts, values = zip(*bins)
                 ends = [*starts, starts[-1] + BIN_S]
                 bin_ax.step(ends, [*values, values[-1]], where="post", label=system, color=COLOURS.get(system))
@@ -805,10 +700,8 @@ def _plot_roles(ax, run: SystemRun | None) -> None:
     if run is None or not run.timeline:
         ax.text(0.5, 0.5, "no elastic run", transform=ax.transAxes, ha="center")
         return
-    lent = [
-        float(any(r["role"] == "both" for r in s.get("replicas", []) if r["deployment"] == "PrefillServer"))
-        for s in run.timeline
-    ]
+    prefill = [[r for r in s.get("replicas", []) if r["deployment"] == "PrefillServer"] for s in run.timeline]
+    lent = [float(any(r["role"] == "both" for r in replicas)) for replicas in prefill]
     ax.step([s["t"] for s in run.timeline], lent, where="post", color=COLOURS["elastic"])
     for d in run.decisions:
         colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
@@ -817,27 +710,30 @@ def _plot_roles(ax, run: SystemRun | None) -> None:
 
 
 # ---- the command line --------------------------------------------------------------------------
+def parse_systems(text: str, known) -> tuple[str, ...]:
+    """``a,b`` -> the systems named, each one of ``known``."""
+    systems = tuple(s for s in text.split(",") if s)
+    for name in systems:
+        if name not in known:
+            sys.exit(f"unknown system {name!r}: choose from {', '.join(known)}")
+    return systems
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options (``systems`` a tuple, ``out`` and ``raw`` paths), checked;
-    ``--floor-worker``: the floor's subprocess (internal)."""
+    """The options, checked; ``--floor-worker``: the floor's subprocess (internal)."""
     parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--phase-s", type=float, default=PHASE_S, help="length of each of the 3 phases (s)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
     parser.add_argument("--stage", choices=("all", "floor", "run", "report"), default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor-steps", type=int, default=100, help="decode steps timed per floor condition")
-    parser.add_argument("--out", default=str(DOC), help="folder for elastic.md/json/png")
+    parser.add_argument("--out", default="docs/benchmarks", help="folder for elastic.md/json/png")
     parser.add_argument("--raw", default="/tmp/elastic_raw", help="folder for the raw records (not committed)")
     parser.add_argument("--floor-worker", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if not FLOOR_ROUNDS <= options.floor_steps <= 200:  # 2 x steps decode tokens must fit the context
         sys.exit(f"--floor-steps must be in [{FLOOR_ROUNDS}, 200]")
-    options.systems = tuple(s for s in options.systems.split(",") if s)
-    for name in options.systems:
-        if name not in SYSTEMS:
-            sys.exit(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
+    options.systems = parse_systems(options.systems, SYSTEMS)
     options.out, options.raw = Path(options.out), Path(options.raw)
     return options
 

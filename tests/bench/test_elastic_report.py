@@ -17,16 +17,22 @@ from bench.elastic import (
     Phase,
     SystemRun,
     attainment_bins,
+    by_class,
     floor_lines,
     in_flight,
     load_raw,
+    make_phases,
+    make_trace,
+    parse_options,
     phase_scores,
     save_calibration,
     save_json,
     save_trace,
+    system_args,
     targets,
     write_report,
 )
+from bench.host import tokenizer
 from bench.report import markers
 
 BEGIN, END = markers(NAME)
@@ -172,7 +178,6 @@ def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_pat
     summary = json.loads((out / "elastic.json").read_text())
     assert summary["slo_s"]["burst"] == {"ttft": pytest.approx(1.0), "tpot": pytest.approx(0.1)}
     assert summary["results"]["static"]["overall"]["failed"] == 1
-    assert summary["attainment_bins"]["static"][3] == [45.0, None]
     assert summary["decisions"][0]["action"] == "lend"
     assert summary["floor"]["decode_step_with_prefill_ms"] == 100.0
 
@@ -189,3 +194,29 @@ def test_report_without_an_md_starts_from_the_template(tmp_path):
 def test_floor_with_a_stranger_on_the_machine_says_so():
     text = "\n".join(floor_lines({**_floor(), "busy_cores_idle": 1.6}))
     assert "**Not a clean measurement**: 1.60 cores were busy during (a)" in text
+
+
+def test_trace_phases_and_classes():
+    phases = make_phases(20.0)
+    assert [(p.start_s, p.end_s, p.kind) for p in phases] == [(0, 20, "prompt"), (20, 40, "burst"), (40, 60, "prompt")]
+    trace = make_trace(tokenizer(), phases, seed=1)
+    assert trace == sorted(trace, key=lambda item: item[1]) and trace[0][2].prompt
+    for index, arrival, request in trace:
+        phase = phases[index]
+        assert phase.start_s <= arrival < phase.end_s and len(request.prompt) == request.prompt_tokens
+        assert phase.prompt_tokens[0] <= request.prompt_tokens <= phase.prompt_tokens[1]
+        assert phase.output_tokens[0] <= request.max_tokens <= phase.output_tokens[1]
+    classes = by_class(trace, phases)
+    assert list(classes) == ["prompt", "burst"] and sum(map(len, classes.values())) == len(trace)
+
+
+def test_the_elastic_system_gets_the_slos_and_the_options_are_checked(tmp_path):
+    args = system_args("elastic", CALIBRATION, tmp_path)
+    assert (args["slo.ttft_ms"], args["slo.tpot_ms"]) == ("5000.0", "100.0")
+    assert args["autoscaling.record"] == str(tmp_path.resolve() / "trace.jsonl")
+    assert "slo.ttft_ms" not in system_args("static", CALIBRATION, tmp_path)
+    options = parse_options(["--systems", "static,elastic", "--stage", "report"])
+    assert options.systems == ("static", "elastic") and options.out.name == "benchmarks"
+    for bad in (["--systems", "nope"], ["--floor-steps", "1"]):
+        with pytest.raises(SystemExit):
+            parse_options(bad)
