@@ -1,24 +1,10 @@
 """Load and soak with faults, through the HTTP API: ``python -m bench.reliability``.
 
-Starts ``disagg_app`` (1 prefill + 1 decode replica, fixed pools, ``kv_transfer_timeout_s``
-20 s) in its own local Ray with the faults below in its ``faults:`` configuration, then:
-
-1. **burst**: ``--concurrency`` streamed requests at once, a share of them
-   (``--burst-disconnect``) closed by the client at a random point (after k chunks or after a
-   random delay); then, once the KV leases ran out, ``GET /admin/kv`` must show no block held
-   and every invariant holding.
-2. **soak**: ``--soak-s`` seconds of Poisson traffic at ``--rate`` (mixed lengths, some
-   disconnects), 5% of requests meeting each probabilistic fault, a stalled transfer every
-   ``--stall-every-s`` and a replica killed every ``--kill-every-s`` (prefill and decode in
-   turn, by requests whose id carries the fault rule's prefix); then the same leak check.
-
-Each request's outcome is what the client saw (``Outcome``); a hang is no byte for longer
-than the service's own bounds plus 15 s (the client's read timeout). ``/admin/kv`` is read
-every second: invariants, engine ids (restarts) and each replica's resident memory. Writes
-``<out>/benchmarks/reliability.json`` (each mode's summary; the other modes kept) and the
-block of ``<out>/reliability.md`` rendered from it (``--quick``: a small smoke run into
-/tmp/reliability_quick). Times are seconds on the run's clock (0: the client started, once
-the application answered ``/ready``).
+Starts ``disagg_app`` (1 prefill + 1 decode replica, fixed pools) in its own local Ray with the faults
+of ``fault_specs`` configured, then a **burst** of concurrent streams (some cut by the client) and a
+**soak** of Poisson traffic meeting random transfer faults, stalled transfers and replica kills; after
+each, ``GET /admin/kv`` must show no block held. Writes ``<out>/benchmarks/reliability.json`` (one
+summary per mode) and the block of ``<out>/reliability.md`` rendered from it.
 """
 
 from __future__ import annotations
@@ -40,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.report import first_paragraph, read_json, table, template, write_json, write_page
+from bench.report import cells, first_paragraph, read_json, table, template, write_json, write_page
 
 NAME = "bench.reliability"
 HTTP_PORT = 18660
@@ -48,8 +34,7 @@ MAX_MODEL_LEN = 512
 TIMEOUT_S = 20.0  # transport.kv_transfer_timeout_s
 PEER_CHECK_S = 5.0
 STREAM_IDLE_S = 60.0  # limits.stream_idle_timeout_s (the default)
-SLACK_S = 15.0
-HANG_S, LONG_S = max(STREAM_IDLE_S, TIMEOUT_S) + SLACK_S, TIMEOUT_S + SLACK_S  # no byte for this long: a hang
+HANG_S, LONG_S = STREAM_IDLE_S + 15.0, TIMEOUT_S + 15.0  # no byte for this long: a hang, a long silence
 POOLS = ("PrefillServer", "DecodeServer")
 # what the client saw of one request (``Outcome.result``)
 COMPLETED = "completed"  # 200, every token asked for, [DONE]
@@ -58,7 +43,7 @@ ERROR_EVENT = "error_event"  # 200, then data: {"error": ...} and [DONE]
 HTTP_503, HTTP_504, HTTP_4XX, HTTP_5XX = "http_503", "http_504", "http_4xx", "http_5xx"
 SHORT = "short"  # 200 and [DONE] without an error, but fewer tokens than asked: a silent cut
 CUT = "cut"  # the stream ended without [DONE]: a silent cut
-HANG = "hang"  # no byte for longer than the hang bound (the client's read timeout)
+HANG = "hang"  # no byte for longer than HANG_S (the client's read timeout)
 CLIENT_ERROR = "client_error"  # connection refused, reset, ...
 ANOMALIES = (HTTP_5XX, SHORT, CUT, HANG, CLIENT_ERROR)
 RESULT_ORDER = (COMPLETED, DISCONNECTED, ERROR_EVENT, HTTP_503, HTTP_504, HTTP_4XX, *ANOMALIES)
@@ -98,10 +83,10 @@ class KillEvent:
 
     kind: str
     request_id: str
-    old_engine: str | None
-    new_engine: str | None
-    crash_s: float | None  # decode: the kill request's last token; prefill: the dead replica's last report
-    restarted_s: float | None  # the new engine id first seen live in /admin/kv
+    old_engine: str | None = None
+    new_engine: str | None = None
+    crash_s: float | None = None  # decode: the kill request's last token; prefill: the dead replica's last report
+    restarted_s: float | None = None  # the new engine id first seen live in /admin/kv
 
 
 @dataclass
@@ -126,21 +111,13 @@ class EngineMemory:
 
 @dataclass
 class LeakCheck:
-    """Blocks still held (in use, which counts the pinned and reserved ones) on the live replicas once traffic
-    stopped and the KV leases ran out; ``settled_s`` how long that took (None: never)."""
+    """Blocks in use (pinned and reserved ones included) on the live replicas once traffic stopped
+    and the leases ran out; ``settled_s``: how long that took (None: never)."""
 
     held_blocks: int
     settled_s: float | None
     ok: bool  # every live replica's invariants held
     live: list[str] = field(default_factory=list)  # deployments live at the end
-    replicas: list[dict[str, Any]] = field(default_factory=list)  # each live replica's accounting (HELD_FIELDS)
-
-
-HELD_FIELDS = (  # of a replica's /admin/kv entry, kept with a leak check
-    "deployment", "engine_id", "num_total_blocks", "num_free_blocks", "num_cached_blocks", "num_in_use_blocks",
-    "num_pinned_blocks", "num_reserved_blocks", "num_requests", "num_pinned_requests", "num_reserved_requests",
-    "oldest_pinned_s", "oldest_reserved_s", "problems",
-)  # fmt: skip
 
 
 @dataclass
@@ -153,34 +130,23 @@ class FaultSpec:
     effect: str  # what it does, in words
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """The client's bounds: a hang is no byte for ``hang_s``; a long silence, ``long_s``."""
-
-    hang_s: float
-    long_s: float
-
-
 def fault_specs(mode: str) -> list[FaultSpec]:
-    """The faults of a run: probabilistic ones at 5% of requests each, and ones selected by
-    a request id prefix (the script sends those requests when it wants the fault)."""
+    """Probabilistic faults at 5% of requests each, and faults a request id prefix selects (the run
+    sends those requests when it wants the fault)."""
     transfer, slow = ("fetch", "fetch") if mode == "pull" else ("push_layer", "finish_push")
     specs = [
         FaultSpec("transfer failure", "random", [_rule(transfer, "fail", probability=0.05)], "the transfer raises"),
-        FaultSpec(
-            "slow transfer", "random", [_rule(slow, "delay", seconds=3.0, probability=0.05)], "the transfer waits 3 s"
-        ),
-    ]
+        FaultSpec("slow transfer", "random", [_rule(slow, "delay", seconds=3.0, probability=0.05)],
+                  "the transfer waits 3 s"),
+    ]  # fmt: skip
     if mode == "pull":
         drop = _rule("release", "drop", probability=0.05)
         specs.append(FaultSpec("dropped release notice", "random", [drop], "the producer frees at the lease's end"))
     stall = _rule(slow, "delay", seconds=TIMEOUT_S + 1, request_id_prefix="stall-")
     specs.append(FaultSpec("stalled transfer (past the lease)", "stall", [stall], "the transfer outlives its lease"))
     if mode == "pull":  # crash 50 ms after the export; the fetch held 1 s: the crash lands mid-transfer
-        kill = [
-            _rule("after_export", "crash", request_id_prefix="kill-prefill-", max_times=None),
-            _rule("fetch", "delay", seconds=1.0, request_id_prefix="kill-prefill-"),
-        ]
+        kill = [_rule("after_export", "crash", request_id_prefix="kill-prefill-", max_times=None),
+                _rule("fetch", "delay", seconds=1.0, request_id_prefix="kill-prefill-")]  # fmt: skip
     else:
         kill = [_rule("push_layer", "crash", layer=15, request_id_prefix="kill-prefill-", max_times=None)]
     specs.append(FaultSpec("prefill replica killed mid-transfer", "kill-prefill", kill, "SIGKILL"))
@@ -194,25 +160,18 @@ def _rule(point: str, action: str, **fields: Any) -> dict[str, Any]:
 
 def app_args(mode: str, specs: list[FaultSpec]) -> dict[str, str]:
     return {
-        "model.max_model_len": str(MAX_MODEL_LEN),
-        "prefill.num_cpus": "0.25",
-        "decode.num_cpus": "0.25",
-        "autoscaling.enabled": "false",
-        "transport.mode": mode,
-        "transport.kv_transfer_timeout_s": str(TIMEOUT_S),
-        "transport.peer_check_interval_s": str(PEER_CHECK_S),
-        "limits.stream_idle_timeout_s": str(STREAM_IDLE_S),
+        "model.max_model_len": str(MAX_MODEL_LEN), "prefill.num_cpus": "0.25", "decode.num_cpus": "0.25",
+        "autoscaling.enabled": "false", "transport.mode": mode, "transport.kv_transfer_timeout_s": str(TIMEOUT_S),
+        "transport.peer_check_interval_s": str(PEER_CHECK_S), "limits.stream_idle_timeout_s": str(STREAM_IDLE_S),
         "faults": json.dumps([rule for spec in specs for rule in spec.rules]),
-    }
+    }  # fmt: skip
 
 
 # ---- one request -----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Planned:
-    """A request to send: a disconnect closes the stream after ``cut_after_chunks`` text
-    chunks (0: right after the headers) or after ``cut_after_s``, whichever comes first."""
+    """A request to send; a disconnect closes the stream after ``cut_after_chunks`` text chunks
+    (0: right after the headers) or after ``cut_after_s``, whichever comes first."""
 
     request_id: str
     phase: str
@@ -226,20 +185,18 @@ class Planned:
 class Client:
     """Streams requests and records what it saw; the run's clock starts at construction."""
 
-    def __init__(self, url: str, model: str, specs: list[FaultSpec], hang_s: float) -> None:
+    def __init__(self, url: str, model: str, specs: list[FaultSpec]) -> None:
         from app.settings import AppConfig
         from kv_transport.faults import FaultPoints
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        timeout = httpx.Timeout(connect=10.0, read=hang_s, write=30.0, pool=None)
-        self.http = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
-        self.model, self.hang_s = model, hang_s
+        timeout = httpx.Timeout(connect=10.0, read=HANG_S, write=30.0, pool=None)
+        self.http, self.model = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits), model
         rules = [rule for spec in specs for rule in spec.rules]
         self._points = FaultPoints(AppConfig.model_validate({"faults": rules}).faults)
         names = [spec.name if spec.kind == "random" else None for spec in specs for _ in spec.rules]
         self._random = [(i, name) for i, name in enumerate(names) if name is not None]
-        self.t0, self.wall0 = time.monotonic(), time.time()
-        self.outcomes: list[Outcome] = []
+        self.t0, self.wall0, self.outcomes = time.monotonic(), time.time(), list[Outcome]()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -247,18 +204,15 @@ class Client:
     def drawn(self, request_id: str) -> tuple[str, ...]:
         """The probabilistic faults this request id meets (the server draws the same way)."""
         rules = self._points.rules
-        return tuple(
-            name
-            for i, name in self._random
-            if i in {j for j, _ in self._points.selected(rules[i].point, request_id, rules[i].layer)}
-        )
+        chosen = [
+            {j for j, _ in self._points.selected(rules[i].point, request_id, rules[i].layer)} for i, _ in self._random
+        ]
+        return tuple(name for (i, name), met in zip(self._random, chosen) if i in met)
 
     async def send(self, planned: Planned) -> Outcome:
-        out = Outcome(
-            planned.request_id, planned.phase, planned.kind, self.drawn(planned.request_id),
-            len(planned.prompt), planned.max_tokens, self.now(),
-        )  # fmt: skip
-        last_byte = [out.sent_s]  # this request's: when its last byte came
+        p = planned
+        out = Outcome(p.request_id, p.phase, p.kind, self.drawn(p.request_id), len(p.prompt), p.max_tokens, self.now())
+        last_byte = [out.sent_s]  # when this request's last byte came
         try:
             async with asyncio.timeout(planned.cut_after_s):
                 await self._exchange(planned, out, last_byte)
@@ -307,16 +261,14 @@ def _take(out: Outcome, line: str, planned: Planned, usage: list[int], now: floa
     """Read one SSE line into ``out``; True when the client is done with the stream."""
     if not line.startswith("data: "):
         return False
-    data = line[len("data: ") :]
-    if data == "[DONE]":
+    if (data := line.removeprefix("data: ")) == "[DONE]":
         if out.result != ERROR_EVENT:
             got = usage[-1] if usage else out.num_tokens
             out.result = COMPLETED if got == planned.max_tokens else SHORT
             out.cause = None if out.result == COMPLETED else f"{got} of {planned.max_tokens} tokens"
         return True
     event = json.loads(data)
-    if "error" in event:
-        error = event["error"]
+    if error := event.get("error"):
         out.result, out.cause = ERROR_EVENT, error.get("code") or str(error.get("message"))[:100]
         return False
     if event.get("usage"):
@@ -342,6 +294,8 @@ def _http_result(status: int, body: bytes, headers: httpx.Headers) -> tuple[str,
 
 
 # ---- the phases ------------------------------------------------------------------------------
+# (prompt, output) token ranges; the burst's requests come all at once on one prefill core: short ones
+RANGES = {"burst": ((16, 64), (8, 40)), "long": ((300, 440), (8, 32)), "plain": ((32, 160), (16, 64))}
 
 
 class Prompts:
@@ -359,73 +313,55 @@ class Prompts:
     def plan(self, rid: str, phase: str, disconnect: float, long_share: float = 0.0) -> Planned:
         """A plain request (short, or long with ``long_share``), disconnected with ``disconnect``."""
         long = self.rng.random() < long_share
-        if phase == "burst":  # 200 prompts at once on one prefill core: short ones
-            prompt, max_tokens = self.prompt(16, 64), self.rng.randint(8, 40)
-        elif long:
-            prompt, max_tokens = self.prompt(300, 440), self.rng.randint(8, 32)
-        else:
-            prompt, max_tokens = self.prompt(32, 160), self.rng.randint(16, 64)
-        planned = Planned(rid, phase, "plain", prompt, max_tokens)
+        (low, high), (out_low, out_high) = RANGES["burst" if phase == "burst" else "long" if long else "plain"]
+        planned = Planned(rid, phase, "plain", self.prompt(low, high), self.rng.randint(out_low, out_high))
         if self.rng.random() >= disconnect:
             return planned
         if self.rng.random() < 0.5:
-            return replace(planned, kind="disconnect", cut_after_chunks=self.rng.randrange(max_tokens))
+            return replace(planned, kind="disconnect", cut_after_chunks=self.rng.randrange(planned.max_tokens))
         return replace(planned, kind="disconnect", cut_after_s=self.rng.uniform(0.05, 8.0))
 
 
-class Soak:
-    """Poisson traffic for ``soak_s``, with the stalls and kills at their times."""
-
-    def __init__(self, client: Client, prompts: Prompts, watch: KVWatch, opts: argparse.Namespace) -> None:
-        self.client, self.prompts, self.watch, self.opts = client, prompts, watch, opts
-        self.kills: list[KillEvent] = []
-        self.tasks: set[asyncio.Task] = set()
-
-    async def run(self) -> None:
-        opts, start = self.opts, self.client.now()
-        rng = random.Random(opts.seed + 1)
-        events = [(start + at, "kill") for at in _every(opts.kill_every_s, opts.soak_s)]
-        events += [(start + at, "stall") for at in _every(opts.stall_every_s, opts.soak_s)]
-        at = start
-        while (at := at + rng.expovariate(opts.rate)) < start + opts.soak_s:
-            events.append((at, "plain"))
-        for n, (at, what) in enumerate(sorted(events), 1):
-            await asyncio.sleep(max(0.0, at - self.client.now()))
-            task = asyncio.ensure_future(self._event(what, n))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        if self.tasks:  # what is in flight (each request is bounded by the read timeout)
-            await asyncio.wait(set(self.tasks), timeout=self.client.hang_s + 240)
-        for task in list(self.tasks):  # past every bound: counted as hangs by their absence
-            task.cancel()
-
-    async def _event(self, what: str, n: int) -> None:
-        send, prompt = self.client.send, self.prompts.prompt
+async def soak(client: Client, prompts: Prompts, watch: KVWatch, opts: argparse.Namespace) -> list[KillEvent]:
+    """Poisson traffic for ``soak_s``, with the stalls and kills at their times; returns the kills."""
+    start, rng, kills, tasks = client.now(), random.Random(opts.seed + 1), [], set()
+    events = [(start + at, "kill") for at in _every(opts.kill_every_s, opts.soak_s)]
+    events += [(start + at, "stall") for at in _every(opts.stall_every_s, opts.soak_s)]
+    at = start
+    while (at := at + rng.expovariate(opts.rate)) < start + opts.soak_s:
+        events.append((at, "plain"))
+    for n, (at, what) in enumerate(sorted(events), 1):
+        await asyncio.sleep(max(0.0, at - client.now()))
         if what == "plain":
-            await send(self.prompts.plan(f"{self.opts.mode}-s-{n}", "soak", self.opts.soak_disconnect, 0.2))
+            event = client.send(prompts.plan(f"{opts.mode}-s-{n}", "soak", opts.soak_disconnect, 0.2))
         elif what == "stall":
-            await send(Planned(f"stall-{n}", "soak", "stall", prompt(48, 96), 16))
+            event = client.send(Planned(f"stall-{n}", "soak", "stall", prompts.prompt(48, 96), 16))
         else:
-            kind = ("prefill", "decode")[len(self.kills) % 2]
-            self.kills.append(KillEvent(kind, f"kill-{kind}-{n}", None, None, None, None))
-            await self._kill(self.kills[-1])
+            kind = ("prefill", "decode")[len(kills) % 2]
+            kills.append(KillEvent(kind, f"kill-{kind}-{n}"))
+            event = kill_replica(client, prompts, watch, kills[-1])
+        tasks.add(task := asyncio.ensure_future(event))
+        task.add_done_callback(tasks.discard)
+    if tasks:  # what is in flight (each request is bounded by the read timeout)
+        await asyncio.wait(set(tasks), timeout=HANG_S + 240)
+    for task in list(tasks):  # past every bound: counted as hangs by their absence
+        task.cancel()
+    return kills
 
-    async def _kill(self, kill: KillEvent) -> None:
-        """Send the killing request, wait for the pool's new engine id, then send a probe."""
-        pool = "PrefillServer" if kill.kind == "prefill" else "DecodeServer"
-        await self.watch.wait_new(pool, set(), timeout_s=120)  # the pool is up (a previous restart done)
-        before = self.watch.live(pool)
-        kill.old_engine = next(iter(before), None)
-        planned = Planned(kill.request_id, "soak", f"kill-{kill.kind}", self.prompts.prompt(48, 96), 32)
-        outcome = await self.client.send(planned)
-        new = await self.watch.wait_new(pool, before, timeout_s=180)
-        last_report = self.watch.seen(kill.old_engine, "last_seen_s") if new else None
-        by_client = outcome.last_token_s if kill.kind == "decode" and outcome.result == ERROR_EVENT else None
-        kill.crash_s = by_client if by_client is not None else last_report
-        if new is not None:
-            kill.new_engine, kill.restarted_s = new, self.watch.seen(new, "first_seen_s")
-            probe = Planned(f"probe-{kill.request_id}", "soak", "probe", self.prompts.prompt(32, 64), 16)
-            await self.client.send(probe)
+
+async def kill_replica(client: Client, prompts: Prompts, watch: KVWatch, event: KillEvent) -> None:
+    """Send the killing request, wait for the pool's new engine id, then send a probe."""
+    pool = "PrefillServer" if event.kind == "prefill" else "DecodeServer"
+    await watch.wait_new(pool, set(), timeout_s=120)  # the pool is up (a previous restart done)
+    before = watch.live(pool)
+    event.old_engine = next(iter(before), None)
+    outcome = await client.send(Planned(event.request_id, "soak", f"kill-{event.kind}", prompts.prompt(48, 96), 32))
+    new = await watch.wait_new(pool, before, timeout_s=180)
+    by_client = outcome.last_token_s if event.kind == "decode" and outcome.result == ERROR_EVENT else None
+    event.crash_s = by_client if by_client is not None else watch.seen(event.old_engine, "last_seen_s") if new else None
+    if new is not None:
+        event.new_engine, event.restarted_s = new, watch.seen(new, "first_seen_s")
+        await client.send(Planned(f"probe-{event.request_id}", "soak", "probe", prompts.prompt(32, 64), 16))
 
 
 def _every(period_s: float, until_s: float) -> list[float]:
@@ -434,8 +370,8 @@ def _every(period_s: float, until_s: float) -> list[float]:
 
 
 class KVWatch:
-    """Reads ``GET /admin/kv`` every second: the engine ids (a restart is a new one), each
-    replica's memory, invariant violations, and the blocks held (the leak check)."""
+    """Reads ``GET /admin/kv`` every second: the engine ids (a restart is a new one), each replica's
+    memory, invariant violations, and the blocks held (the leak check)."""
 
     def __init__(self, client: Client, warmup_s: float) -> None:
         self.client, self.warmup_s = client, warmup_s
@@ -494,11 +430,10 @@ class KVWatch:
     def leak_check(self) -> LeakCheck:
         live = [e for e in self.view["replicas"] if e["live"]]
         held = sum(e["num_in_use_blocks"] for e in live)  # pinned and reserved blocks are in use too
-        replicas = [{k: e.get(k) for k in HELD_FIELDS} for e in live]
-        return LeakCheck(held, None, bool(self.view["ok"]), sorted({e["deployment"] for e in live}), replicas)
+        return LeakCheck(held, None, bool(self.view["ok"]), sorted({e["deployment"] for e in live}))
 
     async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> LeakCheck:
-        """The leak check once the live replicas of both pools hold no block (leases run out in
+        """The leak check once the live replicas of both pools hold no block (the leases run out in
         ``TIMEOUT_S``); the check as it stood at the deadline otherwise."""
         start = self.client.now()
         while True:
@@ -511,37 +446,31 @@ class KVWatch:
 
 
 # ---- the run ---------------------------------------------------------------------------------
-
-
 async def run_phases(url: str, opts: argparse.Namespace, specs: list[FaultSpec]) -> dict[str, Any]:
     """Warm up, the burst and its leak check, the soak and its leak check."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as plain:
         model = (await plain.get("/v1/models")).json()["data"][0]["id"]
-    client = Client(url, model, specs, HANG_S)
+    client = Client(url, model, specs)
     prompts, watch = Prompts(opts.seed), KVWatch(client, opts.warmup_s)
-    watcher = asyncio.ensure_future(watch.run())
+    watcher, phases = asyncio.ensure_future(watch.run()), {}
     try:
         for i in range(3):
             await client.send(Planned(f"warmup-{i}", "warmup", "plain", prompts.prompt(32, 64), 8))
         start = client.now()
         plans = [prompts.plan(f"{opts.mode}-b-{i}", "burst", opts.burst_disconnect) for i in range(opts.concurrency)]
         await asyncio.gather(*(client.send(p) for p in plans))
-        burst_s, burst_leak = client.now() - start, await watch.settle()
-        print(f"burst: {burst_s:.0f} s, leak check {burst_leak}", file=sys.stderr)
+        phases["burst"] = (client.now() - start, await watch.settle())
         watch.warm_from_s = start = client.now()
-        soak = Soak(client, prompts, watch, opts)
-        await soak.run()
-        soak_s, soak_leak = client.now() - start, await watch.settle()
-        print(f"soak: {soak_s:.0f} s, leak check {soak_leak}", file=sys.stderr)
+        kills = await soak(client, prompts, watch, opts)
+        phases["soak"] = (client.now() - start, await watch.settle())
+        print(f"leak checks: {phases}", file=sys.stderr)
         await watch.poll()
-        live = {e["engine_id"] for e in watch.view["replicas"] if e["live"]}
         for engine in watch.engines.values():
-            engine.live_at_end = engine.engine_id in live
+            engine.live_at_end = engine.engine_id in {e["engine_id"] for e in watch.view["replicas"] if e["live"]}
     finally:
         watcher.cancel()
         await client.http.aclose()
-    phases = {"burst": (burst_s, burst_leak), "soak": (soak_s, soak_leak)}
-    return {"outcomes": client.outcomes, "phases": phases, "kills": soak.kills, "watch": watch}
+    return {"outcomes": client.outcomes, "phases": phases, "kills": kills, "watch": watch}
 
 
 def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str, Any], logs: dict[str, Any]) -> dict:
@@ -552,28 +481,19 @@ def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "raw", "quick")}
     settings |= {"kv_transfer_timeout_s": TIMEOUT_S, "stream_idle_timeout_s": STREAM_IDLE_S}
     summary = {
-        "mode": opts.mode,
-        "command": " ".join(["python -m bench.reliability", *sys.argv[1:]]),
-        "machine": machine(),
-        "ray": ray.__version__,
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "settings": settings | {"app_args": app_args(opts.mode, specs)},
-        "faults": [asdict(spec) for spec in specs],
-    }
-    bounds = Bounds(HANG_S, LONG_S)
+        "mode": opts.mode, "command": " ".join(["python -m bench.reliability", *sys.argv[1:]]), "machine": machine(),
+        "ray": ray.__version__, "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "settings": settings | {"app_args": app_args(opts.mode, specs)}, "faults": [asdict(spec) for spec in specs],
+    }  # fmt: skip
     for phase, (seconds, leak) in result["phases"].items():
-        mine = [o for o in result["outcomes"] if o.phase == phase]
-        summary[phase] = phase_summary(mine, leak, bounds, specs, seconds)
-    soak = [o for o in result["outcomes"] if o.phase == "soak"]
-    summary["kills"] = [kill_summary(kill, soak) for kill in result["kills"]]
-    watch = result["watch"]
+        summary[phase] = phase_summary([o for o in result["outcomes"] if o.phase == phase], leak, specs, seconds)
+    soaked = [o for o in result["outcomes"] if o.phase == "soak"]
+    summary["kills"], watch = [kill_summary(k, soaked) for k in result["kills"]], result["watch"]
     return summary | {"memory": memory_rows(list(watch.engines.values())), "invariant_violations": watch.violations,
                       "admin_kv_failures": watch.failures, "logs": logs}  # fmt: skip
 
 
 # ---- figures ---------------------------------------------------------------------------------
-
-
 def result_counts(outcomes: list[Outcome]) -> dict[str, int]:
     counts = Counter(o.result for o in outcomes)
     return {r: counts[r] for r in RESULT_ORDER if counts[r]}
@@ -581,11 +501,8 @@ def result_counts(outcomes: list[Outcome]) -> dict[str, int]:
 
 def cause_counts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     """Rows (result, cause, before/after the first token, count) of the requests not completed."""
-    counts = Counter(
-        (o.result, o.cause or "", "after tokens" if o.num_tokens else "before a token")
-        for o in outcomes
-        if o.result != COMPLETED
-    )
+    when = ("before a token", "after tokens")
+    counts = Counter((o.result, o.cause or "", when[o.num_tokens > 0]) for o in outcomes if o.result != COMPLETED)
     rows = [{"result": r, "cause": c, "when": w, "count": n} for (r, c, w), n in counts.items()]
     return sorted(rows, key=lambda row: (RESULT_ORDER.index(row["result"]), -row["count"]))
 
@@ -595,40 +512,29 @@ def _median(values: list[float]) -> float | None:
 
 
 def phase_summary(
-    outcomes: list[Outcome], leak: LeakCheck | None, bounds: Bounds, faults: list[FaultSpec], duration_s: float
+    outcomes: list[Outcome], leak: LeakCheck | None, faults: list[FaultSpec], duration_s: float
 ) -> dict[str, Any]:
-    """One phase: counts by result and cause, per fault and per planned kind, latencies, hangs
-    and long silences, the leak check."""
+    """One phase: counts by result and cause; per probabilistic fault the requests that met it (not
+    disconnected by design) beside those that met none; per planned kind; latencies; silences."""
     done = [o for o in outcomes if o.result == COMPLETED]
-    e2e = [o.e2e_s for o in done]
-    plain = _median([o.e2e_s for o in outcomes if not o.faults and o.kind == "plain" and o.result == COMPLETED])
-    met = {
-        s.name: [o for o in outcomes if s.name in o.faults and o.kind != "disconnect"]
-        for s in faults
-        if s.kind == "random"
-    }
+    e2e, plain = [o.e2e_s for o in done], _median([o.e2e_s for o in done if not o.faults and o.kind == "plain"])
+    names = [s.name for s in faults if s.kind == "random"]
+    met = {name: [o for o in outcomes if name in o.faults and o.kind != "disconnect"] for name in names}
     kinds = {kind: [o for o in outcomes if o.kind == kind] for kind in ("disconnect", "stall")}
     return {
-        "requests": len(outcomes),
-        "duration_s": round(duration_s, 1),
-        "results": result_counts(outcomes),
+        "requests": len(outcomes), "duration_s": round(duration_s, 1), "results": result_counts(outcomes),
         "causes": cause_counts(outcomes),
-        # per probabilistic fault: the requests that met it (not disconnected by design), their
-        # results and median E2E beside that of the requests that met no fault
         "faults": [_group(mine, fault=name) | {"plain_median_e2e_s": plain} for name, mine in met.items()],
-        # the requests of each planned kind (by design: a disconnect, a stall past the lease)
         "kinds": [_group(mine, kind=kind) for kind, mine in kinds.items() if mine],
         "median_e2e_s": _median(e2e),
         "p90_e2e_s": round(statistics.quantiles(e2e, n=10)[-1], 3) if len(e2e) > 1 else None,
         "median_ttft_s": _median([o.first_token_s - o.sent_s for o in done if o.first_token_s is not None]),
-        "hangs": sum(o.result == HANG for o in outcomes),
-        "hang_bound_s": bounds.hang_s,
-        "long_silences": sum(o.max_silence_s > bounds.long_s for o in outcomes),
-        "long_silence_s": bounds.long_s,
+        "hangs": sum(o.result == HANG for o in outcomes), "hang_bound_s": HANG_S,
+        "long_silences": sum(o.max_silence_s > LONG_S for o in outcomes), "long_silence_s": LONG_S,
         "max_silence_s": round(max((o.max_silence_s for o in outcomes), default=0.0), 3),
         "anomalies": [asdict(o) for o in outcomes if o.result in ANOMALIES],
         "leak": None if leak is None else asdict(leak),
-    }
+    }  # fmt: skip
 
 
 def _group(outcomes: list[Outcome], **name: str) -> dict[str, Any]:
@@ -637,20 +543,16 @@ def _group(outcomes: list[Outcome], **name: str) -> dict[str, Any]:
 
 
 def kill_summary(kill: KillEvent, outcomes: list[Outcome]) -> dict[str, Any]:
-    """One kill: what its own request saw; what the requests in flight at the crash or sent
-    before the restart saw; restart time; recovery: the first request sent after the restart
-    (so served by the restarted replica: one per pool) that completed."""
+    """One kill: what its own request saw; what the requests in flight at the crash or sent before the
+    restart saw; restart time; recovery: the first request sent after the restart that completed."""
     own = next((o for o in outcomes if o.request_id == kill.request_id), None)
-    row: dict[str, Any] = {**asdict(kill), "client_saw": None, "affected": {}, "restart_s": None, "recover_s": None}
-    if own is not None:
-        row["client_saw"] = {"result": own.result, "cause": own.cause, "tokens": own.num_tokens}
+    saw = own and {"result": own.result, "cause": own.cause, "tokens": own.num_tokens}
+    row: dict[str, Any] = {**asdict(kill), "client_saw": saw, "affected": {}, "restart_s": None, "recover_s": None}
     if kill.crash_s is None:
         return row
     until = kill.restarted_s if kill.restarted_s is not None else math.inf
-    others = [o for o in outcomes if o.request_id != kill.request_id]
-    row["affected"] = result_counts(
-        [o for o in others if o.sent_s < until and (o.end_s is None or o.end_s >= kill.crash_s)]
-    )
+    others = [o for o in outcomes if o.request_id != kill.request_id and o.sent_s < until]
+    row["affected"] = result_counts([o for o in others if o.end_s is None or o.end_s >= kill.crash_s])
 
     def first_ok_after(t: float) -> float | None:
         ends = [o.end_s for o in outcomes if o.sent_s >= t and o.result == COMPLETED]
@@ -663,14 +565,12 @@ def kill_summary(kill: KillEvent, outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 def memory_rows(engines: list[EngineMemory]) -> list[dict[str, Any]]:
-    rows = []
-    for engine in sorted(engines, key=lambda e: (e.deployment, e.first_seen_s)):
-        rows.append({**asdict(engine), "growth": None if engine.growth is None else round(engine.growth, 4)})
-    return rows
+    engines = sorted(engines, key=lambda e: (e.deployment, e.first_seen_s))
+    return [{**asdict(e), "growth": None if e.growth is None else round(e.growth, 4)} for e in engines]
 
 
 def verdict(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets against what was measured: (check, target, measured, met)."""
+    """The targets against what was measured: (check, target, measured, met)."""
     phases = [summary[p] for p in ("burst", "soak") if summary.get(p)]
     leaks = [p["leak"]["held_blocks"] if p["leak"] else None for p in phases]
     growth = max((m["growth"] for m in summary["memory"] if m["growth"] is not None), default=None)
@@ -704,69 +604,61 @@ EXPECTED_LOG = {  # one line each, by design; a line counts under its first matc
     "proxy: client disconnected": "disconnected, cancelling request",
 }
 SERVE_COMPONENTS = ("controller", "proxy")  # Ray Serve's own processes, not this project's code
-HEX_ID = re.compile(r"[0-9a-f]{16,}")
-NUMBER = re.compile(r"\d+(\.\d+)?")
+LOG_KINDS = {"unexpected": "unexpected", "serve": "serve_internal", "warnings": "other_warnings"}  # count -> key
 SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [\d:,]+ (\S+) ")
-MAX_EXAMPLES = 30
 
 
 def scan_logs(log_dir: Path) -> dict[str, Any]:
-    """The Ray session's logs after the run (``serve/*.log`` and the workers' ``*.err``, where
-    the engine replicas' lines land; a line in both is counted once): the expected one-line
-    events counted; every traceback, ``ERROR`` line not expected, and ``WARNING`` line not
-    expected, counted by text and prefixed with the process's Serve component."""
-    counts: dict[str, Counter] = {k: Counter() for k in ("expected", "unexpected", "serve", "warnings")}
-    controllers = {p.stem.split("_")[-1] for p in (log_dir / "serve").glob("controller_*.log")}
-    paths = sorted((log_dir / "serve").glob("*.log"))
+    """The Ray session's ``serve/*.log`` and workers' ``*.err`` (a line in both counted once): the
+    expected events counted; tracebacks, errors and warnings not expected, counted by kind and by
+    text (ids and numbers left out), Ray Serve's own apart."""
+    counts: dict[str, Counter] = {k: Counter() for k in ("expected", *LOG_KINDS)}
+    controllers = {p.stem.split("_")[-1] for p in log_dir.glob("serve/controller_*.log")}
+    paths = sorted(log_dir.glob("serve/*.log"))
     paths += [p for p in sorted(log_dir.glob("worker-*.err")) if p.stem.split("-")[-1] not in controllers]
     seen: set[str] = set()
     for path in paths:
         lines = path.read_text(errors="replace").splitlines()
-        _classify(lines, seen, counts)
         components = Counter(m.group(2) for m in map(SERVE_LINE.match, lines) if m)
         prefix = path.stem.split("_")[0]
         source = components.most_common(1)[0][0] if components else prefix if prefix in SERVE_COMPONENTS else path.name
-        for i, line in enumerate(lines):  # each traceback as its exception line (the first unindented after it)
-            if line.startswith("Traceback (most recent call last)"):
+        for i, line in enumerate(lines):
+            if line.startswith("Traceback (most recent call last)"):  # as its exception line: the next unindented
                 tail = next((t for t in lines[i + 1 :] if t and not t[0].isspace()), "(end of file)")
-                found = f"{source}: traceback: {HEX_ID.sub('<id>', tail[:200])}"
-                counts["serve" if source in SERVE_COMPONENTS else "unexpected"][found] += 1
-    expected = counts["expected"]
-    summary: dict[str, Any] = {"dir": str(log_dir), "expected": {n: expected[n] for n in EXPECTED_LOG if expected[n]}}
-    for key, name in (("unexpected", "unexpected"), ("serve", "serve_internal"), ("warnings", "other_warnings")):
-        summary[f"{name}_count"] = sum(counts[key].values())
-        summary[name] = [{"line": k, "count": v} for k, v in counts[key].most_common(MAX_EXAMPLES)]
+                _count(counts, source, "traceback: " + tail[:200])
+            elif (match := SERVE_LINE.match(line)) is None or line not in seen:
+                seen.add(line)
+                _classify(counts, line, match)
+    expected = {n: counts["expected"][n] for n in EXPECTED_LOG if counts["expected"][n]}
+    summary: dict[str, Any] = {"dir": str(log_dir), "expected": expected}
+    for kind, key in LOG_KINDS.items():
+        summary[f"{key}_count"] = sum(counts[kind].values())
+        summary[key] = [{"line": k, "count": v} for k, v in counts[kind].most_common(30)]
     return summary
 
 
-def _classify(lines: list[str], seen: set[str], counts: dict[str, Counter]) -> None:
-    for line in lines:
-        match = SERVE_LINE.match(line)
-        if match:
-            if line in seen:
-                continue
-            seen.add(line)
-        names = [name for name, text in EXPECTED_LOG.items() if text in line][:1]
-        counts["expected"].update(names)
-        if names or not match:
-            continue
-        message = f"{match.group(2)}: {HEX_ID.sub('<id>', line.split(' -- ', 1)[-1][:200])}"
-        serve = match.group(2) in SERVE_COMPONENTS
-        if match.group(1) == "WARNING":  # grouped by shape: numbers (ids, times) left out
-            counts["serve" if serve else "warnings"][NUMBER.sub("N", message)] += 1
-        elif match.group(1) in ("ERROR", "CRITICAL"):
-            counts["serve" if serve else "unexpected"][message] += 1
+def _classify(counts: dict[str, Counter], line: str, match: re.Match | None) -> None:
+    """Count one log line: an expected event, or (by level) an unexpected error or a warning."""
+    name = next((name for name, text in EXPECTED_LOG.items() if text in line), None)
+    if name is not None:
+        counts["expected"][name] += 1
+    elif match is not None and match.group(1) in ("WARNING", "ERROR", "CRITICAL"):
+        _count(counts, match.group(2), line.split(" -- ", 1)[-1][:200], warning=match.group(1) == "WARNING")
+
+
+def _count(counts: dict[str, Counter], source: str, text: str, warning: bool = False) -> None:
+    message = f"{source}: {re.sub(r'[0-9a-f]{16,}', '<id>', text)}"
+    if warning:  # grouped by shape: numbers (ids, times) left out
+        message = re.sub(r"\d+(\.\d+)?", "N", message)
+    counts["serve" if source in SERVE_COMPONENTS else "warnings" if warning else "unexpected"][message] += 1
 
 
 # ---- the page --------------------------------------------------------------------------------
-
-
 def save(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Merge this mode's summary into ``out/benchmarks/reliability.json`` (other modes kept)
-    and render the block of ``out/reliability.md`` from all of them; returns the merged summaries."""
+    """Merge this mode's summary into ``out/benchmarks/reliability.json`` (other modes kept) and
+    render the block of ``out/reliability.md`` from all of them; returns the merged summaries."""
     path = out / "benchmarks" / "reliability.json"
-    merged = read_json(path) if path.exists() else {}
-    write_json(path, merged | {summary["mode"]: summary}, sort_keys=True)
+    write_json(path, (read_json(path) if path.exists() else {}) | {summary["mode"]: summary}, sort_keys=True)
     merged = read_json(path)  # rendered as a re-render from the file will see it
     title = "# Reliability: load and soak with faults, through the HTTP API"
     write_page(out / "reliability.md", NAME, render(merged), template(NAME, title))
@@ -783,49 +675,36 @@ def _s(value: float | None, digits: int = 1) -> str:
 
 def _span(values: list[float | None]) -> str:
     known = sorted(v for v in values if v is not None)
-    if not known:
-        return "-"
-    return f"{known[0]:.1f} s" if len(known) == 1 else f"{known[0]:.1f}-{known[-1]:.1f} s"
+    return "-" if not known else f"{known[0]:.1f} s" if len(known) == 1 else f"{known[0]:.1f}-{known[-1]:.1f} s"
 
 
 def _rules(spec: dict[str, Any]) -> str:
     order = ("point", "action", "probability", "seconds", "request_id_prefix")
-    parts = []
-    for rule in spec["rules"]:
-        keys = sorted(rule, key=lambda k: (order.index(k) if k in order else len(order), k))
-        parts.append("`" + ", ".join(f"{k}={rule[k]}" for k in keys if rule[k] is not None) + "`")
-    return "<br>".join(parts) or "-"
+    keys = [sorted(rule, key=lambda k: (order.index(k) if k in order else len(order), k)) for rule in spec["rules"]]
+    texts = [", ".join(f"{k}={rule[k]}" for k in ks if rule[k] is not None) for rule, ks in zip(spec["rules"], keys)]
+    return "<br>".join(f"`{text}`" for text in texts) or "-"
 
 
 def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
-    """One row of the per-fault table: fault, rules, how many met it, what the client saw,
-    time to recover, blocks leaked after."""
-    label, phases = (
-        f"{spec['name']}: {spec['effect']}",
-        ("soak",) if spec["kind"].startswith("kill-") else ("burst", "soak"),
-    )
-    leaks = ", ".join(
-        f"{summary[p]['leak']['held_blocks']} ({p})" for p in phases if summary.get(p) and summary[p]["leak"]
-    )
-    if spec["kind"].startswith("kill-"):
+    """One row of the per-fault table: fault, rules, how many met it, what the client saw, time to
+    recover, blocks leaked after."""
+    killing = spec["kind"].startswith("kill-")
+    phases = [p for p in (("soak",) if killing else ("burst", "soak")) if summary.get(p) and summary[p]["leak"]]
+    leaks = ", ".join(f"{summary[p]['leak']['held_blocks']} ({p})" for p in phases) or "-"
+    head = [f"{spec['name']}: {spec['effect']}", _rules(spec)]
+    if killing:
         kills = [k for k in summary["kills"] if k["kind"] == spec["kind"].removeprefix("kill-")]
-        own, affected = Counter(), Counter()
-        for kill in kills:
-            saw = kill["client_saw"] or {}
-            own[f"{saw.get('result')} ({saw.get('cause') or 'ok'})"] += 1
-            affected.update(kill["affected"])
+        saw = [k["client_saw"] or {} for k in kills]
+        own = Counter(f"{s.get('result')} ({s.get('cause') or 'ok'})" for s in saw)
+        affected = sum((Counter(k["affected"]) for k in kills), Counter())
         seen = f"its request: {', '.join(f'{k} x{v}' for k, v in own.items())}; others: {_counts(dict(affected))}"
         recover = (
             f"restart {_span([k['restart_s'] for k in kills])}, recovered {_span([k['recover_s'] for k in kills])}"
         )
-        return [label, _rules(spec), f"{len(kills)} kills", seen, recover, leaks or "-"]
-    key, field_, name = (
-        ("faults", "fault", spec["name"]) if spec["kind"] == "random" else ("kinds", "kind", spec["kind"])
-    )
-    found = [(p, r) for p in ("burst", "soak") for r in summary[p][key] if r[field_] == name]
-    results: Counter = Counter()
-    for _, row in found:
-        results.update(row["results"])
+        return [*head, f"{len(kills)} kills", seen, recover, leaks]
+    key, name = ("fault", spec["name"]) if spec["kind"] == "random" else ("kind", spec["kind"])
+    found = [(p, r) for p in ("burst", "soak") for r in summary[p][key + "s"] if r[key] == name]
+    results = sum((Counter(row["results"]) for _, row in found), Counter())
     if spec["kind"] == "disconnect":
         recover = "-"
     elif spec["kind"] == "random":
@@ -833,46 +712,35 @@ def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         recover = "in the request; median E2E " + ", ".join(medians)
     else:
         recover = f"in the request; median E2E {_span([r['median_e2e_s'] for _, r in found])}"
-    met = str(sum(r["requests"] for _, r in found))
-    return [label, _rules(spec), met, _counts(dict(results)), recover, leaks or "-"]
+    return [*head, str(sum(r["requests"] for _, r in found)), _counts(dict(results)), recover, leaks]
+
+
+PHASE_LINE = (
+    "**{name}**: {requests} requests in {duration_s:.0f} s; completed: median E2E {median_e2e_s}, p90 {p90_e2e_s}, "
+    "median TTFT {median_ttft_s}; hangs (no byte for > {hang_bound_s:g} s): {hangs}; long silences (> "
+    "{long_silence_s:g} s): {long_silences}; longest silence {max_silence_s}."
+)
 
 
 def _phase_lines(name: str, phase: dict[str, Any]) -> list[str]:
-    lines = [
-        f"**{name}**: {phase['requests']} requests in {phase['duration_s']:.0f} s; "
-        f"completed: median E2E {_s(phase['median_e2e_s'], 2)}, p90 {_s(phase['p90_e2e_s'], 2)}, "
-        f"median TTFT {_s(phase['median_ttft_s'], 2)}; hangs (no byte for > {phase['hang_bound_s']:g} s): "
-        f"{phase['hangs']}; long silences (> {phase['long_silence_s']:g} s): {phase['long_silences']}; "
-        f"longest silence {_s(phase['max_silence_s'])}.",
-        "",
-    ]
+    times = {k: _s(phase[k], 2) for k in ("median_e2e_s", "p90_e2e_s", "median_ttft_s")}
+    lines = [cells(PHASE_LINE, phase | times | {"name": name, "max_silence_s": _s(phase["max_silence_s"])}), ""]
     rows = [[COMPLETED, "", "", str(phase["results"].get(COMPLETED, 0))]]
     rows += [[c["result"], f"`{c['cause']}`" if c["cause"] else "", c["when"], c["count"]] for c in phase["causes"]]
     lines += table("outcome | cause | when | requests", rows)
-    leak = phase["leak"]
-    if leak:
+    if leak := phase["leak"]:
         settled = "never" if leak["settled_s"] is None else f"after {leak['settled_s']:.0f} s"
-        lines += [
-            "",
-            f"After the phase: {leak['held_blocks']} blocks held on the live replicas ({settled}), "
-            f"invariants {'held' if leak['ok'] else 'VIOLATED'}, live: {', '.join(leak['live'])}.",
-        ]
-        held = (
-            "- {deployment} `{engine_id}`: {num_in_use_blocks} in use, {num_pinned_blocks} pinned, "
-            "{num_reserved_blocks} reserved of {num_total_blocks}; {num_requests} requests, {num_pinned_requests} "
-            "pinned, {num_reserved_requests} reserved; problems: {problems}"
-        )
-        lines += [
-            held.format(**r | {"problems": r["problems"] or "none"})
-            for r in leak.get("replicas", [])
-            if leak["held_blocks"]
-        ]
+        lines += ["", f"After the phase: {leak['held_blocks']} blocks held on the live replicas ({settled}), "
+                  f"invariants {'held' if leak['ok'] else 'VIOLATED'}, live: {', '.join(leak['live'])}."]  # fmt: skip
     return lines
+
+
+TARGET_ROW, YES = "{check} | {target} | {measured} | {met}", {True: "yes", False: "**NO**"}
 
 
 def render_mode(summary: dict[str, Any]) -> list[str]:
     """One mode's section."""
-    s = summary["settings"]
+    s, checks = summary["settings"], verdict(summary)
     lines = [
         f"## {summary['mode']} mode",
         "",
@@ -886,19 +754,20 @@ def render_mode(summary: dict[str, Any]) -> list[str]:
         "",
         "### Targets",
         "",
-        *table(
-            "check | target | measured | met",
-            [[*list(v.values())[:3], "yes" if v["met"] else "**NO**"] for v in verdict(summary)],
-        ),
+        *table("check | target | measured | met", [cells(TARGET_ROW, v | {"met": YES[v["met"]]}) for v in checks]),
         "",
         "### Per fault",
         "",
-    ]
+    ]  # fmt: skip
     disconnect = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
     rows = [_fault_row(summary, spec) for spec in [*summary["faults"], disconnect]]
     header = "fault | rules (`faults:`) | met | what the client saw | time to recover | blocks leaked after"
     lines += [*table(header, rows), "", "### Requests by outcome", ""]
-    lines += _phase_lines("Burst", summary["burst"]) + [""] + _phase_lines("Soak", summary["soak"])
+    lines += [*_phase_lines("Burst", summary["burst"]), "", *_phase_lines("Soak", summary["soak"])]
+    return lines + _kill_lines(summary) + _memory_lines(summary) + _log_lines(summary["logs"]) + _outside_lines(summary)
+
+
+def _kill_lines(summary: dict[str, Any]) -> list[str]:
     rows = []
     for n, kill in enumerate(summary["kills"], 1):
         saw = kill["client_saw"] or {}
@@ -907,17 +776,19 @@ def render_mode(summary: dict[str, Any]) -> list[str]:
         times = [_s(kill["restart_s"]), _s(kill.get("first_ok_after_crash_s")), _s(kill["recover_s"])]
         rows.append([n, kill["kind"], f"`{kill['request_id']}`", own, _counts(kill["affected"]), *times])
     header = "# | replica | request | its client saw | others in flight or sent before the restart | restart | "
-    lines += ["", "### Kills", "", *table(header + "first OK after crash | recovered", rows), "", "### Memory", ""]
+    return ["", "### Kills", "", *table(header + "first OK after crash | recovered", rows)]
+
+
+def _memory_lines(summary: dict[str, Any]) -> list[str]:
     rows = []
     for m in summary["memory"]:
         growth = "not judged (< 60 s)" if m["growth"] is None else f"{m['growth']:+.1%}"
         state = "live at the end" if m["live_at_end"] else f"gone at {m['last_seen_s']:.0f} s (killed)"
         rss = ["-" if v is None else f"{v / 2**20:.0f}" for v in (m["warm_rss"], m["last_rss"])]
-        rows.append(
-            [m["deployment"], f"`{m['engine_id'][:12]}`", f"{max(0.0, m['first_seen_s']):.0f} s", state, *rss, growth]
-        )
-    lines += table("deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth", rows)
-    return lines + ["", "### Logs", "", *_log_lines(summary["logs"]), *_outside_lines(summary)]
+        first = f"{max(0.0, m['first_seen_s']):.0f} s"
+        rows.append([m["deployment"], f"`{m['engine_id'][:12]}`", first, state, *rss, growth])
+    header = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
+    return ["", "### Memory", "", *table(header, rows), "", "### Logs", ""]
 
 
 def _log_lines(logs: dict[str, Any]) -> list[str]:
@@ -937,16 +808,12 @@ def _log_lines(logs: dict[str, Any]) -> list[str]:
 def _outside_lines(summary: dict[str, Any]) -> list[str]:
     """The requests that ended outside the contract, and the invariant violations, if any."""
     lines: list[str] = []
-    anomalies = [a for p in ("burst", "soak") for a in summary[p]["anomalies"]]
-    if anomalies:
+    if anomalies := [a for p in ("burst", "soak") for a in summary[p]["anomalies"]]:
         lines += ["", "Requests that ended outside the contract (hangs, silent cuts, 500s, client errors):", ""]
-        rows = [
-            [f"`{a['request_id']}`", a["result"], a["cause"] or "", _s(a["sent_s"]), _s(a["end_s"]), a["num_tokens"]]
-            for a in anomalies
-        ]
+        rows = [[f"`{a['request_id']}`", a["result"], a["cause"] or "", _s(a["sent_s"]), _s(a["end_s"]),
+                 a["num_tokens"]] for a in anomalies]  # fmt: skip
         lines += table("request | result | cause | sent | ended | text chunks", rows)
-    violations = summary.get("invariant_violations", [])
-    if violations:
+    if violations := summary.get("invariant_violations", []):
         lines += ["", "Invariant violations seen:", ""]
         lines += [f"- {v['t_s']:.0f} s, {v['deployment']} `{v['engine_id'][:12]}`: {v['problems']}" for v in violations]
     return lines
@@ -962,8 +829,6 @@ def render(merged: dict[str, dict[str, Any]]) -> list[str]:
 
 
 # ---- the command line ------------------------------------------------------------------------
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
@@ -980,10 +845,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--raw", help="every request's outcome as JSON (default /tmp/reliability_raw_<mode>.json)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: " + json.dumps(QUICK))
     opts = parser.parse_args(argv)
-    if opts.quick:
-        for key, value in QUICK.items():
-            if getattr(opts, key) == parser.get_default(key):
-                setattr(opts, key, value)
+    for key, value in QUICK.items() if opts.quick else ():
+        if getattr(opts, key) == parser.get_default(key):
+            setattr(opts, key, value)
     opts.out = Path(opts.out or ("/tmp/reliability_quick" if opts.quick else "docs"))
     opts.raw = Path(opts.raw or f"/tmp/reliability_raw_{opts.mode}.json")
     return opts
@@ -993,11 +857,9 @@ def main(argv: list[str] | None = None) -> None:
     from bench.ray_local import Server
 
     opts = parse_args(argv)
-    specs = fault_specs(opts.mode)
-    keep_logs = Path(f"/tmp/reliability_logs_{opts.mode}")
-    with Server(
-        "disagg", app_args(opts.mode, specs), port=HTTP_PORT, name="reliability", keep_logs=keep_logs
-    ) as server:
+    specs, keep_logs = fault_specs(opts.mode), Path(f"/tmp/reliability_logs_{opts.mode}")
+    options = {"port": HTTP_PORT, "name": "reliability", "keep_logs": keep_logs}
+    with Server("disagg", app_args(opts.mode, specs), **options) as server:
         result = asyncio.run(run_phases(server.url, opts, specs))
     summary = summarize(opts, specs, result, scan_logs(keep_logs))
     write_json(opts.raw, [asdict(o) for o in result["outcomes"]], indent=0)

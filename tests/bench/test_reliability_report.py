@@ -5,7 +5,10 @@ per request id as the server draws them); the log scan."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections import Counter
 from dataclasses import asdict
 
 import pytest
@@ -18,13 +21,15 @@ from bench.reliability import (
     ERROR_EVENT,
     HANG,
     SHORT,
-    Bounds,
+    Client,
     EngineMemory,
     FaultSpec,
     KillEvent,
+    KVWatch,
     LeakCheck,
     Outcome,
     Planned,
+    Prompts,
     _every,
     _http_result,
     _take,
@@ -38,6 +43,7 @@ from bench.reliability import (
     render,
     save,
     scan_logs,
+    soak,
     verdict,
 )
 from bench.report import block, markers
@@ -48,7 +54,6 @@ SPECS = [
     FaultSpec("stalled transfer", "stall", [{"point": "fetch", "action": "delay", "seconds": 21.0}], "outlives"),
     FaultSpec("decode killed", "kill-decode", [{"point": "mid_decode", "action": "crash"}], "SIGKILL"),
 ]
-BOUNDS = Bounds(hang_s=75.0, long_s=35.0)
 
 
 def _out(rid: str, sent: float, end: float, result: str = COMPLETED, **fields) -> Outcome:
@@ -97,8 +102,8 @@ def _summary(mode: str = "pull") -> dict:
             "kv_transfer_timeout_s": 20.0,
         },  # fmt: skip
         "faults": [asdict(spec) for spec in SPECS],
-        "burst": phase_summary(burst, leak, BOUNDS, SPECS, 3.0),
-        "soak": phase_summary(OUTCOMES, leak, BOUNDS, SPECS, 120.0),
+        "burst": phase_summary(burst, leak, SPECS, 3.0),
+        "soak": phase_summary(OUTCOMES, leak, SPECS, 120.0),
         "kills": [kill_summary(KILL, OUTCOMES)],
         "memory": memory_rows(engines),
         "invariant_violations": [],
@@ -107,7 +112,7 @@ def _summary(mode: str = "pull") -> dict:
 
 
 def test_outcomes_by_result_and_cause():
-    soak = phase_summary(OUTCOMES, None, BOUNDS, SPECS, 120.0)
+    soak = phase_summary(OUTCOMES, None, SPECS, 120.0)
     assert soak["results"] == {COMPLETED: 4, DISCONNECTED: 1, ERROR_EVENT: 3, HANG: 1}
     assert soak["hangs"] == 1 and soak["long_silences"] == 1  # the hang; the stall (21.5 s) is under 35 s
     assert [a["request_id"] for a in soak["anomalies"]] == ["s-9"]
@@ -180,16 +185,17 @@ def test_render_and_merge(tmp_path):
     assert "| `s-9` | hang | no byte within the read timeout | 31.0 s | 107.0 s | 0 |" in text
 
 
-def test_a_leak_names_the_replica_holding_blocks():
+def test_a_leak_misses_its_target_and_shows_in_the_phase_and_the_fault_rows():
     summary = _summary()
-    held = {"deployment": "PrefillServer", "engine_id": "prefill-1", "num_total_blocks": 364, "num_in_use_blocks": 14,
-            "num_pinned_blocks": 14, "num_reserved_blocks": 0, "num_requests": 0, "num_pinned_requests": 4,
-            "num_reserved_requests": 0, "problems": []}  # fmt: skip
-    summary["burst"]["leak"] = asdict(LeakCheck(14, None, True, ["DecodeServer", "PrefillServer"], [held]))
+    summary["burst"]["leak"] = asdict(LeakCheck(14, None, False, ["PrefillServer"]))
     text = "\n".join(render({"pull": summary}))
     assert "| blocks leaked (each phase, after the leases) | 0 | 14/0 | **NO** |" in text
-    assert "After the phase: 14 blocks held on the live replicas (never)" in text
-    assert "- PrefillServer `prefill-1`: 14 in use, 14 pinned, 0 reserved of 364; 0 requests, 4 pinned," in text
+    assert (
+        "After the phase: 14 blocks held on the live replicas (never), invariants VIOLATED, live: PrefillServer."
+        in text
+    )
+    assert "| stalled transfer: outlives | `point=fetch, action=delay, seconds=21.0` | 1 | completed 1 | " in text
+    assert "in the request; median E2E 22.0 s | 14 (burst), 0 (soak) |" in text
 
 
 def test_client_reads_the_stream():
@@ -275,3 +281,92 @@ def test_log_scan(tmp_path):
     # Serve's controller: apart, and not again from its worker-*.err
     assert logs["serve_internal"] == [{"line": "controller: traceback: ActorDiedError: x", "count": 1}]
     assert logs["other_warnings"] == [{"line": "app_OpenAIIngress: something else", "count": 1}]
+
+
+def test_the_client_draws_the_random_faults_as_the_server_does():
+    specs = fault_specs("pull")
+    client = Client("http://127.0.0.1:1", "m", specs)
+    rules = AppConfig.model_validate({"faults": json.loads(app_args("pull", specs)["faults"])}).faults
+    points = FaultPoints(rules)
+    for rid in (f"pull-s-{i}" for i in range(300)):
+        failing = any(rules[i].action == "fail" for i, _ in points.selected("fetch", rid))
+        assert ("transfer failure" in client.drawn(rid)) == failing
+    assert client.drawn("stall-1") == ()  # prefixed rules are not random
+    asyncio.run(client.http.aclose())
+
+
+def test_prompts_plan_lengths_by_phase():
+    prompts = Prompts(seed=3)
+    burst = [prompts.plan(f"b-{i}", "burst", disconnect=0.5) for i in range(40)]
+    assert all(16 <= len(p.prompt) <= 64 and 8 <= p.max_tokens <= 40 for p in burst)
+    assert {p.kind for p in burst} == {"plain", "disconnect"}
+    cut = [p for p in burst if p.kind == "disconnect"]
+    assert all((p.cut_after_chunks is None) != (p.cut_after_s is None) for p in cut)
+    soak = [prompts.plan(f"s-{i}", "soak", disconnect=0.0, long_share=1.0) for i in range(5)]
+    assert all(300 <= len(p.prompt) <= 440 and p.kind == "plain" for p in soak)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t0, self.wall0, self.sent = time.monotonic(), time.time(), []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def send(self, planned: Planned) -> Outcome:
+        self.sent.append(planned)
+        result = ERROR_EVENT if planned.kind == "kill-decode" else COMPLETED
+        now = self.now()
+        return _out(planned.request_id, now, now, result, kind=planned.kind, num_tokens=4, last_token_s=now)
+
+
+class _Pools:
+    """/admin/kv as a kill sees it: one engine per pool, a new one once its kill was sent."""
+
+    def __init__(self, client: _Clock) -> None:
+        self.client, self.restarted = client, set()
+
+    def live(self, pool: str) -> set[str]:
+        killed = any(p.kind.startswith("kill-") and pool.lower().startswith(p.kind[5:]) for p in self.client.sent)
+        return {f"{pool}-{'new' if killed else 'old'}"}
+
+    async def wait_new(self, pool: str, before: set[str], timeout_s: float) -> str | None:
+        return next(iter(self.live(pool) - before), None)
+
+    def seen(self, engine_id: str | None, when: str) -> float | None:
+        return {"first_seen_s": 5.0, "last_seen_s": 1.0}[when]
+
+
+def test_soak_sends_its_traffic_stalls_and_kills_in_turn():
+    client = _Clock()
+    opts = parse_args(["--soak-s", "0.6", "--rate", "20", "--kill-every-s", "0.2", "--stall-every-s", "0.5"])
+    kills = asyncio.run(soak(client, Prompts(seed=0), _Pools(client), opts))
+    assert [(k.kind, k.old_engine, k.new_engine) for k in kills] == [
+        ("prefill", "PrefillServer-old", "PrefillServer-new"),
+        ("decode", "DecodeServer-old", "DecodeServer-new"),
+    ]
+    assert kills[0].crash_s == 1.0 and kills[0].restarted_s == 5.0  # the dead replica's last report
+    assert kills[1].crash_s is not None and kills[1].crash_s != 1.0  # the kill request's last token
+    kinds = Counter(p.kind for p in client.sent)
+    assert kinds["stall"] == 1 and kinds["probe"] == 2 and kinds["kill-prefill"] == kinds["kill-decode"] == 1
+    assert kinds["plain"] + kinds["disconnect"] > 3
+
+
+def test_kv_watch_records_memory_violations_and_leaks():
+    client = _Clock()
+    watch = KVWatch(client, warmup_s=10.0)
+    watch.warm_from_s = 0.0
+    entry = {"deployment": "DecodeServer", "engine_id": "d-1", "live": True, "ok": True, "num_in_use_blocks": 3}
+    for at, rss in ((0.0, 100), (12.0, 110), (80.0, 121)):
+        watch._record(entry | {"published_at": client.wall0 + at, "rss_bytes": rss})
+    broken = entry | {"published_at": client.wall0 + 81, "rss_bytes": 121, "ok": False, "problems": ["free list"]}
+    watch._record(broken)
+    watch._record(broken)  # the same problem twice: one violation
+    engine = watch.engines["d-1"]
+    assert (engine.warm_s, engine.warm_rss, engine.last_rss) == (12.0, 110, 121) and engine.growth == pytest.approx(0.1)
+    assert watch.violations == [
+        {"t_s": 81.0, "engine_id": "d-1", "deployment": "DecodeServer", "problems": ["free list"]}
+    ]
+    watch.view = {"ok": True, "replicas": [entry, entry | {"deployment": "PrefillServer", "live": False}]}
+    assert watch.leak_check() == LeakCheck(3, None, True, ["DecodeServer"])
+    assert watch.live("DecodeServer") == {"d-1"} and watch.seen("d-1", "first_seen_s") == 0.0
