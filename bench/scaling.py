@@ -1,23 +1,9 @@
 """Replica-count scaling under a stepped decode-heavy load: ``python -m bench.scaling``.
 
-A closed loop (each of N clients sends its next request when the last one ended) of short
-prompts (``PROMPT_TOKENS``) and long outputs (``OUTPUT_TOKENS``, ``ignore_eos``, temperature
-0), N stepping through ``STEPS`` (2 -> 8 -> 16 -> 8 -> 2 by default); when N falls, the
-clients above it finish their request and stop. Each step lasts long enough for the default
-policy's delays (scale up after 10 s, down after 30 s, a pending replica given up after 60 s).
-
-Two systems, one after another, each in its own fresh local Ray (``bench.ray_local.Server``),
-both starting at 1 prefill + 1 decode replica with ``bench.compare``'s COMMON settings:
-
-* ``scaling``  disagg_app, the default autoscaling policy: lending and replica counts;
-* ``lending``  the same with ``autoscaling.replica_scaling=false``: lending alone, fixed 1 + 1.
-
-While each runs, ``GET /admin/autoscaler`` (each pool's target, reporting and pending
-replicas, every replica's load, the decisions) and Serve's replica states are polled every
-second; after it, the Serve logs' lines about scaling are kept. Stages (``--stage``):
-``run`` (both systems; the raw records to ``--raw``, not committed), ``report`` (render
-``docs/benchmarks/scaling.{json,png}`` and the second section of ``elastic.md``, from its
-marker on, from ``--raw``); ``all`` does both.
+A closed loop of clients (short prompts, long outputs) steps through ``STEPS``; each system runs
+in its own fresh local Ray while the autoscaler is polled: ``scaling`` (the default policy, lending
+and replica counts) and ``lending`` (lending alone, fixed 1 + 1). ``--stage run`` keeps the raw
+records in ``--raw``; ``report`` renders ``scaling.{json,png}`` and its section of ``elastic.md``.
 """
 
 from __future__ import annotations
@@ -25,11 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import re
-import shutil
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -37,9 +24,10 @@ from pathlib import Path
 import httpx
 
 from bench.compare import COMMON
+from bench.elastic import parse_systems
 from bench.host import cpu_model, cpu_ticks, machine, ticks_between, tokenizer, tree_ticks
 from bench.ray_local import Server
-from bench.report import command_line, figure, first_paragraph, read_json, table, write_json, write_page
+from bench.report import cells, command_line, figure, first_paragraph, read_json, table, write_json, write_page
 from bench.serve import Target, poll_autoscaler, send, warm_up
 from bench.slo import RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder
@@ -54,19 +42,15 @@ class Step:
     seconds: float
 
 
-# 8 clients need 2 decode replicas at the default policy's 6 decoding per replica, 16 need 3
-# (a fourth engine replica: no CPU left for it, so given up after pending_timeout_s); the
-# steps outlast scale_up_delay_s + a replica's start (~30 s here), pending_timeout_s, and
-# scale_down_delay_s + the drain
+# each step outlasts the policy's delays plus a replica's start; 16 clients ask for a replica the
+# 2 CPUs cannot place, so the give-up path runs too (docs/benchmarks/elastic.md)
 STEPS = (Step(2, 45.0), Step(8, 75.0), Step(16, 100.0), Step(8, 60.0), Step(2, 75.0))
 SYSTEMS = {  # name -> disagg_app's arguments on top of bench.compare's COMMON
     "scaling": {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "true"},
     "lending": {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "false"},
 }
 DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}  # the engine deployments, by pool
-# Serve log lines worth keeping: the controller's decisions, Serve adding / removing / not
-# placing replicas, a stopping replica's drain, errors
-LOG_LINE = re.compile(
+LOG_LINE = re.compile(  # Serve log lines kept: decisions, replicas added / removed / not placed / stopped, errors
     r"autoscaler (scale_up|scale_down|give_up|lend|reclaim|drained)|Adding \d+ replica|Removing \d+ replica"
     r"|taken more than|initializing replica|stopped: |stopping: |ERROR|Traceback|[Rr]esources required"
 )
@@ -81,8 +65,6 @@ BOILERPLATE = (
     " Use `ray status` for more details.",
 )
 COLOURS = {"scaling": "tab:purple", "lending": "tab:blue"}
-BIN_S = 10.0  # tokens/s bins of the plot
-DOC = Path("docs/benchmarks")
 SECTION = """
 <!-- bench.scaling -->
 ## Replica-count scaling: a stepped decode-heavy load
@@ -94,12 +76,8 @@ SECTION = """
 
 @dataclass(frozen=True)
 class ScalingRun:
-    """One system on the stepped load. ``rows``: per request ``client``, ``number``, ``step``
-    (index, at its send), ``sent_s`` (since the load's start) and ``record`` (its JSON row);
-    ``timeline``: the polls (``t``, ``replicas``, ``scaling``: per pool target, reporting,
-    pending; ``serve``: Serve's replica states; ``cpu``); ``decisions``: the controller's
-    (``t`` since the start, ``action``, ``replica`` or ``pool``, ``reason``); ``log_lines``:
-    the Serve log lines about scaling."""
+    """One system on the stepped load: per request ``rows`` (``client``, ``number``, ``step``,
+    ``sent_s``, ``record``), the autoscaler's polls and decisions, the kept Serve log lines."""
 
     system: str
     command: str
@@ -116,8 +94,6 @@ class ScalingRun:
 
 
 # ---- the load ------------------------------------------------------------------------------
-
-
 def step_windows(steps: tuple[Step, ...]) -> list[tuple[float, float]]:
     """(start, end) of each step, seconds since the load's start."""
     ends = [sum(s.seconds for s in steps[: i + 1]) for i in range(len(steps))]
@@ -125,7 +101,7 @@ def step_windows(steps: tuple[Step, ...]) -> list[tuple[float, float]]:
 
 
 def step_at(steps: tuple[Step, ...], t: float) -> int:
-    """The index of the step running at ``t`` seconds since the start (the last one after it)."""
+    """The index of the step running at ``t`` (the last one after the load)."""
     return next((i for i, (_, end) in enumerate(step_windows(steps)) if t < end), len(steps) - 1)
 
 
@@ -136,25 +112,16 @@ def next_active(steps: tuple[Step, ...], t: float, client: int) -> float:
     return next(found, windows[-1][1])
 
 
-class Requests:
-    """Client ``i``'s ``n``-th request: a code prompt of exactly ``PROMPT_TOKENS`` tokens, cut
-    at an offset of its own, the same for every system. It opens with its own tag, so its
-    first KV block, and so (hash-chained) every block, is its own: no prefix-cache hit, every
-    prompt is prefilled whole and its KV moved, on any replica (the code corpus repeats one
-    function, and the cache of a new replica starts cold, so hits would differ by system)."""
-
-    def __init__(self, words) -> None:
-        self.builder = PromptBuilder(words)
-
-    def get(self, client: int, number: int) -> BenchRequest:
-        tag = self.builder.ids(f"# request {client}.{number}\n")
-        prompt = tag + self.builder.code(PROMPT_TOKENS - len(tag), (7919 * client + 131 * number) % 10_000)
-        return BenchRequest(prompt, PROMPT_TOKENS, OUTPUT_TOKENS)
+def request(builder: PromptBuilder, client: int, number: int) -> BenchRequest:
+    """Client ``i``'s ``n``-th request, the same for every system. It opens with its own tag, so no
+    KV block is shared: every prompt is prefilled whole on any replica, cold cache or not."""
+    tag = builder.ids(f"# request {client}.{number}\n")
+    prompt = tag + builder.code(PROMPT_TOKENS - len(tag), (7919 * client + 131 * number) % 10_000)
+    return BenchRequest(prompt, PROMPT_TOKENS, OUTPUT_TOKENS)
 
 
-async def closed_loop(target: Target, steps: tuple[Step, ...], requests: Requests, t0: float) -> list[dict]:
-    """Every client's requests, sent back to back while the running step counts the client
-    in; each row: ``client``, ``number``, ``step`` (at its send), ``sent_s`` (since ``t0``), ``record``."""
+async def closed_loop(target: Target, steps: tuple[Step, ...], builder: PromptBuilder, t0: float) -> list[dict]:
+    """Every client's requests, back to back while the running step counts the client in."""
     total_s, rows = sum(s.seconds for s in steps), []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -166,7 +133,7 @@ async def closed_loop(target: Target, steps: tuple[Step, ...], requests: Request
                 if index >= steps[step].concurrency:
                     await asyncio.sleep(max(0.0, next_active(steps, now, index) - now))
                     continue
-                record = await send(client, target, requests.get(index, number))
+                record = await send(client, target, request(builder, index, number))
                 row = {"client": index, "number": number, "step": step, "sent_s": round(record.sent - t0, 4)}
                 rows.append(row | {"record": record.to_json()})
                 number += 1
@@ -176,58 +143,29 @@ async def closed_loop(target: Target, steps: tuple[Step, ...], requests: Request
 
 
 class CpuMeter:
-    """Busy cores since the last reading: the whole machine's and this process tree's (the
-    driver, Ray, the replicas: all started from here), so that the report shows how much CPU
-    other processes took from the run."""
+    """Busy cores since the last reading: the machine's and this process tree's (driver, Ray, the
+    replicas), so the report shows what other processes took from the run."""
 
     def __init__(self) -> None:
-        import os
+        self.hz, self.last = os.sysconf("SC_CLK_TCK"), (cpu_ticks()[0], tree_ticks(), time.monotonic())
 
-        self.hz = os.sysconf("SC_CLK_TCK")
-        self.last = (cpu_ticks()[0], tree_ticks(), time.monotonic())
-
-    def read(self) -> dict[str, float]:
-        """``machine`` and ``ours``: busy cores (CPU seconds per second) since the last call."""
+    async def read(self) -> dict[str, dict[str, float]]:
         (machine0, ours0, time0), now = self.last, (cpu_ticks()[0], tree_ticks(), time.monotonic())
         elapsed, self.last = max(now[2] - time0, 1e-3), now
-        return {
-            "machine": round((now[0] - machine0) / self.hz / elapsed, 2),
-            "ours": round(ticks_between(ours0, now[1]) / self.hz / elapsed, 2),
-        }
+        busy = (now[0] - machine0, ticks_between(ours0, now[1]))
+        return {"cpu": {k: round(ticks / self.hz / elapsed, 2) for k, ticks in zip(("machine", "ours"), busy)}}
 
 
-def serve_states() -> dict[str, dict[str, int]]:
-    """Serve's replica states (STARTING, RUNNING, STOPPING, ...) of the engine deployments."""
-    from ray import serve
-
-    app = serve.status().applications.get("bench")
-    if app is None:
-        return {}
-    return {
-        name: {str(getattr(state, "value", state)): count for state, count in dep.replica_states.items()}
-        for name, dep in app.deployments.items()
-        if name in DEPLOYMENTS.values()
-    }
-
-
-def run_system(system: str, index: int, options: argparse.Namespace, requests: Requests, command: str) -> ScalingRun:
-    """Start ``system``, warm it up, drive the steps with the poller beside; the Serve logs are
-    copied to the raw folder and their lines about scaling kept."""
+def run_system(
+    system: str, index: int, options: argparse.Namespace, builder: PromptBuilder, command: str
+) -> ScalingRun:
+    """Start ``system``, warm it up, drive the steps with the poller beside; keep its Serve logs."""
     started, args = time.time(), {**COMMON, **SYSTEMS[system]}
 
-    async def drive():
-        meter, stop, t0, wall0 = CpuMeter(), asyncio.Event(), time.perf_counter(), time.time()
-
-        async def extra() -> dict:
-            sample = {"cpu": meter.read()}
-            try:
-                sample["serve"] = await asyncio.to_thread(serve_states)
-            except Exception as exc:  # Serve's controller busy: this sample goes without
-                print(f"serve.status failed: {exc!r}", file=sys.stderr)
-            return sample
-
-        poller = asyncio.create_task(poll_autoscaler(target.url, (t0, wall0), stop, extra))
-        rows = await closed_loop(target, options.steps, requests, t0)
+    async def drive(target: Target):
+        stop, t0, wall0 = asyncio.Event(), time.perf_counter(), time.time()
+        poller = asyncio.create_task(poll_autoscaler(target.url, (t0, wall0), stop, CpuMeter().read))
+        rows = await closed_loop(target, options.steps, builder, t0)
         duration = time.perf_counter() - t0
         await asyncio.sleep(2.0)  # the last requests' end in the timeline
         stop.set()
@@ -235,34 +173,19 @@ def run_system(system: str, index: int, options: argparse.Namespace, requests: R
 
     with Server("disagg", args, index) as server:
         target = Target(server.url, server.model())
-        warm_up(target, [requests.get(0, 10_000)])
-        rows, timeline, decisions, duration, wall0 = asyncio.run(drive())
+        warm_up(target, [request(builder, 0, 10_000)])
+        rows, timeline, decisions, duration, wall0 = asyncio.run(drive(target))
         logs = server.log_dir
-    kept: list[str] = []
-    if logs is not None and (logs / "serve").is_dir():
-        copy = options.raw / f"serve_logs_{system}"
-        shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(logs / "serve", copy)
-        # a stopping replica's own lines (``__del__``) reach its worker's stderr, not its Serve log
-        for path in sorted(copy.glob("*.log")) + sorted(logs.glob("worker-*.err")):
-            kept += [
-                f"{path.name}: {line.strip()}"
-                for line in path.read_text(errors="replace").splitlines()
-                if LOG_LINE.search(line)
-            ]
-    return ScalingRun(
-        system,
-        command,
-        args,
-        options.steps,
-        time.time() - started,
-        duration,
-        rows,
-        timeline,
-        decisions,
-        kept[:MAX_LOG_LINES],
-        wall0,
-    )
+    elapsed, kept = time.time() - started, scaling_lines(logs) if logs is not None else []
+    return ScalingRun(system, command, args, options.steps, elapsed, duration, rows, timeline, decisions, kept, wall0)
+
+
+def scaling_lines(logs: Path) -> list[str]:
+    """The Serve logs' lines about scaling (a stopping replica's own lines reach its worker's
+    stderr, not its Serve log)."""
+    paths = sorted(logs.glob("serve/*.log")) + sorted(logs.glob("worker-*.err"))
+    lines = [(p.name, line) for p in paths for line in p.read_text(errors="replace").splitlines()]
+    return [f"{name}: {line.strip()}" for name, line in lines if LOG_LINE.search(line)][:MAX_LOG_LINES]
 
 
 def save_run(raw: Path, run: ScalingRun) -> None:
@@ -277,8 +200,6 @@ def load_runs(raw: Path) -> list[ScalingRun]:
 
 
 # ---- the figures ------------------------------------------------------------------------------
-
-
 def lost_reason(record: RequestRecord) -> str | None:
     """Why a request counts as lost (an error, or fewer tokens than asked), or None."""
     if record.error is not None:
@@ -291,11 +212,8 @@ def lost_reason(record: RequestRecord) -> str | None:
 
 
 def lost(run: ScalingRun) -> list[dict]:
-    """The lost requests: step, client, send time, reason."""
     reasons = [(row, lost_reason(RequestRecord.from_json(row["record"]))) for row in run.rows]
-    return [
-        {"step": r["step"], "client": r["client"], "sent_s": r["sent_s"], "reason": why} for r, why in reasons if why
-    ]
+    return [{k: r[k] for k in ("step", "client", "sent_s")} | {"reason": why} for r, why in reasons if why]
 
 
 def _pool(sample: dict, pool: str, key: str) -> int | None:
@@ -306,80 +224,64 @@ def _lent(sample: dict) -> bool:
     return any(r["role"] == "both" for r in sample.get("replicas", []) if r["deployment"] == "PrefillServer")
 
 
+def _mean(values: list[float]) -> float:
+    return statistics.mean(values) if values else math.nan
+
+
 def step_stats(run: ScalingRun) -> list[dict]:
-    """Per step: requests by the step they were sent in (their lost ones, TTFT and TPOT p50 /
-    p90 of the others); tokens/s of the text chunks that arrived within the step; from the
-    polls within it, the decode replicas reporting (mean, max), the decode target (max), the
-    share with the prefill replica lent, the machine's busy cores and those of other processes."""
-    records = [(row, RequestRecord.from_json(row["record"])) for row in run.rows]
+    """Per step: its requests (by send) lost and their TTFT / TPOT, tokens/s arrived within it, and
+    from its polls the decode replicas reporting and target, the prefill lent share, busy cores."""
+    records = [(row["step"], RequestRecord.from_json(row["record"])) for row in run.rows]
     chunks = [row["sent_s"] + c for row in run.rows for c in row["record"]["chunks"]]
     stats = []
     for index, (step, (start, end)) in enumerate(zip(run.steps, step_windows(run.steps))):
-        chosen = [r for row, r in records if row["step"] == index]
-        done = [r for r in chosen if lost_reason(r) is None]
+        sent = [r for i, r in records if i == index]
+        done = [r for r in sent if lost_reason(r) is None]
+        ttft, tpot = distribution([r.ttft for r in done]), distribution([r.tpot for r in done if r.tpot])
         polls = [s for s in run.timeline if start <= s["t"] < end and _pool(s, "decode", "reporting") is not None]
         reporting = [_pool(s, "decode", "reporting") for s in polls]
         targets = [t for s in polls if (t := _pool(s, "decode", "target")) is not None]
         cpu = [s["cpu"] for s in run.timeline if start <= s["t"] < end and "cpu" in s]
-        ttft, tpot = distribution([r.ttft for r in done]), distribution([r.tpot for r in done if r.tpot])
         stats.append(
-            {
-                "concurrency": step.concurrency,
-                "start_s": start,
-                "end_s": end,
-                "requests": len(chosen),
-                "lost": len(chosen) - len(done),
-                "ttft_p50_s": ttft["p50"],
-                "ttft_p90_s": ttft["p90"],
-                "tpot_p50_s": tpot["p50"],
-                "tpot_p90_s": tpot["p90"],
-                "tokens_per_s": sum(start <= c < end for c in chunks) / (end - start),
-                "decode_reporting_mean": statistics.mean(reporting) if reporting else math.nan,
-                "decode_reporting_max": max(reporting, default=0),
-                "decode_target_max": max(targets) if targets else None,
-                "prefill_lent_share": sum(map(_lent, polls)) / len(polls) if polls else math.nan,
-                "busy_cores": statistics.mean(r["machine"] for r in cpu) if cpu else math.nan,
-                "other_cores": statistics.mean(max(0.0, r["machine"] - r["ours"]) for r in cpu) if cpu else math.nan,
-            }
-        )
+            {"concurrency": step.concurrency, "start_s": start, "end_s": end, "requests": len(sent),
+             "lost": len(sent) - len(done), "ttft_p50_s": ttft["p50"], "ttft_p90_s": ttft["p90"],
+             "tpot_p50_s": tpot["p50"], "tpot_p90_s": tpot["p90"],
+             "tokens_per_s": sum(start <= c < end for c in chunks) / (end - start),
+             "decode_reporting_mean": _mean(reporting), "decode_reporting_max": max(reporting, default=0),
+             "decode_target_max": max(targets, default=None),
+             "prefill_lent_share": _mean([float(_lent(s)) for s in polls]),
+             "busy_cores": _mean([r["machine"] for r in cpu]),
+             "other_cores": _mean([max(0.0, r["machine"] - r["ours"]) for r in cpu])}
+        )  # fmt: skip
     return stats
 
 
 def scale_timings(run: ScalingRun) -> list[dict]:
-    """Per replica-count decision, what followed it, seconds after it. From the polls (within a
-    poll plus a report period): ``first_s``, the first change in the pool's reporting replicas
-    (up: a new one reports; down: one left); ``all_s``, reporting reached the new target;
-    ``load_s`` (up), a new replica first had a request running. From the Serve logs
-    (``log_timing``). None: not seen before the pool's next decision or the run's end."""
+    """Per replica-count decision, seconds until (from the polls) the pool's reporting replicas
+    first change (``first_s``) and reach the target (``all_s``), a new replica first runs a request
+    (``load_s``), and ``log_timing``'s; None: not before the pool's next decision or the run's end."""
     events, timings = [d for d in run.decisions if d.get("pool") in DEPLOYMENTS], []
     for index, d in enumerate(events):
         until = min((e["t"] for e in events[index + 1 :] if e["pool"] == d["pool"]), default=math.inf)
-        (old, new), up = d["replicas"], d["replicas"][1] > d["replicas"][0]
-        polls = [
-            (s, n)
-            for s in run.timeline
-            if d["t"] <= s["t"] < until and (n := _pool(s, d["pool"], "reporting")) is not None
-        ]
-        if d["action"] == "give_up":  # the replicas given up never reported: no change to see
-            polls = []
+        (old, new), t = d["replicas"], d["t"]
+        up, polls = new > old, []
+        if d["action"] != "give_up":  # the replicas given up never reported: no change to see
+            reporting = [(s, _pool(s, d["pool"], "reporting")) for s in run.timeline if t <= s["t"] < until]
+            polls = [(s, n) for s, n in reporting if n is not None]
         moved = [s for s, n in polls if (n > old if up else n < old)]
         reached = [s for s, n in polls if (n >= new if up else n <= new)]
-        timing = {"t": d["t"], "action": d["action"], "pool": d["pool"], "old": old, "new": new, "reason": d["reason"]}
-        timing |= {"first_s": _after(moved, d["t"]), "all_s": _after(reached, d["t"])}
-        timing["load_s"] = _after(_loaded(run, d, [s for s, _ in polls]), d["t"]) if up else None
+        timing = {"t": t, "action": d["action"], "pool": d["pool"], "old": old, "new": new, "reason": d["reason"]}
+        timing |= {"first_s": _after(moved, t), "all_s": _after(reached, t)}
+        timing["load_s"] = _after(_loaded(run, d, [s for s, _ in polls]), t) if up else None
         timings.append(timing | log_timing(log_events(run), d, until))
     return timings
 
 
 def log_events(run: ScalingRun) -> list[tuple[float, str]]:
     """The kept log lines with their time since the load's start, in order of time."""
-    events = []
-    for line in run.log_lines:
-        match = LOG_TIME.search(line)
-        if match and run.wall0:
-            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            events.append((stamp - run.wall0, line))
-    return sorted(events)
+    stamps = [(LOG_TIME.search(line), line) for line in run.log_lines] if run.wall0 else []
+    parse = datetime.strptime
+    return sorted((parse(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - run.wall0, line) for m, line in stamps if m)
 
 
 def _first(events: list[tuple[float, str]], pattern: str, since: float, until: float) -> tuple[float, str] | None:
@@ -388,27 +290,23 @@ def _first(events: list[tuple[float, str]], pattern: str, since: float, until: f
 
 
 def log_timing(events: list[tuple[float, str]], decision: dict, until: float) -> dict:
-    """From the Serve logs, seconds after ``decision`` (before ``until``, the pool's next one):
-    ``serve_s``, Serve adds / removes a replica; ``init_start_s`` / ``init_done_s`` (up), the
-    replica's constructor starts / ends; ``stopped_s`` (down), the stopping replica's drain
-    ended, with its line ``stopped``."""
+    """From the Serve logs, seconds after ``decision``: Serve adds / removes a replica (``serve_s``);
+    up, its constructor starts and ends (``init_start_s`` / ``init_done_s``); down, the stopping
+    replica's drain ends (``stopped_s``, its line ``stopped``)."""
     deployment, t0 = DEPLOYMENTS[decision["pool"]], decision["t"]
+    name, up = f"bench_{deployment}", decision["replicas"][1] > decision["replicas"][0]
     out = dict.fromkeys(("serve_s", "init_start_s", "init_done_s", "stopped_s", "stopped"))
-    verb = "Adding" if decision["replicas"][1] > decision["replicas"][0] else "Removing"
+    verb = "Adding" if up else "Removing"
     serve = _first(events, rf"{verb} \d+ replicas? (to|from) Deployment\(name='{deployment}'", t0, until)
     if serve is None:
         return out
     out["serve_s"] = round(serve[0] - t0, 1)
-    if verb == "Adding":
-        start = _first(events, rf"bench_{deployment} (\w+) -- Started initializing replica", serve[0], until)
-        if start is not None:
-            replica = re.search(rf"bench_{deployment} (\w+) --", start[1]).group(1)
-            done = _first(events, rf"bench_{deployment} {replica} -- Finished initializing", start[0], until)
-            out["init_start_s"] = round(start[0] - t0, 1)
-            out["init_done_s"] = None if done is None else round(done[0] - t0, 1)
-        return out
-    stopped = _first(events, rf"bench_{deployment} \w+ -- stopped: ", serve[0], until)
-    if stopped is not None:
+    if up and (start := _first(events, rf"{name} (\w+) -- Started initializing replica", serve[0], until)):
+        replica = re.search(rf"{name} (\w+) --", start[1]).group(1)
+        done = _first(events, rf"{name} {replica} -- Finished initializing", start[0], until)
+        out["init_start_s"] = round(start[0] - t0, 1)
+        out["init_done_s"] = None if done is None else round(done[0] - t0, 1)
+    elif not up and (stopped := _first(events, rf"{name} \w+ -- stopped: ", serve[0], until)):
         out["stopped_s"], out["stopped"] = round(stopped[0] - t0, 1), stopped[1].split(" -- ", 1)[-1]
     return out
 
@@ -422,39 +320,20 @@ def _loaded(run: ScalingRun, decision: dict, polls: list[dict]) -> list[dict]:
     deployment = DEPLOYMENTS[decision["pool"]]
     before = [s for s in run.timeline if s["t"] <= decision["t"]]
     known = {r["replica"] for r in (before[-1]["replicas"] if before else []) if r["deployment"] == deployment}
-    return [
-        s
-        for s in polls
-        if any(r["deployment"] == deployment and r["replica"] not in known and r["running"] > 0 for r in s["replicas"])
-    ]
+    new = [[r for r in s["replicas"] if r["deployment"] == deployment and r["replica"] not in known] for s in polls]
+    return [s for s, mine in zip(polls, new) if any(r["running"] > 0 for r in mine)]
 
 
 def excerpt(run: ScalingRun) -> list[str]:
-    """The log lines about the engine replicas being added, not placed, removed, stopped, and
-    errors, while the load ran (not the start and the shutdown)."""
-    seen, chosen = set(), []
+    """The log lines of the report, while the load ran; once each (a worker's stderr repeats some)."""
+    chosen = {}
     for t, line in log_events(run):
-        text = line.split(": ", 1)[-1]
-        if 0 <= t <= run.duration_s and EXCERPT.search(line) and text not in seen:  # a worker's stderr repeats some
-            seen.add(text)
-            chosen.append(line)
-    return chosen
-
-
-def replica_series(run: ScalingRun) -> list[dict]:
-    """Per poll: t, each pool's target / reporting / pending, whether the prefill replica is
-    lent, and Serve's replica states of the engine deployments."""
-    return [
-        {"t": s["t"]}
-        | {p: {k: _pool(s, p, k) for k in ("target", "reporting", "pending")} for p in DEPLOYMENTS}
-        | {"lent": _lent(s), "serve": s.get("serve", {})}
-        for s in run.timeline
-    ]
+        if 0 <= t <= run.duration_s and EXCERPT.search(line):
+            chosen.setdefault(line.split(": ", 1)[-1], line)
+    return list(chosen.values())
 
 
 # ---- the files -----------------------------------------------------------------------------------
-
-
 def write_report(runs: list[ScalingRun], out: Path) -> None:
     """scaling.json, scaling.png and elastic.md's section in ``out``."""
     if not runs:
@@ -468,61 +347,36 @@ def write_report(runs: list[ScalingRun], out: Path) -> None:
 
 
 def summary_json(runs: list[ScalingRun], host: str) -> dict:
-    """scaling.json: the figures without the per-request records; the replica counts only
-    where they changed."""
+    """scaling.json: what the page shows, without the per-request records."""
     systems = {}
     for run in runs:
-        counts: dict[str, int] = {}
-        for d in run.decisions:
-            counts[d["action"]] = counts.get(d["action"], 0) + 1
-        changes = []  # the polls where anything but the time changed (the first one included)
-        for sample in replica_series(run):
-            if not changes or {**sample, "t": 0} != {**changes[-1], "t": 0}:
-                changes.append(sample)
+        counts = dict(Counter(d["action"] for d in run.decisions))
         systems[run.system] = {
-            "args": run.args,
-            "elapsed_s": run.elapsed_s,
-            "duration_s": run.duration_s,
-            "requests": len(run.rows),
-            "lost": lost(run),
-            "per_step": step_stats(run),
-            "scale_timings": scale_timings(run),
-            "decisions": run.decisions,
-            "decision_counts": counts,
-            "replica_counts": changes,
+            "args": run.args, "elapsed_s": run.elapsed_s, "requests": len(run.rows), "lost": lost(run),
+            "per_step": step_stats(run), "scale_timings": scale_timings(run), "decision_counts": counts,
             "log_lines": excerpt(run),
-        }
-    steps = [asdict(s) for s in runs[0].steps]
-    return {
-        "command": runs[0].command,
-        "machine": host,
-        "order": [r.system for r in runs],
-        "steps": steps,
-        "systems": systems,
-    }
+        }  # fmt: skip
+    head = {"command": runs[0].command, "machine": host, "order": [r.system for r in runs]}
+    return head | {"steps": [asdict(s) for s in runs[0].steps], "systems": systems}
 
 
-def _ms(seconds: float) -> str:
-    return "n/a" if math.isnan(seconds) else f"{seconds * 1e3:.0f}"
-
-
-def _num(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.2f}"
-
-
-def _s(seconds: float | None) -> str:
-    return "never" if seconds is None else f"{seconds:.1f} s"
+STEP_ROW = (
+    "{start_s:.0f}-{end_s:.0f} | {concurrency} | {requests} | {lost} | {ttft_p50_s:.2f} / {ttft_p90_s:.2f} | "
+    "{tpot_p50_s:ms.0f} / {tpot_p90_s:ms.0f} | {tokens_per_s:.1f} | {decode_reporting_mean:.2f} / "
+    "{decode_reporting_max} | {decode_target_max} | {prefill_lent_share:.0%} | {busy_cores:.2f} ({other_cores:.2f})"
+)
+STEP_HEADER = (
+    "step (s) | clients | requests | lost | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) | tokens/s | decode replicas "
+    "reporting (mean / max) | decode target (max) | prefill lent (share of polls) | busy cores (other processes)"
+)
 
 
 def render(summary: dict) -> list[str]:
     """The generated block of elastic.md's scaling section, from scaling.json."""
-    steps = [Step(**s) for s in summary["steps"]]
-    plan = " -> ".join(f"{s.concurrency} ({a:.0f}-{b:.0f} s)" for s, (a, b) in zip(steps, step_windows(tuple(steps))))
-    systems = summary["systems"]
-    order = ", then ".join(f"`{s}`" for s in summary["order"])
-    args = " ".join(
-        f"{k}={v}" for k, v in systems[summary["order"][0]]["args"].items() if not k.startswith("autoscaling.")
-    )
+    steps = tuple(Step(**s) for s in summary["steps"])
+    plan = " -> ".join(f"{s.concurrency} ({a:.0f}-{b:.0f} s)" for s, (a, b) in zip(steps, step_windows(steps)))
+    systems, order = summary["systems"], summary["order"]
+    args = " ".join(f"{k}={v}" for k, v in systems[order[0]]["args"].items() if not k.startswith("autoscaling."))
     lines = [
         "",
         f"Command: `{summary['command']}`. Machine: {summary['machine']}.",
@@ -532,61 +386,35 @@ def render(summary: dict) -> list[str]:
         "step lowers the clients, those above it finish their request and stop. Requests are counted in the "
         "step they were sent in; tokens/s counts the text chunks that arrived within the step.",
         "",
-        f"Systems, one after another ({order}), each in its own local Ray with 2 CPUs, both starting at 1 "
-        f"prefill + 1 decode replica (`{args}`): `scaling` is disagg_app with the default policy (lending and "
-        "replica counts), `lending` the same with `autoscaling.replica_scaling=false`. Ray CPUs: 0.5 per engine "
-        "replica, 0.1 for the ingress, 0.05 for the controller, so a third engine replica fits (1.65 of 2) and a "
-        "fourth cannot be placed (2.15): Serve leaves it pending and the controller gives it up after "
-        "`pending_timeout_s` (60 s).",
+        f"Systems, one after another ({', then '.join(f'`{s}`' for s in order)}), each in its own local Ray with "
+        f"2 CPUs, both starting at 1 prefill + 1 decode replica (`{args}`): `scaling` is disagg_app with the "
+        "default policy (lending and replica counts), `lending` the same with `autoscaling.replica_scaling=false`. "
+        "Ray CPUs: 0.5 per engine replica, 0.1 for the ingress, 0.05 for the controller, so a third engine "
+        "replica fits (1.65 of 2) and a fourth cannot be placed (2.15): Serve leaves it pending and the "
+        "controller gives it up after `pending_timeout_s` (60 s).",
         "",
     ]
-    for system in summary["order"]:
-        lines += _step_lines(system, systems[system])
-    lines += _timing_lines(summary)
-    lines += ["### Requests lost", ""]
-    for system in summary["order"]:
-        gone = systems[system]["lost"]
-        lines.append(
-            f"- `{system}`: {len(gone)} of {systems[system]['requests']} (an error, or fewer tokens than asked)."
-        )
-        lines += [
-            f"  - step {g['step']}, client {g['client']}, sent at {g['sent_s']:.1f} s: {g['reason']}" for g in gone
-        ]
-    lines.append("")
-    logs = [(s, systems[s]["log_lines"]) for s in summary["order"] if systems[s]["log_lines"]]
-    if logs:
-        lines += ["### From the Serve logs", ""]
-        for system, chosen in logs:
-            lines += [f"`{system}`:", "", "```", *(_short(line) for line in chosen[:40]), "```", ""]
+    for system in order:
+        data = systems[system]
+        rows = [cells(STEP_ROW, {k: None if v != v else v for k, v in s.items()}) for s in data["per_step"]]  # NaN: n/a
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(data["decision_counts"].items())) or "none"
+        ran = f"Decisions: {counts}. Run: {data['elapsed_s'] / 60:.1f} min (start and warm-up included)."
+        lines += [f"### `{system}`: per step", "", *table(STEP_HEADER, rows), "", ran, ""]
+    lines += [*_timing_lines(summary), "### Requests lost", ""]
+    for system in order:
+        gone, of = systems[system]["lost"], systems[system]["requests"]
+        lines.append(f"- `{system}`: {len(gone)} of {of} (an error, or fewer tokens than asked).")
+        lines += [cells("  - step {step}, client {client}, sent at {sent_s:.1f} s: {reason}", g) for g in gone]
+    logs = [(s, systems[s]["log_lines"]) for s in order if systems[s]["log_lines"]]
+    lines += ["", *(["### From the Serve logs", ""] if logs else [])]
+    for system, chosen in logs:
+        lines += [f"`{system}`:", "", "```", *(_short(line) for line in chosen[:40]), "```", ""]
     caption = "replica counts over the load steps (both systems), TPOT p90 and tokens/s per step"
     return [*lines, f"![{caption}](scaling.png)", ""]
 
 
-def _step_lines(system: str, data: dict) -> list[str]:
-    rows = []
-    for s in data["per_step"]:
-        target = "n/a" if s["decode_target_max"] is None else str(s["decode_target_max"])
-        lent = "n/a" if math.isnan(s["prefill_lent_share"]) else f"{s['prefill_lent_share']:.0%}"
-        ttft, tpot = (
-            f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f}",
-            f"{_ms(s['tpot_p50_s'])} / {_ms(s['tpot_p90_s'])}",
-        )
-        reporting = f"{s['decode_reporting_mean']:.2f} / {s['decode_reporting_max']}"
-        rows.append(
-            [f"{s['start_s']:.0f}-{s['end_s']:.0f}", s["concurrency"], s["requests"], s["lost"], ttft, tpot]
-            + [
-                f"{s['tokens_per_s']:.1f}",
-                reporting,
-                target,
-                lent,
-                f"{_num(s['busy_cores'])} ({_num(s['other_cores'])})",
-            ]
-        )
-    header = ["step (s)", "clients", "requests", "lost", "TTFT p50 / p90 (s)", "TPOT p50 / p90 (ms)", "tokens/s"]
-    header += ["decode replicas reporting (mean / max)", "decode target (max)", "prefill lent (share of polls)"]
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(data["decision_counts"].items())) or "none"
-    ran = f"Decisions: {counts}. Run: {data['elapsed_s'] / 60:.1f} min (start and warm-up included)."
-    return [f"### `{system}`: per step", "", *table([*header, "busy cores (other processes)"], rows), "", ran, ""]
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f} s"
 
 
 def _timing_lines(summary: dict) -> list[str]:
@@ -601,8 +429,8 @@ def _timing_lines(summary: dict) -> list[str]:
         polled = ["", ""] if t["action"] == "give_up" else [_s(t["first_s"]), _s(t["all_s"])]
         moved = [system, f"{t['t']:.1f}", t["action"], t["pool"], f"{t['old']} -> {t['new']}", _s(t["serve_s"])]
         rows.append([*moved, constructor, *polled, _s(t["load_s"]) if up else "", t["reason"]])
-    header = ["system", "time (s)", "decision", "pool", "replicas", "Serve adds / removes", "constructor starts / ends"]
-    header += ["reporting changes", "target reached", "first request on it", "reason"]
+    header = "system | time (s) | decision | pool | replicas | Serve adds / removes | constructor starts / ends | "
+    header += "reporting changes | target reached | first request on it | reason"
     lines = [
         *title,
         "Seconds after each decision. From the Serve logs: Serve adds (or removes) the replica; the new "
@@ -632,8 +460,8 @@ def _short(line: str, width: int = 300) -> str:
 
 
 def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
-    """Three panels on one time axis: each system's decode replicas reporting (and the
-    scaling system's target and its decisions), TPOT p90 per step, tokens/s."""
+    """On one time axis: each system's decode replicas reporting (the scaling system's target and
+    decisions), TPOT p90 per step, tokens/s."""
     steps, top = runs[0].steps, max(s.concurrency for s in runs[0].steps)
     with figure(path, 3, 1, (11, 8.5), sharex=True) as (count_ax, tpot_ax, rate_ax, _):
         for ax in (count_ax, tpot_ax, rate_ax):
@@ -641,72 +469,50 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
                 ax.axvspan(start, end, color="orange", alpha=0.25 * step.concurrency / top, linewidth=0)
                 ax.axvline(start, color="grey", linewidth=0.6, linestyle=":")
                 if ax is count_ax:
-                    label = f"{step.concurrency} clients"
-                    ax.text((start + end) / 2, 1.02, label, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+                    at = ((start + end) / 2, 1.02, f"{step.concurrency} clients")
+                    ax.text(*at, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
             ax.grid(alpha=0.3)
         for number, run in enumerate(runs):
             colour, per = COLOURS.get(run.system), summary["systems"][run.system]["per_step"]
             _plot_counts(count_ax, run, colour, lent_at=0.3 + 0.15 * number)
-            tpot = [s["tpot_p90_s"] * 1e3 for s in per]
             edges = [s["start_s"] for s in per] + [per[-1]["end_s"]]
-            tpot_ax.step(edges, [*tpot, tpot[-1]], where="post", color=colour, label=f"{run.system} TPOT p90")
-            chunks = [row["sent_s"] + c for row in run.rows for c in row["record"]["chunks"]]
-            end = sum(s.seconds for s in run.steps)
-            bins = [0] * math.ceil(end / BIN_S)
-            for c in chunks:
-                if 0 <= c < end:
-                    bins[int(c // BIN_S)] += 1
-            times = [(k + 0.5) * BIN_S for k in range(len(bins))]
-            rate_ax.plot(times, [n / BIN_S for n in bins], color=colour, linewidth=1, label=run.system)
+            for ax, values, label in ((tpot_ax, [s["tpot_p90_s"] * 1e3 for s in per], " TPOT p90"),
+                                      (rate_ax, [s["tokens_per_s"] for s in per], "")):  # fmt: skip
+                ax.step(edges, [*values, values[-1]], where="post", color=colour, label=run.system + label)
         count_ax.set_ylabel("decode replicas")
         count_ax.yaxis.get_major_locator().set_params(integer=True)
         tpot_ax.set_ylabel("TPOT p90 per step (ms)")
-        rate_ax.set(ylabel=f"tokens/s ({BIN_S:g} s bins)", xlabel="time since the load's start (s)")
+        rate_ax.set(ylabel="tokens/s per step", xlabel="time since the load's start (s)")
         for ax in (count_ax, tpot_ax, rate_ax):
             ax.legend(fontsize=7, loc="upper left")
 
 
 def _plot_counts(ax, run: ScalingRun, colour: str | None, lent_at: float) -> None:
-    series = replica_series(run)
-    times, reporting = [s["t"] for s in series], [s["decode"]["reporting"] for s in series]
+    times = [s["t"] for s in run.timeline]
+    reporting, target = ([_pool(s, "decode", k) for s in run.timeline] for k in ("reporting", "target"))
     ax.step(times, reporting, where="post", color=colour, label=f"{run.system}: decode replicas reporting")
-    if any(s["decode"]["target"] is not None for s in series) and run.args.get("autoscaling.replica_scaling") == "true":
-        target = [s["decode"]["target"] for s in series]
+    if any(t is not None for t in target) and run.args.get("autoscaling.replica_scaling") == "true":
         ax.step(times, target, where="post", color=colour, linestyle="--", label=f"{run.system}: decode target")
-    lent = [s["decode"]["reporting"] + lent_at if s["lent"] else math.nan for s in series]
+    lent = [n + lent_at if _lent(s) and n is not None else math.nan for s, n in zip(run.timeline, reporting)]
     ax.plot(times, lent, color=colour, marker="|", linestyle="none", markersize=4, label=f"{run.system}: prefill lent")
-    for d in run.decisions:
-        if d.get("pool") in DEPLOYMENTS:
-            ax.axvline(d["t"], color=colour, linewidth=0.8, alpha=0.6)
-            text = f"{d['action']} {d['pool']}"
-            ax.text(
-                d["t"],
-                0.02,
-                text,
-                color=colour,
-                fontsize=6,
-                rotation=90,
-                transform=ax.get_xaxis_transform(),
-                va="bottom",
-                ha="right",
-            )
+    style = {"color": colour, "fontsize": 6, "rotation": 90, "va": "bottom", "ha": "right"}
+    for d in (d for d in run.decisions if d.get("pool") in DEPLOYMENTS):
+        ax.axvline(d["t"], color=colour, linewidth=0.8, alpha=0.6)
+        ax.text(d["t"], 0.02, f"{d['action']} {d['pool']}", transform=ax.get_xaxis_transform(), **style)
 
 
 # ---- the command line ------------------------------------------------------------------------
-
-
 def parse_steps(text: str) -> tuple[Step, ...]:
     """``2:60,8:75`` -> two steps (clients, seconds)."""
     steps = []
     for item in text.split(","):
         clients, _, seconds = item.partition(":")
         try:
-            step = Step(int(clients), float(seconds))
+            steps.append(Step(int(clients), float(seconds)))
         except ValueError:
             sys.exit(f"--steps: {item!r} is not CLIENTS:SECONDS")
-        if step.concurrency < 1 or step.seconds <= 0:
+        if steps[-1].concurrency < 1 or steps[-1].seconds <= 0:
             sys.exit(f"--steps: {item!r}: at least 1 client for more than 0 s")
-        steps.append(step)
     return tuple(steps)
 
 
@@ -717,14 +523,11 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", default=default_steps, help="CLIENTS:SECONDS,... closed-loop steps")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="in the order run: " + ", ".join(SYSTEMS))
     parser.add_argument("--stage", choices=("all", "run", "report"), default="all")
-    parser.add_argument("--out", default=str(DOC), help="folder for scaling.json/png and elastic.md")
+    parser.add_argument("--out", default="docs/benchmarks", help="folder for scaling.json/png and elastic.md")
     parser.add_argument("--raw", default="/tmp/scaling_raw", help="folder for the raw records (not committed)")
     options = parser.parse_args(argv)
-    options.systems = tuple(s for s in options.systems.split(",") if s)
-    for name in options.systems:
-        if name not in SYSTEMS:
-            sys.exit(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
-    options.steps, options.out, options.raw = parse_steps(options.steps), Path(options.out), Path(options.raw)
+    options.systems, options.steps = parse_systems(options.systems, SYSTEMS), parse_steps(options.steps)
+    options.out, options.raw = Path(options.out), Path(options.raw)
     return options
 
 
@@ -733,15 +536,12 @@ def main(argv: list[str] | None = None) -> None:
     command = command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
     if options.stage in ("all", "run"):
-        requests = Requests(tokenizer())
+        builder = PromptBuilder(tokenizer())
         for index, system in enumerate(options.systems):
-            result = run_system(system, index, options, requests, command)
+            result = run_system(system, index, options, builder, command)
             save_run(options.raw, result)
-            gone = len(lost(result))
-            print(
-                f"{system}: {len(result.rows)} requests, {gone} lost, {len(result.decisions)} decisions",
-                file=sys.stderr,
-            )
+            text = f"{len(result.rows)} requests, {len(lost(result))} lost, {len(result.decisions)} decisions"
+            print(f"{system}: {text}", file=sys.stderr)
     write_report(load_runs(options.raw), options.out)
 
 

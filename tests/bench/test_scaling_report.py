@@ -4,11 +4,30 @@ rendered from the raw folder into its section of the page."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from bench.scaling import ScalingRun, Step, load_runs, save_run, scale_timings, step_stats, write_report
+from bench.host import tokenizer
+from bench.scaling import (
+    OUTPUT_TOKENS,
+    PROMPT_TOKENS,
+    CpuMeter,
+    ScalingRun,
+    Step,
+    _short,
+    excerpt,
+    load_runs,
+    parse_options,
+    request,
+    save_run,
+    scale_timings,
+    scaling_lines,
+    step_stats,
+    write_report,
+)
+from workloads import PromptBuilder
 
 WALL0 = time.mktime((2026, 12, 1, 10, 0, 0, 0, 0, -1))  # the load's start
 
@@ -70,3 +89,48 @@ def test_report_from_the_raw_folder_fills_its_section(tmp_path):
     assert "| scaling | 12.5 | scale_up | decode | 1 -> 2 | 0.5 s | never / never | 2.5 s | 2.5 s | 2.5 s |" in text
     assert "  - step 1, client 1, sent at 14.0 s: 3 of 5 tokens" in text
     assert (tmp_path / "scaling.png").stat().st_size > 0 and (tmp_path / "scaling.json").exists()
+
+
+def test_a_scale_down_is_timed_from_the_serve_logs_and_its_lines_kept(tmp_path):
+    run = _run()
+    decision = {"t": 16.0, "action": "scale_down", "pool": "decode", "replicas": [2, 1], "reason": "calm"}
+    worker = "worker-ab12-cd34-4242.err: INFO {} bench_DecodeServer r2 -- stopped: 0 request(s) left"
+    logs = [
+        _log(17.0, "Removing 1 replica from Deployment(name='DecodeServer', app='bench')."),
+        _log(18.0, "Deployment 'DecodeServer' has 1 replicas that have taken more than 30s to be scheduled."),
+    ]
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(WALL0 + 19.0))
+    run = ScalingRun(**{**run.__dict__, "decisions": [decision], "log_lines": [*logs, worker.format(stamp + ",000")]})
+    (timing,) = scale_timings(run)
+    assert (timing["serve_s"], timing["stopped_s"], timing["stopped"]) == (1.0, 3.0, "stopped: 0 request(s) left")
+    assert timing["load_s"] is None and timing["init_start_s"] is None
+    kept = excerpt(run)
+    assert len(kept) == 3 and kept[-1].startswith("worker-ab12")
+    assert _short(kept[-1]).startswith("worker 4242 stderr: INFO")
+
+
+def test_scaling_lines_come_from_the_serve_logs_and_the_workers_stderr(tmp_path):
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "controller_1.log").write_text("INFO x -- Adding 1 replica to D\nINFO x -- nothing\n")
+    (tmp_path / "worker-1-2-3.err").write_text("INFO y -- stopped: 0 request(s) left\n")
+    assert scaling_lines(tmp_path) == [
+        "controller_1.log: INFO x -- Adding 1 replica to D",
+        "worker-1-2-3.err: INFO y -- stopped: 0 request(s) left",
+    ]
+
+
+def test_requests_have_their_exact_length_and_no_shared_first_block():
+    builder = PromptBuilder(tokenizer())
+    first, second = request(builder, 0, 0), request(builder, 1, 0)
+    assert len(first.prompt) == len(second.prompt) == PROMPT_TOKENS and first.max_tokens == OUTPUT_TOKENS
+    assert first.prompt[:16] != second.prompt[:16]
+
+
+def test_cpu_meter_and_options():
+    sample = asyncio.run(CpuMeter().read())
+    assert set(sample["cpu"]) == {"machine", "ours"} and all(v >= 0 for v in sample["cpu"].values())
+    options = parse_options(["--steps", "2:10,4:20.5", "--systems", "lending"])
+    assert options.steps == (Step(2, 10.0), Step(4, 20.5)) and options.systems == ("lending",)
+    for bad in (["--steps", "2"], ["--steps", "0:10"], ["--systems", "elastic"]):
+        with pytest.raises(SystemExit):
+            parse_options(bad)
