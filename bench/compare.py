@@ -1,24 +1,9 @@
 """Goodput of disaggregated against colocated serving: ``python -m bench.compare``.
 
-On one machine, one after another, with the same total cores (2 engine replicas, one torch
-thread each), each system is a Serve application in a fresh local Ray cluster
-(``bench.ray_local.Server``) and runs the same rate sweep of each workload:
-
-* ``colocated``          2 replicas doing both phases, plain continuous batching;
-* ``colocated-chunked``  the same with chunked prefill (token budget 256 per step);
-* ``disagg-pull``        1 prefill + 1 decode replica, decode pulls the KV over NIXL;
-* ``disagg-push``        the same, prefill pushes each layer's KV as it is computed;
-* ``elastic``            1 + 1 pull with the elastic autoscaler on (the default policy, its
-                         SLOs set to the workload's: one server per workload).
-
-Three stages: calibrate on the idle colocated system (``calibrate``: Splitwise's method, the
-SLOs TTFT <= 5x and TPOT <= 2x the uncontended latency of the workload's median request, the
-rates multiples of 2 / its uncontended E2E), run each system (``run_system``), render
-(``write_report``, after every sweep, so an interrupted run still leaves a report; ``--merge``
-reads the last one back). Writes ``goodput.{md,json,png}`` and ``goodput_cdf_<workload>.png``
-(only the block between the markers of the ``.md`` is regenerated); every request's record
-goes to ``--raw`` (``goodput_full.json``, not committed).
-"""
+Each system (``SYSTEMS``, 2 engine replicas of one torch thread in all) runs the same rate sweep
+of each workload in a fresh local Ray; SLOs (TTFT 5x, TPOT 2x, Splitwise's rule) and rates come
+from the idle colocated system. The report is rewritten after every sweep (``--merge`` keeps
+the last one's other workloads)."""
 
 from __future__ import annotations
 
@@ -27,23 +12,12 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.host import machine
 from bench.ray_local import Server
-from bench.report import (
-    command_line,
-    first_paragraph,
-    plot_attainment,
-    plot_cdfs,
-    read_json,
-    table,
-    template,
-    write_json,
-    write_page,
-)
+from bench.report import command_line, plot_attainment, plot_cdfs, read_json, table, template, write_json, write_page
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
@@ -51,26 +25,18 @@ from workloads import BenchRequest, make_requests, median_request
 NAME = "bench.compare"
 TTFT_SLO_X, TPOT_SLO_X = 5.0, 2.0  # SLOs as multiples of the uncontended latency
 MAX_MODEL_LEN = 512
-COMMON = {
-    "model.max_model_len": str(MAX_MODEL_LEN),
-    "engine.kv_cache_bytes": str(384 << 20),
-    "prefill.torch_threads": "1",
-    "decode.torch_threads": "1",
-    "colocated.torch_threads": "1",
-    "colocated.num_replicas": "2",
-}
+COMMON = {"model.max_model_len": str(MAX_MODEL_LEN), "engine.kv_cache_bytes": str(384 << 20),
+          "prefill.torch_threads": "1", "decode.torch_threads": "1", "colocated.torch_threads": "1",
+          "colocated.num_replicas": "2"}  # fmt: skip
+CHUNKED = {"engine.enable_chunked_prefill": "true", "engine.max_num_batched_tokens": "256"}
+FIXED = {"autoscaling.enabled": "false"}  # disaggregated with fixed pools
+ELASTIC = {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "false"}
 SYSTEMS = {  # name -> (application, its arguments)
     "colocated": ("colocated", {}),
-    "colocated-chunked": (
-        "colocated",
-        {"engine.enable_chunked_prefill": "true", "engine.max_num_batched_tokens": "256"},
-    ),
-    "disagg-pull": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "false"}),
-    "disagg-push": ("disagg", {"transport.mode": "push", "autoscaling.enabled": "false"}),
-    "elastic": (
-        "disagg",
-        {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "false"},
-    ),
+    "colocated-chunked": ("colocated", CHUNKED),
+    "disagg-pull": ("disagg", {"transport.mode": "pull", **FIXED}),
+    "disagg-push": ("disagg", {"transport.mode": "push", **FIXED}),
+    "elastic": ("disagg", ELASTIC),
 }
 SLO_AWARE = frozenset({"elastic"})  # started per workload, with that workload's SLOs
 # rate points, as multiples of 2 / (uncontended E2E of the median request)
@@ -79,40 +45,32 @@ MULTIPLIERS = {
     "code": (0.5, 0.75, 1.0, 1.5),
     "chatbot": (0.5, 0.75, 1.0, 1.5),
 }
-DOC = Path("docs/benchmarks")
-
-# ---- what the stages hand on -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class WorkloadCalibration:
-    """One workload on the idle colocated system, one request at a time, and what is fixed
-    from it: the SLO and the rates of its sweeps."""
+    """One workload's median request alone on the idle colocated system, and the rates fixed from it."""
 
-    prompt_tokens: int  # of the workload's median request
+    prompt_tokens: int
     ttft_s: float
     tpot_s: float
     median_output_tokens: float
     e2e_s: float  # ttft_s + (median_output_tokens - 1) * tpot_s
     multipliers: tuple[float, ...]
     rates: tuple[float, ...]  # req/s: each multiplier x 2 / e2e_s (two replicas)
-    slo: SLO
 
-    def to_json(self) -> dict:
-        """The ``calibration`` entry of goodput.json (the SLO goes to ``slo_s``)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "slo"}
+    @property
+    def slo(self) -> SLO:
+        return SLO(TTFT_SLO_X * self.ttft_s, TPOT_SLO_X * self.tpot_s)
 
     @classmethod
-    def from_json(cls, row: dict, slo_s: dict) -> WorkloadCalibration:
-        """Inverse of ``to_json``, with the workload's ``slo_s`` entry."""
-        tuples = {k: tuple(row[k]) for k in ("multipliers", "rates")}
-        return cls(**{**row, **tuples, "slo": SLO(slo_s["ttft"], slo_s["tpot"])})
+    def from_json(cls, row: dict) -> WorkloadCalibration:
+        return cls(**{**row, "multipliers": tuple(row["multipliers"]), "rates": tuple(row["rates"])})
 
 
 @dataclass(frozen=True)
 class CrossCheck:
-    """One request timed by this harness and, separately, around the official ``openai``
-    client's streaming call."""
+    """One request timed by this harness and, separately, around the ``openai`` client's call."""
 
     prompt_tokens: int
     max_tokens: int
@@ -123,39 +81,27 @@ class CrossCheck:
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """The calibrate stage's result: every workload's calibration, in report order."""
-
-    workloads: dict[str, WorkloadCalibration]
-    crosscheck: tuple[CrossCheck, ...]
-
-
-@dataclass(frozen=True)
-class SystemRun:
-    """The run stage's result for one system: its sweep of each workload so far, as
-    ``bench.serve.sweep`` returns it (``points`` and ``goodput``)."""
-
-    system: str
-    sweeps: dict[str, dict]
-
-
-@dataclass(frozen=True)
 class Report:
-    """The render stage's input: everything the report files are made from."""
+    """Everything the report files are made from."""
 
     command: str
     elapsed_s: float
     model: str | None
-    calibration: Calibration
-    results: dict[str, dict[str, dict]]  # workload -> system -> sweep, in report order
+    workloads: dict[str, WorkloadCalibration]  # in report order
+    crosscheck: tuple[CrossCheck, ...]
+    results: dict[str, dict[str, dict]]  # workload -> system -> sweep (``bench.serve.sweep``'s)
 
-
-# ---- the independent check ---------------------------------------------------------------
+    def after(self, previous: Report | None) -> Report:
+        """This run's report behind the previous one's other workloads (``--merge``)."""
+        if previous is None:
+            return self
+        command, elapsed_s = f"{previous.command} && {self.command}", previous.elapsed_s + self.elapsed_s
+        workloads, results = {**previous.workloads, **self.workloads}, {**previous.results, **self.results}
+        return Report(command, elapsed_s, self.model, workloads, self.crosscheck, results)
 
 
 def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> tuple[CrossCheck, ...]:
-    """The same requests, one at a time, through this harness and through the official
-    ``openai`` client (timed around its streaming call)."""
+    """The same requests, one at a time, through this harness and through the ``openai`` client."""
     from openai import OpenAI
 
     client = OpenAI(base_url=target.url + "/v1", api_key="unused", timeout=300)
@@ -173,45 +119,30 @@ def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> tu
     return tuple(rows)
 
 
-# ---- the command line ----------------------------------------------------------------------
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name for name in text.split(",") if name)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
-    parser.add_argument("--workloads", default="summarization,code,chatbot")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point (>= 40 for reports)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--multipliers",
-        default="",
-        help="rate points per workload, e.g. 'code=0.5,1,1.5,2 chatbot=0.5,1' (default: MULTIPLIERS)",
-    )
-    parser.add_argument("--out", default=str(DOC), help="folder for goodput.md/json/png")
-    parser.add_argument("--raw", default="bench-results", help="folder for per-request records (not committed)")
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="keep the other workloads of the previous report in --out (and its records in --raw)",
-    )
-    return parser
+def _multipliers(text: str) -> dict[str, tuple[float, ...]]:
+    """``MULTIPLIERS`` with the workloads given ('code=0.5,1 chatbot=1') replaced."""
+    items = (item.partition("=") for item in text.replace(";", " ").split())
+    return {**MULTIPLIERS, **{name: tuple(float(v) for v in values.split(",")) for name, _, values in items}}
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked: ``workloads`` and ``systems`` tuples, ``multipliers`` per workload,
-    ``out`` and ``raw`` paths. Exits naming an unknown workload or system."""
-    options = _parser().parse_args(argv)
-    multipliers = dict(MULTIPLIERS)
-    for item in options.multipliers.replace(";", " ").split():
-        name, _, values = item.partition("=")
-        multipliers[name] = tuple(float(v) for v in values.split(","))
-    options.multipliers, options.out, options.raw = multipliers, Path(options.out), Path(options.raw)
-    options.workloads = tuple(w for w in options.workloads.split(",") if w)
-    options.systems = tuple(s for s in options.systems.split(",") if s)
+    parser = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", type=_names, default="summarization,code,chatbot")
+    parser.add_argument("--systems", type=_names, default=",".join(SYSTEMS))
+    parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point (>= 40 for reports)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--multipliers", type=_multipliers, default="", help="rate points, e.g. 'code=0.5,1 chatbot=1'")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder for goodput.md/json/png")
+    parser.add_argument("--raw", type=Path, default=Path("bench-results"), help="folder for per-request records")
+    parser.add_argument("--merge", action="store_true", help="keep the other workloads of the report in --out")
+    options = parser.parse_args(argv)
     for kind, names, known in (("workload", options.workloads, MULTIPLIERS), ("system", options.systems, SYSTEMS)):
-        for name in names:
-            if name not in known:
-                sys.exit(f"unknown {kind} {name!r}: choose from {', '.join(known)}")
+        if unknown := [name for name in names if name not in known]:
+            parser.error(f"unknown {kind} {unknown[0]!r}: choose from {', '.join(known)}")
     return options
 
 
@@ -223,118 +154,34 @@ def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchReques
     return {w: make_requests(w, words, MAX_MODEL_LEN, options.num_requests, options.seed) for w in options.workloads}
 
 
-# ---- stage 1: calibrate ----------------------------------------------------------------------
-
-
-def calibrate(
-    target: Target,
-    requests: dict[str, list[BenchRequest]],
-    multipliers: dict[str, tuple[float, ...]],
-    checks: tuple[CrossCheck, ...] = (),
-) -> Calibration:
-    """Each workload's uncontended latency on ``target`` (the idle colocated system), and the
-    harness cross-check unless ``checks`` (a merged report's) are given."""
-    workloads = {w: calibrate_workload(target, w, r, multipliers[w]) for w, r in requests.items()}
-    return Calibration(workloads=workloads, crosscheck=checks or crosscheck(target, next(iter(requests.values()))))
-
-
-def calibrate_workload(
-    target: Target, workload: str, requests: list[BenchRequest], multipliers: tuple[float, ...]
-) -> WorkloadCalibration:
-    """The median request, one at a time: its TTFT and TPOT fix the SLO, and the median
-    request's E2E the rates (each multiplier x 2 / E2E: two replicas serving one each)."""
-    base = uncontended(target, median_request(requests), max_tokens=32)
-    outputs = statistics.median(r.max_tokens for r in requests)
-    e2e = base["ttft_s"] + (outputs - 1) * base["tpot_s"]
-    calibration = WorkloadCalibration(
-        prompt_tokens=base["prompt_tokens"],
-        ttft_s=base["ttft_s"],
-        tpot_s=base["tpot_s"],
-        median_output_tokens=outputs,
-        e2e_s=e2e,
-        multipliers=tuple(multipliers),
-        rates=tuple(round(m * 2 / e2e, 4) for m in multipliers),
-        slo=SLO(TTFT_SLO_X * base["ttft_s"], TPOT_SLO_X * base["tpot_s"]),
-    )
-    print(f"{workload}: uncontended {base}, SLO {calibration.slo}, rates {list(calibration.rates)}", file=sys.stderr)
-    return calibration
-
-
-# ---- stage 2: run one system ---------------------------------------------------------------
-
-
-def run_system(
-    target: Target,
-    system: str,
-    requests: dict[str, list[BenchRequest]],
-    calibration: Calibration,
-    seed: int,
-    metrics_url: str | None,
-) -> Iterator[SystemRun]:
-    """Sweep each workload's rates on ``target``; yields the run so far after each sweep."""
-    sweeps: dict[str, dict] = {}
+def calibrate(target: Target, requests: dict[str, list[BenchRequest]], multipliers: dict) -> dict:
+    """Each workload's median request alone on ``target`` (the idle colocated system)."""
+    workloads = {}
     for workload, batch in requests.items():
-        label, fixed = f"{system}/{workload}", calibration.workloads[workload]
-        sweeps[workload] = sweep(
-            target, batch, list(fixed.rates), fixed.slo, seed=seed, metrics_url=metrics_url, label=label
-        )
-        print(f"{label}: goodput {sweeps[workload]['goodput']['text']} req/s", file=sys.stderr)
-        yield SystemRun(system=system, sweeps=dict(sweeps))
-
-
-# ---- stage 3: the report, rewritten after every sweep --------------------------------------
-
-
-@dataclass(frozen=True)
-class ReportBasis:
-    """What every rewrite of this run's report shares: the command, the start, the workloads
-    (in order) and, with --merge, the previous report (its other workloads come first)."""
-
-    command: str
-    started: float  # time.time()
-    workloads: tuple[str, ...]
-    previous: Report | None = None
-
-    def report(self, calibration: Calibration, runs: list[SystemRun], model: str) -> Report:
-        """The report of the previous workloads and of ``runs`` so far."""
-        this_run = {w: {r.system: r.sweeps[w] for r in runs if w in r.sweeps} for w in self.workloads}
-        elapsed_s = time.time() - self.started
-        if self.previous is None:
-            return Report(self.command, elapsed_s, model, calibration, this_run)
-        previous = self.previous
-        workloads = {**previous.calibration.workloads, **calibration.workloads}
-        return Report(
-            command=f"{previous.command} && {self.command}",
-            elapsed_s=previous.elapsed_s + elapsed_s,
-            model=model,
-            calibration=Calibration(workloads=workloads, crosscheck=calibration.crosscheck),
-            results={**previous.results, **this_run},
-        )
+        base = uncontended(target, median_request(batch), max_tokens=32)
+        outputs = statistics.median(r.max_tokens for r in batch)
+        e2e, ms = base["ttft_s"] + (outputs - 1) * base["tpot_s"], tuple(multipliers[workload])
+        rates = tuple(round(m * 2 / e2e, 4) for m in ms)
+        fixed = WorkloadCalibration(base["prompt_tokens"], base["ttft_s"], base["tpot_s"], outputs, e2e, ms, rates)
+        print(f"{workload}: uncontended {base}, SLO {fixed.slo}, rates {list(rates)}", file=sys.stderr)
+        workloads[workload] = fixed
+    return workloads
 
 
 def load_previous(out: Path, raw: Path, skip: list[str]) -> Report:
-    """The last report, without the workloads in ``skip`` (those this run repeats) and
-    those it had no sweep of."""
+    """The last report, without the workloads in ``skip`` (this run repeats them) or no sweep."""
     summary, full = read_json(out / "goodput.json"), read_json(raw / "goodput_full.json")
-    kept = [w for w in full if w not in skip and full[w]]
-    workloads = {w: WorkloadCalibration.from_json(summary["calibration"][w], summary["slo_s"][w]) for w in kept}
+    full = {w: sweeps for w, sweeps in full.items() if w not in skip and sweeps}
+    workloads = {w: WorkloadCalibration.from_json(summary["calibration"][w]) for w in full}
     checks = tuple(CrossCheck(**row) for row in summary.get("crosscheck", []))
-    return Report(
-        command=summary["command"],
-        elapsed_s=summary["elapsed_s"],
-        model=summary.get("model"),
-        calibration=Calibration(workloads=workloads, crosscheck=checks),
-        results={w: full[w] for w in kept},
-    )
+    return Report(summary["command"], summary["elapsed_s"], summary.get("model"), workloads, checks, full)
 
 
 def write_report(report: Report, out: Path, raw: Path) -> None:
     """goodput.json, goodput.md and the PNGs in ``out``; every request's record in ``raw``."""
     write_json(raw / "goodput_full.json", report.results, indent=None)
-    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "goodput.json", summary := summary_json(report, machine()))
     plot_attainment(report.results, out / "goodput.png")
-    summary = summary_json(report, machine())
-    write_json(out / "goodput.json", summary)
     for workload, systems in report.results.items():
         if systems:
             points = {s: _middle_point(sweep) for s, sweep in systems.items()}
@@ -345,29 +192,24 @@ def write_report(report: Report, out: Path, raw: Path) -> None:
 
 def summary_json(report: Report, host: str) -> dict:
     """goodput.json: the report without the per-request records."""
-    workloads = report.calibration.workloads
-    results = {
-        w: {
-            s: {"goodput": sweep["goodput"], "points": [_without_records(p) for p in sweep["points"]]}
-            for s, sweep in systems.items()
-        }
-        for w, systems in report.results.items()
-    }
+    workloads = report.workloads
+    results = {w: {s: _without_records(sw) for s, sw in by.items()} for w, by in report.results.items()}
     return {
         "command": report.command,
         "machine": host,
         "model": report.model,
         "elapsed_s": report.elapsed_s,
         "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
-        "calibration": {w: c.to_json() for w, c in workloads.items()},
+        "calibration": {w: asdict(c) for w, c in workloads.items()},
         "slo_s": {w: {"ttft": c.slo.ttft_s, "tpot": c.slo.tpot_s} for w, c in workloads.items()},
-        "crosscheck": [asdict(c) for c in report.calibration.crosscheck],
+        "crosscheck": [asdict(c) for c in report.crosscheck],
         "results": results,
     }
 
 
-def _without_records(point: dict) -> dict:
-    return {k: v for k, v in point.items() if k != "records"}
+def _without_records(sweep: dict) -> dict:
+    points = [{k: v for k, v in point.items() if k != "records"} for point in sweep["points"]]
+    return {"goodput": sweep["goodput"], "points": points}
 
 
 def _middle_point(sweep: dict) -> dict:
@@ -375,8 +217,7 @@ def _middle_point(sweep: dict) -> dict:
 
 
 def render(summary: dict) -> list[str]:
-    """The generated block of goodput.md, from goodput.json: the SLOs, per workload a row per
-    system (its figures at the middle rate of its sweep), the harness cross-check."""
+    """goodput.md's block: the SLOs, a row per system (at the middle rate of its sweep), the cross-check."""
     head = f"Command: `{summary['command']}` ({summary['elapsed_s'] / 60:.0f} min). Machine: {summary['machine']}."
     lines = ["", head, "", "SLOs (TTFT 5x, TPOT 2x the uncontended latency on the idle colocated system):", ""]
     slos = []
@@ -410,8 +251,7 @@ def _system_row(system: str, sweep: dict, colocated: dict | None) -> list:
 
 
 def ratio_text(sweep: dict, reference: dict | None) -> str:
-    """Goodput ratio to the reference, with the direction of any bound (a sweep can end
-    above every rate tried, or fail already at the lowest)."""
+    """Goodput ratio to the reference, with the direction of any bound (above every rate, below the lowest)."""
     if reference is None:
         return "n/a"
     mine, ref = sweep["goodput"], reference["goodput"]
@@ -430,51 +270,38 @@ def ratio_text(sweep: dict, reference: dict | None) -> str:
     return f"{value:.2f}x" + (" (both above the highest rate)" if mine["bound"] == "at_least" else "")
 
 
-# ---- the comparison ------------------------------------------------------------------------
-
-
 def main(argv: list[str] | None = None) -> None:
+    """Calibrate on the plain colocated system (started first even when not compared), then
+    sweep every system; an SLO-aware system gets a server per workload, with its SLOs."""
     options = parse_options(argv)
     requests = workload_requests(options)
     previous = load_previous(options.out, options.raw, list(options.workloads)) if options.merge else None
-    basis = ReportBasis(command_line(NAME, argv), time.time(), options.workloads, previous)
-    calibration: Calibration | None = None
-    runs: list[SystemRun] = []
-    # calibrate on the plain colocated system, then run every system
+    command, started = command_line(NAME, argv), time.time()
+    workloads, checks, sweeps = {}, previous.crosscheck if previous else (), {}  # sweeps: system -> workload -> sweep
     order = ["colocated"] + [s for s in options.systems if s != "colocated"]
-    for index, (system, batch) in enumerate(_servers(order, requests)):
+    for index, (system, names) in enumerate(_servers(order, tuple(requests))):
         application, extra = SYSTEMS[system]
-        slo_args = _slo_args(calibration, batch) if system in SLO_AWARE else {}
+        slo = workloads[names[0]].slo if system in SLO_AWARE else None  # the server's one workload's
+        slo_args = {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"} if slo else {}
         with Server(application, {**COMMON, **extra, **slo_args}, index) as server:
             target = Target(server.url, server.model())
-            if calibration is None:
-                checks = previous.calibration.crosscheck if previous else ()
-                calibration = calibrate(target, requests, options.multipliers, checks)
-            if system not in options.systems:
-                continue
-            done = next((r for r in runs if r.system == system), SystemRun(system=system, sweeps={}))
-            runs = [r for r in runs if r is not done]
-            run = done
-            for run in run_system(target, system, batch, calibration, options.seed, server.metrics_url):
-                run = SystemRun(system=system, sweeps={**done.sweeps, **run.sweeps})
-                write_report(basis.report(calibration, [*runs, run], target.model), options.out, options.raw)
-            runs.append(run)
+            if not workloads:
+                workloads = calibrate(target, requests, options.multipliers)
+                checks = checks or crosscheck(target, next(iter(requests.values())))
+            for workload in names if system in options.systems else ():
+                label, fixed = f"{system}/{workload}", workloads[workload]
+                rates, url, seed = list(fixed.rates), server.metrics_url, options.seed
+                done = sweep(target, requests[workload], rates, fixed.slo, seed=seed, metrics_url=url, label=label)
+                print(f"{label}: goodput {done['goodput']['text']} req/s", file=sys.stderr)
+                sweeps.setdefault(system, {})[workload] = done
+                results = {w: {s: by[w] for s, by in sweeps.items() if w in by} for w in options.workloads}
+                report = Report(command, time.time() - started, target.model, workloads, checks, results)
+                write_report(report.after(previous), options.out, options.raw)
 
 
-def _servers(order: list[str], requests: dict[str, list[BenchRequest]]) -> Iterator[tuple[str, dict]]:
-    """(system, the workloads its server runs): SLO-aware systems get a server per workload."""
-    for system in order:
-        if system in SLO_AWARE:
-            yield from ((system, {w: r}) for w, r in requests.items())
-        else:
-            yield system, requests
-
-
-def _slo_args(calibration: Calibration | None, batch: dict[str, list[BenchRequest]]) -> dict[str, str]:
-    """The app's ``slo`` section from the calibration of the server's one workload."""
-    (workload,) = batch
-    slo = calibration.workloads[workload].slo
-    return {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"}
+def _servers(order: list[str], workloads: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """(system, the workloads its server runs): an SLO-aware system gets a server per workload."""
+    return [pair for s in order for pair in ([(s, (w,)) for w in workloads] if s in SLO_AWARE else [(s, workloads)])]
 
 
 if __name__ == "__main__":

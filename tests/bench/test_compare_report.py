@@ -3,13 +3,15 @@ keeps the hand-written text around the generated block."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.compare import (
     NAME,
-    Calibration,
     CrossCheck,
     Report,
     WorkloadCalibration,
     load_previous,
+    parse_options,
     ratio_text,
     write_report,
 )
@@ -45,17 +47,8 @@ def _sweep(rate: float, bound: str, rates=(0.1, 0.2)) -> dict:
     return {"points": points, "goodput": {"rate": rate, "bound": bound, "text": str(rate)}}
 
 
-def _calibration(prompt_tokens: int, ttft_s: float, tpot_s: float, slo: SLO) -> WorkloadCalibration:
-    return WorkloadCalibration(
-        prompt_tokens=prompt_tokens,
-        ttft_s=ttft_s,
-        tpot_s=tpot_s,
-        median_output_tokens=30,
-        e2e_s=ttft_s + 29 * tpot_s,
-        multipliers=(0.5, 1.0),
-        rates=(0.1, 0.2),
-        slo=slo,
-    )
+def _calibration(prompt_tokens: int, ttft_s: float, tpot_s: float) -> WorkloadCalibration:
+    return WorkloadCalibration(prompt_tokens, ttft_s, tpot_s, 30, ttft_s + 29 * tpot_s, (0.5, 1.0), (0.1, 0.2))
 
 
 def test_ratio_text_states_bounds():
@@ -80,12 +73,9 @@ def test_report_is_regenerated_between_its_markers(tmp_path):
         harness_e2e_s=2.6,
         openai_e2e_s=2.61,
     )
-    calibration = Calibration(
-        workloads={"summarization": _calibration(400, 1.2, 0.05, SLO(6.0, 0.1))}, crosscheck=(check,)
-    )
-    report = Report(
-        command="python -m bench.compare", elapsed_s=600, model="m", calibration=calibration, results=results
-    )
+    workloads = {"summarization": _calibration(400, 1.2, 0.05)}
+    assert workloads["summarization"].slo == SLO(6.0, 0.1)  # TTFT 5x, TPOT 2x the uncontended
+    report = Report("python -m bench.compare", 600, "m", workloads, (check,), results)
     write_report(report, tmp_path, tmp_path / "raw")
     text = (tmp_path / "goodput.md").read_text()
     assert text.startswith("# Title\n\nBefore.\n\n") and text.endswith("\n\nAnalysis after.\n")
@@ -99,20 +89,29 @@ def test_report_is_regenerated_between_its_markers(tmp_path):
 
 def test_merge_keeps_the_other_workloads(tmp_path):
     results = {"summarization": {"colocated": _sweep(0.1, "exact")}, "code": {"colocated": _sweep(0.5, "exact")}}
-    slos = {"summarization": SLO(6.0, 0.1), "code": SLO(2.5, 0.1)}
-    calibration = Calibration(
-        workloads={w: _calibration(100, 0.5, 0.05, slo) for w, slo in slos.items()}, crosscheck=()
-    )
-    report = Report(
-        command="python -m bench.compare", elapsed_s=60, model="m", calibration=calibration, results=results
-    )
+    calibrations = {"summarization": _calibration(100, 1.2, 0.05), "code": _calibration(50, 0.5, 0.05)}
+    report = Report("python -m bench.compare", 60, "m", calibrations, (), results)
     write_report(report, tmp_path, tmp_path / "raw")
     previous = load_previous(tmp_path, tmp_path / "raw", skip=["code"])
-    workloads = previous.calibration.workloads
+    workloads = previous.workloads
     assert list(previous.results) == ["summarization"] and workloads["summarization"].slo == SLO(6.0, 0.1)
-    assert workloads["summarization"] == calibration.workloads["summarization"] and list(workloads) == ["summarization"]
+    assert workloads == {"summarization": calibrations["summarization"]}  # tuples back from the JSON's lists
     assert previous.results["summarization"]["colocated"]["goodput"]["rate"] == 0.1
     assert previous.command == "python -m bench.compare" and previous.elapsed_s == 60
+    this_run = Report("python -m bench.compare --merge", 30, "m", {"code": calibrations["code"]}, (), {"code": {}})
+    merged = this_run.after(previous)
+    assert merged.command == "python -m bench.compare && python -m bench.compare --merge" and merged.elapsed_s == 90
+    assert list(merged.workloads) == ["summarization", "code"] and list(merged.results) == ["summarization", "code"]
+
+
+def test_options_parse_the_lists_and_name_an_unknown_system(capsys):
+    options = parse_options(["--workloads", "code,chatbot", "--multipliers", "code=1,2 chatbot=0.5", "--out", "x"])
+    assert options.workloads == ("code", "chatbot") and str(options.out) == "x"
+    assert options.multipliers["code"] == (1.0, 2.0) and options.multipliers["chatbot"] == (0.5,)
+    assert options.multipliers["summarization"] == (0.25, 0.5, 0.75, 1.0, 1.25)
+    with pytest.raises(SystemExit):
+        parse_options(["--systems", "colocated,disagg"])
+    assert "unknown system 'disagg': choose from colocated, colocated-chunked" in capsys.readouterr().err
 
 
 def test_main_calibrates_once_then_rewrites_the_report_after_every_sweep(tmp_path, monkeypatch):
@@ -167,9 +166,9 @@ def test_main_calibrates_once_then_rewrites_the_report_after_every_sweep(tmp_pat
         ["disagg-pull", "disagg-push"],
     ]
     final = written[-1]
-    code = final.calibration.workloads["code"]
+    code = final.workloads["code"]
     assert code.slo == SLO(1.0, 0.1) and code.rates == code_rates and code.prompt_tokens == 200
-    assert list(final.calibration.workloads) == ["code", "chatbot"] and final.calibration.crosscheck == (check,)
+    assert list(final.workloads) == ["code", "chatbot"] and final.crosscheck == (check,)
     assert final.command == "python -m bench.compare " + " ".join(
         argv + ["--out", str(tmp_path), "--raw", str(tmp_path / "raw")]
     )
