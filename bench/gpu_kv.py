@@ -1,34 +1,14 @@
-"""KV over NIXL on GPU memory, two processes on one GPU, no Ray:
-``python3 -m bench.gpu_kv [--out PATH] [--cpu]``.
+"""KV over NIXL between two processes on one GPU, no Ray: ``python3 -m bench.gpu_kv [--out PATH] [--cpu]``.
 
-One markdown table row per measurement (and JSON at ``--out``):
-
-* raw NIXL READ VRAM -> VRAM of 16, 64 and 256 MB (one contiguous descriptor; an agent
-  made as ``NixlWorker`` makes its own, UCX backend) against our ``NixlTransport`` pull of
-  the same bytes in the pool layout (32 layers x K/V: 64 descriptors). Target: pull / raw
-  >= 0.9. Also the raw READ split into as many descriptors as our pull's, none of our code
-  around it: what the layout's descriptors cost by themselves;
-* push: 32 layers pushed one by one, each right after a simulated forward of known
-  duration (a GPU sleep on the compute stream, then ``push_layer``, which records the
-  layer's event there). Tail = the last layer's compute end -> the completion notice at the
-  consumer, against one layer's transfer (median write done - posted). Target: tail <= 2x
-  one layer. Also the tail to the last write's completion, and the last layers' timestamps;
-* the same pull and push through pinned host staging (``transport.staging=host``: each
-  process's second transport, over the same pool): staged pull GB/s beside the unstaged pull
-  and the raw READ of the same size, and the staged push's tail (its completion waits for the
-  consumer's copy into the pool too);
-* which UCX transports carried the data (``UCX_PROTO_INFO=y`` in the two processes).
-
-The two processes (``bench.gpu_kv_side``) are spawned, never forked (CUDA), and find each
-other through a registry in a ``multiprocessing.Manager`` dict. Every row has its own
-timeout: a hung transfer kills both processes, its row reads "failed: ...", and the next
-row starts a fresh pair. ``--cpu``: the same code on CPU pools (DRAM) and small sizes, the
-dry run for a machine without a GPU.
-"""
+Our pull against a raw NIXL READ of the same bytes (as one descriptor and as many as ours), the push's
+tail behind the last layer's simulated forward, both also through pinned host staging, and the UCX
+transports that carried them. A failed or hung row kills both processes (``bench.gpu_kv_side``) and the
+next row starts a fresh pair. ``--cpu``: the same code on CPU pools and small sizes (a dry run)."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -41,172 +21,124 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-from bench.gpu_kv_side import CONSUMER, PRODUCER, Plan, PushRun, child_main
+from bench.gpu_kv_side import CONSUMER, PRODUCER, BandwidthResult, Plan, PushRun, side_call
 from bench.report import cells, table
 from engine.kv_pool import KVLayout
 
-ROLES = (PRODUCER, CONSUMER)
 _UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
-GPU_PLAN = Plan(
-    "cuda",
-    # an 8B-class model's KV (32 layers, 8 KV heads of 128, bfloat16): 2 MB per 16-token block
-    KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
-    # 256 MB is left out: on the last run its READ went over TCP (0.4 GB/s) and outlived the lease
-    sizes_mb=(16, 64),
-    num_repeats=12,
-    push_blocks=128,  # a 2,048-token prompt: 8 MB per layer
-    num_push_repeats=5,
-    compute_ms=1.0,  # about one layer of such a prefill on one GPU
-    start_timeout_s=45.0,
-    row_timeout_s=20.0,
-    budget_s=60.0,  # the GPU check gives this section 75 s (closing and the manager take a few)
-    staging_sizes_mb=(16, 64),
-    num_staged_repeats=5,
-    staging_bytes=768 << 20,  # 6 exports of 64 MB at once, or a push's 256 MB on each side
+_RANGE = re.compile(r"^\d[\dKMGT]*(\.\.(\d[\dKMGT]*|inf))?$")  # "0", "1..16515", "8K..inf"
+# An 8B-class model's KV (32 layers x 8 KV heads of 128, bfloat16: 2 MB per 16-token block). Pulls of 16 and
+# 64 MB, 12 each (256 MB left out: its READ went over TCP and outlived the lease, docs/benchmarks/gpu.md); a
+# 2,048-token prompt (128 blocks) pushed 5 times behind a 1 ms forward per layer (about one layer of its
+# prefill); 45 s to start, 20 s a row, 60 s in all (the GPU check's section has 75); staged pulls of 16 and
+# 64 MB, 5 each, through 768 MB of pinned memory per side (6 exports of 64 MB, or a push's 256 MB).
+GPU_PLAN = Plan("cuda", KVLayout(32, 8, 128, 16, "bfloat16"), (16, 64), 12, 128, 5, 1.0, 45.0, 20.0, 60.0,
+                staging_sizes_mb=(16, 64), num_staged_repeats=5, staging_bytes=768 << 20)  # fmt: skip
+CPU_PLAN = Plan(
+    "cpu", KVLayout(8, 2, 64, 16, "bfloat16"), (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, 20.0, (1, 4), 3, 64 << 20
 )
-CPU_LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
-CPU_PLAN = Plan("cpu", CPU_LAYOUT, (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, staging_sizes_mb=(1, 4))
-CPU_PLAN = dataclasses.replace(CPU_PLAN, num_staged_repeats=3, staging_bytes=64 << 20)
+SECTIONS = (("none", "pull_vs_raw", "push"), ("host", "staged_pull", "staged_push"))  # staging, its JSON keys
 
 
 class _Pair:
-    """The producer and consumer processes: started on first use, killed after a failed row."""
+    """The producer's and the consumer's one-worker process pools (spawned, for CUDA): started on
+    first use, killed after a failed row (a hung transfer never returns)."""
 
     def __init__(self, plan: Plan, entries, log_dir: Path) -> None:
-        self.plan = plan
-        self.entries = entries
-        self.log_dir = log_dir
-        self.num_starts = 0
-        self._procs: dict[str, multiprocessing.Process] = {}
-        self._conns: dict = {}
+        self.plan, self.entries, self.log_dir, self.num_starts = plan, entries, log_dir, 0
+        self._pools: dict[str, ProcessPoolExecutor] = {}
 
     @property
     def started(self) -> bool:
-        return bool(self._procs)
-
-    def log_path(self, role: str, start: int) -> Path:
-        return self.log_dir / f"{role}-{start}.log"
+        return bool(self._pools)
 
     def ensure_started(self, deadline: float) -> None:
-        if self._procs:
+        if self._pools:
             return
-        ctx = multiprocessing.get_context("spawn")
         self.num_starts += 1
-        for role in ROLES:
-            ours, theirs = ctx.Pipe()
-            log = str(self.log_path(role, self.num_starts))
-            proc = ctx.Process(
-                target=child_main, args=(role, self.plan, self.entries, theirs, log), name=role, daemon=True
-            )
-            proc.start()
-            theirs.close()
-            self._procs[role], self._conns[role] = proc, ours
-        for role in ROLES:
-            self.recv(role, deadline)  # each answers once its pool and transport are up
+        self._pools = {
+            role: ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) for role in (PRODUCER, CONSUMER)
+        }
+        logs = {role: str(self.log_dir / f"{role}-{self.num_starts}.log") for role in self._pools}
+        for future in [self.submit(role, "start", role, self.plan, self.entries, logs[role]) for role in self._pools]:
+            self.wait(future, deadline)  # each answers once its pool and transports are up
 
-    def send(self, role: str, command: str, *args: object) -> None:
-        self._conns[role].send((command, args))
+    def submit(self, role: str, command: str, *args: object) -> Future:
+        return self._pools[role].submit(side_call, command, *args)
 
-    def recv(self, role: str, deadline: float) -> object:
-        conn = self._conns[role]
-        if not conn.poll(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"no answer from the {role} within the row's time")
+    def wait(self, future: Future, deadline: float) -> object:
         try:
-            status, value = conn.recv()
-        except EOFError:
-            self._procs[role].join(1)
-            raise RuntimeError(f"the {role} process died (exit code {self._procs[role].exitcode})") from None
-        if status != "ok":
-            raise RuntimeError(f"{role}: {value}")
-        return value
+            return future.result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError("no answer within the row's time") from None
 
     def call(self, role: str, command: str, *args: object, deadline: float) -> object:
-        self.send(role, command, *args)
-        return self.recv(role, deadline)
+        return self.wait(self.submit(role, command, *args), deadline)
 
     def kill(self) -> None:
-        for proc in self._procs.values():
-            proc.kill()
-        for proc in self._procs.values():
-            proc.join(5)
-        self._procs.clear()
-        self._conns.clear()
+        for pool in self._pools.values():
+            for process in list((pool._processes or {}).values()):  # no public way to end a worker that hangs
+                process.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._pools = {}
 
     def close(self) -> None:
-        """Close both transports (memory deregistered, registry left), then end the processes."""
-        deadline = time.monotonic() + 5
-        for role in list(self._conns):
-            with contextlib.suppress(Exception):
-                self.call(role, "close", deadline=deadline)
+        """Close both sides' transports (memory deregistered, registry left), then end the processes."""
+        with contextlib.suppress(Exception):
+            for future in [self.submit(role, "close") for role in self._pools]:
+                self.wait(future, time.monotonic() + 5)
         self.kill()
 
     def log_tails(self, num_lines: int = 8) -> str:
         """The last lines each process logged, without UCX's protocol tables."""
         lines = []
-        for role in ROLES:
-            path = self.log_path(role, self.num_starts)
-            if path.exists():
-                logged = [line for line in path.read_text(errors="replace").splitlines() if not _UCX_TABLE.match(line)]
-                lines += [f"  [{role}] {line}" for line in logged[-num_lines:]]
+        for path in sorted(self.log_dir.glob(f"*-{self.num_starts}.log")):
+            logged = [line for line in path.read_text(errors="replace").splitlines() if not _UCX_TABLE.match(line)]
+            lines += [f"  [{path.stem}] {line}" for line in logged[-num_lines:]]
         return "\n".join(lines)
 
 
-def bandwidth_row(pair: _Pair, size_mb: int, deadline: float, staging: str = "none") -> dict:
-    """Raw READ and our pull of ``size_mb`` MB, taking turns, medians after one warm-up each
-    (``staging="host"``: our staged pull alone)."""
+def pull_row(pair: _Pair, size_mb: int, staging: str, deadline: float) -> dict:
+    """Our pulls of ``size_mb`` MB and (unstaged) the raw READs of the same bytes, taking turns."""
     plan = pair.plan
     pair.ensure_started(deadline)
     num_blocks = plan.blocks_for(size_mb)
     num_bytes = num_blocks * plan.layout.bytes_per_block
     count = (plan.num_repeats if staging == "none" else plan.num_staged_repeats) + 1
-    tag = f"pull{size_mb}-{staging}"
-    handles = pair.call(PRODUCER, "export", num_blocks, count, tag, staging, deadline=deadline)
+    handles = pair.call(PRODUCER, "export", num_blocks, count, f"pull{size_mb}-{staging}", staging, deadline=deadline)
     raw_peer = pair.call(PRODUCER, "raw_meta", deadline=deadline)
     num_pieces = 2 * plan.layout.num_layers  # our pull's descriptors: one run per layer and K/V
     result = pair.call(CONSUMER, "bandwidth", handles, raw_peer, num_bytes, num_pieces, staging, deadline=deadline)
-    pull_s = statistics.median(result.pull_s[1:])
-    if staging != "none":
-        return {
-            "size_mb": num_bytes / 2**20,
-            "num_blocks": num_blocks,
-            "num_descriptors": result.num_descriptors,
-            "pull_us": pull_s * 1e6,
-            "pull_gb_per_s": num_bytes / pull_s / 1e9,
-            "bytes_ok": result.bytes_ok,
-        }
-    raw_s, split_s = (statistics.median(t[1:]) for t in (result.raw_s, result.raw_split_s))
-    return {
-        "size_mb": num_bytes / 2**20,
-        "num_blocks": num_blocks,
-        "num_descriptors": result.num_descriptors,
-        "raw_us": raw_s * 1e6,
-        "raw_split_us": split_s * 1e6,
-        "pull_us": pull_s * 1e6,
-        "raw_gb_per_s": num_bytes / raw_s / 1e9,
-        "raw_split_gb_per_s": num_bytes / split_s / 1e9,
-        "pull_gb_per_s": num_bytes / pull_s / 1e9,
-        "pull_vs_raw": raw_s / pull_s,
-        "pull_vs_raw_split": split_s / pull_s,
-        "bytes_ok": result.bytes_ok,
-    }
+    return pull_figures(result, num_blocks, num_bytes)
 
 
-def push_row(pair: _Pair, deadline: float, staging: str = "none") -> dict:
-    """Pushes of ``plan.push_blocks`` blocks, layer by layer; medians after one warm-up, which
-    also checks the bytes that arrived."""
+def pull_figures(result: BandwidthResult, num_blocks: int, num_bytes: int) -> dict:
+    """Each kind's median after the warm-up (us, GB/s) and the pull against each raw READ."""
+    row = {"size_mb": num_bytes / 2**20, "num_blocks": num_blocks, "num_descriptors": result.num_descriptors}
+    medians = {kind: statistics.median(times[1:]) for kind, times in result.times.items()}
+    for kind, seconds in medians.items():
+        row |= {f"{kind}_us": seconds * 1e6, f"{kind}_gb_per_s": num_bytes / seconds / 1e9}
+    for kind in ("raw", "raw_split") if "raw" in medians else ():
+        row[f"pull_vs_{kind}"] = medians[kind] / medians["pull"]
+    return row | {"bytes_ok": result.bytes_ok}
+
+
+def push_row(pair: _Pair, staging: str, deadline: float) -> dict:
+    """Pushes of ``plan.push_blocks`` blocks, layer by layer: the last one's figures with each one's
+    median after one warm-up, which also checks the bytes that arrived."""
     plan = pair.plan
     pair.ensure_started(deadline)
     figures = []
     for rep in range(plan.num_push_repeats + 1):
-        tag = f"push-{staging}-{rep}"
-        dest = pair.call(CONSUMER, "destination", tag, plan.push_blocks, staging, deadline=deadline)
-        pair.send(CONSUMER, "wait_push", dest, rep == 0, staging)  # waits while the producer pushes
+        dest = pair.call(CONSUMER, "destination", f"push-{staging}-{rep}", plan.push_blocks, staging, deadline=deadline)
+        waiting = pair.submit(CONSUMER, "wait_push", dest, rep == 0, staging)  # while the producer pushes
         run = pair.call(PRODUCER, "push", dest, staging, deadline=deadline)
-        notice_at, bytes_ok = pair.recv(CONSUMER, deadline)
+        notice_at, bytes_ok = pair.wait(waiting, deadline)
         figures.append(push_figures(run, notice_at) | {"bytes_ok": bytes_ok})
     timed = figures[1:]
     medians = {k: statistics.median(f[k] for f in timed) for k, v in timed[0].items() if isinstance(v, float)}
@@ -218,12 +150,16 @@ def push_figures(run: PushRun, notice_at: float) -> dict:
     times, ends = run.layer_times, run.compute_end
     last_end = ends[-1]
     one_layer = max(statistics.median(t.done - t.posted for t in times), 1e-9)
-    to_notice = notice_at - last_end
-    to_last_write = max(t.done for t in times) - last_end
+    to_notice, to_last_write = notice_at - last_end, max(t.done for t in times) - last_end
 
     def ms(seconds: float) -> float:
         return round(seconds * 1e3, 3)
 
+    last_layers = [
+        {"layer": t.layer, "compute_end_ms": ms(e - last_end), "push_layer_called_ms": ms(t.compute_end - last_end),
+         "posted_ms": ms(t.posted - last_end), "done_ms": ms(t.done - last_end)}
+        for t, e in zip(times[-3:], ends[-3:])
+    ]  # fmt: skip
     return {
         "layer_bytes": run.num_bytes // len(times),
         "one_layer_ms": one_layer * 1e3,
@@ -234,147 +170,102 @@ def push_figures(run: PushRun, notice_at: float) -> dict:
         "compute_per_layer_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
         "posted_after_compute_ms": statistics.median(t.posted - e for t, e in zip(times, ends)) * 1e3,
         "call_before_compute_end_ms": statistics.median(e - t.compute_end for t, e in zip(times, ends)) * 1e3,
-        "last_layers": [
-            {
-                "layer": t.layer,
-                "compute_end_ms": ms(e - last_end),
-                "push_layer_called_ms": ms(t.compute_end - last_end),
-                "posted_ms": ms(t.posted - last_end),
-                "done_ms": ms(t.done - last_end),
-            }
-            for t, e in zip(times[-3:], ends[-3:])
-        ],
+        "last_layers": last_layers,
     }
 
 
-_RANGE = re.compile(r"^\d[\dKMGT]*(\.\.(\d[\dKMGT]*|inf))?$")  # "0", "1..16515", "8K..inf"
-
-
 def ucx_transports(log_dir: Path) -> list[str]:
-    """The UCX protocols chosen for remote memory access (READ: ucp_get, WRITE: ucp_put),
-    from the ``UCX_PROTO_INFO`` tables in the two processes' logs, GPU memory first:
-    ``<operation>: <protocol> via <transport/device>``. A table is (each line after UCX's
-    time and process prefix; older UCX puts the context and the operation on one line)::
-
-        | <context> intra-node cfg#1                                       |
-        | remote memory read by ucp_get*(multi) into host memory from host |
-        | Range  | Description |              Config                       |
-        | 0..inf | zero-copy   | cma/memory                                |
-    """
+    """``<operation>: <protocol> via <transport/device>`` for remote memory access (READ: ucp_get,
+    WRITE: ucp_put), GPU memory first, from the ``UCX_PROTO_INFO`` tables in the processes' logs:
+    a title line ``| remote memory read by ucp_get*(multi) into host memory from host |`` (after
+    the context's, or on one line with it), then rows ``| 0..inf | zero-copy | cma/memory |``."""
     found: list[str] = []
     for path in sorted(log_dir.glob("*.log")):
         operation = None
         for line in path.read_text(errors="replace").splitlines():
-            cells = [c.strip() for c in line.partition("|")[2].split("|")]
-            cells = [c for c in cells if c]
-            titles = [c for c in cells if c.startswith("remote memory")]
+            parts = [c.strip() for c in line.partition("|")[2].split("|") if c.strip()]
+            titles = [c for c in parts if c.startswith("remote memory")]
             if titles:
                 operation = titles[0]
-            elif 0 < len(cells) <= 2:  # the title of another table (or the context's line)
+            elif 0 < len(parts) <= 2:  # the title of another table (or the context's line)
                 operation = None
-            elif operation and len(cells) == 3 and _RANGE.match(cells[0]):
-                entry = f"{operation}: {cells[1]} via {cells[2]}"
+            elif operation and len(parts) == 3 and _RANGE.match(parts[0]):
+                entry = f"{operation}: {parts[1]} via {parts[2]}"
                 if entry not in found:
                     found.append(entry)
     return sorted(found, key=lambda entry: "cuda" not in entry)
 
 
-def _guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict]) -> dict:
-    """One row: ``measure(deadline)`` within the row's time. Any failure, a hung transfer
-    included, is the row's result and kills the pair, so the next row starts fresh."""
-    plan = pair.plan
+def guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict]) -> dict:
+    """``measure(deadline)`` within the row's time; a failure, a hung transfer included, is the
+    row's result and kills the pair, so the next row starts fresh."""
     remaining = budget_deadline - time.monotonic()
     if remaining < 1:
         return {"error": "skipped: out of time"}
-    limit = plan.row_timeout_s + (0 if pair.started else plan.start_timeout_s)
+    limit = pair.plan.row_timeout_s + (0 if pair.started else pair.plan.start_timeout_s)
     try:
         return measure(time.monotonic() + min(limit, remaining))
     except Exception as exc:
-        print(f"row failed: {type(exc).__name__}: {exc}\n{pair.log_tails()}", file=sys.stderr, flush=True)
+        remote = f"{exc.__cause__}\n" if exc.__cause__ else ""  # a worker's traceback
+        print(f"row failed: {type(exc).__name__}: {exc}\n{remote}{pair.log_tails()}", file=sys.stderr, flush=True)
         pair.kill()
         return {"error": f"failed: {type(exc).__name__}: {exc}".replace("|", "/")}
 
 
-BANDWIDTH = (
-    "size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s) | our pull (GB/s)"
-    " | pull / raw (>= 0.9) | pull / raw as many | bytes ok",
-    "{size_mb:.1f} | {num_blocks} | {num_descriptors} | {raw_gb_per_s:.1f} | {raw_split_gb_per_s:.1f}"
-    " | {pull_gb_per_s:.1f} | {pull_vs_raw:.2f} | {pull_vs_raw_split:.2f} | {ok}",
-)
-STAGED = (
-    "size (MB) | staged pull (GB/s) | unstaged pull (GB/s) | raw READ (GB/s) | staged / unstaged | bytes ok",
-    "{size_mb:.1f} | {pull_gb_per_s:.2f} | {plain:.2f} | {raw:.2f} | {ratio:.2f} | {ok}",
+def run_rows(pair: _Pair) -> dict:
+    """The pulls against the raw READ per size and the push, then the same through host staging."""
+    plan, result = pair.plan, {}
+    budget_deadline = time.monotonic() + plan.budget_s
+    for (staging, pulls, push), sizes in zip(SECTIONS, (plan.sizes_mb, plan.staging_sizes_mb)):
+        result[pulls] = []
+        for size_mb in sizes:
+            row = guarded(pair, budget_deadline, functools.partial(pull_row, pair, size_mb, staging))
+            result[pulls].append({"requested_mb": size_mb} | row)
+        result[push] = guarded(pair, budget_deadline, functools.partial(push_row, pair, staging))
+    return result
+
+
+PULL = (
+    "staging | size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s)"
+    " | our pull (GB/s) | pull / raw (>= 0.9) | pull / raw as many | bytes ok",
+    "{staging} | {size_mb:.1f} | {num_blocks} | {num_descriptors} | {raw_gb_per_s:.1f} | {raw_split_gb_per_s:.1f}"
+    " | {pull_gb_per_s:.2f} | {pull_vs_raw:.2f} | {pull_vs_raw_split:.2f} | {ok}",
 )
 PUSH = (
-    "forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms) | tail / one layer (<= 2)"
-    " | tail to last write (ms) | last write / one layer | bytes ok",
-    "{compute_per_layer_ms:.3f} | {one_layer_ms:.3f} | {tail_to_notice_ms:.3f} | {tail_in_layers:.2f}"
+    "staging | forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms)"
+    " | tail / one layer (<= 2) | tail to last write (ms) | last write / one layer | bytes ok",
+    "{staging} | {compute_per_layer_ms:.3f} | {one_layer_ms:.3f} | {tail_to_notice_ms:.3f} | {tail_in_layers:.2f}"
     " | {tail_to_last_write_ms:.3f} | {last_write_in_layers:.2f} | {ok}",
 )
 LAYER = "{layer} | {compute_end_ms:.3f} | {push_layer_called_ms:.3f} | {posted_ms:.3f} | {done_ms:.3f}"
 
 
-def _print(*lines: str) -> None:
-    for line in lines:
-        print(line, flush=True)
-
-
-def _line(template: str, row: dict, size_mb: int | None = None) -> str:
-    """One printed row: its cells, or the failure (a row of its own)."""
+def _cells(template: str, row: dict) -> str:
+    """One row's cells (a figure it lacks left empty), or its failure."""
     if "error" in row:
-        return f"| {row['error']} |" if size_mb is None else f"| {size_mb} | {row['error']} |"
-    return f"| {cells(template, row | {'ok': 'yes' if row['bytes_ok'] else 'NO'}, missing='')} |"
+        return " | ".join(str(row[k]) for k in ("staging", "requested_mb", "error") if k in row)
+    return cells(template, collections.defaultdict(lambda: None, row, ok="yes" if row["bytes_ok"] else "NO"), "")
 
 
-def run_rows(pair: _Pair) -> dict:
-    """The pull against the raw READ per size, the push, then the same through host staging."""
-    plan = pair.plan
-    budget_deadline = time.monotonic() + plan.budget_s
-    kind = f"{plan.mem_type} -> {plan.mem_type}"
-    _print(f"## KV over NIXL, {kind}, two processes ({plan.device}), {plan.layout.num_layers} layers x K/V")
-    _print(*table(BANDWIDTH[0], []))
-    rows = []
-    for size_mb in plan.sizes_mb:
-        row = _guarded(pair, budget_deadline, functools.partial(bandwidth_row, pair, size_mb))
-        rows.append({"requested_mb": size_mb} | row)
-        _print(_line(BANDWIDTH[1], row, size_mb))
-    push = _guarded(pair, budget_deadline, functools.partial(push_row, pair))
-    _print(*_push_lines(plan, push))
-    _print("", f"## through pinned host staging (transport.staging=host), {plan.num_staged_repeats} pulls per size")
-    _print(*table(STAGED[0], []))
-    by_size, staged = {row["requested_mb"]: row for row in rows}, []
-    for size_mb in plan.staging_sizes_mb:
-        row = _guarded(pair, budget_deadline, functools.partial(bandwidth_row, pair, size_mb, staging="host"))
-        staged.append({"requested_mb": size_mb} | row)
-        plain, raw = by_size.get(size_mb, {}).get("pull_gb_per_s"), by_size.get(size_mb, {}).get("raw_gb_per_s")
-        ratio = row["pull_gb_per_s"] / plain if plain and "error" not in row else None
-        _print(_line(STAGED[1], row | {"plain": plain, "raw": raw, "ratio": ratio}, size_mb))
-    staged_push = _guarded(pair, budget_deadline, functools.partial(push_row, pair, staging="host"))
-    _print(*_push_lines(plan, staged_push, "staged push (its notice waits for the copy into the pool)")[:5])
-    return {"pull_vs_raw": rows, "push": push, "staged_pull": staged, "staged_push": staged_push}
-
-
-def _push_lines(plan: Plan, push: dict, title: str = "push") -> list[str]:
-    layer_mb = plan.push_blocks * plan.layout.bytes_per_block / plan.layout.num_layers / 2**20
-    lines = [
-        "",
-        f"## {title}: {plan.layout.num_layers} layers x {layer_mb:.1f} MB, simulated forward {plan.compute_ms:.2f} ms "
-        f"per layer; medians of {plan.num_push_repeats} after one warm-up",
-        *table(PUSH[0], [_line(PUSH[1], push)[2:-2]]),
-    ]
-    if "error" in push:
-        return lines
-    posted, called = push["posted_after_compute_ms"], -push["call_before_compute_end_ms"]
-    median = f"median of all layers | 0 | {called:.3f} | {posted:.3f} | {posted + push['one_layer_ms']:.3f}"
-    return lines + [
-        "",
-        "Last layers of the last push, ms from the last layer's compute end (compute end: the layer's",
-        "event on the GPU; push_layer called: the host call, LayerTiming.compute_end):",
-        *table(
-            "layer | compute end | push_layer called | posted | done",
-            [*(cells(LAYER, t) for t in push["last_layers"]), median],
-        ),
-    ]
+def render(result: dict) -> list[str]:
+    """The tables of one run, from its JSON (``--out``)."""
+    plan, layers = result["plan"], result["plan"]["layout"]["num_layers"]
+    pulls = [{"staging": staging} | row for staging, key, _ in SECTIONS for row in result.get(key, [])]
+    pushes = [{"staging": staging} | result[key] for staging, _, key in SECTIONS if key in result]
+    mem = "VRAM" if plan["device"] == "cuda" else "DRAM"
+    lines = [f"## KV over NIXL, {mem} -> {mem}, two processes, {layers} layers x K/V; medians after one warm-up",
+             "", *table(PULL[0], [_cells(PULL[1], row) for row in pulls]), "",
+             f"## push of {plan['push_blocks']} blocks, a simulated forward of {plan['compute_ms']:.2f} ms per layer:",
+             "", *table(PUSH[0], [_cells(PUSH[1], row) for row in pushes])]  # fmt: skip
+    for push in (push for push in pushes if "error" not in push):
+        posted, called = push["posted_after_compute_ms"], -push["call_before_compute_end_ms"]
+        median = f"median of all layers | 0 | {called:.3f} | {posted:.3f} | {posted + push['one_layer_ms']:.3f}"
+        rows = [*(cells(LAYER, t) for t in push["last_layers"]), median]
+        lines += ["", f"## last layers of the last push (staging={push['staging']}), ms from the last one's compute end"
+                  " (compute end: its event on the GPU; push_layer called: the host call, LayerTiming.compute_end):",
+                  "", *table("layer | compute end | push_layer called | posted | done", rows)]  # fmt: skip
+    found = [entry.replace("|", "/") for entry in result.get("ucx_transports", [])[:8]]
+    return [*lines, "", *table(["UCX protocol (UCX_PROTO_INFO)"], found or ["not reported: no tables in the logs"])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -385,21 +276,18 @@ def main(argv: list[str] | None = None) -> None:
     plan = CPU_PLAN if args.cpu else GPU_PLAN
     result: dict = {"plan": dataclasses.asdict(plan)}
     if plan.device == "cuda" and not torch.cuda.is_available():
-        _print("| gpu_kv | skipped: no CUDA (use --cpu for the dry run) |")
+        print("| gpu_kv | skipped: no CUDA (use --cpu for the dry run) |")
         result["skipped"] = "no CUDA"
     else:
         os.environ.setdefault("UCX_PROTO_INFO", "y")  # read by UCX in the two processes
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Manager() as manager, tempfile.TemporaryDirectory(prefix="gpu_kv_") as log_dir:
+        with multiprocessing.get_context("spawn").Manager() as manager, tempfile.TemporaryDirectory() as log_dir:
             pair = _Pair(plan, manager.dict(), Path(log_dir))
             try:
                 result |= run_rows(pair)
             finally:
                 pair.close()
             result["ucx_transports"] = ucx_transports(Path(log_dir))
-        found = [f"| {entry.replace('|', '/')} |" for entry in result["ucx_transports"][:8]]
-        _print("", "| UCX protocol (UCX_PROTO_INFO) |", "|---|")
-        _print(*(found or ["| not reported: no protocol tables in the two processes' logs |"]))
+        print(*render(result), sep="\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
