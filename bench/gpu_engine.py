@@ -1,42 +1,28 @@
 """The engine on one GPU: ``python3 -m bench.gpu_engine [--out PATH] [--tiny]``.
 
-Prints one markdown table row per measurement (and JSON with ``--out``): device-to-device copy
-bandwidth (``copy_`` of a 2 GiB tensor, bytes read + written, CUDA events); bfloat16 matmul
-TFLOP/s at 8192^3; and for a 1B-class and an 8B-class Llama config with random bfloat16 weights
-made on the GPU (``engine.loader``'s dummy weights): how long that took; decode tokens/s through
-``EngineCore`` at batch 1 and 64 (greedy, ``ignore_eos``, 128-token prompts, 64 new tokens,
-after a warm-up run that captures the CUDA graphs), each batch replayed from CUDA graphs (the
-engine's default on CUDA) and eager; prefill tokens/s of one 2,048-token prompt.
-
-Floors. Decode: the bytes of the weights one step reads (every parameter once; the input
-embedding only where it is the tied LM head, as an untied one is read one row per token)
-divided by the measured copy bandwidth counted as bytes read + written, i.e. assuming reads
-alone stream at the copy's total traffic rate (the lower floor). KV reads are not in it.
-Prefill: 2 x (decoder-layer parameters) x prompt tokens / the measured matmul FLOP/s (the LM
-head and the attention score FLOPs left out).
-
-Every row is computed in its own ``try``: a failure prints ``failed: <error>`` and the rest
-go on. ``--tiny`` runs the same code with tiny sizes on the CPU (the dry run of the path).
-No Ray: this module runs on machines without it.
-"""
+The floors first (copy bandwidth, bf16 matmul rate), then per Llama config (1B- and 8B-class,
+random bfloat16 weights made on the GPU): decode tok/s through ``EngineCore`` at batch 1 and 64,
+replayed from CUDA graphs and eager, against the weights' HBM floor, and prefill tok/s against
+the FLOP floor. A failed row says so and the rest go on; ``--tiny``: tiny sizes on the CPU."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 
+from bench.report import cells
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
@@ -46,14 +32,8 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
                 intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=512)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,20 +52,17 @@ class Sizes:
     max_model_len: int = 4096
 
 
-GPU_SIZES = Sizes(
-    "cuda", 2 << 30, 8192, 10, (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B)), (1, 64), 128, 64, 2048, 3, 4 << 30
-)
-TINY_MODELS = (
-    ("tiny-tied", {**TINY, "tie_word_embeddings": True}),
-    ("tiny-untied", {**TINY, "tie_word_embeddings": False}),
-)
+MODELS = (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B))
+GPU_SIZES = Sizes("cuda", 2 << 30, 8192, 10, MODELS, (1, 64), 128, 64, 2048, 3, 4 << 30)
+TINY_MODELS = tuple((f"tiny-{kind}", TINY | {"tie_word_embeddings": kind == "tied"}) for kind in ("tied", "untied"))
 TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, max_model_len=512)
+HEADER = "| measurement | value | unit | time ms | floor ms | time / floor | notes |\n|---|---|---|---|---|---|---|"
 
 
 @dataclass
 class Row:
-    """One measurement: ``value`` in ``unit``; ``time_ms`` the operation's (or step's) median
-    time; ``floor_ms`` the bound it is compared with."""
+    """One measurement: ``value`` in ``unit``, the median ``time_ms`` of the operation (or step)
+    and the ``floor_ms`` it is compared with."""
 
     name: str
     value: float | None = None
@@ -97,32 +74,13 @@ class Row:
     ratio: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.time_ms is not None and self.floor_ms:
-            self.ratio = self.time_ms / self.floor_ms
+        self.ratio = self.time_ms / self.floor_ms if self.time_ms is not None and self.floor_ms else None
 
     def markdown(self) -> str:
-        def num(x: float | None, fmt: str) -> str:
-            return "" if x is None else format(x, fmt)
-
-        fmt = ",.0f" if self.value is not None and abs(self.value) >= 1000 else ".4g"
-        value = f"failed: {self.error}" if self.error else num(self.value, fmt)
-        cells = [
-            self.name,
-            value,
-            self.unit,
-            num(self.time_ms, ".3f"),
-            num(self.floor_ms, ".3f"),
-            num(self.ratio, ".2f"),
-        ]
-        return "| " + " | ".join([*cells, self.notes]) + " |"
-
-
-HEADER = "| measurement | value | unit | time ms | floor ms | time / floor | notes |\n|---|---|---|---|---|---|---|"
-
-
-def error_row(name: str, exc: Exception) -> Row:
-    message = str(exc).splitlines()[0] if str(exc) else ""
-    return Row(name, error=f"{type(exc).__name__}: {message}"[:300])
+        value = "{value:,.0f}" if self.value is not None and abs(self.value) >= 1000 else "{value:.4g}"
+        value = "failed: {error}" if self.error else value
+        template = f"{{name}} | {value} | {{unit}} | {{time_ms:.3f}} | {{floor_ms:.3f}} | {{ratio:.2f}} | {{notes}}"
+        return f"| {cells(template, asdict(self), missing='')} |"
 
 
 def guarded(name: str, measure: Callable[[], Row]) -> Row:
@@ -131,6 +89,10 @@ def guarded(name: str, measure: Callable[[], Row]) -> Row:
         return measure()
     except Exception as exc:  # a benchmark row reports every failure and goes on
         return error_row(name, exc)
+
+
+def error_row(name: str, exc: Exception) -> Row:
+    return Row(name, error=f"{type(exc).__name__}: {str(exc).partition(chr(10))[0]}"[:300])
 
 
 def synchronize(device: torch.device) -> None:
@@ -143,20 +105,24 @@ def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup:
     for _ in range(warmup):
         fn()
     synchronize(device)
-    if device.type == "cuda":
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in pairs:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        return statistics.median(start.elapsed_time(end) for start, end in pairs)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    if device.type != "cuda":
+        return statistics.median(_wall_s(fn) for _ in range(reps)) * 1e3
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        start.record()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in pairs)
+
+
+def _wall_s(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Wall seconds of ``fn()``, the device's work included."""
+    start = time.perf_counter()
+    fn()
+    if device is not None:
+        synchronize(device)
+    return time.perf_counter() - start
 
 
 def copy_bandwidth(sizes: Sizes, device: torch.device) -> Row:
@@ -174,25 +140,20 @@ def matmul_flops(sizes: Sizes, device: torch.device) -> Row:
     return Row("bf16 matmul", 2 * n**3 / (ms / 1e3) / 1e12, "TFLOP/s", ms, notes=f"{n}^3")
 
 
-def build_model(name: str, overrides: dict, sizes: Sizes) -> tuple[LoadedModel, Row]:
-    """Random bfloat16 weights made on the device itself, through the engine's loader."""
+def build_model(name: str, overrides: dict, sizes: Sizes, built: list[LoadedModel]) -> Row:
+    """Random bfloat16 weights made on the device itself, through the engine's loader (into ``built``)."""
     config = LlamaConfig(**overrides, max_position_embeddings=sizes.max_model_len)
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         synchronize(torch.device(sizes.device))
-        start = time.perf_counter()
-        loaded = load_model(ModelSpec(source=folder, dtype="bfloat16", device=sizes.device, dummy_weights=True))
-        synchronize(torch.device(sizes.device))
-        seconds = time.perf_counter() - start
-    num_params = sum(p.numel() for p in loaded.model.parameters())
-    return loaded, Row(
-        f"{name} dummy weights on {sizes.device}", seconds, "s", notes=f"{num_params / 1e6:,.1f} M parameters"
-    )
+        spec = ModelSpec(source=folder, dtype="bfloat16", device=sizes.device, dummy_weights=True)
+        seconds = _wall_s(lambda: built.append(load_model(spec)), torch.device(sizes.device))
+    num_params = sum(p.numel() for p in built[-1].model.parameters())
+    return Row(f"{name} dummy weights on {sizes.device}", seconds, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes one decode step reads: each parameter once, except an untied input embedding
-    (read one row per token)."""
+    """Bytes one decode step reads: each parameter once, but an untied input embedding (one row per token)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
     embedding = model.get_input_embeddings().weight
     if model.get_output_embeddings().weight is not embedding:
@@ -224,10 +185,9 @@ def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[flo
     return time.perf_counter() - start, steps, tokens
 
 
-def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row, graphs: bool) -> Row:
-    """Decode at ``batch``, its steps replayed from CUDA graphs or eager (``graphs``; graphs
-    need CUDA, so on the CPU that row only says so)."""
-    label = f"{name} decode batch {batch}, {'CUDA graphs' if graphs else 'eager'}"
+def decode_row(label: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row, graphs: bool) -> Row:
+    """Decode at ``batch``, replayed from CUDA graphs or eager; the floor: the weights' bytes / the
+    copy's bandwidth counted read + written (the lower floor; KV reads left out)."""
     if graphs and core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA graphs need CUDA")
     core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
@@ -246,14 +206,13 @@ def decode_row(name: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row,
 
 
 def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
+    """One prompt's prefill; the floor: 2 x decoder-layer parameters x tokens / the matmul rate
+    (the LM head and the attention scores left out)."""
+
     def once(tag: str) -> float:
         core.add_request(make_requests(core, tag, 1, sizes.prefill_len, 1)[0])
         synchronize(core.device)
-        start = time.perf_counter()
-        while core.has_work():
-            core.step()
-        synchronize(core.device)
-        return time.perf_counter() - start
+        return _wall_s(lambda: _drain(core), core.device)
 
     once("prefill-warm")
     seconds = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
@@ -261,93 +220,74 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
     flops = 2 * sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters()) * sizes.prefill_len
     floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
     notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
-    return Row(
-        f"{name} prefill {sizes.prefill_len} tokens",
-        sizes.prefill_len / seconds,
-        "tok/s",
-        seconds * 1e3,
-        floor_ms,
-        notes,
-    )
+    return Row(f"{name} prefill {sizes.prefill_len} tokens", sizes.prefill_len / seconds, "tok/s", seconds * 1e3,
+               floor_ms, notes)  # fmt: skip
 
 
-def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> list[Row]:
+def _drain(core: EngineCore) -> None:
+    while core.has_work():
+        core.step()
+
+
+def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> Iterator[Row]:
     """The build row, then decode at each batch size (graphs, eager) and prefill, each guarded."""
     built: list[LoadedModel] = []
-
-    def build() -> Row:
-        loaded, row = build_model(name, overrides, sizes)
-        built.append(loaded)
-        return row
-
-    rows = [guarded(f"{name} dummy weights", build)]
-    core = None
-    if built:
-        config = EngineConfig(
-            max_model_len=sizes.max_model_len,
-            kv_cache_bytes=sizes.kv_cache_bytes,
-            max_num_seqs=max(sizes.decode_batches),
-            # every batch's prompts in one step, so all its requests decode from the same step on
-            max_num_batched_tokens=max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len),
-        )
-        try:
-            core = EngineCore(built.pop(), config)
-        except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
-            rows.append(error_row(f"{name} engine", exc))
+    yield guarded(f"{name} dummy weights", lambda: build_model(name, overrides, sizes, built))
+    # every batch's prompts in one step, so all its requests decode from the same step on
+    max_tokens = max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len)
+    config = EngineConfig(max_model_len=sizes.max_model_len, kv_cache_bytes=sizes.kv_cache_bytes,
+                          max_num_seqs=max(sizes.decode_batches), max_num_batched_tokens=max_tokens)  # fmt: skip
+    try:
+        core = EngineCore(built.pop(), config) if built else None
+    except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
+        core = None
+        yield error_row(f"{name} engine", exc)
     for batch in sizes.decode_batches if core else ():
         for graphs in (True, False):
             label = f"{name} decode batch {batch}, {'CUDA graphs' if graphs else 'eager'}"
-            rows.append(guarded(label, lambda b=batch, g=graphs: decode_row(name, core, b, sizes, copy, g)))
+            yield guarded(label, functools.partial(decode_row, label, core, batch, sizes, copy, graphs))
             core.abort_all()  # a failed row must not leave requests behind for the next
     if core:
         core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
-        rows.append(guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul)))
+        yield guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul))
         core.abort_all()
     core = None  # its memory back (the model with it) before the next model is made
     gc.collect()
     if sizes.device == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
-def run(sizes: Sizes, emit: Callable[[Row], None]) -> list[Row]:
+def run(sizes: Sizes) -> Iterator[Row]:
     device = torch.device(sizes.device)
-    rows = [guarded("copy bandwidth", lambda: copy_bandwidth(sizes, device))]
-    emit(rows[-1])
-    rows.append(guarded("bf16 matmul", lambda: matmul_flops(sizes, device)))
-    emit(rows[-1])
-    copy, matmul = rows
+    yield (copy := guarded("copy bandwidth", lambda: copy_bandwidth(sizes, device)))
+    yield (matmul := guarded("bf16 matmul", lambda: matmul_flops(sizes, device)))
     for name, overrides in sizes.models:
-        for row in model_rows(name, overrides, sizes, copy, matmul):
-            rows.append(row)
-            emit(row)
-    return rows
+        yield from model_rows(name, overrides, sizes, copy, matmul)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench.gpu_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a dry run of the code path")
     args = parser.parse_args(argv)
     sizes = TINY_SIZES if args.tiny else GPU_SIZES
     if sizes.device == "cuda" and not torch.cuda.is_available():
-        print(HEADER)
-        print(Row("all rows", notes="skipped: no CUDA (use --tiny for the CPU dry run)").markdown())
-        return 0
-    start = time.perf_counter()
-    if sizes.device == "cuda":
-        device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    else:
-        device = f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}"
+        return print(
+            HEADER, Row("all rows", notes="skipped: no CUDA (use --tiny for the CPU dry run)").markdown(), sep="\n"
+        )
+    start, rows = time.perf_counter(), []
+    name = torch.cuda.get_device_name() if sizes.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    device = f"{name}, torch {torch.__version__}"
     print(f"{device}\n\n{HEADER}", flush=True)
-    rows = run(sizes, lambda row: print(row.markdown(), flush=True))
+    for row in run(sizes):
+        rows.append(row)
+        print(row.markdown(), flush=True)
     total_s = time.perf_counter() - start
     print(f"\ntotal {total_s:.1f} s")
     if args.out:
         report = {"device": device, "tiny": args.tiny, "total_s": total_s, "rows": [asdict(r) for r in rows]}
         args.out.write_text(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
