@@ -241,7 +241,7 @@ def test_decode_killed_mid_stream(base_url, reference):
     results = _run("", requests, base_url)
     # The replica died after producing the killed request's 8th token; what was still on its
     # way died with it, so a client may have seen none of a request's tokens.
-    assert len(results[0].tokens) <= 8, results[0]
+    assert results[0].error is None or len(results[0].tokens) <= 8, results[0]
     seen = [r.last_token_at for r in results if r.error is not None and r.last_token_at is not None]
     for result, (_, prompt, _) in zip(results, requests):
         if result.error is not None:  # an output had left the ingress: an error event, in time
