@@ -31,27 +31,14 @@ from typing import Any
 from app.settings import AppConfig
 from autoscaling.decide import Action, ActionKind, ControllerState, decide
 from autoscaling.messages import LatencySample, RelayedTargets, ReplicaReport, ReportAnswer, RoutingPlan
+from autoscaling.routing import routing_plan
 from autoscaling.scale import POOLS, ScaleEvent, ScaleState, decide_counts
 from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
 from deployments.background import keep_running
 from deployments.metrics import AutoscalerMetrics
-from engine.params import Role
 
 logger = logging.getLogger("ray.serve")  # Serve writes it to the replica's log file, INFO included
 MAX_DECISIONS = 100
-
-
-def routing_plan(snapshot: Snapshot, state: ControllerState) -> RoutingPlan:
-    """The plan the ingress routes by, from the replicas' reports and the lending state."""
-    decode = [r for r in snapshot.replicas if r.home is Role.DECODE]
-    blocks = sum(r.total_blocks for r in decode)
-    return RoutingPlan(
-        prefill=sum(r.serves_prefill for r in snapshot.replicas),
-        decode=len(decode),
-        lent=sum(r.replica in state.lent and r.role is Role.BOTH for r in snapshot.replicas),
-        decode_kv_usage=sum(r.decode_blocks for r in decode) / blocks if blocks else None,
-        tpot_p90_s=snapshot.observed.tpot_p90_s,
-    )
 
 
 def wall_clock(monotonic_s: float) -> float:

@@ -1,4 +1,5 @@
-"""``python -m planner plan``: size prefill and decode pools for a model, GPU, SLOs and rate.
+"""``python -m planner plan``: size prefill and decode pools for a model, GPU, SLOs and rate;
+``python -m planner simulate``: what a system and its policy do on a trace (``planner.replay``).
 
     python -m planner plan --model /models/Llama-3.1-8B-Instruct --gpu h100 \\
         --slo-ttft 0.4 --slo-tpot 0.05 --rate 50 --workload chatbot [--max-gpus N] [--top 5] \\
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from planner import replay
 from planner.plan import Candidate, Plan, PlanRequest, app_config, plan, rayservice_snippet
 from planner.roofline import load_hardware, model_shape
 from workloads import WORKLOADS
@@ -47,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         help="colocated steps: this engine's (mixed) or vLLM 0.2's prefill-first (a reference, not servable)",
     )
     p.add_argument("--seed", type=int, default=0)
+    simulate = commands.add_parser("simulate", help="replay a trace through a system and its autoscaling policy")
+    replay.add_arguments(simulate)
     return parser
 
 
@@ -110,6 +114,8 @@ def write(result: Plan, best: Candidate, out: Path, model_source: str) -> list[P
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "simulate":
+        return replay.main(args)
     request = _request(args)
     started = time.perf_counter()
     result = plan(request, finalists=max(args.top, 3))

@@ -133,23 +133,33 @@ class ModelShape:
         return self.num_heads * self.head_dim
 
 
+MODELS_DIR = Path(__file__).parent / "models"  # shapes shipped by name: llama-1b, llama-8b
+REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size")
+
+
 def _read_config(config: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
     if isinstance(config, dict):
         return config, str(config.get("_name_or_path", config.get("model_type", "")))
     path = Path(config)
+    if not path.exists() and (MODELS_DIR / f"{config}.json").exists():
+        path = MODELS_DIR / f"{config}.json"
+        return json.loads(path.read_text()), path.stem
     if path.is_dir():
         path = path / "config.json"
     return json.loads(path.read_text()), path.parent.name
 
 
 def model_shape(config: str | Path | dict[str, Any], dtype_bytes: int = 2) -> ModelShape:
-    """A ``ModelShape`` from a Hugging Face ``config.json`` (a path, its directory, or the dict).
+    """A ``ModelShape`` from a Hugging Face ``config.json`` (a path, its directory, the dict, or
+    the name of a shape in ``planner/models/``).
 
     Reads Llama/Mistral/Qwen names (``intermediate_size``, ``num_key_value_heads``) and OPT's
     (``ffn_dim``, ``word_embed_proj_dim``; no KV heads: as many as attention heads).
     ``dtype_bytes``: the serving precision (2: bf16/fp16, the GPUs' Tensor Core rate used here).
     """
     data, name = _read_config(config)
+    if missing := [key for key in REQUIRED if key not in data]:
+        raise ValueError(f"the model config lacks {', '.join(missing)} (the cost model needs them)")
     heads = int(data["num_attention_heads"])
     hidden = int(data["hidden_size"])
     inner = data.get("intermediate_size", data.get("ffn_dim"))

@@ -24,8 +24,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
+from autoscaling.routing import RouteBook
 from planner.costs import CostModel
-from planner.sim_types import SimRecord, SimRequest, SimResult, SystemSpec
+from planner.sim_types import PoolSample, SimDecision, SimRecord, SimRequest, SimResult, SystemSpec
 
 SEGMENT_STEPS = (4, 64)  # decode steps planned at once: from 4, doubling while no cut comes, up to 64
 STEP_END, XFER_DONE, TICK, START = 0, 1, 2, 3
@@ -51,7 +52,9 @@ def mixed_step_s(cost: CostModel, batch: int, context_tokens: int, prompt_tokens
 class Req:
     """One request in flight. ``whole``: it decodes where its prompt runs (colocated, lent)."""
 
-    __slots__ = ("index", "arrival", "prompt", "output", "whole", "first_s", "done_s", "prefill_s", "left", "home")
+    __slots__ = (
+        "index", "arrival", "prompt", "output", "whole", "first_s", "done_s", "prefill_s", "left", "home", "route",
+    )  # fmt: skip
 
     def __init__(self, index: int, request: SimRequest) -> None:
         self.index, self.arrival = index, request.arrival_s
@@ -59,6 +62,7 @@ class Req:
         self.whole, self.first_s, self.done_s, self.prefill_s = False, 0.0, 0.0, None
         self.left = self.prompt  # prompt tokens not computed yet
         self.home: Replica | None = None  # where it decodes
+        self.route = None  # elastic: its ``autoscaling.routing.Route``
 
 
 class Replica:
@@ -97,17 +101,23 @@ class Replica:
 
 class Lending(Protocol):
     """The autoscaler inside a run (``planner.sim_elastic.Elastic``): the loop calls ``tick``
-    every ``interval_s``, asks ``lent_target`` for each arriving request (None: the
-    disaggregated path) and tells ``finished`` each request's end."""
+    every ``interval_s``, asks ``route`` for each arriving request (a replica that runs it
+    whole, or None: the disaggregated path), and tells ``prefilled`` and ``finished``."""
 
     interval_s: float
-    actions: list[tuple[float, str, int]]
+    book: RouteBook
+    decisions: list[SimDecision]
+    timeline: list[PoolSample]
 
     def tick(self, now: float) -> None: ...
 
-    def lent_target(self, req: Req) -> Replica | None: ...
+    def route(self, req: Req) -> Replica | None: ...
+
+    def prefilled(self, req: Req) -> None: ...
 
     def finished(self, req: Req, now: float) -> None: ...
+
+    def replica_seconds(self, end_s: float) -> dict[str, float]: ...
 
 
 class Simulation:
@@ -159,8 +169,16 @@ class Simulation:
                 break
         if self.num_done < len(requests):
             raise RuntimeError(f"simulation stalled: {len(requests) - self.num_done} requests never finished")
-        actions = tuple(self.elastic.actions) if self.elastic is not None else ()
-        return SimResult(tuple(r for r in self.records if r is not None), actions)
+        records = tuple(r for r in self.records if r is not None)
+        end_s = max((r.arrival_s + r.e2e_s - system.stack.ttft_s for r in records), default=0.0)
+        if self.elastic is None:
+            pools = {"colocated": len(self.prefill)} if system.kind == "colocated" else {}
+            pools = pools or {"prefill": len(self.prefill), "decode": len(self.decode)}
+            return SimResult(records, replica_seconds={pool: n * end_s for pool, n in pools.items()})
+        elastic = self.elastic
+        routes = {route.value: n for route, n in elastic.book.routed.items()}
+        timeline, seconds = tuple(elastic.timeline), elastic.replica_seconds(end_s)
+        return SimResult(records, tuple(elastic.decisions), timeline, seconds, routes)
 
     def push(self, time_s: float, kind: int, obj: object, version: int) -> None:
         heapq.heappush(self.heap, (time_s, next(self.seq), kind, obj, version))
@@ -190,10 +208,10 @@ class Simulation:
         return a if (a.in_flight, a.index) <= (b.in_flight, b.index) else b
 
     def arrive(self, req: Req, now: float) -> None:
-        lent = self.elastic.lent_target(req) if self.elastic is not None else None
-        if lent is not None or self.system.kind == "colocated":
+        whole_on = self.elastic.route(req) if self.elastic is not None else None
+        if whole_on is not None or self.system.kind == "colocated":
             req.whole = True
-            replica = lent or self.pick(self.prefill)
+            replica = whole_on or self.pick(self.prefill)
             req.home = replica
         else:
             replica = self.pick(self.prefill)
@@ -371,6 +389,8 @@ class Simulation:
                 continue
             replica.prefilling.remove(req)
             req.prefill_s = now - req.arrival
+            if self.elastic is not None:
+                self.elastic.prefilled(req)
             if req.whole:
                 if req.output <= 1:
                     replica.kv_used -= req.prompt + req.output

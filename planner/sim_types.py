@@ -5,7 +5,7 @@ model (``planner.sim_engine``) and by everything that reads a run."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -21,6 +21,16 @@ class SimRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+
+
+@dataclass(frozen=True)
+class ElasticWorld:
+    """What the served autoscaler meets beyond its policy, for a simulation of it."""
+
+    startup_s: float = 27.0  # a decision to a new replica serving (CPU: docs/benchmarks/elastic.md)
+    report_delay_s: float = 0.0  # the controller decides on replica loads this old
+    never_start: float = 0.0  # the share of new replicas that never start (a pod left Pending)
+    seed: int = 0  # draws which replicas never start
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,7 @@ class SystemSpec:
     max_num_seqs: int = 256
     interference: float = 0.0  # slowdown of a step while another replica computes (0 on separate GPUs)
     policy: Policy | None = None  # elastic lending per an autoscaling policy (disaggregated only)
+    world: ElasticWorld = ElasticWorld()  # start-up, report delay and failed starts under ``policy``
     stack: ServingStack = NO_STACK  # the serving stack's share (calibrated on shared CPU cores; 0 on GPUs)
 
     @property
@@ -74,9 +85,47 @@ def _distribution(values: Sequence[float]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class SimDecision:
+    """One decision of the simulated autoscaler: a lend, reclaim or drain of ``replica``, or a
+    pool's count (``old`` -> ``new``: scale_up, scale_down, give_up), with the policy's reason."""
+
+    time_s: float
+    kind: str
+    pool: str  # prefill | decode
+    reason: str
+    replica: int | None = None
+    old: int | None = None
+    new: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolSample:
+    """The replicas at one instant: routed per pool (lent ones among the prefill), lent, asked
+    for and not serving yet (starting, or never to start), leaving (finishing their work), and
+    per pool every one of these that holds devices."""
+
+    time_s: float
+    prefill: int
+    decode: int
+    lent: int = 0
+    starting: int = 0
+    leaving: int = 0
+    held_prefill: int = 0
+    held_decode: int = 0
+
+    @property
+    def held(self) -> int:
+        return self.held_prefill + self.held_decode
+
+
+@dataclass(frozen=True)
 class SimResult:
     records: tuple[SimRecord, ...]  # in arrival order
-    actions: tuple[tuple[float, str, int], ...] = ()  # elastic: (time, lend/reclaim, replica index)
+    decisions: tuple[SimDecision, ...] = ()  # elastic only
+    timeline: tuple[PoolSample, ...] = ()  # elastic: one per decision interval
+    # replicas held x seconds per pool (prefill, decode; colocated: both), from 0 to the last request's end
+    replica_seconds: dict[str, float] = field(default_factory=dict)
+    routes: dict[str, int] = field(default_factory=dict)  # elastic: requests per route (lent, on_decode, ...)
 
     def attainment(self, ttft_slo_s: float, tpot_slo_s: float) -> float:
         """Share of requests meeting both SLOs (DistServe's SLO attainment)."""

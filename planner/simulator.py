@@ -30,12 +30,12 @@ the autoscaler's lending, ``planner.sim_types`` the inputs and outputs):
   x ``decode_factor``); and processor sharing of ``cores`` between the busy replicas and the
   stack's CPU per streamed token. Measured through the served app; none by default.
 * **elastic** (``SystemSpec.policy``): every ``policy.interval_s`` the autoscaler's own pure
-  ``decide`` runs on a snapshot of the simulated replicas and lends / reclaims prefill
-  replicas; a lent replica (role ``both``) keeps taking prompts and takes whole decode-heavy
-  requests while it has fewer in flight per replica than the decode pool
-  (``autoscaling.placement``). With ``policy.scaling.enabled`` the pools' replica counts follow
-  ``autoscaling.scale.decide_counts`` too (new replicas serve after a start-up delay). Not
-  modelled: prompt placement on decode replicas.
+  ``decide`` and ``decide_counts`` run on a snapshot of the simulated replicas (their loads
+  ``SystemSpec.world.report_delay_s`` old), and requests are routed by the ingress's own
+  ``autoscaling.routing.RouteBook``: lent replicas take whole decode-heavy requests, prompt
+  placement sends prompts the prefill queue would delay to a decode replica, and new replicas
+  serve after ``world.startup_s`` (a share ``world.never_start`` never does, until the policy
+  gives them up). ``planner.sim_elastic`` says what each step follows.
 
 Not modelled anywhere: preemption (a request's whole KV is reserved at admission), prefix
 caching, network contention between transfers, HTTP and Serve overheads beyond the

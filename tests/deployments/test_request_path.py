@@ -166,10 +166,10 @@ def test_push_reads_the_destination_then_streams_while_the_prefill_writes():
     outputs = _run(path)
     assert _tokens(outputs) == [2, 3]
     assert [o.num_cached_tokens for o in outputs] == [0, 4]  # the last waits for the prefill's figures
-    assert elastic.seconds_per_prompt_token == pytest.approx(0.1)  # 0.4 s over 4 prompt tokens
+    assert elastic.book.seconds_per_prompt_token == pytest.approx(0.1)  # 0.4 s over 4 prompt tokens
     ((ttft_s, tpot_s, prefill_s),) = elastic.samples
     assert prefill_s == ttft_s  # push: the prefill call ends with the transfer
-    assert elastic._in_flight[Route.DISAGGREGATED] == 0 and elastic._prefill_tokens == 0
+    assert elastic.book.in_flight[Route.DISAGGREGATED] == 0 and elastic.book.prefill_tokens == 0
 
 
 def test_a_failed_push_is_retried_on_the_decode_replica_and_both_calls_are_cancelled():
@@ -218,8 +218,8 @@ def test_a_lent_replica_that_refuses_sends_the_request_disaggregated():
     decode = Deployment({"decode_pull": [[_output("r", 2, finished=True)]]})
     elastic = FixedRouting(Route.LENT)
     assert _tokens(_run(_path(elastic=elastic, prefill=prefill, decode=decode))) == [2]
-    assert elastic._routed[Route.LENT] == 1 and elastic._routed[Route.DISAGGREGATED] == 1
-    assert all(n == 0 for n in elastic._in_flight.values())
+    assert elastic.book.routed[Route.LENT] == 1 and elastic.book.routed[Route.DISAGGREGATED] == 1
+    assert all(n == 0 for n in elastic.book.in_flight.values())
 
 
 def test_a_client_gone_mid_stream_cancels_the_decode_call_and_ends_the_count():
@@ -229,20 +229,20 @@ def test_a_client_gone_mid_stream_cancels_the_decode_call_and_ends_the_count():
     path = _path(elastic=elastic, prefill=prefill, decode=decode)
     assert _tokens(_run(path, take=1)) == [2]
     assert decode.calls[0][2].cancelled
-    assert elastic._in_flight[Route.DISAGGREGATED] == 0 and not elastic._decoding
+    assert elastic.book.in_flight[Route.DISAGGREGATED] == 0 and not elastic.book.decoding
     assert elastic.samples == [] and path.metrics.events[-1][0] == "observe"  # the hop only: no 200
 
 
 def test_a_prompt_is_queued_until_its_prefill_returns():
     elastic = FixedRouting(Route.DISAGGREGATED)
     with elastic.track(REQUEST, Route.DISAGGREGATED) as tracked:
-        assert elastic._prefill_tokens == 4 and elastic._in_flight[Route.DISAGGREGATED] == 1
+        assert elastic.book.prefill_tokens == 4 and elastic.book.in_flight[Route.DISAGGREGATED] == 1
         tracked.prefilled(0.8)
         tracked.prefilled()
-        assert elastic._prefill_tokens == 0 and elastic.seconds_per_prompt_token == pytest.approx(0.2)
+        assert elastic.book.prefill_tokens == 0 and elastic.book.seconds_per_prompt_token == pytest.approx(0.2)
     with elastic.track(REQUEST, Route.ON_DECODE):
-        assert elastic._prompts_on_decode == 1 and elastic._decoding == {3: 1}
-    assert elastic._prompts_on_decode == 0 and not elastic._decoding
+        assert elastic.book.prompts_on_decode == 1 and elastic.book.decoding == {3: 1}
+    assert elastic.book.prompts_on_decode == 0 and not elastic.book.decoding
 
 
 def test_a_prompt_prefilled_on_decode_is_queued_until_its_first_output():
@@ -251,10 +251,10 @@ def test_a_prompt_prefilled_on_decode_is_queued_until_its_first_output():
     path, seen = _path(elastic=elastic, decode=decode), []
 
     async def main() -> None:
-        assert elastic._prompts_on_decode == 0
+        assert elastic.book.prompts_on_decode == 0
         async for _ in path.outputs(REQUEST):
-            seen.append((elastic._prompts_on_decode, elastic._in_flight[Route.ON_DECODE]))
+            seen.append((elastic.book.prompts_on_decode, elastic.book.in_flight[Route.ON_DECODE]))
 
     asyncio.run(main())
     assert seen == [(0, 1), (0, 1)]  # in flight to its end, queued only before its first output
-    assert elastic._in_flight[Route.ON_DECODE] == 0 and len(elastic.samples) == 1
+    assert elastic.book.in_flight[Route.ON_DECODE] == 0 and len(elastic.samples) == 1

@@ -190,23 +190,31 @@ def test_elastic_policy_lends_under_a_decode_burst_and_reclaims_after() -> None:
     lending_only = load_policy("default").model_copy(update={"scaling": Scaling(enabled=False)})
     burst = [SimRequest(0.1 * i, 32, 200) for i in range(120)]
     result = simulate(disagg(policy=lending_only), burst)
-    kinds = [kind for _, kind, _ in result.actions]
+    kinds = [d.kind for d in result.decisions]
     assert kinds[0] == "lend" and "reclaim" in kinds
-    assert all(replica == 0 for _, _, replica in result.actions)  # the prefill replica, index 0
+    assert all(d.replica == 0 and d.pool == "prefill" and d.reason for d in result.decisions)  # the prefill replica
     assert len(result.records) == 120
+    reclaimed = next(d.time_s for d in result.decisions if d.kind == "reclaim")
+    assert max(s.lent for s in result.timeline) == 1
+    assert next(s for s in result.timeline if s.time_s >= reclaimed).lent == 0
 
 
 def test_elastic_policy_scales_the_decode_pool_up_after_its_delay() -> None:
     """The default policy: 6 decoding requests per decode replica at most, 10 s of need
-    before a scale-up; the new replicas serve STARTUP_S later, and the burst's TPOT falls
-    below what lending alone gives."""
+    before a scale-up; the new replicas serve ``startup_s`` later, and the burst's TPOT falls
+    below what lending alone gives. The replicas held grow by the new ones from the decision on."""
     policy = load_policy("default")
     burst = [SimRequest(0.25 * i, 32, 200) for i in range(600)]
     result = simulate(disagg(policy=policy), burst)
-    ups = [(t, count) for t, kind, count in result.actions if kind == "scale_up:decode"]
-    assert ups and ups[0][0] >= policy.scaling.scale_up_delay_s
-    assert max(count for _, count in ups) <= policy.scaling.decode.max_replicas
+    ups = [d for d in result.decisions if d.kind == "scale_up" and d.pool == "decode"]
+    assert ups and ups[0].time_s >= policy.scaling.scale_up_delay_s and ups[0].new > ups[0].old
+    assert max(d.new for d in ups) <= policy.scaling.decode.max_replicas
     assert len(result.records) == 600
+    first = next(s for s in result.timeline if s.time_s >= ups[0].time_s)
+    assert first.starting == ups[0].new - ups[0].old and first.held_decode == 1 + first.starting
+    serving = next(s for s in result.timeline if s.time_s >= ups[0].time_s + SystemSpec.world.startup_s)
+    assert serving.decode == ups[0].new and serving.starting == 0
+    assert result.replica_seconds["decode"] > 1.5 * result.records[-1].arrival_s > 0
     lending_only = simulate(disagg(policy=policy.model_copy(update={"scaling": Scaling(enabled=False)})), burst)
     assert result.percentiles()["tpot_s"]["p90"] < lending_only.percentiles()["tpot_s"]["p90"]
 
