@@ -35,7 +35,7 @@ from autoscaling.policy import Policy, SLOTargets, load_policy
 from planner.costs import CostModel, load_calibration
 from planner.gpu_cost import HostBoundCost, device_cost, load_gpu_calibration
 from planner.roofline import Hardware, ModelShape, RooflineCost, load_hardware, model_shape
-from planner.sim_types import ElasticWorld, SimRecord, SimResult, SystemSpec
+from planner.sim_types import ElasticWorld, PoolSample, SimRecord, SimRequest, SimResult, SystemSpec
 from planner.simulator import simulate
 from planner.trace import TraceError, read_trace, scale_rate, window
 
@@ -90,11 +90,12 @@ def _check(ok: bool, message: str) -> None:
         raise InputError(message)
 
 
-def _policy(name: str | None, ttft_s: float, tpot_s: float) -> Policy | None:
+def _policy(name: str | Policy | None, ttft_s: float, tpot_s: float) -> Policy | None:
+    """The policy named (or given, from code), its SLO targets the simulation's."""
     if name is None or name == "none":
         return None
     try:
-        policy = load_policy(name)
+        policy = name if isinstance(name, Policy) else load_policy(name)
     except (OSError, ValueError, ValidationError) as exc:
         raise InputError(f"--policy {name}: {exc}") from None
     return policy.model_copy(update={"slo": SLOTargets(ttft_p90_ms=ttft_s * 1e3, tpot_p90_ms=tpot_s * 1e3)})
@@ -189,12 +190,14 @@ def summarize(result: SimResult, run: Setup, window_s: float) -> dict[str, Any]:
     met = sum(r.met(run.ttft_slo_s, run.tpot_slo_s) for r in records)
     overall |= {"duration_s": end_s, "gpu_hours": gpu_hours, "goodput_rps": met / end_s if end_s else 0.0,
                 "goodput_per_gpu_hour": met / gpu_hours if gpu_hours else 0.0}  # fmt: skip
+    system = run.system
+    decode = 0 if system.kind == "colocated" else system.decode_replicas
+    fixed = [PoolSample(0.0, system.prefill_replicas, decode, held_prefill=system.prefill_replicas, held_decode=decode)]
     windows = []
     for start in np.arange(0.0, max((r.arrival_s for r in records), default=0.0) + 1e-9, window_s):
         mine = [r for r in records if start <= r.arrival_s < start + window_s]
-        samples = [s for s in result.timeline if start <= s.time_s < start + window_s]
-        mean = {k: float(np.mean([getattr(s, k) for s in samples])) if samples else None
-                for k in ("prefill", "decode", "lent", "held")}  # fmt: skip
+        samples = [s for s in result.timeline if start <= s.time_s < start + window_s] or fixed
+        mean = {k: float(np.mean([getattr(s, k) for s in samples])) for k in ("prefill", "decode", "lent", "held")}
         windows.append({"start_s": float(start), **latency_summary(mine, run.ttft_slo_s, run.tpot_slo_s),
                         "mean_replicas": mean})  # fmt: skip
     return {
@@ -206,18 +209,29 @@ def summarize(result: SimResult, run: Setup, window_s: float) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Read, check, simulate and summarize; ``InputError`` / ``TraceError`` before any work."""
-    planned = setup(args)
+def load_requests(args: argparse.Namespace) -> list[SimRequest]:
+    """The trace's requests in ``args``' window, at ``args``' rate scale."""
     requests = window(read_trace(args.trace), args.start_s, args.duration_s)
     _check(bool(requests), f"{args.trace}: no request in the window from {args.start_s:g} s")
-    requests = scale_rate(requests, args.rate_scale, seed=args.seed)
+    return scale_rate(requests, args.rate_scale, seed=args.seed)
+
+
+def measure(planned: Setup, requests: list[SimRequest], window_s: float) -> dict[str, Any]:
+    """Simulate ``requests`` on the planned system: ``summarize``'s figures and the wall time."""
     started = time.perf_counter()
     result = simulate(planned.system, requests)
     wall_s = time.perf_counter() - started
+    return {"gpus_per_replica": planned.gpus, "requests": len(requests), "wall_s": wall_s} | summarize(
+        result, planned, window_s
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Read, check, simulate and summarize; ``InputError`` / ``TraceError`` before any work."""
+    planned = setup(args)
+    requests = load_requests(args)
     inputs = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("func", "command")}
-    summary = summarize(result, planned, args.window_s)
-    return {"inputs": inputs, "gpus_per_replica": planned.gpus, "requests": len(requests), "wall_s": wall_s} | summary
+    return {"inputs": inputs} | measure(planned, requests, args.window_s)
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ class ModelShape:
     dtype_bytes: int = 2
     name: str = ""
 
-    @property
+    @cached_property  # the simulator asks once per step
     def layer_params(self) -> int:
         """Weights of one layer: Q, K, V, O projections and the MLP."""
         q_out = self.num_heads * self.head_dim
@@ -100,18 +101,18 @@ class ModelShape:
         mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
         return attention + mlp
 
-    @property
+    @cached_property
     def matmul_params(self) -> int:
         """Weights every token multiplies through (all layers; not the embeddings)."""
         return self.num_layers * self.layer_params
 
-    @property
+    @cached_property
     def lm_head_params(self) -> int:
         embed = self.embed_dim or self.hidden_size
         projection = 0 if embed == self.hidden_size else embed * self.hidden_size
         return self.vocab_size * embed + projection
 
-    @property
+    @cached_property
     def params(self) -> int:
         """All weights: layers, input embedding, and the LM head unless it is tied to the embedding."""
         embed = self.embed_dim or self.hidden_size
@@ -119,16 +120,16 @@ class ModelShape:
         untied_head = 0 if self.tie_word_embeddings else self.vocab_size * embed
         return self.matmul_params + embeddings + untied_head
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         return self.params * self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
-    @property
+    @cached_property
     def attention_width(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -264,11 +265,30 @@ class RooflineCost:
         return self._forward_s(self.prefill_flops(batch_tokens), num_bytes, batch_tokens)
 
     def decode_step_s(self, batch_size: int, context_tokens: int) -> float:
-        """One decode step of ``batch_size`` requests whose KV lengths sum to ``context_tokens``."""
+        """One decode step of ``batch_size`` requests whose KV lengths sum to ``context_tokens``:
+        ``_forward_s(decode_flops, forward_bytes, batch_size)``, with its terms linear in the batch
+        and the context worked out once (the simulator asks for every step)."""
         if batch_size <= 0:
             return 0.0
-        flops = self.decode_flops(batch_size, context_tokens)
-        return self._forward_s(flops, self.forward_bytes(context_tokens), batch_size)
+        per_row, per_kv, weights, kv_read, fixed, comm_row = self._decode_terms
+        compute = per_row * batch_size + per_kv * context_tokens
+        memory = weights + kv_read * context_tokens
+        return (compute if compute > memory else memory) + fixed + comm_row * batch_size
+
+    @cached_property
+    def _decode_terms(self) -> tuple[float, float, float, float, float, float]:
+        """Seconds of compute per row and KV token, of memory for the weights and per KV token, fixed, per row sent."""
+        shape, eff, hw, tp = self.shape, self.efficiency, self.hardware, self.tp
+        flops_rate, bytes_rate = tp * hw.bf16_flops * eff.mfu, tp * hw.hbm_bytes_per_s * eff.hbm
+        per_row = 2 * (shape.matmul_params + shape.lm_head_params) / flops_rate
+        per_kv = 4 * shape.num_layers * shape.attention_width / flops_rate
+        weights = (shape.matmul_params + shape.lm_head_params) * shape.dtype_bytes / bytes_rate
+        fixed, comm_row = eff.step_overhead_s, 0.0
+        if tp > 1:  # 2 all-reduces per layer of the rows' activations
+            link = hw.nvlink_bytes_per_s * eff.link
+            fixed += 2 * shape.num_layers * eff.allreduce_latency_s
+            comm_row = 2 * shape.num_layers * 2 * (tp - 1) / tp * shape.hidden_size * shape.dtype_bytes / link
+        return per_row, per_kv, weights, shape.kv_bytes_per_token / bytes_rate, fixed, comm_row
 
     def transfer_s(self, num_bytes: int) -> float:
         """One KV transfer to a replica on another node: latency + bytes over the tp NICs."""
@@ -279,14 +299,14 @@ class RooflineCost:
     def kv_bytes_per_token(self) -> int:
         return self.shape.kv_bytes_per_token
 
-    @property
+    @cached_property
     def kv_pool_bytes(self) -> float:
         """KV pool of the replica: per GPU, usable memory - weights/tp - activation reserve."""
         eff = self.efficiency
         per_gpu = self.hardware.hbm_bytes * eff.memory_utilization - eff.activation_reserve_bytes
         return max(0.0, self.tp * per_gpu - self.shape.weight_bytes)
 
-    @property
+    @cached_property
     def kv_capacity_tokens(self) -> int:
         return int(self.kv_pool_bytes // self.shape.kv_bytes_per_token)
 

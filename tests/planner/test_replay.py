@@ -20,6 +20,7 @@ from tests.planner.test_simulator import disagg
 
 AZURE = Path(__file__).parents[2] / "workloads" / "traces" / "azure_llm_2023_conv.csv"
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+ROOT_CALIBRATION = Path(__file__).parents[2] / "planner" / "calibration" / "cpu-2core.json"
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +207,35 @@ def test_a_colocated_system_pays_for_its_replicas_and_takes_no_policy(tmp_path, 
     data = run(args)
     assert data["gpus_per_replica"] == {"colocated": 1} and data["routes"] == {}
     assert data["overall"]["gpu_hours"] == pytest.approx(3 * data["overall"]["duration_s"] / 3600)
+
+
+def test_the_study_runs_every_system_on_a_slice_and_renders_from_its_json(tmp_path, capsys):
+    """``python -m planner.study`` on the trace's first 10 minutes at its own rate: every system
+    ran on the same requests, the oracle's windows hold the sizing target, and ``--render``
+    rewrites the same page from the JSON alone."""
+    from planner.study import SIZE_TARGET, SYSTEMS
+    from planner.study import main as study
+
+    assert study(["--engine", "1.2x", "--rate-scale", "1", "--duration-s", "600", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "elastic_at_scale.json").read_text())["1.2x"]
+    assert set(data["systems"]) == set(SYSTEMS) and data["settings"]["requests"] == sum(data["arrivals_per_window"])
+    hours = {name: s["overall"]["gpu_hours"] for name, s in data["systems"].items()}
+    assert all(h > 0 for h in hours.values()) and hours["g"] <= hours["b"] * 1.0001
+    assert all(row["attainment"] >= SIZE_TARGET for row in data["systems"]["g"]["sizes"])
+    page = (tmp_path / "elastic_at_scale.md").read_text()
+    assert "## Engine profile `1.2x`" in page and "| f holds 90% in every window |" in page
+    assert study(["--render", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "elastic_at_scale.md").read_text() == page
+    assert (tmp_path / "elastic_at_scale_1.2x.png").stat().st_size > 0
+    capsys.readouterr()
+
+
+def test_the_cpu_calibration_simulates_this_machine_and_refuses_a_gpu_or_tp(tmp_path, capsys):
+    trace = _write(tmp_path, "t.csv", HEADER + "0,100,8\n2,100,8\n")
+    calibration = str(ROOT_CALIBRATION)
+    data = run(with_defaults(trace=trace, calibration=Path(calibration), slo_ttft=5.0, slo_tpot=0.5))
+    assert data["requests"] == 2 and data["overall"]["attainment"] == 1.0
+    assert data["overall"]["ttft_p90_s"] > 0.1  # a 100-token prefill on one CPU thread, plus the served stack
+    argv = _cli("--trace", str(trace), "--calibration", calibration)
+    assert main([*argv, "--gpu", "h100"]) == 2 and "not both" in capsys.readouterr().err
+    assert main([*argv, "--tp-decode", "2"]) == 2 and "no TP degree" in capsys.readouterr().err
