@@ -120,7 +120,7 @@ def test_a_missing_policy_lists_the_shipped_names(name):
         load_policy(name)
     message = str(caught.value)
     assert f"no policy {name!r}" in message
-    assert "shipped: cost_first, default, latency_first" in message
+    assert "shipped: cost_first, default, gpu, latency_first" in message
 
 
 def test_a_file_name_defaults_the_policy_name(tmp_path):

@@ -149,7 +149,7 @@ def test_a_missing_trace_or_policy_exits_2(tmp_path, capsys):
     assert "absent.jsonl" in capsys.readouterr().err
     trace = _write_trace(tmp_path / "trace.jsonl", _burst_then_calm())
     assert main(["no_such_policy", str(trace)]) == 2
-    assert "no policy 'no_such_policy' (shipped: cost_first, default, latency_first" in capsys.readouterr().err
+    assert "no policy 'no_such_policy' (shipped: cost_first, default, gpu, latency_first" in capsys.readouterr().err
 
 
 def test_a_policy_that_is_not_yaml_exits_2(tmp_path, capsys):
