@@ -1,72 +1,11 @@
-"""bench.prefix_cache without a server: a streamed chat turn read from its SSE lines, the closed
-loop's turn order, the Prometheus counters, and one setting's figures from its rows."""
+"""bench.prefix_cache's arithmetic: the Prometheus counters and one setting's figures from its
+rows (its chat turns run against a real app in tests/bench/test_serve_bench.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-
-import httpx
 import pytest
 
-import bench.prefix_cache as prefix_cache
-from bench.prefix_cache import chat_turn, closed_loop, parse_counters, ratios, same_answers, summarize
-from workloads import ChatConversation
-
-CHAT = ChatConversation(3, ("Hello.", "And then?"), max_tokens=2)
-
-
-def _sse(*chunks: dict) -> bytes:
-    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks).encode() + b"data: [DONE]\n\n"
-
-
-def _turn(handler) -> dict:
-    async def run() -> dict:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await chat_turn(client, "http://server", "m", CHAT, ["Hi."])
-
-    return asyncio.run(run())
-
-
-def test_a_streamed_turn_gives_its_answer_usage_and_cached_tokens():
-    sent = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        sent.append(json.loads(request.content))
-        usage = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
-        body = _sse({"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [{"delta": {"content": "Then "}}]},
-                    {"choices": [{"delta": {"content": "more."}}]}, {"choices": [], "usage": usage})  # fmt: skip
-        return httpx.Response(200, content=body)
-
-    row = _turn(handler)
-    assert sent[0]["messages"][-1] == {"role": "user", "content": "And then?"} and sent[0]["max_tokens"] == 2
-    assert row["conversation"] == 3 and row["turn"] == 2 and row["answer"] == "Then more." and row["error"] is None
-    assert (row["prompt_tokens"], row["output_tokens"], row["cached_tokens"]) == (40, 2, 32)
-    assert row["ttft_s"] > 0 and row["tpot_s"] is not None
-
-
-def test_a_failed_turn_says_why_and_has_no_times():
-    row = _turn(lambda request: httpx.Response(503, content=b"overloaded"))
-    assert row["error"] == "HTTP 503: b'overloaded'" and row["ttft_s"] is None and row["answer"] == ""
-    row = _turn(lambda request: httpx.Response(200, content=_sse({"error": {"message": "too long"}})))
-    assert row["error"] == "too long" and row["cached_tokens"] is None
-
-
-def test_the_closed_loop_sends_each_turn_after_the_last_and_stops_a_conversation_at_a_failure(monkeypatch):
-    async def fake_turn(client, url, model, chat, answers) -> dict:
-        turn = len(answers) + 1
-        error = "boom" if (chat.index, turn) == (1, 2) else None
-        return {"conversation": chat.index, "turn": turn, "answer": f"{chat.index}.{turn}", "error": error}
-
-    async def after_turn() -> dict:
-        return {"kv_bytes": 7}
-
-    monkeypatch.setattr(prefix_cache, "chat_turn", fake_turn)
-    chats = [ChatConversation(i, ("a", "b", "c"), 1) for i in range(2)]
-    rows, duration = asyncio.run(closed_loop("http://server", "m", chats, after_turn))
-    assert [(r["conversation"], r["turn"]) for r in rows] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2)]
-    assert [r.get("kv_bytes") for r in rows] == [7, 7, 7, 7, None] and duration >= 0
-
+from bench.prefix_cache import parse_counters, ratios, same_answers, summarize
 
 EXPORT = """\
 # HELP ray_tandem_kv_transfer_bytes_total KV bytes moved

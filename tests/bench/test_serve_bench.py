@@ -1,6 +1,7 @@
 """The load generator against a running disaggregated app (real Ray, real HTTP): the server
-sees the asked prompt lengths, outputs have max_tokens tokens, and a tiny sweep reports
-attainment and goodput."""
+sees the asked prompt lengths, outputs have max_tokens tokens, a tiny sweep reports
+attainment and goodput, and bench.prefix_cache's closed loop of streamed chat turns gives each
+turn's row in order, stopping a conversation at its first refused turn."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from bench.prefix_cache import closed_loop
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from tests.serving import ServeApp
-from workloads import make_requests, median_request
+from workloads import ChatConversation, make_requests, median_request
 
 CONTEXT = 512
 
@@ -66,3 +68,28 @@ def test_tiny_sweep_reports_attainment_and_goodput(target, tokenizer):
     assert all(p["completed"] == 4 and len(p["records"]) == 4 for p in result["points"])
     result = sweep(target, requests[:2], [4.0], impossible, seed=5)
     assert result["points"][0]["attainment"] == 0.0 and result["goodput"]["bound"] == "below"
+
+
+def test_chat_turns_stream_in_order_and_a_refused_turn_ends_its_conversation(target):
+    chats = [
+        ChatConversation(0, ("Say hello.", "And then?", "Once more."), max_tokens=3),
+        ChatConversation(1, ("Hi.", "word " * CONTEXT, "never sent"), max_tokens=2),  # turn 2 is over the context
+    ]
+    fetched = []
+
+    async def after_turn() -> dict:
+        fetched.append(len(fetched))
+        return {"kv_bytes": fetched[-1]}
+
+    rows, duration = asyncio.run(closed_loop(target.url, target.model, chats, after_turn))
+    assert [(r["conversation"], r["turn"]) for r in rows] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2)]
+    ok = [r for r in rows if r["error"] is None]
+    assert len(ok) == 4 and sorted(r["kv_bytes"] for r in ok) == [0, 1, 2, 3] and duration > 0
+    for row in ok:
+        assert row["output_tokens"] == 3 - row["conversation"] and row["answer"] and row["ttft_s"] > 0
+        assert row["cached_tokens"] is not None and 0 <= row["cached_tokens"] < row["prompt_tokens"]
+    turns = {r["turn"]: r for r in rows if r["conversation"] == 0}
+    assert turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"] < turns[3]["prompt_tokens"]
+    refused = rows[-1]
+    assert refused["error"].startswith("HTTP 400: ") and "messages" in refused["error"] and "kv_bytes" not in refused
+    assert refused["ttft_s"] is None and refused["answer"] == ""

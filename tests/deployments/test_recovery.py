@@ -210,7 +210,7 @@ def _restarted(base_url: str, path: str, deployment: str, before: set[str]) -> N
         now = _engine_ids(base_url, path, deployment)
         return bool(now) and not now & before
 
-    wait_until(replaced, 120, f"{deployment} of {path or '/'} restarted")
+    wait_until(replaced, 300, f"{deployment} of {path or '/'} restarted")
 
 
 @pytest.mark.parametrize("path", ["", "/push"], ids=["pull", "push"])
