@@ -101,7 +101,7 @@ def smallest(holds: Callable[[int], bool], low: int = 1, high: int = MAX_REPLICA
 
 def size_pools(study: Study, start: float, end: float) -> tuple[int, int]:
     """The fewest prefill replicas whose TTFTs hold with decode to spare, then the fewest decode
-    replicas that hold both, adding to the pool that misses more until the window holds."""
+    replicas that hold both; then grown and trimmed as ``fit_pools`` does."""
     spare = MAX_REPLICAS
 
     def ttft_holds(p: int) -> bool:
@@ -112,15 +112,34 @@ def size_pools(study: Study, start: float, end: float) -> tuple[int, int]:
     def both_hold(d: int) -> bool:
         return attainments(study, start, end, prefill=prefill, decode=d)["attainment"] >= SIZE_TARGET
 
-    decode = smallest(both_hold)
-    for _ in range(8):
-        got = attainments(study, start, end, prefill=prefill, decode=decode)
-        if got["attainment"] >= SIZE_TARGET:
+    row = fit_pools(study, start, end, [prefill, smallest(both_hold)])
+    return row["prefill"], row["decode"]
+
+
+def fit_pools(study: Study, start: float, end: float, guess: list[int]) -> dict[str, Any]:
+    """Pools for [start, end) from ``guess``: while the window misses, one replica more in the pool
+    whose replica helps more (a TTFT can wait on decode's KV room, so the missing half does not
+    say which); then each pool one fewer while the window still holds."""
+    tried: dict[tuple[int, int], dict[str, float]] = {}
+
+    def got(pools: list[int]) -> dict[str, float]:
+        key = (pools[0], pools[1])
+        if key not in tried:
+            tried[key] = attainments(study, start, end, prefill=key[0], decode=key[1])
+        return tried[key]
+
+    pools = list(guess)
+    for _ in range(2 * MAX_REPLICAS):
+        if got(pools)["attainment"] >= SIZE_TARGET:
             break
-        prefill, decode = (
-            (prefill + 1, decode) if got["ttft_attainment"] < got["tpot_attainment"] else (prefill, decode + 1)
-        )
-    return prefill, decode
+        pools = max(([n + (i == k) for i, n in enumerate(pools)] for k in (0, 1)), key=lambda o: got(o)["attainment"])
+    for pool in (0, 1):
+        while pools[pool] > 1:
+            fewer = [n - (i == pool) for i, n in enumerate(pools)]
+            if got(fewer)["attainment"] < SIZE_TARGET:
+                break
+            pools = fewer
+    return {"prefill": pools[0], "decode": pools[1], **got(pools)}
 
 
 def run_hour(study: Study, **system: Any) -> dict[str, Any]:
@@ -151,30 +170,6 @@ def _load(requests: list[SimRequest], start: float, end: float) -> tuple[float, 
     )
 
 
-def window_sizes(study: Study, index: int, guess: list[int]) -> dict[str, Any]:
-    """Window ``index``'s pools from ``guess``: up one replica at a time (the pool that misses
-    more) until the window holds, then each pool down while it still does."""
-    start, end = study.window(index)
-    tried: dict[tuple[int, int], dict[str, float]] = {}
-
-    def got(pools: list[int]) -> dict[str, float]:
-        key = (pools[0], pools[1])
-        if key not in tried:
-            tried[key] = attainments(study, start, end, prefill=key[0], decode=key[1])
-        return tried[key]
-
-    pools = list(guess)
-    while (a := got(pools))["attainment"] < SIZE_TARGET:
-        pools[0 if a["ttft_attainment"] < a["tpot_attainment"] else 1] += 1
-    for pool in (0, 1):
-        while pools[pool] > 1:
-            fewer = [n - (i == pool) for i, n in enumerate(pools)]
-            if got(fewer)["attainment"] < SIZE_TARGET:
-                break
-            pools = fewer
-    return {"window": index, "prefill": pools[0], "decode": pools[1], **got(pools)}
-
-
 def oracle(study: Study, peak: int, sizes: tuple[int, int]) -> list[dict[str, Any]]:
     """Each window's own pools, searched from the peak's scaled by the window's load."""
     peak_load = _load(study.requests, *study.window(peak))
@@ -182,7 +177,7 @@ def oracle(study: Study, peak: int, sizes: tuple[int, int]) -> list[dict[str, An
     for index in range(study.num_windows):
         load = _load(study.requests, *study.window(index))
         guess = [max(1, math.ceil(n * w / max(p, 1))) for n, w, p in zip(sizes, load, peak_load)]
-        rows.append(window_sizes(study, index, guess))
+        rows.append({"window": index, **fit_pools(study, *study.window(index), guess)})
     return rows
 
 
