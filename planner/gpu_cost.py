@@ -28,7 +28,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -181,8 +181,8 @@ def load_gpu_calibration(path: str | Path) -> GpuCalibration:
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
     rows = tuple(StepRow(**row) for row in data["rows"])
-    return replace(GpuCalibration(data["hardware"], data["engine"], data["source"], rows, HostCost(**data["host"])),
-                   cross_check=data.get("cross_check", {}))  # fmt: skip
+    host = HostCost(**data["host"])
+    return GpuCalibration(data["hardware"], data["engine"], data["source"], rows, host, data.get("cross_check", {}))
 
 
 def rows_from_gpu_engine(data: dict[str, Any], engine: str = "eager") -> list[StepRow]:

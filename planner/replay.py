@@ -24,6 +24,7 @@ import json
 import math
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -193,13 +194,18 @@ def summarize(result: SimResult, run: Setup, window_s: float) -> dict[str, Any]:
     system = run.system
     decode = 0 if system.kind == "colocated" else system.decode_replicas
     fixed = [PoolSample(0.0, system.prefill_replicas, decode, held_prefill=system.prefill_replicas, held_decode=decode)]
+    by_window: dict[int, list[SimRecord]] = defaultdict(list)
+    for record in records:  # one pass each, not one per window
+        by_window[int(record.arrival_s // window_s)].append(record)
+    samples_by_window: dict[int, list[PoolSample]] = defaultdict(list)
+    for sample in result.timeline:
+        samples_by_window[int(sample.time_s // window_s)].append(sample)
     windows = []
-    for start in np.arange(0.0, max((r.arrival_s for r in records), default=0.0) + 1e-9, window_s):
-        mine = [r for r in records if start <= r.arrival_s < start + window_s]
-        samples = [s for s in result.timeline if start <= s.time_s < start + window_s] or fixed
+    for index in range(max(by_window, default=0) + 1):
+        samples = samples_by_window.get(index) or fixed
         mean = {k: float(np.mean([getattr(s, k) for s in samples])) for k in ("prefill", "decode", "lent", "held")}
-        windows.append({"start_s": float(start), **latency_summary(mine, run.ttft_slo_s, run.tpot_slo_s),
-                        "mean_replicas": mean})  # fmt: skip
+        windows.append({"start_s": index * window_s, **latency_summary(by_window[index], run.ttft_slo_s,
+                        run.tpot_slo_s), "mean_replicas": mean})  # fmt: skip
     return {
         "overall": overall,
         "windows": windows,

@@ -277,18 +277,24 @@ class RooflineCost:
 
     @cached_property
     def _decode_terms(self) -> tuple[float, float, float, float, float, float]:
-        """Seconds of compute per row and KV token, of memory for the weights and per KV token, fixed, per row sent."""
-        shape, eff, hw, tp = self.shape, self.efficiency, self.hardware, self.tp
-        flops_rate, bytes_rate = tp * hw.bf16_flops * eff.mfu, tp * hw.hbm_bytes_per_s * eff.hbm
-        per_row = 2 * (shape.matmul_params + shape.lm_head_params) / flops_rate
-        per_kv = 4 * shape.num_layers * shape.attention_width / flops_rate
-        weights = (shape.matmul_params + shape.lm_head_params) * shape.dtype_bytes / bytes_rate
-        fixed, comm_row = eff.step_overhead_s, 0.0
-        if tp > 1:  # 2 all-reduces per layer of the rows' activations
-            link = hw.nvlink_bytes_per_s * eff.link
-            fixed += 2 * shape.num_layers * eff.allreduce_latency_s
-            comm_row = 2 * shape.num_layers * 2 * (tp - 1) / tp * shape.hidden_size * shape.dtype_bytes / link
-        return per_row, per_kv, weights, shape.kv_bytes_per_token / bytes_rate, fixed, comm_row
+        """``_forward_s``'s parts for a decode step, read off ``decode_flops``, ``forward_bytes`` and
+        ``allreduce_s`` (each linear): seconds of compute per row and per KV token, of memory for
+        the weights and per KV token, fixed, and of all-reduce per row."""
+        eff, hw, shape = self.efficiency, self.hardware, self.shape
+        flops_rate, bytes_rate = self.tp * hw.bf16_flops * eff.mfu, self.tp * hw.hbm_bytes_per_s * eff.hbm
+
+        def communication_s(rows: int) -> float:
+            return 2 * shape.num_layers * self.allreduce_s(rows * shape.hidden_size * shape.dtype_bytes)
+
+        weights = self.forward_bytes(0)
+        return (
+            self.decode_flops(1, 0) / flops_rate,
+            self.decode_flops(0, 1) / flops_rate,
+            weights / bytes_rate,
+            (self.forward_bytes(1) - weights) / bytes_rate,
+            eff.step_overhead_s + communication_s(0),
+            communication_s(1) - communication_s(0),
+        )
 
     def transfer_s(self, num_bytes: int) -> float:
         """One KV transfer to a replica on another node: latency + bytes over the tp NICs."""

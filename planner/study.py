@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoscaling.policy import Policy, Scaling
+from autoscaling.policy import Policy, Scaling, load_policy
 from planner import replay
 from planner.sim_types import SimRequest
 from planner.simulator import simulate
@@ -146,13 +146,11 @@ def run_hour(study: Study, **system: Any) -> dict[str, Any]:
     planned = replay.setup(study.args(**system))
     data = replay.measure(planned, study.requests, WINDOW_S)
     study.runs, study.sim_s = study.runs + 1, study.sim_s + data["wall_s"]
-    return data | {"system_args": {k: v for k, v in system.items()}}
+    return data | {"system_args": dict(system)}
 
 
 def policy_variant(study: Study, lending: bool, scaling: bool) -> Policy:
     """The study's policy with lending and prompt placement, or replica scaling, turned off."""
-    from autoscaling.policy import load_policy
-
     policy = load_policy(study.policy)
     updates: dict[str, Any] = {}
     if not lending:
@@ -194,13 +192,20 @@ def oracle_summary(study: Study, rows: list[dict[str, Any]]) -> dict[str, Any]:
             "decisions": [], "sizes": rows}  # fmt: skip
 
 
-def colocated_size(study: Study, peak: int) -> int:
-    """The fewest colocated replicas holding the target over the hour: the peak window's count,
-    then bisected downward on whole-hour runs."""
+def colocated_size(study: Study, peak: int) -> tuple[int, dict[str, Any]]:
+    """The fewest colocated replicas holding the target over the hour, and that hour's run: the
+    peak window's count, then bisected downward on whole-hour runs."""
     start, end = study.window(peak)
     at_peak = smallest(lambda n: attainments(study, start, end, colocated=n)["attainment"] >= TARGET)
-    return smallest(lambda n: run_hour(study, colocated=n)["overall"]["attainment"] >= TARGET,
-                    max(1, 2 * at_peak // 3), at_peak)  # fmt: skip
+    hours: dict[int, dict[str, Any]] = {}
+
+    def hour(n: int) -> dict[str, Any]:
+        if n not in hours:
+            hours[n] = run_hour(study, colocated=n)
+        return hours[n]
+
+    n = smallest(lambda n: hour(n)["overall"]["attainment"] >= TARGET, max(1, 2 * at_peak // 3), at_peak)
+    return n, hour(n)
 
 
 def run_study(study: Study, log: Callable[[str], None]) -> dict[str, Any]:
@@ -227,11 +232,9 @@ def run_study(study: Study, log: Callable[[str], None]) -> dict[str, Any]:
         key = f"d{startup:.0f}"
         systems[key] = run_hour(study, prefill=first[0], decode=first[1], policy=scaled, startup_s=startup)
         log(f"{key}: {systems[key]['overall']['attainment']:.3f}")
-    n = colocated_size(study, peak)
-    systems["a"] = run_hour(study, colocated=n)
+    n, systems["a"] = colocated_size(study, peak)
     for system in systems.values():
-        for key in ("timeline",):
-            system.pop(key, None)
+        system.pop("timeline", None)
         system.get("system_args", {}).pop("policy", None)
     return {"peak_window": peak, "arrivals_per_window": counts, "sizes": {"a": n, "b": b_sizes, "c": c_sizes},
             "systems": systems}  # fmt: skip
