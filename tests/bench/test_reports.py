@@ -23,6 +23,7 @@ REPORTS = [
     (DOC / "elastic.md", "bench.scaling", DOC / "scaling.json"),
     (DOC / "planner.md", "bench.planner_check", DOC / "planner.json"),
     (DOC / "prefix_cache.md", "bench.prefix_cache", DOC / "prefix_cache.json"),
+    (DOC / "elastic_at_scale.md", "planner.study", DOC / "elastic_at_scale.json"),
     (ROOT / "docs" / "reliability.md", "bench.reliability", DOC / "reliability.json"),
 ]
 
