@@ -4,7 +4,7 @@ Frozen dataclasses that Ray pickles as they are, on both calls the controller an
 
     engine replica --ReplicaReport----------------> controller    (report, every 0.25 s)
                    <-- ReportAnswer: role, PoolTarget --
-    ingress        --[LatencySample, ...]---------> controller    (sync, every 0.25 s)
+    ingress        --IngressReport----------------> controller    (sync, every 0.25 s)
                    <-- RoutingPlan ----------------
 
 An engine replica takes the role in the answer, and relays its pool's ``PoolTarget`` to
@@ -76,6 +76,15 @@ class LatencySample:
     ttft_s: float
     tpot_s: float | None  # None: a one-token output
     prefill_s: float | None  # the prefill call (pull) or TTFT (push) of a disaggregated request; else None
+
+
+@dataclass(frozen=True)
+class IngressReport:
+    """What one ingress saw since its last sync."""
+
+    samples: tuple[LatencySample, ...] = ()  # requests that finished
+    prompt_tokens: int = 0  # prompt tokens of the requests it admitted (on any route)
+    seconds_per_prompt_token: float | None = None  # its prefill-speed estimate (``RouteBook``)
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,13 @@ class PrefillScaling(PoolScaling):
     queued_prompt_tokens: float | None = Field(
         None, gt=0, description="target prompt tokens not yet computed, per prefill-role replica"
     )
+    busy_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="target share of a prefill replica's time computing prompts, for the prompt tokens arriving"
+        " per second x the seconds per prompt token",
+    )
 
 
 class DecodeScaling(PoolScaling):
@@ -141,7 +148,7 @@ class DecodeScaling(PoolScaling):
 class Scaling(_Strict):
     """Replica counts of both pools, decided together (``autoscaling/scale.py``): a pool grows
     to the replicas its load needs at the targets once that need has lasted
-    ``scale_up_delay_s``, and shrinks by one once the load would stay under
+    ``scale_up_delay_s``, and shrinks once the load would stay under
     ``scale_down_below`` of the targets on one replica fewer for ``scale_down_delay_s``."""
 
     enabled: bool = Field(True, description="false: each pool keeps its num_replicas (lending still works)")

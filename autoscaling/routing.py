@@ -57,6 +57,7 @@ class RouteBook:
         self.in_flight = dict.fromkeys(Route, 0)
         self.routed = dict.fromkeys(Route, 0)  # requests per route since start
         self.decoding: Counter[int] = Counter()  # output lengths of requests on the decode pool
+        self.admitted_prompt_tokens = 0  # since start, every route: the prefill pool's arrivals
         self._speeds: deque[float] = deque(maxlen=SPEED_SAMPLES)
         self.last_placement: Placement | None = None  # why the last prompt went where it went
 
@@ -82,6 +83,7 @@ class RouteBook:
     def enter(self, route: Route, prompt_tokens: int, output_tokens: int) -> None:
         self.in_flight[route] += 1
         self.routed[route] += 1
+        self.admitted_prompt_tokens += prompt_tokens
         if route is not Route.LENT:
             self.decoding[output_tokens] += 1
         self._queue(route, prompt_tokens, +1)

@@ -9,14 +9,17 @@ the new replicas take the load (the fast path bridges the minutes a new replica 
 
 Per pool, the replicas the load needs at the policy's targets (``scaling.decode``:
 decoding requests per replica, KV usage; ``scaling.prefill``: queued prompt tokens per
-replica) is compared with the pool's target:
+replica, and the share of a replica busy with the prompts arriving) is compared with the
+pool's target:
 
 - **up** to what the load needs (at most ``max_replicas``) once the need has lasted
   ``scale_up_delay_s``;
-- **down** by one once the load would stay under ``scale_down_below`` of the targets on one
-  replica fewer for ``scale_down_delay_s`` (the gap between the two thresholds is the
-  hysteresis); the prefill pool does not shrink while one of its replicas is lent (the fast
-  path reclaims it first);
+- **down** once the load would stay under ``scale_down_below`` of the targets on one replica
+  fewer for ``scale_down_delay_s`` (the gap between the two thresholds is the hysteresis), to
+  the fewest replicas that kept it under that share at every decision of that time (the
+  surplus goes in one decision, not one replica per delay, and a momentary trough does not
+  size it); the prefill pool does not shrink while one of its replicas is lent
+  (the fast path reclaims it first);
 - **give up**: replicas asked for that do not report within ``pending_timeout_s`` (a pod
   left Pending, no room for the replica) are given up: the target falls back to the
   replicas that report, and that pool asks again only after a back-off that doubles up to
@@ -32,7 +35,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from autoscaling.policy import Policy
-from autoscaling.snapshot import ReplicaLoad, Snapshot
+from autoscaling.snapshot import Snapshot
 from engine.params import Role
 
 POOLS = (Role.PREFILL, Role.DECODE)
@@ -64,7 +67,8 @@ class ScaleState:
     back-off."""
 
     targets: Mapping[Role, int] = field(default_factory=lambda: _frozen({}))
-    want: Mapping[Role, tuple[ScaleKind, float]] = field(default_factory=lambda: _frozen({}))  # kind, since
+    # kind, since, the largest count the load needed since then (a shrink goes no lower)
+    want: Mapping[Role, tuple[ScaleKind, float, int]] = field(default_factory=lambda: _frozen({}))
     pending_since: Mapping[Role, float] = field(default_factory=lambda: _frozen({}))
     backoff_until: Mapping[Role, float] = field(default_factory=lambda: _frozen({}))
     backoff_s: Mapping[Role, float] = field(default_factory=lambda: _frozen({}))
@@ -92,33 +96,46 @@ class PoolLoad:
 
     reporting: int
     needed: int | None
-    down_ok: bool  # one replica fewer would stay under scale_down_below of every target
+    down_to: int  # the fewest replicas that keep the load under scale_down_below of every target
     detail: str
 
+    @property
+    def down_ok(self) -> bool:
+        """One replica fewer would stay under scale_down_below of every target."""
+        return self.needed is not None and self.down_to < self.reporting
 
-def _needed(amounts: list[tuple[str, float, float | None]], reporting: int, below: float) -> PoolLoad:
-    """``amounts``: (what, total load, per-replica target or None when off)."""
-    used = [(what, total, target) for what, total, target in amounts if target is not None]
+
+def _needed(amounts: list[tuple[str, float | None, float | None]], reporting: int, below: float) -> PoolLoad:
+    """``amounts``: (what, total load or None when unknown, per-replica target or None when off)."""
+    used = [(what, total, target) for what, total, target in amounts if target is not None and total is not None]
     if not used:
-        return PoolLoad(reporting, None, False, "no scaling signal on")
-    needed = max(max(math.ceil(total / target - 1e-9) for _, total, target in used), 1)
-    fewer = reporting - 1
-    down_ok = fewer >= 1 and all(total <= below * target * fewer for _, total, target in used)
+        return PoolLoad(reporting, None, reporting, "no scaling signal on")
+
+    def fewest(share: float) -> int:
+        return max(max(math.ceil(total / (share * target) - 1e-9) for _, total, target in used), 1)
+
     detail = ", ".join(f"{what} {total:g} (target {target:g} per replica)" for what, total, target in used)
-    return PoolLoad(reporting, needed, down_ok, f"{detail} on {reporting} replica(s)")
+    return PoolLoad(reporting, fewest(1.0), fewest(below), f"{detail} on {reporting} replica(s)")
 
 
-def pool_load(pool: Role, replicas: tuple[ReplicaLoad, ...], policy: Policy) -> PoolLoad:
-    scaling = policy.scaling
+def pool_load(pool: Role, snapshot: Snapshot, policy: Policy) -> PoolLoad:
+    scaling, replicas = policy.scaling, snapshot.replicas
     own = [r for r in replicas if r.home is pool]
     if pool is Role.PREFILL:
         queued = sum(r.queued_prompt_tokens for r in replicas if r.serves_prefill)
-        target = scaling.prefill.queued_prompt_tokens
-        return _needed([("queued prompt tokens", queued, target)], len(own), scaling.scale_down_below)
+        work = snapshot.observed.prompt_work
+        work = None if work is None else round(work, 3)
+        amounts = [
+            ("queued prompt tokens", queued, scaling.prefill.queued_prompt_tokens),
+            ("prompt work (busy replicas' worth)", work, scaling.prefill.busy_share),
+        ]
+        return _needed(amounts, len(own), scaling.scale_down_below)
     decoding = sum(r.decoding for r in replicas if r.serves_decode)  # by role: lent replicas' too
     blocks_per_replica = max((r.total_blocks for r in own), default=0)
     kv_target = scaling.decode.kv_usage
-    amounts = [("decoding requests", decoding, scaling.decode.running_per_replica)]
+    amounts: list[tuple[str, float | None, float | None]] = [
+        ("decoding requests", decoding, scaling.decode.running_per_replica)
+    ]
     if blocks_per_replica and kv_target is not None:
         used_share = sum(r.decode_blocks for r in replicas if r.serves_decode) / blocks_per_replica
         amounts.append(("KV in use (replicas' worth of blocks)", round(used_share, 3), kv_target))
@@ -133,7 +150,7 @@ def decide_counts(
     if not policy.scaling.enabled:
         return state, events
     for pool in POOLS:
-        load = pool_load(pool, snapshot.replicas, policy)
+        load = pool_load(pool, snapshot, policy)
         if load.reporting == 0:
             continue  # nothing reports yet (starting, or a controller restart): hold
         any_lent = any(r.replica in lent for r in snapshot.replicas if r.home is pool)
@@ -188,21 +205,23 @@ def _grow_or_shrink(
     scaling, bounds, target = policy.scaling, policy.scaling.pool(pool), state.targets[pool]
     if load.needed is None:
         return state.with_pool(pool, want=None), None
+    wanted = state.want.get(pool)
     kind, new, why = None, target, ""
     if load.needed > target and target < bounds.max_replicas:
         if now < state.backoff_until.get(pool, now):
             return state.with_pool(pool, want=None), None
         kind, new, delay = ScaleKind.UP, min(load.needed, bounds.max_replicas), scaling.scale_up_delay_s
         why = f"needs {load.needed} (max {bounds.max_replicas})"
-    elif load.down_ok and load.needed < target and target > bounds.min_replicas and not any_lent:
-        kind, new, delay = ScaleKind.DOWN, target - 1, scaling.scale_down_delay_s
-        why = f"under {scaling.scale_down_below:g} of the targets on {target - 1} (min {bounds.min_replicas})"
+    elif load.down_ok and max(load.down_to, bounds.min_replicas) < target and not any_lent:
+        kind, delay = ScaleKind.DOWN, scaling.scale_down_delay_s
+        seen = wanted[2] if wanted is not None and wanted[0] is kind else 0
+        new = max(load.down_to, seen, bounds.min_replicas)
+        why = f"under {scaling.scale_down_below:g} of the targets on {new} (min {bounds.min_replicas})"
     if kind is None:
         return state.with_pool(pool, want=None), None
-    wanted = state.want.get(pool)
     since = wanted[1] if wanted is not None and wanted[0] is kind else now
     if now - since < delay:
-        return state.with_pool(pool, want=(kind, since)), None
+        return state.with_pool(pool, want=(kind, since, new)), None
     state = state.with_pool(pool, targets=new, want=None)
     reason = f"{pool.value}: {load.detail}: {why}, for {now - since:.0f}s: {target} -> {new}"
     return state, ScaleEvent(pool, kind, target, new, reason)

@@ -5,6 +5,7 @@ trace that ``python -m autoscaling.replay`` reads back)."""
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -80,16 +81,56 @@ class Observed:
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
     prefill_p90_s: float | None = None  # the prefill call (pull) or TTFT (push) of disaggregated requests
+    prompt_tokens_per_s: float | None = None  # prompt tokens admitted per second (``PromptArrivals``)
+    seconds_per_prompt_token: float | None = None  # one prefill replica's compute per prompt token
 
     @classmethod
-    def of(cls, samples: Sequence[LatencySample], min_samples: int) -> Observed:
+    def of(
+        cls,
+        samples: Sequence[LatencySample],
+        min_samples: int,
+        prompt_tokens_per_s: float | None = None,
+        seconds_per_prompt_token: float | None = None,
+    ) -> Observed:
         """``samples``: one per finished request; each p90 needs ``min_samples`` values of its own."""
         return cls(
             num_requests=len(samples),
             ttft_p90_s=_p90([s.ttft_s for s in samples], min_samples),
             tpot_p90_s=_p90([s.tpot_s for s in samples if s.tpot_s is not None], min_samples),
             prefill_p90_s=_p90([s.prefill_s for s in samples if s.prefill_s is not None], min_samples),
+            prompt_tokens_per_s=prompt_tokens_per_s,
+            seconds_per_prompt_token=seconds_per_prompt_token,
         )
+
+    @property
+    def prompt_work(self) -> float | None:
+        """Prefill replicas' worth of prompt compute arriving: tokens per second x seconds per
+        token (1.0: one replica computing prompts all the time); None until both are known."""
+        if self.prompt_tokens_per_s is None or self.seconds_per_prompt_token is None:
+            return None
+        return self.prompt_tokens_per_s * self.seconds_per_prompt_token
+
+
+class PromptArrivals:
+    """Prompt tokens admitted over the last ``window_s``, from the time it started counting:
+    the arrival rate the prefill pool is sized from (the controller's, and the simulator's)."""
+
+    MIN_SPAN_S = 1.0  # a rate over less than this is no rate yet
+
+    def __init__(self, window_s: float, started: float) -> None:
+        self.window_s, self.started = window_s, started
+        self._arrived: deque[tuple[float, int]] = deque()  # (at, tokens), the oldest first
+
+    def add(self, now: float, tokens: int) -> None:
+        if tokens:
+            self._arrived.append((now, tokens))
+
+    def rate(self, now: float) -> float | None:
+        """Tokens per second over the window (over the time counted, while shorter)."""
+        while self._arrived and self._arrived[0][0] <= now - self.window_s:
+            self._arrived.popleft()
+        span = min(self.window_s, now - self.started)
+        return sum(tokens for _, tokens in self._arrived) / span if span >= self.MIN_SPAN_S else None
 
 
 def _p90(values: list[float], min_samples: int = 1) -> float | None:

@@ -24,16 +24,15 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from app.settings import AppConfig
 from autoscaling.decide import Action, ActionKind, ControllerState, decide
-from autoscaling.messages import LatencySample, RelayedTargets, ReplicaReport, ReportAnswer, RoutingPlan
+from autoscaling.messages import IngressReport, LatencySample, RelayedTargets, ReplicaReport, ReportAnswer, RoutingPlan
 from autoscaling.routing import routing_plan
 from autoscaling.scale import POOLS, ScaleEvent, ScaleState, decide_counts
-from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
+from autoscaling.snapshot import Observed, PromptArrivals, ReplicaLoad, Snapshot
 from deployments.background import keep_running
 from deployments.metrics import AutoscalerMetrics
 
@@ -57,6 +56,8 @@ class AutoscalerController:
         self._relay: RelayedTargets | None = None  # the latest replica-count decision
         self._reports: dict[str, tuple[float, ReplicaLoad]] = {}  # replica -> (received at, load)
         self._samples: deque[tuple[float, LatencySample]] = deque()  # (received at, sample)
+        self._arrivals = PromptArrivals(self.policy.window_s, started=time.monotonic())
+        self._speeds: dict[str, float] = {}  # ingress (its report's sender) -> seconds per prompt token
         self._decisions: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
         self._snapshot = Snapshot(time=time.monotonic())
         self._task: asyncio.Task | None = None
@@ -77,11 +78,15 @@ class AutoscalerController:
         target = self._relay.for_pool(report.home) if self._relay is not None else None
         return ReportAnswer(role=self.state.role_of(load), target=target)
 
-    async def sync(self, samples: Sequence[LatencySample]) -> RoutingPlan:
-        """The ingress's finished requests since its last sync; answers the routing plan."""
+    async def sync(self, report: IngressReport, ingress: str = "") -> RoutingPlan:
+        """What an ingress saw since its last sync (``ingress``: which one, for its prefill-speed
+        estimate); answers the routing plan."""
         self._start()
         now = time.monotonic()
-        self._samples.extend((now, sample) for sample in samples)
+        self._samples.extend((now, sample) for sample in report.samples)
+        self._arrivals.add(now, report.prompt_tokens)
+        if report.seconds_per_prompt_token is not None:
+            self._speeds[ingress] = report.seconds_per_prompt_token
         # from the latest reports, not the last tick's snapshot: a lent replica that reported
         # its new role is routed to within a report period, not an interval later
         current = Snapshot(time=now, replicas=self._fresh(now), observed=self._snapshot.observed)
@@ -208,7 +213,9 @@ class AutoscalerController:
         self._reports = {k: (seen, load) for k, (seen, load) in self._reports.items() if now - seen <= stale_after_s}
         while self._samples and now - self._samples[0][0] > self.policy.window_s:  # the oldest first
             self._samples.popleft()
-        observed = Observed.of([sample for _, sample in self._samples], self.policy.min_samples)
+        speed = min(self._speeds.values(), default=None)
+        samples = [sample for _, sample in self._samples]
+        observed = Observed.of(samples, self.policy.min_samples, self._arrivals.rate(now), speed)
         self._snapshot = Snapshot(time=now, replicas=replicas, observed=observed)
         return self._snapshot
 

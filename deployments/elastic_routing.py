@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from autoscaling.messages import LatencySample, RoutingPlan
+from autoscaling.messages import IngressReport, LatencySample, RoutingPlan
 from autoscaling.policy import Policy
 from autoscaling.routing import Route, RouteBook
 from deployments.background import keep_running
@@ -35,6 +36,8 @@ class ElasticRouting:
         self.plan = RoutingPlan(prefill=1, decode=1, lent=0, decode_kv_usage=None, tpot_p90_s=None)
         self.book = RouteBook(policy)
         self._samples: list[LatencySample] = []  # finished since the last sync
+        self._sent_tokens = 0  # the book's admitted prompt tokens at the last sync that went through
+        self._name = uuid.uuid4().hex  # this ingress, to the controller
         self._task: asyncio.Task | None = None
 
     # ---- choosing ------------------------------------------------------------------------
@@ -76,8 +79,11 @@ class ElasticRouting:
     async def _sync_loop(self) -> None:
         while True:
             samples, self._samples = self._samples, []
+            admitted = self.book.admitted_prompt_tokens
+            report = IngressReport(tuple(samples), admitted - self._sent_tokens, self.book.seconds_per_prompt_token)
             try:
-                self.plan = await self.controller.sync.remote(samples)
+                self.plan = await self.controller.sync.remote(report, self._name)
+                self._sent_tokens = admitted
             except Exception as exc:  # the controller restarting: route by the last plan
                 logger.warning("autoscaler sync failed: %s", exc)
                 self._samples = samples + self._samples  # sent with the next sync

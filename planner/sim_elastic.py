@@ -35,7 +35,7 @@ from autoscaling.messages import LatencySample
 from autoscaling.policy import Policy
 from autoscaling.routing import Route, RouteBook, routing_plan
 from autoscaling.scale import ScaleEvent, ScaleKind, ScaleState, decide_counts
-from autoscaling.snapshot import Observed, ReplicaLoad, Snapshot
+from autoscaling.snapshot import Observed, PromptArrivals, ReplicaLoad, Snapshot
 from engine.params import Role
 from planner.sim_engine import Replica
 from planner.sim_types import PoolSample, SimDecision
@@ -60,6 +60,7 @@ class Elastic:
         initial = Snapshot(time=0.0, replicas=tuple(self._load(r) for r in (*sim.prefill, *sim.decode)))
         self.plan = routing_plan(initial, self.state)
         self.window: deque[tuple[float, LatencySample]] = deque()  # (finished at, sample)
+        self.arrivals = PromptArrivals(policy.window_s, started=0.0)
         self.loads: deque[tuple[float, tuple[ReplicaLoad, ...]]] = deque()  # reported, not yet seen
         self.decisions: list[SimDecision] = []
         self.timeline: list[PoolSample] = []
@@ -81,6 +82,7 @@ class Elastic:
             route = Route.DISAGGREGATED
         req.route = route
         self.book.enter(route, req.prompt, req.output)
+        self.arrivals.add(req.arrival, req.prompt)
         if route is Route.LENT:
             return min(self.lent, key=lambda r: (r.in_flight, r.index))
         if route is Route.ON_DECODE:
@@ -104,14 +106,21 @@ class Elastic:
         self._arrivals_and_departures(now)
         while self.window and self.window[0][0] < now - self.policy.window_s:
             self.window.popleft()
-        self.loads.append((now, tuple(self._load(r) for r in self.reporting.values())))
+        # a stopping replica leaves the reports at once (it reports ``stopping``), as served
+        reporting = [r for r in self.reporting.values() if r not in self.leaving]
+        self.loads.append((now, tuple(self._load(r) for r in reporting)))
         seen_by = now - self.world.report_delay_s
         while len(self.loads) > 1 and self.loads[1][0] <= seen_by:
             self.loads.popleft()
         snapshot = Snapshot(
             time=now,
             replicas=self.loads[0][1] if self.loads[0][0] <= seen_by else (),  # none reported that long ago
-            observed=Observed.of([sample for _, sample in self.window], self.policy.min_samples),
+            observed=Observed.of(
+                [sample for _, sample in self.window],
+                self.policy.min_samples,
+                self.arrivals.rate(now),
+                self.book.seconds_per_prompt_token,
+            ),
         )
         actions = decide(snapshot, self.policy, self.state)
         self.state = self.state.after(actions, now)
@@ -132,8 +141,8 @@ class Elastic:
         self._sample(now)
 
     def _scale(self, event: ScaleEvent, now: float) -> None:
-        """Start replicas for a grown target (some never start); stop routing to one for a
-        shrunk target; forget the asked ones a give-up leaves out."""
+        """Start replicas for a grown target (some never start); stop routing to as many as a
+        shrunk target leaves out (as Serve stops them); forget the asked ones a give-up leaves out."""
         pool = event.pool.value  # "prefill" | "decode"
         self.decisions.append(SimDecision(now, event.kind.value, pool, event.reason, None, event.old, event.new))
         mine = self.sim.prefill if pool == "prefill" else self.sim.decode  # lent ones stay in their pool
@@ -148,12 +157,11 @@ class Elastic:
                 serving_at = float("inf") if self.rng.random() < self.world.never_start else now + self.world.startup_s
                 self.starting.append((serving_at, Replica(self.next_index, pool, cost)))
                 self.next_index += 1
-        elif event.new < len(mine) and len(mine) > 1:
-            candidates = [r for r in mine if r.role == pool]  # never a lent replica
-            if candidates:
-                victim = min(candidates, key=lambda r: (r.in_flight, -r.index))
-                self._set_routed(pool, [r for r in mine if r is not victim])
-                self.leaving.append(victim)
+        elif event.new < len(mine):
+            candidates = sorted((r for r in mine if r.role == pool), key=lambda r: (r.in_flight, -r.index))
+            victims = candidates[: min(len(mine) - max(event.new, 1), len(candidates))]  # never a lent replica
+            self._set_routed(pool, [r for r in mine if r not in victims])
+            self.leaving += victims
 
     def _arrivals_and_departures(self, now: float) -> None:
         ready = [r for t, r in self.starting if t <= now]

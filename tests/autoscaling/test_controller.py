@@ -13,7 +13,7 @@ import pytest
 from ray.serve.context import _RequestContext, _serve_request_context
 
 from app.settings import AppConfig
-from autoscaling.messages import LatencySample, PoolTarget, ReplicaReport, ReportAnswer, RoutingPlan
+from autoscaling.messages import IngressReport, LatencySample, PoolTarget, ReplicaReport, ReportAnswer, RoutingPlan
 from deployments.build import build_disagg
 from deployments.controller import AutoscalerController
 from deployments.elastic_routing import ElasticRouting
@@ -59,9 +59,9 @@ def test_report_tick_sync_and_view():
         answer = await controller.report(_report("p0", Role.PREFILL, _stats(Role.PREFILL)))
         assert answer.role is Role.BOTH
         assert answer.target is not None and answer.target.num_replicas == 1  # the pools start from what reports
-        assert (await controller.sync([])).lent == 0
+        assert (await controller.sync(IngressReport())).lent == 0
         await controller.report(_report("p0", Role.PREFILL, _stats(Role.BOTH)))
-        plan = await controller.sync([LatencySample(ttft_s=1.0, tpot_s=0.05, prefill_s=0.5)])
+        plan = await controller.sync(IngressReport((LatencySample(ttft_s=1.0, tpot_s=0.05, prefill_s=0.5),)))
         assert plan == RoutingPlan(prefill=1, decode=1, lent=1, decode_kv_usage=0.4, tpot_p90_s=None)
         view = await controller.view()
         assert view["policy"] == "default"

@@ -4,6 +4,8 @@ follow them (``autoscaling/serve_policy.py``), on synthetic snapshots and on Ser
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config, _apply_autoscaling_config
@@ -20,7 +22,7 @@ from autoscaling.serve_policy import (
     follow_decisions,
     serve_autoscaling_config,
 )
-from autoscaling.snapshot import ReplicaLoad, Snapshot
+from autoscaling.snapshot import Observed, PromptArrivals, ReplicaLoad, Snapshot
 from engine.params import Role
 from tests.autoscaling.loads import replica_load
 
@@ -64,14 +66,16 @@ def test_a_short_burst_changes_nothing(policy):
     assert _run(policy, snapshots)[1] == []
 
 
-def test_the_count_falls_one_at_a_time_after_the_delay_and_never_below_min(policy):
+def test_the_count_falls_after_the_delay_to_what_the_load_needs_in_one_step_never_below_min(policy):
     state = ScaleState().with_pool(Role.DECODE, targets=3).with_pool(Role.PREFILL, targets=1)
     state, events = _run(policy, [_pools(t, 1, 3, decoding=1) for t in range(0, 100)], state)
-    assert [(t, e.kind, e.old, e.new) for t, e in events] == [
-        (30, ScaleKind.DOWN, 3, 2),  # 30 s of surplus each time
-        (61, ScaleKind.DOWN, 2, 1),
-    ]
+    assert [(t, e.kind, e.old, e.new) for t, e in events] == [(30, ScaleKind.DOWN, 3, 1)]  # 30 s of surplus
     assert state.targets[Role.DECODE] == 1  # min_replicas
+    # 7 decoding on 4: at 6 per replica and 0.5 of it, the fewest that stay under are 3, not 1
+    state = ScaleState().with_pool(Role.DECODE, targets=4).with_pool(Role.PREFILL, targets=1)
+    state, events = _run(policy, [_pools(t, 1, 4, decoding=28) for t in range(0, 100)], state)  # 7 on d0
+    assert [(t, e.kind, e.old, e.new) for t, e in events] == [(30, ScaleKind.DOWN, 4, 3)]
+    assert "under 0.5 of the targets on 3" in events[0][1].reason
 
 
 def test_a_load_around_a_threshold_never_flaps(policy):
@@ -238,3 +242,65 @@ def test_replay_prints_replica_count_decisions(tmp_path, capsys, policy):
         "| 10.0 | scale_up | decode pool: 1 -> 4 | decode: decoding requests 40"
     )
     assert [d.kind for _, d in replay(snapshots, policy)].count(ScaleKind.UP) == 1
+
+
+# ---- the study's findings on GPU clusters (docs/benchmarks/elastic_at_scale.md) --------------
+
+
+def _prefill_burst(t: float, prefill: int, queued: int, tokens_per_s: float) -> Snapshot:
+    """``prefill`` prefill replicas with ``queued`` prompt tokens waiting, prompts arriving at
+    ``tokens_per_s``, 0.1 ms of prefill compute per token (10,000 tokens/s per replica)."""
+    observed = Observed(prompt_tokens_per_s=tokens_per_s, seconds_per_prompt_token=1e-4)
+    return replace(_pools(t, prefill, 1, decoding=1, queued=queued), observed=observed)
+
+
+def test_gpu_prefill_is_sized_from_the_prompt_work_arriving_not_from_a_bursts_queue():
+    """A burst queued 416k prompt tokens on 11 replicas: sized from the queue (8,192 per replica)
+    the first policy asked for 51 replicas; 70k tokens/s arriving at 0.1 ms each is 7 replicas
+    busy, so at busy_share 0.65 the pool needs 11 and nothing changes."""
+    gpu = load_policy("gpu")
+    assert gpu.scaling.prefill.queued_prompt_tokens is None and gpu.scaling.prefill.busy_share == 0.65
+    state = ScaleState().with_pool(Role.PREFILL, targets=11).with_pool(Role.DECODE, targets=1)
+    assert _run(gpu, [_prefill_burst(t, 11, 416_336, 70_000) for t in range(0, 60)], state)[1] == []
+    state, events = _run(gpu, [_prefill_burst(t, 11, 0, 140_000) for t in range(0, 60)], state)  # 14 busy
+    assert [(t, e.pool, e.old, e.new) for t, e in events] == [(15, Role.PREFILL, 11, 22)]  # ceil(14 / 0.65)
+    assert "prompt work (busy replicas' worth) 14 (target 0.65 per replica)" in events[0][1].reason
+
+
+def test_gpu_pools_shrink_to_the_need_in_one_decision():
+    """The first policy shrank a 46-replica prefill pool one replica per minute; now the surplus
+    goes at once, to the fewest replicas that stay under scale_down_below (0.75) of the target."""
+    gpu = load_policy("gpu")
+    state = ScaleState().with_pool(Role.PREFILL, targets=46).with_pool(Role.DECODE, targets=1)
+    state, events = _run(gpu, [_prefill_burst(t, 46, 0, 52_500) for t in range(0, 120)], state)  # 5.25 busy
+    assert [(t, e.kind, e.old, e.new) for t, e in events] == [(60, ScaleKind.DOWN, 46, 11)]  # 5.25 / 0.4875
+
+
+def test_without_an_arrival_rate_the_prompt_work_signal_holds_the_count():
+    """Until the ingress has synced and a prefill has run, there is no prompt work to size from."""
+    gpu = load_policy("gpu")
+    state = ScaleState().with_pool(Role.PREFILL, targets=11).with_pool(Role.DECODE, targets=1)
+    assert _run(gpu, [_pools(t, 11, 1, decoding=1, queued=10**6) for t in range(0, 120)], state)[1] == []
+
+
+def test_prompt_arrivals_are_a_rate_over_the_window_or_over_the_time_counted():
+    arrivals = PromptArrivals(window_s=30.0, started=100.0)
+    assert arrivals.rate(100.5) is None  # under a second counted: no rate yet
+    arrivals.add(101.0, 3000)
+    arrivals.add(110.0, 0)
+    assert arrivals.rate(110.0) == pytest.approx(300.0)  # 3,000 tokens over the 10 s counted
+    arrivals.add(125.0, 6000)
+    assert arrivals.rate(130.0) == pytest.approx(300.0)  # 9,000 over the 30 s window
+    assert arrivals.rate(131.0) == pytest.approx(200.0)  # the first 3,000 left the window
+
+
+def test_a_shrink_goes_no_lower_than_the_busiest_moment_of_its_delay_needed():
+    """The second study run shrank a decode pool 12 -> 5 on a momentary trough, then waited
+    minutes for replicas with 5,000 requests waiting; now the shrink keeps what the busiest
+    decision of the surplus's 60 s needed."""
+    gpu = load_policy("gpu")  # 256 per replica, KV 0.8, shrink under 0.75 of that: 192 per replica
+    state = ScaleState().with_pool(Role.PREFILL, targets=1).with_pool(Role.DECODE, targets=12)
+    loads = [1_000 if t % 10 == 0 else 200 for t in range(0, 70)]  # 200 most of the time, 1,000 each 10 s
+    snapshots = [_pools(t, 1, 12, decoding=12 * n) for t, n in enumerate(loads)]  # n on d0
+    state, events = _run(gpu, snapshots, state)
+    assert [(t, e.kind, e.old, e.new) for t, e in events] == [(60, ScaleKind.DOWN, 12, 6)]  # ceil(1,000 / 192)

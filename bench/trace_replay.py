@@ -1,0 +1,218 @@
+"""The Azure conversation trace through the served app on this machine, beside the simulator's
+prediction of the same replay: ``python -m bench.trace_replay``.
+
+A window of ``workloads/traces/azure_llm_2023_conv.csv`` (``--start-s``, ``--window-s``) with its
+lengths scaled to the default model (``scaled``: prompt / 8 clipped to 16..384 tokens, output / 4
+clipped to 8..96: the trace's median request, 1,020 + 129 tokens, becomes 128 + 32, within the
+benchmark's 512-token context), thinned to one request in ``m`` at the trace's own times, ``m``
+the smallest keeping the mean load under ``--load`` of what 1 prefill + 1 decode replica complete
+(that capacity: the simulator with ``planner/calibration/cpu-2core.json``, offered the window 4x
+compressed). Thinning rather than stretching keeps the window's length and the shape of its
+bursts in a run this machine finishes in minutes per system.
+
+Three systems, each in its own local Ray, in one run: ``static`` (1 prefill + 1 decode),
+``colocated`` (2 replicas), ``elastic`` (the default policy's lending and prompt placement, counts
+fixed); SLOs as bench.compare's (multiples of the idle colocated system's median request). Beside
+each, the simulator's prediction from the calibration, and bench.drift's shapes timed before and
+after the systems, so a prediction that misses can be set against the machine's own drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.compare import COMMON, TPOT_SLO_X, TTFT_SLO_X
+from bench.compare import SYSTEMS as COMPARE_SYSTEMS
+from bench.host import machine, tokenizer
+from bench.ray_local import Server
+from bench.report import command_line, first_paragraph, table, template, write_json, write_page
+from bench.serve import Target, run, uncontended, warm_up
+from bench.slo import SLO
+from planner import replay
+from planner.sim_types import SimRequest
+from planner.simulator import simulate
+from planner.trace import read_trace, window
+from workloads import BenchRequest, PromptBuilder, median_request
+
+NAME = "bench.trace_replay"
+TRACE = Path(__file__).parents[1] / "workloads" / "traces" / "azure_llm_2023_conv.csv"
+CALIBRATION = Path(__file__).parents[1] / "planner" / "calibration" / "cpu-2core.json"
+PROMPT_DIV, PROMPT_RANGE = 8, (16, 384)
+OUTPUT_DIV, OUTPUT_RANGE = 4, (8, 96)
+CAPACITY_COMPRESSION = 4.0  # the window offered this much faster to find what 1 + 1 completes
+SYSTEMS = {  # name -> (application, its arguments on top of bench.compare's COMMON, simulator arguments)
+    "static": (*COMPARE_SYSTEMS["disagg-pull"], {"prefill": 1, "decode": 1}),
+    "colocated": (*COMPARE_SYSTEMS["colocated"], {"colocated": 2}),
+    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.policy": "default",
+                           "autoscaling.replica_scaling": "false"}, {"prefill": 1, "decode": 1}),
+}  # fmt: skip
+MINUTE_S = 60.0
+
+
+def _clip(value: float, bounds: tuple[int, int]) -> int:
+    return int(min(max(round(value), bounds[0]), bounds[1]))
+
+
+def scaled(requests: list[SimRequest]) -> list[SimRequest]:
+    """The trace's lengths scaled to the default model (module docstring)."""
+    return [SimRequest(r.arrival_s, _clip(r.prompt_tokens / PROMPT_DIV, PROMPT_RANGE),
+                       _clip(r.output_tokens / OUTPUT_DIV, OUTPUT_RANGE)) for r in requests]  # fmt: skip
+
+
+def _sim_args(system: str, slo: SLO, **extra: Any) -> argparse.Namespace:
+    from autoscaling.policy import Scaling, load_policy
+
+    sim = dict(SYSTEMS[system][2])
+    if system == "elastic":
+        sim["policy"] = load_policy("default").model_copy(update={"scaling": Scaling(enabled=False)})
+    return replay.with_defaults(calibration=CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim, **extra)
+
+
+def capacity(requests: list[SimRequest]) -> float:
+    """Requests per second 1 prefill + 1 decode replica complete, offered the window compressed."""
+    offered = [SimRequest(r.arrival_s / CAPACITY_COMPRESSION, r.prompt_tokens, r.output_tokens) for r in requests]
+    result = simulate(replay.setup(_sim_args("static", SLO(1.0, 1.0))).system, offered)
+    return len(offered) / max(r.arrival_s + r.e2e_s for r in result.records)
+
+
+def thinned(requests: list[SimRequest], load: float) -> tuple[list[SimRequest], int, float]:
+    """One request in ``m`` (a seeded choice in each run of ``m``), ``m`` the smallest keeping the
+    mean rate under ``load`` x the capacity; the kept requests, ``m`` and the capacity."""
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    cap = capacity(requests)
+    m = max(1, math.ceil(len(requests) / span / (load * cap)))
+    rng = random.Random(0)
+    kept = [group[rng.randrange(len(group))] for group in (requests[i : i + m] for i in range(0, len(requests), m))]
+    start = kept[0].arrival_s
+    return [SimRequest(r.arrival_s - start, r.prompt_tokens, r.output_tokens) for r in kept], m, cap
+
+
+def minute_attainment(rows: list[tuple[float, bool]], minutes: int) -> list[float | None]:
+    """(arrival, met) -> the share met among each minute's arrivals."""
+    shares = []
+    for minute in range(minutes):
+        mine = [met for arrival, met in rows if minute * MINUTE_S <= arrival < (minute + 1) * MINUTE_S]
+        shares.append(sum(mine) / len(mine) if mine else None)
+    return shares
+
+
+def predict(system: str, requests: list[SimRequest], slo: SLO, minutes: int) -> dict[str, Any]:
+    result = simulate(replay.setup(_sim_args(system, slo)).system, requests)
+    rows = [(r.arrival_s, r.met(slo.ttft_s, slo.tpot_s)) for r in result.records]
+    return {"attainment": sum(met for _, met in rows) / len(rows), "per_minute": minute_attainment(rows, minutes),
+            "routes": result.routes}  # fmt: skip
+
+
+def served(system: str, slo: SLO, requests: list[BenchRequest], offsets: list[float], minutes: int) -> dict[str, Any]:
+    app, args, _ = SYSTEMS[system]
+    args = {**COMMON, **args}
+    if system == "elastic":
+        args |= {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"}
+    with Server(app, args) as server:
+        target = Target(server.url, server.model())
+        warm_up(target, requests[:2])
+        records, duration = asyncio.run(run(target, requests, offsets, system))
+    rows = [(offset, r.ok and slo.met(r)) for offset, r in zip(offsets, records)]
+    return {"attainment": sum(met for _, met in rows) / len(rows), "per_minute": minute_attainment(rows, minutes),
+            "errors": sum(not r.ok for r in records), "duration_s": duration}  # fmt: skip
+
+
+def drift_sample() -> dict[str, float]:
+    """bench.drift's shapes, timed once on an engine in this process."""
+    from bench.calibrate_planner import Prompts, core
+    from bench.drift import sample
+
+    engine = core()
+    prompts = Prompts(engine.tokenizer)
+    sample(engine, prompts)  # warm-up
+    return sample(engine, prompts)
+
+
+def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    chosen = window(read_trace(TRACE), options.start_s, options.window_s)
+    requests, m, cap = thinned(scaled(chosen), options.load)
+    minutes = math.ceil(options.window_s / MINUTE_S)
+    builder, rng = PromptBuilder(tokenizer()), random.Random(options.seed)
+    bench = [BenchRequest(builder.summarization(r.prompt_tokens, rng.randrange(10_000)), r.prompt_tokens,
+                          r.output_tokens) for r in requests]  # fmt: skip
+    offsets = [r.arrival_s for r in requests]
+    print(f"{len(chosen)} trace requests, 1 in {m} kept: {len(requests)}; capacity {cap:.2f} req/s", file=sys.stderr)
+    data: dict[str, Any] = {"command": command_line(NAME, argv), "machine": machine(), "trace": str(TRACE.name),
+                            "start_s": options.start_s, "window_s": options.window_s, "load": options.load,
+                            "thinning": m, "capacity_rps": cap, "requests": len(requests),
+                            "mean_prompt_tokens": sum(r.prompt_tokens for r in requests) / len(requests),
+                            "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
+                            "drift_before": drift_sample(), "systems": {}}  # fmt: skip
+    slo = None
+    for system in options.systems:
+        if slo is None:  # SLOs from the idle colocated system's median request, as bench.compare
+            with Server("colocated", dict(COMMON)) as server:
+                base = uncontended(Target(server.url, server.model()), median_request(bench))
+            slo = SLO(TTFT_SLO_X * base["ttft_s"], TPOT_SLO_X * base["tpot_s"])
+            data["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "uncontended": base}
+        data["systems"][system] = {"measured": served(system, slo, bench, offsets, minutes),
+                                   "predicted": predict(system, requests, slo, minutes)}  # fmt: skip
+        print(f"{system}: {json.dumps({k: v['attainment'] for k, v in data['systems'][system].items()})}",
+              file=sys.stderr)  # fmt: skip
+    data["drift_after"] = drift_sample()
+    return data
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    slo = data["slo"]
+    lines = ["", f"Command: `{data['command']}`; {data['machine']}.",
+             f"Trace window {data['start_s']:g}-{data['start_s'] + data['window_s']:g} s, 1 request in "
+             f"{data['thinning']} kept ({data['requests']} requests, mean {data['mean_prompt_tokens']:.0f} prompt + "
+             f"{data['mean_output_tokens']:.0f} output tokens), mean load {data['load']:g} of 1 + 1's "
+             f"{data['capacity_rps']:.2f} req/s. SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms, TPOT "
+             f"{slo['tpot_s'] * 1e3:.0f} ms.", ""]  # fmt: skip
+    rows = [[name, _pct(s["measured"]["attainment"]), _pct(s["predicted"]["attainment"]),
+             f"{100 * (s['predicted']['attainment'] - s['measured']['attainment']):+.0f}",
+             s["measured"]["errors"]] for name, s in data["systems"].items()]  # fmt: skip
+    lines += table(["system", "measured attainment", "predicted", "predicted - measured (points)", "errors"], rows)
+    lines += ["", "Per minute (measured / predicted):", ""]
+    minutes = len(next(iter(data["systems"].values()))["measured"]["per_minute"])
+    lines += table(["system", *(str(m) for m in range(minutes))],
+                   [[name, *(f"{_pct(a)} / {_pct(b)}" for a, b in zip(s["measured"]["per_minute"],
+                                                                  s["predicted"]["per_minute"]))]
+                    for name, s in data["systems"].items()])  # fmt: skip
+    before, after = data["drift_before"], data["drift_after"]
+    lines += ["", "The machine's drift over the run (bench.drift's shapes, before / after):", ""]
+    lines += table(["shape", "before (ms)", "after (ms)", "after / before"],
+                   [[k, f"{before[k] * 1e3:.1f}", f"{after[k] * 1e3:.1f}", f"{after[k] / before[k]:.2f}"]
+                    for k in before])  # fmt: skip
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser.add_argument("--start-s", type=float, default=1800.0, help="the window's start in the trace (s)")
+    parser.add_argument("--window-s", type=float, default=600.0)
+    parser.add_argument("--load", type=float, default=0.6, help="mean load as a share of 1 + 1's capacity")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    options = parser.parse_args(argv)
+    options.systems = [s for s in options.systems.split(",") if s]
+    if unknown := set(options.systems) - set(SYSTEMS):
+        parser.error(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    data = run_all(options, argv)
+    write_json(options.out / "trace_replay.json", data)
+    page = options.out / "trace_replay.md"
+    write_page(page, NAME, render(data), template(NAME, "# The production trace on this machine, served and simulated"))
+    print("\n".join(render(data)))
+
+
+if __name__ == "__main__":
+    main()
