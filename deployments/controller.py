@@ -2,7 +2,8 @@
 
 Mechanism: engine replicas **report** to it (``report``, every ``REPORT_PERIOD_S``) and get
 their assigned role in the answer; the ingress **syncs** with it (``sync``), sending the
-latencies it observed and getting the routing plan (how many replicas serve each role); the
+latencies it observed, the prompt tokens it admitted and its prefill-speed estimate, and
+getting the routing plan (how many replicas serve each role); the
 messages are ``autoscaling.messages``'. Serve has no call addressed to one replica, so the
 assignment travels back on the replica's own call; a controller restart loses only the
 lending state (replicas keep their roles until the new controller's first answer, which

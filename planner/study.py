@@ -262,17 +262,26 @@ def system_row(name: str, data: dict[str, Any], study: dict[str, Any]) -> dict[s
     }  # fmt: skip
 
 
-def targets(rows: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool]]:
-    """(target, measured, met) for the issue's targets."""
-    f, c = rows["f"], rows["c"]
-    d = max(rows["d60"]["peak_window"], rows["d300"]["peak_window"])
+def hardest_window(study: dict[str, Any]) -> int:
+    """The trace's worst 5-minute window: where the static deployment ``c`` attains the least."""
+    attained = [w["attainment"] for w in study["systems"]["c"]["windows"]]
+    return min(range(len(attained)), key=lambda i: 1.0 if attained[i] is None else attained[i])
+
+
+def targets(rows: dict[str, dict[str, Any]], study: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for the issue's targets; the window ones in the busiest window and
+    in the hardest one (``hardest_window``)."""
+    f = rows["f"]
     out = [("f holds 90% in every window", _share(f["worst_window"]), (f["worst_window"] or 0) >= TARGET),
            ("f reaches 70% of the oracle's saving against b", _share(f["saving_share"]),
             (f["saving_share"] or 0) >= 0.7)]  # fmt: skip
-    for name in ("e", "f"):
-        gain_c, gain_d = rows[name]["peak_window"] - c["peak_window"], rows[name]["peak_window"] - d
-        out.append((f"peak window: {name} beats c by 10 points", f"{100 * gain_c:+.1f}", gain_c >= 0.10))
-        out.append((f"peak window: {name} beats d by 5 points", f"{100 * gain_d:+.1f}", gain_d >= 0.05))
+    for label, index in (("busiest", study["peak_window"]), ("hardest", hardest_window(study))):
+        at = {k: study["systems"][k]["windows"][index]["attainment"] or 0.0 for k in ("c", "d60", "d300", "e", "f")}
+        for name in ("e", "f"):
+            for other, points in (("c", 10), ("d60", 5), ("d300", 5)):
+                gain = at[name] - at[other]
+                out.append((f"{label} window ({index}): {name} beats {other} by {points} points", f"{100 * gain:+.1f}",
+                            gain >= points / 100))  # fmt: skip
     return out
 
 
@@ -294,7 +303,7 @@ def render_profile(profile: str, study: dict[str, Any]) -> list[str]:
                      f"{_share(r['worst_window'])} | {_share(r['peak_window'])} | {_share(r['saving_share'])} | "
                      f"{r['lends']} | {r['scale_ups']} / {r['scale_downs']} |")  # fmt: skip
     lines += ["", "| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {t} | {m} | {'yes' if ok else '**no**'} |" for t, m, ok in targets(rows)]
+    lines += [f"| {t} | {m} | {'yes' if ok else '**no**'} |" for t, m, ok in targets(rows, study)]
     head = "| window | arrivals | " + " | ".join(SYSTEMS) + " |"
     lines += ["", "Attainment per 5-minute window:", "", head, "|---" * (len(SYSTEMS) + 2) + "|"]
     for i, count in enumerate(study["arrivals_per_window"]):
