@@ -5,10 +5,14 @@ A window of ``workloads/traces/azure_llm_2023_conv.csv`` (``--start-s``, ``--win
 lengths scaled to the default model (``scaled``: prompt / 8 clipped to 16..384 tokens, output / 4
 clipped to 8..96: the trace's median request, 1,020 + 129 tokens, becomes 128 + 32, within the
 benchmark's 512-token context), thinned to one request in ``m`` at the trace's own times, ``m``
-the smallest keeping the mean load under ``--load`` of what 1 prefill + 1 decode replica complete
-(that capacity: the simulator with ``planner/calibration/cpu-2core.json``, offered the window 4x
-compressed). Thinning rather than stretching keeps the window's length and the shape of its
-bursts in a run this machine finishes in minutes per system.
+the smallest keeping the mean load under ``--load`` of what 1 prefill + 1 decode replica serve:
+their measured goodput in ``docs/benchmarks/planner.json`` (bench.planner_check's chatbot
+workload, median prompt 118 tokens, about 31 output: these lengths). The simulator's throughput
+for 1 + 1 offered the window 4x compressed is recorded beside it: it is not the capacity, as the
+calibration was checked up to 90% of that goodput, not in overload (a first run sized from it
+offered 1.7 req/s and the static system completed about 0.9). Thinning rather than stretching
+keeps the window's length and the shape of its bursts in a run this machine finishes in minutes
+per system.
 
 Three systems, each in its own local Ray, in one run: ``static`` (1 prefill + 1 decode),
 ``colocated`` (2 replicas), ``elastic`` (the default policy's lending and prompt placement, counts
@@ -44,6 +48,8 @@ from workloads import BenchRequest, PromptBuilder, median_request
 NAME = "bench.trace_replay"
 TRACE = Path(__file__).parents[1] / "workloads" / "traces" / "azure_llm_2023_conv.csv"
 CALIBRATION = Path(__file__).parents[1] / "planner" / "calibration" / "cpu-2core.json"
+GOODPUT = Path(__file__).parents[1] / "docs" / "benchmarks" / "planner.json"  # bench.planner_check's
+DRIFT = Path(__file__).parents[1] / "docs" / "benchmarks" / "drift.json"  # the shapes beside the calibration
 PROMPT_DIV, PROMPT_RANGE = 8, (16, 384)
 OUTPUT_DIV, OUTPUT_RANGE = 4, (8, 96)
 CAPACITY_COMPRESSION = 4.0  # the window offered this much faster to find what 1 + 1 completes
@@ -75,23 +81,44 @@ def _sim_args(system: str, slo: SLO, **extra: Any) -> argparse.Namespace:
     return replay.with_defaults(calibration=CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim, **extra)
 
 
-def capacity(requests: list[SimRequest]) -> float:
-    """Requests per second 1 prefill + 1 decode replica complete, offered the window compressed."""
+def served_capacity() -> float:
+    """1 prefill + 1 decode replica's measured goodput (req/s), from bench.planner_check's report."""
+    return json.loads(GOODPUT.read_text())["systems"]["disagg-pull"]["goodput"]
+
+
+def simulated_throughput(requests: list[SimRequest]) -> float:
+    """Requests per second the simulated 1 + 1 completes, offered the window compressed."""
     offered = [SimRequest(r.arrival_s / CAPACITY_COMPRESSION, r.prompt_tokens, r.output_tokens) for r in requests]
     result = simulate(replay.setup(_sim_args("static", SLO(1.0, 1.0))).system, offered)
     return len(offered) / max(r.arrival_s + r.e2e_s for r in result.records)
 
 
-def thinned(requests: list[SimRequest], load: float) -> tuple[list[SimRequest], int, float]:
+def thinned(requests: list[SimRequest], load: float, cap: float) -> tuple[list[SimRequest], int]:
     """One request in ``m`` (a seeded choice in each run of ``m``), ``m`` the smallest keeping the
-    mean rate under ``load`` x the capacity; the kept requests, ``m`` and the capacity."""
+    mean rate under ``load`` x ``cap`` (req/s); the kept requests and ``m``."""
     span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
-    cap = capacity(requests)
     m = max(1, math.ceil(len(requests) / span / (load * cap)))
     rng = random.Random(0)
     kept = [group[rng.randrange(len(group))] for group in (requests[i : i + m] for i in range(0, len(requests), m))]
     start = kept[0].arrival_s
-    return [SimRequest(r.arrival_s - start, r.prompt_tokens, r.output_tokens) for r in kept], m, cap
+    return [SimRequest(r.arrival_s - start, r.prompt_tokens, r.output_tokens) for r in kept], m
+
+
+def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minutes: int) -> dict[str, Any]:
+    """(arrival, TTFT, TPOT; TTFT None: failed) per request -> attainment (both, TTFT, TPOT),
+    p90s, per minute, and the rows."""
+    ttft_ok = [ttft is not None and ttft <= slo.ttft_s for _, ttft, _ in rows]
+    tpot_ok = [ttft is not None and (tpot is None or tpot <= slo.tpot_s) for _, ttft, tpot in rows]
+    met = [a and b for a, b in zip(ttft_ok, tpot_ok)]
+    ttfts = sorted(t for _, t, _ in rows if t is not None)
+    tpots = sorted(t for _, _, t in rows if t is not None)
+    return {"attainment": sum(met) / len(rows), "ttft_attainment": sum(ttft_ok) / len(rows),
+            "tpot_attainment": sum(tpot_ok) / len(rows),
+            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+            "tpot_p90_s": tpots[int(0.9 * (len(tpots) - 1))] if tpots else None,
+            "per_minute": minute_attainment([(a, m) for (a, _, _), m in zip(rows, met)], minutes),
+            "requests": [[round(a, 3), None if t is None else round(t, 4), None if p is None else round(p, 5)]
+                         for a, t, p in rows]}  # fmt: skip
 
 
 def minute_attainment(rows: list[tuple[float, bool]], minutes: int) -> list[float | None]:
@@ -105,9 +132,8 @@ def minute_attainment(rows: list[tuple[float, bool]], minutes: int) -> list[floa
 
 def predict(system: str, requests: list[SimRequest], slo: SLO, minutes: int) -> dict[str, Any]:
     result = simulate(replay.setup(_sim_args(system, slo)).system, requests)
-    rows = [(r.arrival_s, r.met(slo.ttft_s, slo.tpot_s)) for r in result.records]
-    return {"attainment": sum(met for _, met in rows) / len(rows), "per_minute": minute_attainment(rows, minutes),
-            "routes": result.routes}  # fmt: skip
+    rows = sorted((r.arrival_s, r.ttft_s, r.tpot_s) for r in result.records)
+    return outcome(rows, slo, minutes) | {"routes": result.routes}
 
 
 def served(system: str, slo: SLO, requests: list[BenchRequest], offsets: list[float], minutes: int) -> dict[str, Any]:
@@ -119,9 +145,14 @@ def served(system: str, slo: SLO, requests: list[BenchRequest], offsets: list[fl
         target = Target(server.url, server.model())
         warm_up(target, requests[:2])
         records, duration = asyncio.run(run(target, requests, offsets, system))
-    rows = [(offset, r.ok and slo.met(r)) for offset, r in zip(offsets, records)]
-    return {"attainment": sum(met for _, met in rows) / len(rows), "per_minute": minute_attainment(rows, minutes),
-            "errors": sum(not r.ok for r in records), "duration_s": duration}  # fmt: skip
+    rows = [(offset, r.ttft if r.ok else None, r.tpot if r.ok else None) for offset, r in zip(offsets, records)]
+    return outcome(rows, slo, minutes) | {"errors": sum(not r.ok for r in records), "duration_s": duration}
+
+
+def drift_reference() -> dict[str, Any]:
+    """bench.drift's shapes (medians) as measured the day the calibration was taken."""
+    data = json.loads(DRIFT.read_text())
+    return {"started": data["started"], "median_s": {k: v["median_s"] for k, v in data["summary"].items()}}
 
 
 def drift_sample() -> dict[str, float]:
@@ -137,7 +168,8 @@ def drift_sample() -> dict[str, float]:
 
 def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     chosen = window(read_trace(TRACE), options.start_s, options.window_s)
-    requests, m, cap = thinned(scaled(chosen), options.load)
+    cap = served_capacity()
+    requests, m = thinned(scaled(chosen), options.load, cap)
     minutes = math.ceil(options.window_s / MINUTE_S)
     builder, rng = PromptBuilder(tokenizer()), random.Random(options.seed)
     bench = [BenchRequest(builder.summarization(r.prompt_tokens, rng.randrange(10_000)), r.prompt_tokens,
@@ -147,9 +179,11 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
     data: dict[str, Any] = {"command": command_line(NAME, argv), "machine": machine(), "trace": str(TRACE.name),
                             "start_s": options.start_s, "window_s": options.window_s, "load": options.load,
                             "thinning": m, "capacity_rps": cap, "requests": len(requests),
+                            "simulated_throughput_rps": simulated_throughput(scaled(chosen)),
                             "mean_prompt_tokens": sum(r.prompt_tokens for r in requests) / len(requests),
                             "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
-                            "drift_before": drift_sample(), "systems": {}}  # fmt: skip
+                            "drift_reference": drift_reference(), "drift_before": drift_sample(),
+                            "systems": {}}  # fmt: skip
     slo = None
     for system in options.systems:
         if slo is None:  # SLOs from the idle colocated system's median request, as bench.compare
@@ -175,22 +209,39 @@ def render(data: dict[str, Any]) -> list[str]:
              f"Trace window {data['start_s']:g}-{data['start_s'] + data['window_s']:g} s, 1 request in "
              f"{data['thinning']} kept ({data['requests']} requests, mean {data['mean_prompt_tokens']:.0f} prompt + "
              f"{data['mean_output_tokens']:.0f} output tokens), mean load {data['load']:g} of 1 + 1's "
-             f"{data['capacity_rps']:.2f} req/s. SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms, TPOT "
-             f"{slo['tpot_s'] * 1e3:.0f} ms.", ""]  # fmt: skip
-    rows = [[name, _pct(s["measured"]["attainment"]), _pct(s["predicted"]["attainment"]),
+             f"{data['capacity_rps']:.2f} req/s measured goodput (the simulated 1 + 1 completes "
+             f"{data['simulated_throughput_rps']:.2f} req/s in overload).",
+             f"SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms, TPOT {slo['tpot_s'] * 1e3:.0f} ms.", ""]  # fmt: skip
+
+    def both(s: dict[str, Any], key: str, fmt: Any) -> str:
+        return f"{fmt(s['measured'][key])} / {fmt(s['predicted'][key])}"
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.0f}"
+
+    rows = [[name, both(s, "attainment", _pct),
              f"{100 * (s['predicted']['attainment'] - s['measured']['attainment']):+.0f}",
-             s["measured"]["errors"]] for name, s in data["systems"].items()]  # fmt: skip
-    lines += table(["system", "measured attainment", "predicted", "predicted - measured (points)", "errors"], rows)
+             both(s, "ttft_attainment", _pct), both(s, "tpot_attainment", _pct), both(s, "ttft_p90_s", ms),
+             both(s, "tpot_p90_s", ms), s["measured"]["errors"]] for name, s in data["systems"].items()]  # fmt: skip
+    lines += table(["system (measured / predicted)", "attainment", "predicted - measured (points)", "TTFT met",
+                    "TPOT met", "TTFT p90 (ms)", "TPOT p90 (ms)", "errors"], rows)  # fmt: skip
     lines += ["", "Per minute (measured / predicted):", ""]
     minutes = len(next(iter(data["systems"].values()))["measured"]["per_minute"])
     lines += table(["system", *(str(m) for m in range(minutes))],
                    [[name, *(f"{_pct(a)} / {_pct(b)}" for a, b in zip(s["measured"]["per_minute"],
                                                                   s["predicted"]["per_minute"]))]
                     for name, s in data["systems"].items()])  # fmt: skip
-    before, after = data["drift_before"], data["drift_after"]
-    lines += ["", "The machine's drift over the run (bench.drift's shapes, before / after):", ""]
-    lines += table(["shape", "before (ms)", "after (ms)", "after / before"],
-                   [[k, f"{before[k] * 1e3:.1f}", f"{after[k] * 1e3:.1f}", f"{after[k] / before[k]:.2f}"]
+    before, after, ref = data["drift_before"], data["drift_after"], data["drift_reference"]
+    lines += [
+        "",
+        f"The machine's speed over the run: bench.drift's shapes before and after the systems, against "
+        f"their medians in `drift.json` ({ref['started']}, beside the calibration the predictions use):",
+        "",
+    ]
+    lines += table(["shape", "at calibration (ms)", "before (ms)", "after (ms)", "before / at calibration",
+                    "after / at calibration"],
+                   [[k, f"{ref['median_s'][k] * 1e3:.1f}", f"{before[k] * 1e3:.1f}", f"{after[k] * 1e3:.1f}",
+                     f"{before[k] / ref['median_s'][k]:.2f}", f"{after[k] / ref['median_s'][k]:.2f}"]
                     for k in before])  # fmt: skip
     return lines + [""]
 

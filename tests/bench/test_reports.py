@@ -24,6 +24,7 @@ REPORTS = [
     (DOC / "planner.md", "bench.planner_check", DOC / "planner.json"),
     (DOC / "prefix_cache.md", "bench.prefix_cache", DOC / "prefix_cache.json"),
     (DOC / "elastic_at_scale.md", "planner.study", DOC / "elastic_at_scale.json"),
+    (DOC / "trace_replay.md", "bench.trace_replay", DOC / "trace_replay.json"),
     (ROOT / "docs" / "reliability.md", "bench.reliability", DOC / "reliability.json"),
 ]
 
