@@ -102,7 +102,7 @@ class PoolLoad:
     @property
     def down_ok(self) -> bool:
         """One replica fewer would stay under scale_down_below of every target."""
-        return self.needed is not None and self.down_to < self.reporting
+        return self.down_to < self.reporting
 
 
 def _needed(amounts: list[tuple[str, float | None, float | None]], reporting: int, below: float) -> PoolLoad:

@@ -38,7 +38,7 @@ from bench.host import machine, tokenizer
 from bench.ray_local import Server
 from bench.report import command_line, first_paragraph, table, template, write_json, write_page
 from bench.serve import Target, run, uncontended, warm_up
-from bench.slo import SLO
+from bench.slo import SLO, distribution
 from planner import replay
 from planner.sim_types import SimRequest
 from planner.simulator import simulate
@@ -110,12 +110,12 @@ def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minu
     ttft_ok = [ttft is not None and ttft <= slo.ttft_s for _, ttft, _ in rows]
     tpot_ok = [ttft is not None and (tpot is None or tpot <= slo.tpot_s) for _, ttft, tpot in rows]
     met = [a and b for a, b in zip(ttft_ok, tpot_ok)]
-    ttfts = sorted(t for _, t, _ in rows if t is not None)
-    tpots = sorted(t for _, _, t in rows if t is not None)
+    ttfts = [t for _, t, _ in rows if t is not None]
+    tpots = [t for _, _, t in rows if t is not None]
     return {"attainment": sum(met) / len(rows), "ttft_attainment": sum(ttft_ok) / len(rows),
             "tpot_attainment": sum(tpot_ok) / len(rows),
-            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
-            "tpot_p90_s": tpots[int(0.9 * (len(tpots) - 1))] if tpots else None,
+            "ttft_p90_s": distribution(ttfts)["p90"] if ttfts else None,
+            "tpot_p90_s": distribution(tpots)["p90"] if tpots else None,
             "per_minute": minute_attainment([(a, m) for (a, _, _), m in zip(rows, met)], minutes),
             "requests": [[round(a, 3), None if t is None else round(t, 4), None if p is None else round(p, 5)]
                          for a, t, p in rows]}  # fmt: skip
@@ -167,9 +167,9 @@ def drift_sample() -> dict[str, float]:
 
 
 def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
-    chosen = window(read_trace(TRACE), options.start_s, options.window_s)
+    chosen = scaled(window(read_trace(TRACE), options.start_s, options.window_s))
     cap = served_capacity()
-    requests, m = thinned(scaled(chosen), options.load, cap)
+    requests, m = thinned(chosen, options.load, cap)
     minutes = math.ceil(options.window_s / MINUTE_S)
     builder, rng = PromptBuilder(tokenizer()), random.Random(options.seed)
     bench = [BenchRequest(builder.summarization(r.prompt_tokens, rng.randrange(10_000)), r.prompt_tokens,
@@ -179,7 +179,7 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
     data: dict[str, Any] = {"command": command_line(NAME, argv), "machine": machine(), "trace": str(TRACE.name),
                             "start_s": options.start_s, "window_s": options.window_s, "load": options.load,
                             "thinning": m, "capacity_rps": cap, "requests": len(requests),
-                            "simulated_throughput_rps": simulated_throughput(scaled(chosen)),
+                            "simulated_throughput_rps": simulated_throughput(chosen),
                             "mean_prompt_tokens": sum(r.prompt_tokens for r in requests) / len(requests),
                             "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
                             "drift_reference": drift_reference(), "drift_before": drift_sample(),
@@ -261,8 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     data = run_all(options, argv)
     write_json(options.out / "trace_replay.json", data)
     page = options.out / "trace_replay.md"
-    write_page(page, NAME, render(data), template(NAME, "# The production trace on this machine, served and simulated"))
-    print("\n".join(render(data)))
+    lines = render(data)
+    write_page(page, NAME, lines, template(NAME, "# The production trace on this machine, served and simulated"))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

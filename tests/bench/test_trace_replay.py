@@ -3,7 +3,7 @@ keeps the trace's times at the load asked for."""
 
 from __future__ import annotations
 
-from bench.trace_replay import TRACE, scaled, served_capacity, simulated_throughput, thinned
+from bench.trace_replay import CAPACITY_COMPRESSION, TRACE, scaled, served_capacity, simulated_throughput, thinned
 from planner.sim_types import SimRequest
 from planner.trace import read_trace, window
 
@@ -29,4 +29,5 @@ def test_thinning_keeps_one_in_m_at_the_traces_own_times_under_the_load_asked():
     assert any(all((round(r.arrival_s + first, 6), r.prompt_tokens, r.output_tokens) in originals for r in kept)
                for first in firsts)  # fmt: skip
     assert [r.arrival_s for r in kept] == sorted(r.arrival_s for r in kept)
-    assert simulated_throughput(requests) == simulated_throughput(requests)  # the simulation is deterministic
+    offered_rps = len(requests) / (span / CAPACITY_COMPRESSION)  # the compressed window's arrival rate
+    assert 0 < simulated_throughput(requests) <= offered_rps  # it completes no faster than they arrive
