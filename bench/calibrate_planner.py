@@ -17,11 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
-from bench.host import engine_core, machine, medians, seconds, ticks_between, tree_ticks, worker_json
+from bench.host import engine_core, machine, medians, seconds, ticks_between, tokenizer, tree_ticks, worker_json
 from bench.report import command_line, first_paragraph, read_json
+from bench.serve import Target, run, run_checked, uncontended
 from planner.costs import DEFAULT_CALIBRATION, load_calibration, save_calibration
+from workloads import BenchRequest, PromptBuilder
 
 NAME = "bench.calibrate_planner"
 MAX_MODEL_LEN, KV_CACHE_BYTES, BLOCK_SIZE = 512, 384 << 20, 16
@@ -50,8 +53,6 @@ class Prompts:
     """Distinct exact-length prompts (no shared prefix block, so the prefix cache never hits)."""
 
     def __init__(self, words) -> None:
-        from workloads import PromptBuilder
-
         self.builder, self.number = PromptBuilder(words), 0
 
     def request(self, length: int, max_tokens: int):
@@ -63,36 +64,28 @@ class Prompts:
         return GenerationRequest(f"cal{self.number}", prompt, params)
 
 
-def finish(engine) -> None:
-    """Step until every request is done."""
-    while engine.has_work():
-        engine.step()
-
-
 def timed_prefill(engine, prompts: Prompts, count: int, length: int) -> float:
-    """One step prefilling ``count`` prompts of ``length`` tokens."""
+    """One step prefilling ``count`` prompts of ``length`` tokens (then every request is finished)."""
     for _ in range(count):
         engine.add_request(prompts.request(length, 1))
     step_s = seconds(engine.step)
-    finish(engine)
+    while engine.has_work():
+        engine.step()
     return step_s
 
 
 def timed_decode(engine, prompts: Prompts, batch: int, length: int, steps: int = DECODE_STEPS) -> float:
-    """Median of ``steps`` decode steps of ``batch`` requests of ``length``-token prompts (after a warm-up step)."""
-    start_batch(engine, prompts, batch, length, steps + 4)
-    engine.step()  # the first decode step warms the batch's shapes up
-    step_s = statistics.median(seconds(engine.step) for _ in range(steps))
-    finish(engine)
-    return step_s
-
-
-def start_batch(engine, prompts: Prompts, batch: int, length: int, max_tokens: int) -> None:
-    """``batch`` requests admitted and stepped until every prompt is computed."""
+    """Median of ``steps`` decode steps of ``batch`` requests of ``length``-token prompts, once every
+    prompt is computed and after a warm-up step (then every request is finished)."""
     for _ in range(batch):
-        engine.add_request(prompts.request(length, max_tokens))
+        engine.add_request(prompts.request(length, steps + 4))
     while engine.stats().num_queued_prompt_tokens:
         engine.step()
+    engine.step()  # the first decode step warms the batch's shapes up
+    step_s = statistics.median(seconds(engine.step) for _ in range(steps))
+    while engine.has_work():
+        engine.step()
+    return step_s
 
 
 def in_rounds(shapes: list, once) -> dict:
@@ -139,32 +132,30 @@ def measure_transfer() -> list[dict]:
     return [{"blocks": b, "bytes": b * BYTES_PER_BLOCK, "seconds": s} for b, s in found.items()]
 
 
-def probe_stack(url: str, target, cost, kind: str) -> dict:
+def probe_stack(target, cost, kind: str) -> dict:
     """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s engine
     fits: idle-app probes, batched probes, a load run, and their fit. The app must run without a
     prefix cache (the probes repeat their prompts)."""
     from bench.compare import MAX_MODEL_LEN as SERVED_LEN
-    from bench.host import tokenizer
-    from workloads import PromptBuilder
 
-    builder = PromptBuilder(tokenizer())
     assert max(STACK_LENGTHS) + STACK_OUTPUT <= SERVED_LEN
+    builder = PromptBuilder(tokenizer())
+
+    def requests(length: int, output: int, seeds) -> list[BenchRequest]:
+        return [BenchRequest(builder.summarization(length, seed), length, output) for seed in seeds]
+
     probed = {"cores": os.cpu_count() or 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "probes": _idle_probes(target, builder, cost, kind), "batched": _batched_probes(target, builder, cost),
-              "load": _stack_cpu(url, target, builder)}  # fmt: skip
+              "probes": _idle_probes(target, requests, cost, kind), "batched": _batched_probes(target, requests, cost),
+              "load": _stack_cpu(target, requests)}  # fmt: skip
     print(f"  {kind}: {probed}", file=sys.stderr, flush=True)
     return probed | fit_stack(probed)
 
 
-def _idle_probes(target, builder, cost, kind: str) -> list[dict]:
+def _idle_probes(target, requests, cost, kind: str) -> list[dict]:
     """One request at a time per length (``bench.serve.uncontended``) against the engine's TTFT and step."""
-    from bench.serve import uncontended
-    from workloads import BenchRequest
-
     probes = []
     for number, length in enumerate(STACK_LENGTHS):
-        prompt = BenchRequest(builder.summarization(length, 7919 * (number + 1)), length, STACK_OUTPUT)
-        served = uncontended(target, prompt, max_tokens=STACK_OUTPUT)
+        served = uncontended(target, requests(length, STACK_OUTPUT, [7919 * (number + 1)])[0], max_tokens=STACK_OUTPUT)
         transfer_s = cost.transfer_s(length * cost.kv_bytes_per_token) if kind == "disaggregated" else 0.0
         bare_ttft = cost.prefill_s(length) + transfer_s
         ttft, tpot, step = served["ttft_s"], served["tpot_s"], cost.decode_step_s(1, length + STACK_OUTPUT // 2)
@@ -173,16 +164,12 @@ def _idle_probes(target, builder, cost, kind: str) -> list[dict]:
     return probes
 
 
-def _batched_probes(target, builder, cost) -> list[dict]:
+def _batched_probes(target, requests, cost) -> list[dict]:
     """Per batch, that many requests sent at once and decoded as one batch (the second of two rounds)."""
-    from bench.serve import run_checked
-    from workloads import BenchRequest
-
     found, length = [], STACK_BATCH_PROMPT
     for batch in STACK_BATCHES:
-        requests = [BenchRequest(builder.summarization(length, 15485863 * (i + 1)), length, STACK_OUTPUT)
-                    for i in range(batch)]  # fmt: skip
-        records = [run_checked(target, requests, "batched probe") for _ in range(2)][-1]
+        sent = requests(length, STACK_OUTPUT, [15485863 * (i + 1) for i in range(batch)])
+        records = [run_checked(target, sent, "batched probe") for _ in range(2)][-1]
         step = cost.decode_step_s(batch, batch * (length + STACK_OUTPUT // 2))
         tpot = statistics.median(r.tpot for r in records)
         found.append({"batch": batch, "prompt_tokens": length, "tpot_s": round(tpot, 6),
@@ -212,23 +199,18 @@ def fit_stack(kind: dict) -> dict:
     return fitted
 
 
-def _stack_cpu(url: str, target, builder) -> dict:
+def _stack_cpu(target, requests) -> dict:
     """CPU seconds per streamed token of everything but the engine replicas (the proxy, the ingress,
     Serve's controller, Ray's daemons, this client) under a load of distinct requests."""
-    import httpx
-
-    from bench.serve import run
-    from workloads import BenchRequest
-
     count, every, length, output = STACK_LOAD
-    engines = [r["pid"] for r in httpx.get(f"{url}/admin/kv", timeout=10).json()["replicas"] if r["live"]]
-    requests = [BenchRequest(builder.summarization(length, 104729 * (i + 1)), length, output) for i in range(count)]
+    engines = [r["pid"] for r in httpx.get(f"{target.url}/admin/kv", timeout=10).json()["replicas"] if r["live"]]
+    sent = requests(length, output, [104729 * (i + 1) for i in range(count)])
     before = tree_ticks()
-    records, duration = asyncio.run(run(target, requests, [i * every for i in range(count)], progress=False))
+    records, duration = asyncio.run(run(target, sent, [i * every for i in range(count)], progress=False))
     used, tick = tree_ticks(), os.sysconf("SC_CLK_TCK")
     engine_s = ticks_between({p: before.get(p, 0) for p in engines}, {p: used.get(p, 0) for p in engines}) / tick
     stack_s = ticks_between(before, used) / tick - engine_s
-    tokens = sum(r.usage_output_tokens or len(r.chunks) for r in records if r.ok)
+    tokens = sum(r.output_tokens for r in records if r.ok)
     return {"engine_pids": engines, "seconds": round(duration, 2), "tokens": tokens,
             "engines_cpu_s": round(engine_s, 2), "stack_cpu_s": round(stack_s, 2),
             "cpu_s_per_token": round(stack_s / max(tokens, 1), 6)}  # fmt: skip
@@ -236,16 +218,13 @@ def _stack_cpu(url: str, target, builder) -> dict:
 
 def measure_stack(data: dict) -> dict:
     """The serving stack's share per system kind, against ``data``'s engine fits."""
-    from bench.compare import COMMON, SYSTEMS
-    from bench.ray_local import Server
-    from bench.serve import Target
+    from bench.compare import system_server
     from planner.costs import calibrated_cost
 
     cost, kinds = calibrated_cost(data), {}
     for kind, system in STACK_SYSTEMS.items():
-        application, extra = SYSTEMS[system]
-        with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
-            kinds[kind] = probe_stack(server.url, Target(server.url, server.model()), cost, kind) | {"system": system}
+        with system_server(system, 0, NO_PREFIX_CACHE) as server:
+            kinds[kind] = probe_stack(Target(server.url, server.model()), cost, kind) | {"system": system}
     source = (f"served app, one request at a time, then {' and '.join(map(str, STACK_BATCHES))} at once, then "
               f"{STACK_LOAD[0]} requests one every {STACK_LOAD[1]} s: bench.calibrate_planner.probe_stack")  # fmt: skip
     return {"source": source, "kinds": kinds}

@@ -12,12 +12,11 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.host import machine
 from bench.ray_local import Server
-from bench.report import command_line, plot_attainment, plot_cdfs, read_json, table, template, write_json, write_page
+from bench.report import command_line, plot_attainment, plot_cdfs, publish, read_json, table, write_json
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
@@ -47,60 +46,18 @@ MULTIPLIERS = {
 }
 
 
-@dataclass(frozen=True)
-class WorkloadCalibration:
-    """One workload's median request alone on the idle colocated system, and the rates fixed from it."""
-
-    prompt_tokens: int
-    ttft_s: float
-    tpot_s: float
-    median_output_tokens: float
-    e2e_s: float  # ttft_s + (median_output_tokens - 1) * tpot_s
-    multipliers: tuple[float, ...]
-    rates: tuple[float, ...]  # req/s: each multiplier x 2 / e2e_s (two replicas)
-
-    @property
-    def slo(self) -> SLO:
-        return SLO(TTFT_SLO_X * self.ttft_s, TPOT_SLO_X * self.tpot_s)
-
-    @classmethod
-    def from_json(cls, row: dict) -> WorkloadCalibration:
-        return cls(**{**row, "multipliers": tuple(row["multipliers"]), "rates": tuple(row["rates"])})
+def system_server(system: str, index: int = 0, args: dict[str, str] | None = None) -> Server:
+    """One of ``SYSTEMS`` on ``COMMON`` (and ``args``) in its own local Ray (``bench.ray_local.Server``)."""
+    application, extra = SYSTEMS[system]
+    return Server(application, {**COMMON, **extra, **(args or {})}, index)
 
 
-@dataclass(frozen=True)
-class CrossCheck:
-    """One request timed by this harness and, separately, around the ``openai`` client's call."""
-
-    prompt_tokens: int
-    max_tokens: int
-    harness_ttft_s: float
-    openai_ttft_s: float
-    harness_e2e_s: float
-    openai_e2e_s: float
+def workload_slo(calibration: dict) -> SLO:
+    """A workload's SLOs from its row of ``calibrate``: TTFT 5x, TPOT 2x its uncontended latency."""
+    return SLO(TTFT_SLO_X * calibration["ttft_s"], TPOT_SLO_X * calibration["tpot_s"])
 
 
-@dataclass(frozen=True)
-class Report:
-    """Everything the report files are made from."""
-
-    command: str
-    elapsed_s: float
-    model: str | None
-    workloads: dict[str, WorkloadCalibration]  # in report order
-    crosscheck: tuple[CrossCheck, ...]
-    results: dict[str, dict[str, dict]]  # workload -> system -> sweep (``bench.serve.sweep``'s)
-
-    def after(self, previous: Report | None) -> Report:
-        """This run's report behind the previous one's other workloads (``--merge``)."""
-        if previous is None:
-            return self
-        command, elapsed_s = f"{previous.command} && {self.command}", previous.elapsed_s + self.elapsed_s
-        workloads, results = {**previous.workloads, **self.workloads}, {**previous.results, **self.results}
-        return Report(command, elapsed_s, self.model, workloads, self.crosscheck, results)
-
-
-def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> tuple[CrossCheck, ...]:
+def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> list[dict]:
     """The same requests, one at a time, through this harness and through the ``openai`` client."""
     from openai import OpenAI
 
@@ -114,9 +71,10 @@ def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> tu
             if first is None and chunk.choices and chunk.choices[0].text:
                 first = time.perf_counter()
         end = time.perf_counter()
-        check = (record.ttft, first - start, record.e2e, end - start)
-        rows.append(CrossCheck(request.prompt_tokens, request.max_tokens, *check))
-    return tuple(rows)
+        rows.append({"prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
+                     "harness_ttft_s": record.ttft, "openai_ttft_s": first - start,
+                     "harness_e2e_s": record.e2e, "openai_e2e_s": end - start})  # fmt: skip
+    return rows
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -154,55 +112,67 @@ def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchReques
     return {w: make_requests(w, words, MAX_MODEL_LEN, options.num_requests, options.seed) for w in options.workloads}
 
 
-def calibrate(target: Target, requests: dict[str, list[BenchRequest]], multipliers: dict) -> dict:
-    """Each workload's median request alone on ``target`` (the idle colocated system)."""
+def calibrate(target: Target, requests: dict[str, list[BenchRequest]], multipliers: dict) -> dict[str, dict]:
+    """Per workload, its median request alone on ``target`` (the idle colocated system) and the
+    rates fixed from it: each multiplier x 2 / E2E (two replicas)."""
     workloads = {}
     for workload, batch in requests.items():
         base = uncontended(target, median_request(batch), max_tokens=32)
         outputs = statistics.median(r.max_tokens for r in batch)
-        e2e, ms = base["ttft_s"] + (outputs - 1) * base["tpot_s"], tuple(multipliers[workload])
-        rates = tuple(round(m * 2 / e2e, 4) for m in ms)
-        fixed = WorkloadCalibration(base["prompt_tokens"], base["ttft_s"], base["tpot_s"], outputs, e2e, ms, rates)
-        print(f"{workload}: uncontended {base}, SLO {fixed.slo}, rates {list(rates)}", file=sys.stderr)
-        workloads[workload] = fixed
+        e2e, ms = base["ttft_s"] + (outputs - 1) * base["tpot_s"], list(multipliers[workload])
+        workloads[workload] = base | {"median_output_tokens": outputs, "e2e_s": e2e, "multipliers": ms,
+                                      "rates": [round(m * 2 / e2e, 4) for m in ms]}  # fmt: skip
+        slo, rates = workload_slo(workloads[workload]), workloads[workload]["rates"]
+        print(f"{workload}: uncontended {base}, SLO {slo}, rates {rates}", file=sys.stderr)
     return workloads
 
 
-def load_previous(out: Path, raw: Path, skip: list[str]) -> Report:
+def merged(report: dict, previous: dict | None) -> dict:
+    """This run's report (``main``'s) behind the previous one's other workloads (``--merge``)."""
+    if previous is None:
+        return report
+    return report | {
+        "command": f"{previous['command']} && {report['command']}",
+        "elapsed_s": previous["elapsed_s"] + report["elapsed_s"],
+        "calibration": previous["calibration"] | report["calibration"],
+        "results": previous["results"] | report["results"],
+    }
+
+
+def load_previous(out: Path, raw: Path, skip: list[str]) -> dict:
     """The last report, without the workloads in ``skip`` (this run repeats them) or no sweep."""
     summary, full = read_json(out / "goodput.json"), read_json(raw / "goodput_full.json")
     full = {w: sweeps for w, sweeps in full.items() if w not in skip and sweeps}
-    workloads = {w: WorkloadCalibration.from_json(summary["calibration"][w]) for w in full}
-    checks = tuple(CrossCheck(**row) for row in summary.get("crosscheck", []))
-    return Report(summary["command"], summary["elapsed_s"], summary.get("model"), workloads, checks, full)
+    return {"command": summary["command"], "elapsed_s": summary["elapsed_s"], "model": summary.get("model"),
+            "calibration": {w: summary["calibration"][w] for w in full},
+            "crosscheck": summary.get("crosscheck", []), "results": full}  # fmt: skip
 
 
-def write_report(report: Report, out: Path, raw: Path) -> None:
+def write_report(report: dict, out: Path, raw: Path) -> None:
     """goodput.json, goodput.md and the PNGs in ``out``; every request's record in ``raw``."""
-    write_json(raw / "goodput_full.json", report.results, indent=None)
-    write_json(out / "goodput.json", summary := summary_json(report, machine()))
-    plot_attainment(report.results, out / "goodput.png")
-    for workload, systems in report.results.items():
+    write_json(raw / "goodput_full.json", report["results"], indent=None)
+    summary = summary_json(report, machine())
+    publish(out, "goodput", NAME, summary, render(summary), "# Goodput: disaggregated against colocated")
+    plot_attainment(report["results"], out / "goodput.png")
+    for workload, systems in report["results"].items():
         if systems:
             points = {s: _middle_point(sweep) for s, sweep in systems.items()}
             plot_cdfs(points, out / f"goodput_cdf_{workload}.png", workload)
-    new = template(NAME, "# Goodput: disaggregated against colocated")
-    write_page(out / "goodput.md", NAME, render(summary), new)
 
 
-def summary_json(report: Report, host: str) -> dict:
+def summary_json(report: dict, host: str) -> dict:
     """goodput.json: the report without the per-request records."""
-    workloads = report.workloads
-    results = {w: {s: _without_records(sw) for s, sw in by.items()} for w, by in report.results.items()}
+    slos = {w: workload_slo(c) for w, c in report["calibration"].items()}
+    results = {w: {s: _without_records(sw) for s, sw in by.items()} for w, by in report["results"].items()}
     return {
-        "command": report.command,
+        "command": report["command"],
         "machine": host,
-        "model": report.model,
-        "elapsed_s": report.elapsed_s,
+        "model": report["model"],
+        "elapsed_s": report["elapsed_s"],
         "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
-        "calibration": {w: asdict(c) for w, c in workloads.items()},
-        "slo_s": {w: {"ttft": c.slo.ttft_s, "tpot": c.slo.tpot_s} for w, c in workloads.items()},
-        "crosscheck": [asdict(c) for c in report.crosscheck],
+        "calibration": report["calibration"],
+        "slo_s": {w: {"ttft": slo.ttft_s, "tpot": slo.tpot_s} for w, slo in slos.items()},
+        "crosscheck": report["crosscheck"],
         "results": results,
     }
 
@@ -277,26 +247,30 @@ def main(argv: list[str] | None = None) -> None:
     requests = workload_requests(options)
     previous = load_previous(options.out, options.raw, list(options.workloads)) if options.merge else None
     command, started = command_line(NAME, argv), time.time()
-    workloads, checks, sweeps = {}, previous.crosscheck if previous else (), {}  # sweeps: system -> workload -> sweep
+    calibration, checks, sweeps = (
+        {},
+        previous["crosscheck"] if previous else [],
+        {},
+    )  # sweeps: system -> workload -> sweep
     order = ["colocated"] + [s for s in options.systems if s != "colocated"]
     for index, (system, names) in enumerate(_servers(order, tuple(requests))):
-        application, extra = SYSTEMS[system]
-        slo = workloads[names[0]].slo if system in SLO_AWARE else None  # the server's one workload's
+        slo = workload_slo(calibration[names[0]]) if system in SLO_AWARE else None  # the server's one workload's
         slo_args = {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"} if slo else {}
-        with Server(application, {**COMMON, **extra, **slo_args}, index) as server:
+        with system_server(system, index, slo_args) as server:
             target = Target(server.url, server.model())
-            if not workloads:
-                workloads = calibrate(target, requests, options.multipliers)
+            if not calibration:
+                calibration = calibrate(target, requests, options.multipliers)
                 checks = checks or crosscheck(target, next(iter(requests.values())))
             for workload in names if system in options.systems else ():
-                label, fixed = f"{system}/{workload}", workloads[workload]
-                rates, url, seed = list(fixed.rates), server.metrics_url, options.seed
-                done = sweep(target, requests[workload], rates, fixed.slo, seed=seed, metrics_url=url, label=label)
+                label, fixed = f"{system}/{workload}", calibration[workload]
+                rates, slo, url, seed = fixed["rates"], workload_slo(fixed), server.metrics_url, options.seed
+                done = sweep(target, requests[workload], rates, slo, seed=seed, metrics_url=url, label=label)
                 print(f"{label}: goodput {done['goodput']['text']} req/s", file=sys.stderr)
                 sweeps.setdefault(system, {})[workload] = done
                 results = {w: {s: by[w] for s, by in sweeps.items() if w in by} for w in options.workloads}
-                report = Report(command, time.time() - started, target.model, workloads, checks, results)
-                write_report(report.after(previous), options.out, options.raw)
+                report = {"command": command, "elapsed_s": time.time() - started, "model": target.model,
+                          "calibration": calibration, "crosscheck": checks, "results": results}  # fmt: skip
+                write_report(merged(report, previous), options.out, options.raw)
 
 
 def _servers(order: list[str], workloads: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:

@@ -61,13 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         time.sleep(max(options.every - (time.monotonic() - began), 0.0))
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - start)))
     summary = summarize(samples)
-    report = {
-        "command": command_line("bench.drift", argv),
-        "machine": machine(),
-        "started": started,
-        "window_s": WINDOW_S,
-    }
-    write_json(options.out, report | {"summary": summary, "samples": samples})
+    write_json(options.out, {"command": command_line("bench.drift", argv), "machine": machine(), "started": started,
+                             "window_s": WINDOW_S, "summary": summary, "samples": samples})  # fmt: skip
     for shape, row in summary.items():
         print(f"{shape}: median {row['median_s'] * 1e3:.1f} ms, {row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f} ms"
               f" (x{row['max_over_min']:.2f}), largest change within {WINDOW_S:.0f} s:"

@@ -18,17 +18,16 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
-import httpx
-
-from bench.compare import COMMON, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
+from bench.compare import COMMON, ELASTIC, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
 from bench.ray_local import Server
 from bench.report import cells, command_line, figure, first_paragraph, table, template, write_json, write_page
-from bench.serve import Target, arrival_times, poll_autoscaler, run, send, uncontended, warm_up
+from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
 from bench.slo import SLO, RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder, median_request
 
@@ -45,9 +44,8 @@ PHASE_S = 180.0
 SYSTEMS = {  # name -> (application, its arguments on top of bench.compare's COMMON)
     "static": COMPARE_SYSTEMS["disagg-pull"],
     "colocated": COMPARE_SYSTEMS["colocated"],
-    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.policy": "default",
-                           "autoscaling.replica_scaling": "false"}),  # lending alone (replica counts: bench.scaling)
-}  # fmt: skip
+    "elastic": ("disagg", {**ELASTIC, "autoscaling.policy": "default"}),  # lending alone (counts: bench.scaling)
+}
 PROBE_TOKENS = 32  # output tokens of the calibration probes (as bench.compare)
 FLOOR_BATCH, FLOOR_ROUNDS = 8, 4  # decodes stepped; alternating idle / beside-prefill rounds
 FLOOR_PREFILL_TOKENS, FLOOR_DECODE_PROMPT = 400, 64
@@ -73,28 +71,20 @@ class Phase:
 
 
 @dataclass(frozen=True)
-class ClassCalibration:
-    """The median request of one class on the idle colocated system, one at a time."""
-
-    prompt_tokens: int
-    ttft_s: float
-    tpot_s: float
-
-
-@dataclass(frozen=True)
 class Calibration:
-    """Each class's TTFT SLO is a multiple of its uncontended TTFT; one TPOT SLO for all, from the
-    classes' mean uncontended TPOT (the controller takes one TPOT target)."""
+    """Each class's median request on the idle colocated system, one at a time (``uncontended``'s
+    ``prompt_tokens``, ``ttft_s``, ``tpot_s``). Each class's TTFT SLO is a multiple of its TTFT; one
+    TPOT SLO for all, from the classes' mean TPOT (the controller takes one TPOT target)."""
 
-    classes: dict[str, ClassCalibration]
+    classes: dict[str, dict[str, float]]
     model: str
 
     @property
     def tpot_slo_s(self) -> float:
-        return TPOT_SLO_X * statistics.mean(c.tpot_s for c in self.classes.values())
+        return TPOT_SLO_X * statistics.mean(c["tpot_s"] for c in self.classes.values())
 
     def slo(self, kind: str) -> SLO:
-        return SLO(TTFT_SLO_X * self.classes[kind].ttft_s, self.tpot_slo_s)
+        return SLO(TTFT_SLO_X * self.classes[kind]["ttft_s"], self.tpot_slo_s)
 
     @property
     def controller_ttft_s(self) -> float:
@@ -104,8 +94,8 @@ class Calibration:
 
 @dataclass(frozen=True)
 class SystemRun:
-    """One system on the trace: per request ``rows`` (``phase`` index, ``arrival_s``, ``sent_s``,
-    ``record``); the elastic system's autoscaler polls (``timeline``) and ``decisions``."""
+    """One system's run: per request ``rows`` (``sent_s``, ``record`` and the benchmark's own fields:
+    here the ``phase`` index and ``arrival_s``), the autoscaler's polls (``timeline``) and ``decisions``."""
 
     system: str
     command: str
@@ -128,7 +118,7 @@ class ElasticReport:
     floor: dict | None
 
 
-# ---- the trace, the calibration, one system ---------------------------------------------------
+# ---- the trace, the calibration, the systems ------------------------------------------------
 def make_phases(phase_s: float) -> tuple[Phase, ...]:
     return tuple(Phase(*p, i * phase_s, (i + 1) * phase_s) for i, p in enumerate(PHASES))
 
@@ -158,39 +148,53 @@ def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequ
     return classes
 
 
-def calibrate(target: Target, trace: list, phases: tuple[Phase, ...]) -> Calibration:
+def calibrate(target: Target, classes: dict[str, list[BenchRequest]]) -> Calibration:
     """Each class's median request, one at a time on the idle colocated system."""
-    classes = {}
-    for kind, requests in by_class(trace, phases).items():
-        base = uncontended(target, median_request(requests), max_tokens=PROBE_TOKENS)
-        classes[kind] = ClassCalibration(base["prompt_tokens"], base["ttft_s"], base["tpot_s"])
-        print(f"calibration {kind}: {base}", file=sys.stderr)
-    return Calibration(classes=classes, model=target.model)
+    found = {}
+    for kind, requests in classes.items():
+        found[kind] = uncontended(target, median_request(requests), max_tokens=PROBE_TOKENS)
+        print(f"calibration {kind}: {found[kind]}", file=sys.stderr)
+    return Calibration(found, target.model)
 
 
-def system_args(system: str, calibration: Calibration | None, raw: Path) -> dict[str, str]:
+def system_args(system: str, calibration: Calibration | None, record: Path | None = None) -> dict[str, str]:
+    """``system``'s arguments; the elastic system's controller gets the calibration's SLOs and, with
+    ``record``, records its inputs there (a stale record removed)."""
     args = {**COMMON, **SYSTEMS[system][1]}
     if system == "elastic" and calibration is not None:
         args["slo.ttft_ms"] = f"{calibration.controller_ttft_s * 1e3:.1f}"
         args["slo.tpot_ms"] = f"{calibration.tpot_slo_s * 1e3:.1f}"
-        args["autoscaling.record"] = str((raw / "trace.jsonl").resolve())
+        if record is not None:
+            record.unlink(missing_ok=True)
+            args["autoscaling.record"] = str(record.resolve())
     return args
 
 
-def run_system(target: Target, system: str, trace: list, phases: tuple[Phase, ...], command: str) -> SystemRun:
-    """The whole trace on ``target`` after a warm-up of each class; the elastic system's autoscaler
-    polled meanwhile."""
-    started = time.time()
-    warm_up(target, [requests[0] for requests in by_class(trace, phases).values()])
+def each_system(
+    systems: list[str], calibration: Calibration | None, classes: dict, record: Path | None = None
+) -> Iterator[tuple[str, Target, Calibration]]:
+    """Each of ``systems``, in order, in its own Server: (name, target, calibration). Without
+    ``calibration``, each class's median request gives it first on the idle colocated system: the
+    first system's server when that is colocated, else one of its own."""
+    order = [None, *systems] if calibration is None and "colocated" not in systems[:1] else list(systems)
+    for index, system in enumerate(order):
+        name = system or "colocated"
+        with Server(SYSTEMS[name][0], system_args(name, calibration, record), index) as server:
+            target = Target(server.url, server.model())
+            calibration = calibration or calibrate(target, classes)
+            if system is not None:
+                yield system, target, calibration
 
-    async def drive():
-        stop, t0 = asyncio.Event(), time.perf_counter()
-        poller = system == "elastic" and asyncio.create_task(poll_autoscaler(target.url, (t0, time.time()), stop))
-        records, duration = await run(target, [r for *_, r in trace], [a for _, a, _ in trace], system)
-        stop.set()
-        return records, duration, *(await poller if poller else ([], [])), t0
 
-    records, duration, timeline, decisions, t0 = asyncio.run(drive())
+def run_system(target: Target, system: str, trace: list, classes: dict, command: str) -> SystemRun:
+    """The whole trace after a warm-up of each class; the elastic system's autoscaler polled meanwhile."""
+    started, requests, arrivals = time.time(), [r for *_, r in trace], [a for _, a, _ in trace]
+    warm_up(target, [requests[0] for requests in classes.values()])
+
+    async def replay(_: float) -> tuple[list[RequestRecord], float]:
+        return await run(target, requests, arrivals, system)
+
+    (records, duration), timeline, decisions, (t0, _) = polled(target.url, replay, poll=system == "elastic")
     rows = [
         {"phase": i, "arrival_s": round(a, 4), "sent_s": round(r.sent - t0, 4), "record": r.to_json()}
         for (i, a, _), r in zip(trace, records)
@@ -199,31 +203,23 @@ def run_system(target: Target, system: str, trace: list, phases: tuple[Phase, ..
 
 
 def stage_run(options: argparse.Namespace, command: str) -> None:
-    """Calibrate on the colocated system (or take the raw folder's calibration when colocated is not
-    run), then run each system; the report is rewritten after each."""
+    """Calibrate on the colocated system, run first (or take the raw folder's calibration when it is
+    not run), then run each system; the report is rewritten after each."""
     phases = make_phases(options.phase_s)
     trace = make_trace(tokenizer(), phases, options.seed)
-    save_trace(options.raw, phases, options.seed, command)
+    save_raw(options.raw, "trace", {"seed": options.seed, "command": command, "phases": [asdict(p) for p in phases]})
     print(f"trace: {len(trace)} requests", file=sys.stderr)
-    calibration = None if "colocated" in options.systems else load_calibration(options.raw)
-    order = [s for s in SYSTEMS if s in options.systems]
-    if calibration is None:  # the colocated system first: it is calibrated on
-        order = ["colocated", *(s for s in order if s != "colocated")]
-    for index, system in enumerate(order):
-        if system == "elastic":
-            (options.raw / "trace.jsonl").unlink(missing_ok=True)
-        with Server(SYSTEMS[system][0], system_args(system, calibration, options.raw), index) as server:
-            target = Target(server.url, server.model())
-            if calibration is None:
-                calibration = calibrate(target, trace, phases)
-                save_calibration(options.raw, calibration)
-            if system not in options.systems:
-                continue
-            result = run_system(target, system, trace, phases, command)
-        save_json(options.raw / f"system_{system}.json", asdict(result))
+    known = None if "colocated" in options.systems else load_raw(options.raw).calibration
+    order = sorted((s for s in SYSTEMS if s in options.systems), key=lambda s: s != "colocated")
+    classes = by_class(trace, phases)
+    for system, target, calibration in each_system(order, known, classes, options.raw / "trace.jsonl"):
+        save_raw(options.raw, "calibration", calibration)
+        result = run_system(target, system, trace, classes, command)
+        save_raw(options.raw, f"system_{system}", result)
         scores = phase_scores(result, phases, calibration)
         print(
-            f"{system}: attainment " + ", ".join(f"{n} {s.attainment:.0%}" for n, s in scores.items()), file=sys.stderr
+            f"{system}: attainment " + ", ".join(f"{n} {s['attainment']:.0%}" for n, s in scores.items()),
+            file=sys.stderr,
         )
         write_report(load_raw(options.raw), options.out)
 
@@ -336,7 +332,7 @@ def serve_floor(index: int) -> dict:
     builder = PromptBuilder(tokenizer())
     probe = BenchRequest(builder.code(48, 0), 48, 64)
     streams = [BenchRequest(builder.code(48, 101 * (i + 1)), 48, FLOOR_STREAM_TOKENS) for i in range(FLOOR_STREAMS)]
-    with Server(SYSTEMS["static"][0], system_args("static", None, Path()), index) as server:
+    with Server(SYSTEMS["static"][0], system_args("static", None), index) as server:
         decode = serve.get_deployment_handle("DecodeServer", app_name="bench")
         return asyncio.run(_served_probes(Target(server.url, server.model()), probe, streams, decode))
 
@@ -345,18 +341,17 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
     async def probes(load: str) -> dict:
         found = []
         for _ in range(FLOOR_PROBES):
-            record = await send(client, target, probe)
+            record = await send(http, target, probe)
             if not record.ok:
                 raise RuntimeError(f"floor probe failed: {record.error}")
             found.append((record.tpot * 1e3, (await decode.stats.remote()).median_step_ms))
         return {f"client_tpot_{load}_ms": statistics.median(t for t, _ in found),
                 f"replica_step_{load}_ms": statistics.median(s for _, s in found)}  # fmt: skip
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await send(client, target, probe)  # warm-up
+    async with client() as http:
+        await send(http, target, probe)  # warm-up
         idle = await probes("idle")
-        tasks = [asyncio.create_task(send(client, target, s)) for s in streams]
+        tasks = [asyncio.create_task(send(http, target, s)) for s in streams]
         try:
             deadline = time.monotonic() + 120
             while (await decode.stats.remote()).num_running < len(streams):
@@ -378,63 +373,46 @@ def stage_floor(options: argparse.Namespace, command: str) -> None:
     print(f"floor engine: {engine}\nfloor: through the static app...", file=sys.stderr, flush=True)
     served = serve_floor(index=len(SYSTEMS) + 1)
     print(f"floor served: {served}", file=sys.stderr)
-    save_json(options.raw / "floor.json", {"command": command, **engine, **served})
+    save_raw(options.raw, "floor", {"command": command, **engine, **served})
 
 
 # ---- the raw folder ---------------------------------------------------------------------
-def save_json(path: Path, data: dict) -> None:
-    write_json(path, data, indent=None)
+def save_raw(raw: Path, name: str, data) -> None:
+    """``name``.json in the raw folder, on one line (a dataclass as its fields)."""
+    write_json(raw / f"{name}.json", asdict(data) if is_dataclass(data) else data, indent=None)
 
 
-def save_trace(raw: Path, phases: tuple[Phase, ...], seed: int, command: str) -> None:
-    save_json(raw / "trace.json", {"seed": seed, "command": command, "phases": [asdict(p) for p in phases]})
-
-
-def save_calibration(raw: Path, calibration: Calibration) -> None:
-    classes = {k: asdict(c) for k, c in calibration.classes.items()}
-    save_json(raw / "calibration.json", {"model": calibration.model, "classes": classes})
-
-
-def load_calibration(raw: Path) -> Calibration | None:
-    data = _read(raw / "calibration.json")
-    return data and Calibration({k: ClassCalibration(**c) for k, c in data["classes"].items()}, data["model"])
-
-
-def _read(path: Path) -> dict | None:
+def read_raw(raw: Path, name: str) -> dict | None:
+    path = raw / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def load_raw(raw: Path) -> ElasticReport:
     """The report's input, as the stages left it in ``raw``."""
-    trace = _read(raw / "trace.json") or {}
+    trace, calibration, floor = read_raw(raw, "trace") or {}, read_raw(raw, "calibration"), read_raw(raw, "floor")
     phases = tuple(
         Phase(**p | {"prompt_tokens": tuple(p["prompt_tokens"]), "output_tokens": tuple(p["output_tokens"])})
         for p in trace.get("phases", [])
     )
-    runs = {s: SystemRun(**data) for s in SYSTEMS if (data := _read(raw / f"system_{s}.json"))}
-    calibration, floor = load_calibration(raw), _read(raw / "floor.json")
+    runs = {s: SystemRun(**data) for s in SYSTEMS if (data := read_raw(raw, f"system_{s}"))}
+    calibration = calibration and Calibration(**calibration)
     return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), calibration, runs, floor)
 
 
 # ---- the figures ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Score:
-    """Attainment (of the requests sent; a failed request is a miss) and p90 latencies."""
-
-    requests: int
-    failed: int
-    attainment: float
-    ttft_p90_s: float
-    tpot_p90_s: float
-
-
-def score(judged: list[tuple[dict, RequestRecord, SLO]]) -> Score:
-    """The score of (row, record, its SLO) triples."""
+def score(judged: list[tuple[dict, RequestRecord, SLO]]) -> dict:
+    """Of (row, record, its SLO) triples: attainment (of the requests sent; a failed request is a
+    miss) and p90 latencies."""
     done = [r for _, r, _ in judged if r.ok]
     met = sum(slo.met(r) for _, r, slo in judged)
     ttft, tpot = distribution([r.ttft for r in done]), distribution([t for r in done if (t := r.tpot) is not None])
-    attainment = met / len(judged) if judged else math.nan
-    return Score(len(judged), len(judged) - len(done), attainment, ttft["p90"], tpot["p90"])
+    return {
+        "requests": len(judged),
+        "failed": len(judged) - len(done),
+        "attainment": met / len(judged) if judged else math.nan,
+        "ttft_p90_s": ttft["p90"],
+        "tpot_p90_s": tpot["p90"],
+    }
 
 
 def _judged(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> list:
@@ -443,22 +421,29 @@ def _judged(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration)
     return [(row, RequestRecord.from_json(row["record"]), slo) for row, slo in zip(run.rows, slos)]
 
 
-def phase_scores(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> dict[str, Score]:
+def phase_scores(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> dict[str, dict]:
     """Per phase (by name, in order), then ``overall``."""
     judged = _judged(run, phases, calibration)
     scores = {phase.name: score([j for j in judged if j[0]["phase"] == i]) for i, phase in enumerate(phases)}
     return scores | {"overall": score(judged)}
 
 
+def binned(rows: list[tuple[float, bool]], bin_s: float, bins: int, empty: float | None = math.nan) -> list:
+    """(arrival, met) -> the share met among the arrivals in each ``bin_s`` from 0; ``empty`` for none."""
+    shares = []
+    for k in range(bins):
+        mine = [met for arrival, met in rows if k * bin_s <= arrival < (k + 1) * bin_s]
+        shares.append(sum(mine) / len(mine) if mine else empty)
+    return shares
+
+
 def attainment_bins(
     run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration, bin_s: float = BIN_S
 ) -> list[tuple[float, float]]:
     """(bin start, attainment of the requests that arrived in it); NaN for an empty bin."""
-    judged, bins = _judged(run, phases, calibration), []
-    for k in range(math.ceil((phases[-1].end_s if phases else 0.0) / bin_s)):
-        met = [s.met(r) for row, r, s in judged if k * bin_s <= row["arrival_s"] < (k + 1) * bin_s]
-        bins.append((k * bin_s, sum(met) / len(met) if met else math.nan))
-    return bins
+    met = [(row["arrival_s"], slo.met(r)) for row, r, slo in _judged(run, phases, calibration)]
+    bins = math.ceil((phases[-1].end_s if phases else 0.0) / bin_s)
+    return [(k * bin_s, share) for k, share in enumerate(binned(met, bin_s, bins))]
 
 
 def in_flight(run: SystemRun, step_s: float = 1.0) -> tuple[list[float], list[int]]:
@@ -469,16 +454,16 @@ def in_flight(run: SystemRun, step_s: float = 1.0) -> tuple[list[float], list[in
     return times, [sum(a <= t < b for a, b in spans) for t in times]
 
 
-def targets(scores: dict[str, dict[str, Score]], burst: str) -> list[tuple[str, float | None, float | None]]:
+def targets(scores: dict[str, dict[str, dict]], burst: str) -> list[tuple[str, float | None, float | None]]:
     """(what, elastic's value, the bar) of each target; None where a system is missing."""
     elastic, static, colocated = (scores.get(s) for s in ("elastic", "static", "colocated"))
     overall_bar = burst_bar = None
     if static and colocated:
-        overall_bar = max(static["overall"].attainment, colocated["overall"].attainment) + OVERALL_MARGIN
+        overall_bar = max(static["overall"]["attainment"], colocated["overall"]["attainment"]) + OVERALL_MARGIN
     if static and burst in static:
-        burst_bar = static[burst].attainment + BURST_MARGIN
-    overall = elastic["overall"].attainment if elastic else None
-    in_burst = elastic[burst].attainment if elastic and burst in elastic else None
+        burst_bar = static[burst]["attainment"] + BURST_MARGIN
+    overall = elastic["overall"]["attainment"] if elastic else None
+    in_burst = elastic[burst]["attainment"] if elastic and burst in elastic else None
     return [
         (f"elastic overall >= max(static, colocated) + {OVERALL_MARGIN * 100:.0f} points", overall, overall_bar),
         (f"elastic in the {burst} >= static + {BURST_MARGIN * 100:.0f} points", in_burst, burst_bar),
@@ -500,7 +485,7 @@ def write_report(report: ElasticReport, out: Path) -> None:
     write_page(out / "elastic.md", NAME, render(summary), new)
 
 
-def summary_json(report: ElasticReport, scores: dict[str, dict[str, Score]], host: str) -> dict:
+def summary_json(report: ElasticReport, scores: dict[str, dict[str, dict]], host: str) -> dict:
     """elastic.json: what the page shows, without the per-request records."""
     calibration, slo_s = report.calibration, None
     if calibration is not None:
@@ -510,8 +495,8 @@ def summary_json(report: ElasticReport, scores: dict[str, dict[str, Score]], hos
     return {
         "command": report.command, "machine": host, "seed": report.seed, "phases": [asdict(p) for p in report.phases],
         "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
-        "calibration": None if calibration is None else {k: asdict(c) for k, c in calibration.classes.items()},
-        "slo_s": slo_s, "results": {s: {k: asdict(v) for k, v in per.items()} for s, per in scores.items()},
+        "calibration": None if calibration is None else calibration.classes,
+        "slo_s": slo_s, "results": scores,
         "elapsed_s": {s: run.elapsed_s for s, run in report.runs.items()},
         "decisions": report.runs["elastic"].decisions if "elastic" in report.runs else [],
         "targets": [{"target": t, "value": v, "bar": b} for t, v, b in targets(scores, burst)],
@@ -669,18 +654,30 @@ def _floor_meaning(floor: dict) -> str:
     )
 
 
+def mark_spans(axes: list, spans: list[tuple[float, float, str, float]], **label) -> None:
+    """Panels over one time axis: in each, the ``spans`` ((start, end, label, shade)) start at a dotted
+    line and are shaded orange by ``shade``, their labels (``label``: the text's options) over the first."""
+    for ax in axes:
+        for start, end, text, shade in spans:
+            if shade:
+                ax.axvspan(start, end, color="orange", alpha=shade, linewidth=0)
+            ax.axvline(start, color="grey", linewidth=0.6, linestyle=":")
+            if ax is axes[0]:
+                ax.text((start + end) / 2, 1.02, text, transform=ax.get_xaxis_transform(), ha="center", **label)
+        ax.grid(alpha=0.3)
+
+
+def lent(sample: dict) -> bool:
+    """Whether a poll saw the prefill replica lent (its role ``both``)."""
+    return any(r["role"] == "both" for r in sample.get("replicas", []) if r["deployment"] == "PrefillServer")
+
+
 def plot_timeline(report: ElasticReport, path: Path) -> None:
     """On one time axis: the elastic prefill replica's role with its decisions, attainment per
     ``BIN_S`` bin per system, requests in flight."""
     with figure(path, 3, 1, (11, 8), sharex=True) as (role_ax, bin_ax, flight_ax, _):
-        for ax in (role_ax, bin_ax, flight_ax):
-            for p in report.phases:
-                if ax is role_ax:
-                    ax.text((p.start_s + p.end_s) / 2, 1.02, p.name, transform=ax.get_xaxis_transform(), ha="center")
-                if p.kind == "burst":
-                    ax.axvspan(p.start_s, p.end_s, color="orange", alpha=0.12)
-                ax.axvline(p.start_s, color="grey", linewidth=0.6, linestyle=":")
-            ax.grid(alpha=0.3)
+        spans = [(p.start_s, p.end_s, p.name, 0.12 if p.kind == "burst" else 0.0) for p in report.phases]
+        mark_spans([role_ax, bin_ax, flight_ax], spans)
         _plot_roles(role_ax, report.runs.get("elastic"))
         for system, run in report.runs.items():
             if bins := attainment_bins(run, report.phases, report.calibration):
@@ -700,9 +697,8 @@ def _plot_roles(ax, run: SystemRun | None) -> None:
     if run is None or not run.timeline:
         ax.text(0.5, 0.5, "no elastic run", transform=ax.transAxes, ha="center")
         return
-    prefill = [[r for r in s.get("replicas", []) if r["deployment"] == "PrefillServer"] for s in run.timeline]
-    lent = [float(any(r["role"] == "both" for r in replicas)) for replicas in prefill]
-    ax.step([s["t"] for s in run.timeline], lent, where="post", color=COLOURS["elastic"])
+    roles = [float(lent(s)) for s in run.timeline]
+    ax.step([s["t"] for s in run.timeline], roles, where="post", color=COLOURS["elastic"])
     for d in run.decisions:
         colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
         ax.axvline(d["t"], color=colour, linewidth=1, alpha=0.8)

@@ -13,12 +13,13 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from bench.host import seconds, worker_json
-from bench.report import cells, command_line, first_paragraph, table, template, write_json, write_page
+from bench.host import engine_core, seconds, worker_json
+from bench.report import cells, command_line, first_paragraph, publish, table
 from workloads.corpus import CORPUS
 
 NUM_STEPS = 60
@@ -34,11 +35,27 @@ def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
     return list(ids[offset : offset + num_tokens])
 
 
-def _request(request_id: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True):
+def greedy_request(request_id: str, prompt: Sequence[int], max_tokens: int, ignore_eos: bool = True):
+    """A greedy request (the benchmarks' every request), by default to exactly ``max_tokens`` tokens."""
     from engine.params import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     return GenerationRequest(request_id, tuple(prompt), params)
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step reads: each parameter once, but an untied input embedding (one row per token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight
+    if model.get_output_embeddings().weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def drain(core) -> None:
+    """Step ``core`` until every request in it has finished."""
+    while core.has_work():
+        core.step()
 
 
 @torch.inference_mode()
@@ -48,7 +65,7 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
     minutes, so each ratio compares like with like. Both contexts start at ``len(prompt)``."""
     from transformers import DynamicCache
 
-    core.add_request(_request("b1", prompt, NUM_STEPS + 2))
+    core.add_request(greedy_request("b1", prompt, NUM_STEPS + 2))
     core.step()  # prefill
     core.step()  # first decode step (warm-up)
     cache, token = DynamicCache(config=model.config), [torch.tensor([prompt])]
@@ -66,8 +83,7 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
         ours += [seconds(core.step) for _ in range(NUM_STEPS // rounds)]
         hf += [seconds(hf_step) for _ in range(NUM_STEPS // rounds)]
         mv += [seconds(lambda: torch.mv(matrix, vector)) for _ in range(3)]
-    while core.has_work():
-        core.step()
+    drain(core)
     return {
         "our_decode_step_ms": statistics.median(ours) * 1e3,
         "hf_decode_step_ms": statistics.median(hf) * 1e3,
@@ -78,7 +94,7 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
 def our_concurrent(core, prompts: list[list[int]]) -> dict[str, float]:
     """Aggregate tokens/s end to end, and over the steps in which every request decodes."""
     for i, prompt in enumerate(prompts):
-        core.add_request(_request(f"c{i}", prompt, NEW_TOKENS))
+        core.add_request(greedy_request(f"c{i}", prompt, NEW_TOKENS))
     decode_tokens, decode_s, total_tokens, start = 0, 0.0, 0, time.perf_counter()
     while core.has_work():
         step_start = time.perf_counter()
@@ -117,7 +133,7 @@ def prefill_pair_s(core, model, prompt: list[int], repeats: int = 3) -> tuple[fl
     """Our prefill and one transformers forward over the same tokens, interleaved (ABAB, the first pair warms up)."""
     ids, ours, theirs = torch.tensor([prompt]), [], []
     for i in range(repeats + 1):
-        core.add_request(_request(f"p{i}", prompt, 1, ignore_eos=False))
+        core.add_request(greedy_request(f"p{i}", prompt, 1, ignore_eos=False))
         ours.append(seconds(core.step))
         theirs.append(seconds(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)))
     return statistics.median(ours[1:]), statistics.median(theirs[1:])
@@ -125,27 +141,22 @@ def prefill_pair_s(core, model, prompt: list[int], repeats: int = 3) -> tuple[fl
 
 def worker(threads: int) -> dict[str, float]:
     """Every figure of one thread count, in this process: ours first (peak RSS before transformers loads)."""
-    torch.set_num_threads(threads)
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
     from engine.loader import ModelSpec, load_model
 
-    ours = load_model(ModelSpec())
-    core = EngineCore(ours, EngineConfig(max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096))
-    prompt = corpus_ids(ours.tokenizer, CONTEXT)
-    prompts = [corpus_ids(ours.tokenizer, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
+    core = engine_core(threads, max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096)
+    prompt = corpus_ids(core.tokenizer, CONTEXT)
+    prompts = [corpus_ids(core.tokenizer, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
     concurrent = our_concurrent(core, prompts)
     result = {"threads": threads, "our_32_end_to_end_tokens_per_s": concurrent["end_to_end_tokens_per_s"],
               "our_32_decode_tokens_per_s": concurrent["decode_tokens_per_s"],
               "our_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
     reference = load_model(ModelSpec()).model
     reference.generation_config.eos_token_id = None
-    # the tied embedding / LM head counted once: the bytes one decode step must read
-    weight_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    weight_bytes = decode_weight_bytes(reference)
     steps = interleaved_decode_steps(core, reference, prompt)
     bandwidth = steps.pop("mv_bandwidth_bytes_per_s")
     result |= steps | hf_generation(reference, prompt, prompts)
-    prefill = prefill_pair_s(core, reference, corpus_ids(ours.tokenizer, PREFILL_LEN))
+    prefill = prefill_pair_s(core, reference, corpus_ids(core.tokenizer, PREFILL_LEN))
     floor = {"weight_bytes": weight_bytes, "mv_bandwidth_gb_per_s": bandwidth / 1e9,
              "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
     return result | {"our_prefill_2048_s": prefill[0], "hf_prefill_2048_s": prefill[1]} | floor
@@ -212,9 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"running with {threads} torch thread(s)...", file=sys.stderr, flush=True)
         runs.append(worker_json("bench.engine", "--worker", str(threads)))
     summary = {"command": command_line("bench.engine", argv), "runs": [{**r, "ratios": ratios(r)} for r in runs]}
-    write_json(Path(args.out) / "engine.json", summary)
-    new = template("bench.engine", "# Engine benchmark")
-    write_page(Path(args.out) / "engine.md", "bench.engine", render(summary), new)
+    publish(Path(args.out), "engine", "bench.engine", summary, render(summary), "# Engine benchmark")
 
 
 if __name__ == "__main__":

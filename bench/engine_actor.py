@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ray
 
+from bench.host import engine_core
+
 
 @ray.remote(num_cpus=0.5)
 class EngineActor:
@@ -12,17 +14,11 @@ class EngineActor:
 
     def __init__(self, engine_id: str, role: str, transport: str = "nixl", timeout_s: float = 60.0,
                  push_pipelined: bool = True, **engine_config) -> None:  # fmt: skip
-        import torch
-
-        torch.set_num_threads(1)
-        from engine.config import EngineConfig
-        from engine.core import EngineCore
-        from engine.loader import ModelSpec, load_model
         from engine.params import Role
 
         engine_config.setdefault("max_model_len", 2048)
         engine_config.setdefault("kv_cache_bytes", 128 << 20)
-        self.core = EngineCore(load_model(ModelSpec()), EngineConfig(role=Role(role), **engine_config))
+        self.core = engine_core(1, role=Role(role), **engine_config)
         self.engine_id, self.transport_kind, self.timeout_s = engine_id, transport, timeout_s
         self.push_pipelined, self.link = push_pipelined, None
 

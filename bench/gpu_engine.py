@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from bench.engine import decode_weight_bytes, drain, greedy_request
+from bench.host import seconds
 from bench.report import cells
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
-from engine.params import GenerationRequest, SamplingParams
+from engine.params import GenerationRequest
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
@@ -106,7 +108,7 @@ def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup:
         fn()
     synchronize(device)
     if device.type != "cuda":
-        return statistics.median(_wall_s(fn) for _ in range(reps)) * 1e3
+        return statistics.median(seconds(fn) for _ in range(reps)) * 1e3
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in pairs:
         start.record()
@@ -114,15 +116,6 @@ def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup:
         end.record()
     torch.cuda.synchronize(device)
     return statistics.median(start.elapsed_time(end) for start, end in pairs)
-
-
-def _wall_s(fn: Callable[[], object], device: torch.device | None = None) -> float:
-    """Wall seconds of ``fn()``, the device's work included."""
-    start = time.perf_counter()
-    fn()
-    if device is not None:
-        synchronize(device)
-    return time.perf_counter() - start
 
 
 def copy_bandwidth(sizes: Sizes, device: torch.device) -> Row:
@@ -143,29 +136,20 @@ def matmul_flops(sizes: Sizes, device: torch.device) -> Row:
 def build_model(name: str, overrides: dict, sizes: Sizes, built: list[LoadedModel]) -> Row:
     """Random bfloat16 weights made on the device itself, through the engine's loader (into ``built``)."""
     config = LlamaConfig(**overrides, max_position_embeddings=sizes.max_model_len)
+    device = torch.device(sizes.device)
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
-        synchronize(torch.device(sizes.device))
+        synchronize(device)
         spec = ModelSpec(source=folder, dtype="bfloat16", device=sizes.device, dummy_weights=True)
-        seconds = _wall_s(lambda: built.append(load_model(spec)), torch.device(sizes.device))
+        load_s = seconds(lambda: (built.append(load_model(spec)), synchronize(device)))
     num_params = sum(p.numel() for p in built[-1].model.parameters())
-    return Row(f"{name} dummy weights on {sizes.device}", seconds, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes one decode step reads: each parameter once, but an untied input embedding (one row per token)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
-    embedding = model.get_input_embeddings().weight
-    if model.get_output_embeddings().weight is not embedding:
-        total -= embedding.numel() * embedding.element_size()
-    return total
+    return Row(f"{name} dummy weights on {sizes.device}", load_s, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
 
 
 def make_requests(core: EngineCore, tag: str, count: int, prompt_len: int, new_tokens: int) -> list[GenerationRequest]:
     rng = random.Random(f"{tag}-{count}-{prompt_len}")
-    sampling = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    prompts = [tuple(rng.randrange(core.vocab_size) for _ in range(prompt_len)) for _ in range(count)]
-    return [GenerationRequest(f"{tag}-{i}", prompt, sampling) for i, prompt in enumerate(prompts)]
+    prompts = [[rng.randrange(core.vocab_size) for _ in range(prompt_len)] for _ in range(count)]
+    return [greedy_request(f"{tag}-{i}", prompt, new_tokens) for i, prompt in enumerate(prompts)]
 
 
 def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[float, int, int]:
@@ -194,7 +178,7 @@ def decode_row(label: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row
     # the warm-up's context (prompt + 4 tokens) and the timed run's share their padded sizes,
     # so the warm-up captures every graph the timed run replays
     run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
-    seconds, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
+    decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
     weight_bytes = decode_weight_bytes(core.runner.model)
     floor_ms = weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
     notes = f"{steps} steps, ctx {sizes.prompt_len}-{sizes.prompt_len + sizes.new_tokens}; "
@@ -202,7 +186,7 @@ def decode_row(label: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row
     if core.runner.graphs is not None:
         captured = ", ".join(f"{k.batch}x{k.num_blocks}" for k in core.runner.graphs.captured)
         notes += f"; graphs (batch x blocks): {captured}; {core.runner.graphs.num_replays} replays"
-    return Row(label, tokens / seconds, "tok/s", seconds / steps * 1e3, floor_ms, notes)
+    return Row(label, tokens / decode_s, "tok/s", decode_s / steps * 1e3, floor_ms, notes)
 
 
 def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
@@ -212,21 +196,16 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
     def once(tag: str) -> float:
         core.add_request(make_requests(core, tag, 1, sizes.prefill_len, 1)[0])
         synchronize(core.device)
-        return _wall_s(lambda: _drain(core), core.device)
+        return seconds(lambda: (drain(core), synchronize(core.device)))
 
     once("prefill-warm")
-    seconds = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
+    prefill_s = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
     model = core.runner.model
     flops = 2 * sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters()) * sizes.prefill_len
     floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
     notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
-    return Row(f"{name} prefill {sizes.prefill_len} tokens", sizes.prefill_len / seconds, "tok/s", seconds * 1e3,
+    return Row(f"{name} prefill {sizes.prefill_len} tokens", sizes.prefill_len / prefill_s, "tok/s", prefill_s * 1e3,
                floor_ms, notes)  # fmt: skip
-
-
-def _drain(core: EngineCore) -> None:
-    while core.has_work():
-        core.step()
 
 
 def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> Iterator[Row]:

@@ -106,11 +106,11 @@ class _Pair:
 def pull_row(pair: _Pair, size_mb: int, staging: str, deadline: float) -> dict:
     """Our pulls of ``size_mb`` MB and (unstaged) the raw READs of the same bytes, taking turns."""
     plan = pair.plan
-    pair.ensure_started(deadline)
     num_blocks = plan.blocks_for(size_mb)
     num_bytes = num_blocks * plan.layout.bytes_per_block
     count = (plan.num_repeats if staging == "none" else plan.num_staged_repeats) + 1
-    handles = pair.call(PRODUCER, "export", num_blocks, count, f"pull{size_mb}-{staging}", staging, deadline=deadline)
+    tag = f"pull{size_mb}-{staging}"
+    handles, _ = pair.call(PRODUCER, "export", staging, tag, num_blocks, count, deadline=deadline)
     raw_peer = pair.call(PRODUCER, "raw_meta", deadline=deadline)
     num_pieces = 2 * plan.layout.num_layers  # our pull's descriptors: one run per layer and K/V
     result = pair.call(CONSUMER, "bandwidth", handles, raw_peer, num_bytes, num_pieces, staging, deadline=deadline)
@@ -131,12 +131,10 @@ def pull_figures(result: BandwidthResult, num_blocks: int, num_bytes: int) -> di
 def push_row(pair: _Pair, staging: str, deadline: float) -> dict:
     """Pushes of ``plan.push_blocks`` blocks, layer by layer: the last one's figures with each one's
     median after one warm-up, which also checks the bytes that arrived."""
-    plan = pair.plan
-    pair.ensure_started(deadline)
-    figures = []
+    plan, figures = pair.plan, []
     for rep in range(plan.num_push_repeats + 1):
         dest = pair.call(CONSUMER, "destination", f"push-{staging}-{rep}", plan.push_blocks, staging, deadline=deadline)
-        waiting = pair.submit(CONSUMER, "wait_push", dest, rep == 0, staging)  # while the producer pushes
+        waiting = pair.submit(CONSUMER, "wait_push", dest, staging, rep == 0)  # while the producer pushes
         run = pair.call(PRODUCER, "push", dest, staging, deadline=deadline)
         notice_at, bytes_ok = pair.wait(waiting, deadline)
         figures.append(push_figures(run, notice_at) | {"bytes_ok": bytes_ok})
@@ -197,14 +195,16 @@ def ucx_transports(log_dir: Path) -> list[str]:
 
 
 def guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict]) -> dict:
-    """``measure(deadline)`` within the row's time; a failure, a hung transfer included, is the
-    row's result and kills the pair, so the next row starts fresh."""
+    """``measure(deadline)`` within the row's time, the pair started first if it is not; a failure, a
+    hung transfer included, is the row's result and kills the pair, so the next row starts fresh."""
     remaining = budget_deadline - time.monotonic()
     if remaining < 1:
         return {"error": "skipped: out of time"}
     limit = pair.plan.row_timeout_s + (0 if pair.started else pair.plan.start_timeout_s)
     try:
-        return measure(time.monotonic() + min(limit, remaining))
+        deadline = time.monotonic() + min(limit, remaining)
+        pair.ensure_started(deadline)
+        return measure(deadline)
     except Exception as exc:
         remote = f"{exc.__cause__}\n" if exc.__cause__ else ""  # a worker's traceback
         print(f"row failed: {type(exc).__name__}: {exc}\n{remote}{pair.log_tails()}", file=sys.stderr, flush=True)

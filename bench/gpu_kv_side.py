@@ -1,6 +1,7 @@
-"""The two processes of ``bench.gpu_kv``, no Ray: each a one-worker process pool whose worker holds
-one engine's KV pool with two ``NixlTransport``s over it (``staging`` "none" and "host") and a bare
-NIXL agent for the raw READ. The transports find each other through a ``multiprocessing.Manager`` dict."""
+"""The two ends of a KV transfer benchmark, no Ray: a ``KVSide`` holds one engine's KV pool, transports
+over it and a bare NIXL agent for the raw READ. ``bench.kv_transfer`` runs one as a Ray actor;
+``bench.gpu_kv`` one per one-worker process pool, with two ``NixlTransport``s (``staging`` "none" and
+"host") that find each other through a ``multiprocessing.Manager`` dict."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ import torch
 
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
-from kv_transport.base import LayerTiming
+from kv_transport.base import BaseKVTransport, LayerTiming
 from kv_transport.handle import KVDestination, KVHandle
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry, PeerInfo
 
 PRODUCER, CONSUMER = "producer", "consumer"  # the engine ids of the two processes' unstaged transports
 PATTERN_SEED = 1234
-RAW_PROGRESS_S = 0.001  # the raw agents' progress on the side being read, as bench.kv_transfer's
+RAW_PROGRESS_S = 0.001  # the raw agents' progress on the side being read
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,6 @@ class Plan:
     staging_sizes_mb: tuple[int, ...] = ()  # pulls through the staging transports
     num_staged_repeats: int = 5  # each export holds its staging slots until fetched
     staging_bytes: int = 1 << 30  # each staging transport's pinned buffer
-
-    @property
-    def mem_type(self) -> str:
-        return "VRAM" if self.device == "cuda" else "DRAM"
 
     def blocks_for(self, size_mb: float) -> int:
         return max(1, round(size_mb * 2**20 / self.layout.bytes_per_block))
@@ -118,32 +115,56 @@ def _pattern(plan: Plan) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=plan.device).to(getattr(torch, layout.dtype))
 
 
-class _Side:
-    """One engine's pool with its two NixlTransports, and a bare NIXL agent."""
+class KVSide:
+    """One engine's KV pool, its transports by kind (each registers the pool) and a bare NIXL agent."""
+
+    def __init__(self, pool: torch.Tensor, transports: dict[str, BaseKVTransport], raw: RawAgent) -> None:
+        self.pool, self.transports, self.raw, self.released = pool, transports, raw, []
+        for transport in transports.values():  # the same pool under all
+            transport.register_pool(pool, self.released.append)
+
+    def raw_meta(self) -> tuple[bytes, dict[str, int], int]:
+        return self.raw.meta()
+
+    def close(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
+
+    def export(self, kind: str, tag: str, num_blocks: int, count: int = 1) -> tuple[list[KVHandle], float]:
+        """``count`` exports of the first ``num_blocks`` blocks, and the seconds they took."""
+        transport, start = self.transports[kind], time.perf_counter()
+        tokens = num_blocks * transport.layout.block_size
+        handles = [transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)]
+        return handles, time.perf_counter() - start
+
+    async def wait_push(self, destination: KVDestination, kind: str) -> float:
+        """When the push's completion notice arrived (unix s; staged: once copied into the pool too)."""
+        await self.transports[kind].wait_push(destination)
+        return time.time()
+
+
+class _Side(KVSide):
+    """``bench.gpu_kv``'s side: transports "none" and "host" (staged), the producer's pool a known pattern."""
 
     def __init__(self, role: str, plan: Plan, entries: MutableMapping[str, PeerInfo]) -> None:
         self.plan = plan
         if plan.device == "cuda":
             torch.cuda.set_device(0)
-        self.pool = KVPool(plan.layout, plan.pool_blocks, plan.device).tensor
+        pool = KVPool(plan.layout, plan.pool_blocks, plan.device).tensor
         if role == PRODUCER:
-            self.pool.copy_(_pattern(plan))
+            pool.copy_(_pattern(plan))
         _synchronize(plan)  # written before anyone reads it
-        self.released: list[str] = []
         registry, staged = SharedDictRegistry(entries), {"staging": "host", "staging_bytes": plan.staging_bytes}
-        self.transports = {
+        transports = {
             kind: NixlTransport(name, plan.layout, registry, kv_transfer_timeout_s=plan.kv_transfer_timeout_s, **extra)
             for kind, name, extra in (("none", role, {}), ("host", f"{role}-staged", staged))
         }
-        for transport in self.transports.values():  # the same pool under both
-            transport.register_pool(self.pool, self.released.append)
-        self.raw = _RawAgent(f"raw-{role}", plan)
-        self.raw_meta = self.raw.meta  # a command of the parent's
+        if plan.device == "cuda":
+            raw = torch.ones(plan.raw_bytes, dtype=torch.uint8, device="cuda")
+        else:  # memory as the CPU pool's (2 MB pages), so the two compare on the same pages
+            raw = host_tensor((plan.raw_bytes,), torch.uint8).fill_(1)
+        super().__init__(pool, transports, RawAgent(f"raw-{role}", {"pool_pages": raw}))
         self.compute = _LayerCompute(plan) if role == PRODUCER else None
-
-    def close(self) -> None:
-        for transport in self.transports.values():
-            transport.close()
 
     def _tail_blocks(self, count: int) -> list[int]:
         """The consumer's blocks, zeroed: a check after a transfer sees its bytes, not an earlier one's."""
@@ -154,10 +175,6 @@ class _Side:
 
     def _matches(self, local: list[int], remote: list[int]) -> bool:
         return torch.equal(self.pool[:, :, local], _pattern(self.plan)[:, :, remote])
-
-    def export(self, num_blocks: int, count: int, tag: str, staging: str) -> list[KVHandle]:
-        tokens, transport = num_blocks * self.plan.layout.block_size, self.transports[staging]
-        return [transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)]
 
     async def push(self, destination: KVDestination, staging: str) -> PushRun:
         """Push every layer right after its simulated forward, as the engine's layer hook does."""
@@ -194,11 +211,9 @@ class _Side:
         tokens = num_blocks * self.plan.layout.block_size
         return self.transports[staging].destination(request_id, self._tail_blocks(num_blocks), tokens)
 
-    async def wait_push(self, destination: KVDestination, verify: bool, staging: str) -> tuple[float, bool | None]:
-        """When the completion notice arrived (unix s; staged: once copied into the pool too)
-        and, if asked, whether the bytes did."""
-        await self.transports[staging].wait_push(destination)
-        seen, blocks = time.time(), destination.block_ids
+    async def wait_push(self, destination: KVDestination, staging: str, verify: bool = False) -> tuple:
+        """The notice's arrival and, if asked, whether the bytes arrived."""
+        seen, blocks = await super().wait_push(destination, staging), destination.block_ids
         return seen, self._matches(blocks, list(range(len(blocks)))) if verify else None
 
 
@@ -253,25 +268,24 @@ def _sleep_cycles_per_s() -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
-class _RawAgent:
-    """A bare NIXL agent as ``NixlWorker``'s data agent (UCX, no progress thread) and one buffer: the raw READ."""
+class RawAgent:
+    """A bare NIXL agent as ``NixlWorker``'s data agent (UCX, no progress thread) over named buffers of
+    one device: the raw READ. A thread of ours progresses UCX for the peers that read us."""
 
-    def __init__(self, name: str, plan: Plan) -> None:
+    def __init__(self, name: str, buffers: dict[str, torch.Tensor]) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        if plan.device == "cuda":
-            self.buffer = torch.ones(plan.raw_bytes, dtype=torch.uint8, device="cuda")
-        else:  # memory as the CPU pool's (2 MB pages), so the two compare on the same pages
-            self.buffer = host_tensor((plan.raw_bytes,), torch.uint8).fill_(1)
-        self.mem_type, self.device_id = plan.mem_type, max(self.buffer.get_device(), 0)
-        self.agent.register_memory(self.buffer)
+        self.buffers, first = buffers, next(iter(buffers.values()))
+        self.mem_type, self.device_id = "VRAM" if first.is_cuda else "DRAM", max(first.get_device(), 0)
+        for buffer in buffers.values():
+            self.agent.register_memory(buffer)
         self.lock, self._peers = threading.Lock(), {}  # peer agents' names by their metadata
-        threading.Thread(target=self._progress, args=(plan.device,), daemon=True).start()
+        threading.Thread(target=self._progress, args=(first.is_cuda,), daemon=True).start()
 
-    def _progress(self, device: str) -> None:
+    def _progress(self, cuda: bool) -> None:
         """Progress UCX on the side being read (connection set-up needs its answers)."""
-        if device == "cuda":  # the GPU's primary context current here (as ``NixlWorker.bind_cuda``)
+        if cuda:  # the GPU's primary context current here (as ``NixlWorker.bind_cuda``)
             torch.cuda.set_device(0)
             torch.cuda.current_stream().query()
         while True:
@@ -279,17 +293,18 @@ class _RawAgent:
                 self.agent.get_new_notifs()
             time.sleep(RAW_PROGRESS_S)
 
-    def meta(self) -> tuple[bytes, int, int]:
-        return self.agent.get_agent_metadata(), self.buffer.data_ptr(), self.device_id
+    def meta(self) -> tuple[bytes, dict[str, int], int]:
+        return self.agent.get_agent_metadata(), {k: b.data_ptr() for k, b in self.buffers.items()}, self.device_id
 
-    def read_s(self, peer: tuple[bytes, int, int], num_bytes: int, num_pieces: int = 1) -> float:
-        """One READ of ``num_bytes`` as ``num_pieces`` equal descriptors with a gap after each,
-        its completion polled in a tight loop."""
-        metadata, address, device = peer
-        piece, base = num_bytes // num_pieces, self.buffer.data_ptr()
-        offsets = [2 * piece * k for k in range(num_pieces)]
-        local = self.agent.get_xfer_descs([(base + o, piece, self.device_id) for o in offsets], self.mem_type)
-        remote = self.agent.get_xfer_descs([(address + o, piece, device) for o in offsets], self.mem_type)
+    def read_s(self, peer: tuple, num_bytes: int, num_pieces: int = 1, buffer: str = "pool_pages", stride: int = 0):
+        """Seconds of one READ of ``num_bytes`` from the peer's ``buffer`` into ours, as ``num_pieces``
+        equal descriptors ``stride`` bytes apart (0: a gap after each), its completion polled in a tight loop."""
+        metadata, addresses, device = peer
+        piece = num_bytes // num_pieces
+        offsets = [k * (stride or 2 * piece) for k in range(num_pieces)]
+        local = [(self.buffers[buffer].data_ptr() + o, piece, self.device_id) for o in offsets]
+        remote = [(addresses[buffer] + o, piece, device) for o in offsets]
+        local, remote = (self.agent.get_xfer_descs(descs, self.mem_type) for descs in (local, remote))
         with self.lock:
             if metadata not in self._peers:
                 self._peers[metadata] = self.agent.add_remote_agent(metadata)

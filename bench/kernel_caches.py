@@ -14,6 +14,7 @@ import os
 import random
 import time
 
+from bench.engine import drain, greedy_request
 from bench.host import engine_core, worker_json
 from bench.report import first_paragraph
 
@@ -21,10 +22,7 @@ CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 def _request(name: str, rng: random.Random, length: int, max_tokens: int):
-    from engine.params import GenerationRequest, SamplingParams
-
-    prompt = tuple(rng.randint(10, 40000) for _ in range(length))
-    return GenerationRequest(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return greedy_request(name, [rng.randint(10, 40000) for _ in range(length)], max_tokens)
 
 
 def worker(prompts: int, batches: int) -> dict:
@@ -37,8 +35,7 @@ def worker(prompts: int, batches: int) -> dict:
         length = rng.randint(16, 900)
         tokens += length
         core.add_request(_request(f"p{i}", rng, length, 1))
-        while core.has_work():
-            core.step()
+        drain(core)
         if i % 50 == 0 or i == prompts - 1:
             rss.append({"prompts": i + 1, "rss_mib": round(psutil.Process().memory_info().rss / 2**20)})
     prefill_rate = tokens / (time.perf_counter() - started)
@@ -47,8 +44,7 @@ def worker(prompts: int, batches: int) -> dict:
         size = rng.randint(1, 16)
         for j in range(size):
             core.add_request(_request(f"d{b}-{j}", rng, rng.randint(16, 200), 12))
-        while core.has_work():
-            core.step()
+        drain(core)
         tokens += 12 * size
     return {"caches": {name: os.environ.get(name) for name in CACHES}, "rss": rss,
             "prefill_tokens_per_s": round(prefill_rate, 1),

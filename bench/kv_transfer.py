@@ -11,96 +11,50 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import ray
 import torch
 
-from bench.host import medians, seconds
+from bench.gpu_kv_side import KVSide, RawAgent
+from bench.host import medians, seconds, tokenizer
 from bench.ray_local import start_local_ray
-from bench.report import cells, command_line, figure, first_paragraph, table, template, write_json, write_page
+from bench.report import cells, command_line, figure, first_paragraph, publish, table, write_json
+from engine.host_memory import host_tensor
+from engine.kv_pool import KVLayout, KVPool
 
 SIZES_MB = (1, 16, 64, 256)
 REPEATS = 21
 PIPELINE_REPEATS = 5
-BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # default model, float32, 16-token blocks
+LAYOUT = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)  # the default model's
+BYTES_PER_BLOCK = LAYOUT.bytes_per_block
 POOL_BLOCKS = 420  # > 256 MB of blocks
 RAW_BYTES = 256 << 20  # each raw NIXL buffer
 
 
 @ray.remote(num_cpus=0.5)
-class TransferActor:
-    """A KV pool of the default model's layout and its transports, without a model; and two
-    contiguous buffers (2 MB and 4 KB pages) for raw NIXL reads."""
+class TransferActor(KVSide):
+    """A KV pool of the default model's layout with its transports, without a model; the raw NIXL
+    agent's buffers on 2 MB pages (as the pool's) and on 4 KB pages."""
 
     def __init__(self, engine_id: str) -> None:
         torch.set_num_threads(1)
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        from engine.host_memory import host_tensor
-        from engine.kv_pool import KVLayout
         from kv_transport.nixl_transport import NixlTransport
         from kv_transport.object_store import ObjectStoreTransport
         from kv_transport.registry import RayPeerRegistry
 
-        layout = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
-        self.pool = host_tensor((30, 2, POOL_BLOCKS, 16, 3, 64), torch.float32).uniform_()  # as the engine's pool
-        self.released: list[str] = []
         # pull and push on their own NIXL agents, as a deployment runs one mode (kv_transfer.md)
-        self.transports = {"nixl": NixlTransport(engine_id, layout, RayPeerRegistry()),
-                           "push": NixlTransport(f"{engine_id}-push", layout, RayPeerRegistry()),
-                           "store": ObjectStoreTransport(engine_id, layout)}  # fmt: skip
-        for transport in self.transports.values():
-            transport.register_pool(self.pool, self.released.append)
-        # as our transport's agents: no progress thread; the reader polls, the side read a 1 ms poll
-        self.raw_agent = nixl_agent(f"raw-{engine_id}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.raw = {"pool_pages": host_tensor((RAW_BYTES // 4,), torch.float32).uniform_(),
-                    "4k_pages": host_tensor((RAW_BYTES // 4,), torch.float32, huge_pages=False).uniform_()}  # fmt: skip
-        for buffer in self.raw.values():
-            self.raw_agent.register_memory(buffer)
-        self.raw_lock = threading.Lock()  # the agent is used from two threads
-        threading.Thread(target=self._progress_raw, daemon=True).start()
+        transports = {"nixl": NixlTransport(engine_id, LAYOUT, RayPeerRegistry()),
+                      "push": NixlTransport(f"{engine_id}-push", LAYOUT, RayPeerRegistry()),
+                      "store": ObjectStoreTransport(engine_id, LAYOUT)}  # fmt: skip
+        raw = {"pool_pages": host_tensor((RAW_BYTES // 4,), torch.float32).uniform_(),
+               "4k_pages": host_tensor((RAW_BYTES // 4,), torch.float32, huge_pages=False).uniform_()}  # fmt: skip
+        pool = KVPool(LAYOUT, POOL_BLOCKS).tensor.uniform_()  # as the engine's pool
+        super().__init__(pool, transports, RawAgent(f"raw-{engine_id}", raw))
 
-    def _progress_raw(self) -> None:
-        while True:
-            with self.raw_lock:
-                self.raw_agent.get_new_notifs()
-            time.sleep(0.001)
-
-    def raw_meta(self) -> tuple[bytes, dict[str, int]]:
-        return self.raw_agent.get_agent_metadata(), {pages: t.data_ptr() for pages, t in self.raw.items()}
-
-    def raw_read_s(self, meta: bytes, pages: str, remote_address: int, num_bytes: int, num_descs: int = 1) -> float:
-        """One READ of ``num_bytes`` as ``num_descs`` equal pieces spread over the ``pages`` buffer."""
-        import numpy as np
-
-        with self.raw_lock:
-            name = self.raw_agent.add_remote_agent(meta)
-        piece, stride = num_bytes // num_descs, RAW_BYTES // num_descs
-        local, remote = (
-            self.raw_agent.get_xfer_descs(
-                np.array([[base + i * stride, piece, 0] for i in range(num_descs)], dtype=np.uint64), "DRAM"
-            )
-            for base in (self.raw[pages].data_ptr(), remote_address)
-        )
-        start = time.perf_counter()
-        with self.raw_lock:
-            handle = self.raw_agent.initialize_xfer("READ", local, remote, name)
-            state = self.raw_agent.transfer(handle)
-            while state == "PROC":
-                state = self.raw_agent.check_xfer_state(handle)
-        elapsed = time.perf_counter() - start
-        with self.raw_lock:
-            self.raw_agent.release_xfer_handle(handle)
-        assert state == "DONE", state
-        return elapsed
-
-    def export(self, kind: str, request_id: str, num_blocks: int):
-        start = time.perf_counter()
-        handle = self.transports[kind].export(request_id, list(range(num_blocks)), num_blocks * 16, 1)
-        return handle, time.perf_counter() - start
+    def raw_read_s(self, *read) -> float:
+        return self.raw.read_s(*read)
 
     async def fetch_s(self, kind: str, handle) -> float:
         blocks = list(range(POOL_BLOCKS - sum(n for _, n in handle.block_ranges), POOL_BLOCKS))  # the caller's input
@@ -109,19 +63,16 @@ class TransferActor:
         return time.perf_counter() - start
 
     def destination(self, request_id: str, num_blocks: int):
-        return self.transports["push"].destination(request_id, list(range(num_blocks)), num_blocks * 16)
+        return self.transports["push"].destination(request_id, list(range(num_blocks)), num_blocks * LAYOUT.block_size)
 
     async def push_s(self, destination) -> float:
         push, blocks = self.transports["push"], list(range(POOL_BLOCKS - len(destination.block_ids), POOL_BLOCKS))
         push.begin_push(destination)
         start = time.perf_counter()
-        for layer in range(30):
+        for layer in range(LAYOUT.num_layers):
             push.push_layer(destination.request_id, layer, blocks, 0)
         await push.finish_push(destination.request_id, 1)
         return time.perf_counter() - start
-
-    async def wait_push(self, destination) -> None:
-        await self.transports["push"].wait_push(destination)
 
 
 METHODS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
@@ -132,17 +83,17 @@ def measure(method: str, producer, consumer, tag: str, num_blocks: int, raw: tup
     producer's ``raw_meta``, for the raw NIXL methods)."""
     if method in ("nixl_pull", "object_store"):  # the object store's export copies out: it counts
         kind = "nixl" if method == "nixl_pull" else "store"
-        handle, export_s = ray.get(producer.export.remote(kind, f"{kind}-{tag}", num_blocks))
+        (handle,), export_s = ray.get(producer.export.remote(kind, f"{kind}-{tag}", num_blocks))
         return (export_s if kind == "store" else 0.0) + ray.get(consumer.fetch_s.remote(kind, handle))
     if method == "nixl_push":
         dest = ray.get(consumer.destination.remote(f"push-{tag}", num_blocks))
-        waiting = consumer.wait_push.remote(dest)
+        waiting = consumer.wait_push.remote(dest, "push")
         seconds = ray.get(producer.push_s.remote(dest))
         ray.get(waiting)
         return seconds
-    meta, addresses = raw
     num_descs, pages = 60 if method == "raw_nixl_60_descs" else 1, "4k_pages" if "4k" in method else "pool_pages"
-    return ray.get(consumer.raw_read_s.remote(meta, pages, addresses[pages], num_blocks * BYTES_PER_BLOCK, num_descs))
+    read = (raw, num_blocks * BYTES_PER_BLOCK, num_descs, pages, RAW_BYTES // num_descs)  # spread over the buffer
+    return ray.get(consumer.raw_read_s.remote(*read))
 
 
 def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
@@ -166,12 +117,10 @@ def _size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, floa
 
 def pipelining(prompt_len: int = 2048) -> dict[str, float]:
     """Medians of the push tails (pipelined or not) and of the pull after prefill, one decode engine."""
-    from bench.engine import corpus_ids
+    from bench.engine import corpus_ids, greedy_request
     from bench.engine_actor import EngineActor
-    from engine.loader import ModelSpec, load_model
-    from engine.params import GenerationRequest, SamplingParams
 
-    prompt = tuple(corpus_ids(load_model(ModelSpec()).tokenizer, prompt_len))
+    prompt = corpus_ids(tokenizer(), prompt_len)
     # every repetition prefills (and moves) the whole prompt: the same prompt again must not hit a prefix cache
     config = {"max_model_len": 4096, "kv_cache_bytes": 256 << 20, "max_num_batched_tokens": 4096,
               "enable_prefix_caching": False}  # fmt: skip
@@ -182,7 +131,7 @@ def pipelining(prompt_len: int = 2048) -> dict[str, float]:
         ray.get(producer.start.remote())
         figures = []
         for rep in range(PIPELINE_REPEATS + 1):  # the first warms up
-            request = GenerationRequest(f"{mode}-{rep}", prompt, SamplingParams(max_tokens=2, temperature=0))
+            request = greedy_request(f"{mode}-{rep}", prompt, 2, ignore_eos=False)
             figures.append(_one_request(mode, producer, consumer, request))
         result |= {key: statistics.median(f[key] for f in figures[1:]) for key in figures[0]}
         ray.kill(producer)
@@ -277,13 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench.kv_transfer", description=first_paragraph(__doc__))
     parser.add_argument("--out", default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
     parser.add_argument("--skip-pipelining", action="store_true")
-    parser.add_argument("--only-pipelining", action="store_true", help="print the push pipelining figures only")
     args = parser.parse_args(argv)
     start_local_ray(object_store_memory=1 << 30)
     try:
-        if args.only_pipelining:
-            print(json.dumps(pipelining(), indent=2))
-            return
         producer, consumer = TransferActor.remote("bench-producer"), TransferActor.remote("bench-consumer")
         rows = bandwidth_table(producer, consumer)
         ray.kill(producer)
@@ -293,13 +238,12 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     out = Path(args.out)
     summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
-    write_json(out / "kv_transfer.json", summary)
-    plot(rows, out / "kv_transfer.png")
     if pipe:
-        new = template("bench.kv_transfer", "# KV transfer benchmark")
-        write_page(out / "kv_transfer.md", "bench.kv_transfer", render(summary), new)
+        publish(out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
     else:
+        write_json(out / "kv_transfer.json", summary)
         print(json.dumps(rows, indent=2))
+    plot(rows, out / "kv_transfer.png")  # into the folder the JSON made
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from functools import partial
 from pathlib import Path
 
 from bench.calibrate_planner import NO_PREFIX_CACHE, probe_stack
-from bench.compare import COMMON, MAX_MODEL_LEN, SYSTEMS
-from bench.report import command_line, figure, first_paragraph, read_json, table, template, write_json, write_page
+from bench.compare import MAX_MODEL_LEN, system_server
+from bench.report import command_line, figure, first_paragraph, publish, read_json, table, write_json
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
@@ -56,39 +56,41 @@ def system_spec(system: str, calibration: Path, stack: dict | None = None) -> Sy
     return replace(base, **TWINS[system])
 
 
-def predict(spec: SystemSpec, workload: str, rate: float, num_requests: int, seed: int) -> dict:
-    result = simulate(spec, sim_requests(workload, rate, num_requests, MAX_MODEL_LEN, seed))
-    return {m: result.percentiles()[m] for m in ("ttft_s", "tpot_s")}
+def measure(options: argparse.Namespace) -> dict:
+    """Per system, in one server session: its idle latency, its serving stack probed (unless
+    ``options.file_stack``; ``bench.calibrate_planner``), then ``options.runs`` runs per rate (the
+    fractions of its goodput in goodput.json); planner.json is kept after each system."""
+    from bench.host import machine, tokenizer
+
+    goodputs, started = read_json(GOODPUT)["results"][options.workload], time.time()
+    fractions, cost = [float(f) for f in options.fractions.split(",")], load_calibration(options.calibration)
+    requests = make_requests(options.workload, tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
+    report = {"command": command_line(NAME), "machine": machine(), "workload": options.workload,
+              "num_requests": options.num_requests, "seed": options.seed, "fractions": fractions,
+              "systems": {}}  # fmt: skip
+    for system in options.systems.split(","):
+        measured = goodputs[system]["goodput"]["rate"]
+        with system_server(system, 0, NO_PREFIX_CACHE) as server:
+            target = Target(server.url, server.model())
+            idle = uncontended(target, median_request(requests))  # also warms the replicas up
+            print(f"{system}: uncontended {idle}", file=sys.stderr)
+            probed = {} if options.file_stack else {"stack": probe_stack(target, cost, stack_kind(system))}
+            points = [_point(target, requests, round(f * measured, 4), options, system) for f in fractions]
+        report["systems"][system] = {"goodput": measured, "uncontended": idle, **probed, "points": points}
+        report["elapsed_s"] = time.time() - started
+        write_json(Path(options.out, "planner.json"), report)
+    return report
 
 
-def measure_system(system: str, workload: str, rates: list[float], options: argparse.Namespace) -> dict:
-    """``options.runs`` runs of ``system`` per rate in one server session, after its idle latency
-    and (unless ``options.file_stack``) its serving stack probed (``bench.calibrate_planner``)."""
-    from bench.host import tokenizer
-    from bench.ray_local import Server
-
-    application, extra = SYSTEMS[system]
-    with Server(application, {**COMMON, **extra, **NO_PREFIX_CACHE}, index=0) as server:
-        target = Target(server.url, server.model())
-        requests = make_requests(workload, tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
-        idle = uncontended(target, median_request(requests))  # also warms the replicas up
-        print(f"{system}: uncontended {idle}", file=sys.stderr)
-        cost = load_calibration(options.calibration)
-        probed = {} if options.file_stack else {"stack": probe_stack(server.url, target, cost, stack_kind(system))}
-        points = [
-            {"rate": rate, "runs": [_run(target, requests, rate, options.seed, f"{system} {rate:.3g}/s #{n + 1}")
-                                    for n in range(options.runs)]}
-            for rate in rates
-        ]  # fmt: skip
-    return {"uncontended": idle, **probed, "points": points}
-
-
-def _run(target: Target, requests: list, rate: float, seed: int, label: str) -> dict:
-    records, duration = asyncio.run(run(target, requests, arrival_times(len(requests), rate, seed=seed), label))
-    summary = summarize(records, duration)
-    short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
-    print(f"  {label}: {short}, failed {summary['failed']}", file=sys.stderr)
-    return {m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")}
+def _point(target: Target, requests: list, rate: float, options: argparse.Namespace, system: str) -> dict:
+    """``options.runs`` runs at ``rate``, each with the same requests and arrivals."""
+    runs, offsets = [], arrival_times(len(requests), rate, seed=options.seed)
+    for label in (f"{system} {rate:.3g}/s #{n + 1}" for n in range(options.runs)):
+        summary = summarize(*asyncio.run(run(target, requests, offsets, label)))
+        short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
+        print(f"  {label}: {short}, failed {summary['failed']}", file=sys.stderr)
+        runs.append({m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")})
+    return {"rate": rate, "runs": runs}
 
 
 def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
@@ -140,35 +142,19 @@ def simulated_goodputs(calibration: Path) -> dict:
     return found
 
 
-def measure(options: argparse.Namespace, calibration: Path) -> dict:
-    from bench.host import machine
-
-    goodputs = read_json(GOODPUT)["results"][options.workload]
-    fractions = [float(f) for f in options.fractions.split(",")]
-    started = time.time()
-    report = {"command": command_line(NAME), "machine": machine(), "workload": options.workload,
-              "num_requests": options.num_requests, "seed": options.seed, "fractions": fractions,
-              "systems": {}}  # fmt: skip
-    for system in options.systems.split(","):
-        measured = goodputs[system]["goodput"]["rate"]
-        rates = [round(f * measured, 4) for f in fractions]
-        report["systems"][system] = {"goodput": measured, **measure_system(system, options.workload, rates, options)}
-        report["elapsed_s"] = time.time() - started
-        write_json(Path(options.out, "planner.json"), report)  # kept after each system
-    return report
-
-
 def add_predictions(report: dict, calibration: Path) -> dict:
     """Each point's prediction and comparison, with the serving stack probed on the app (when it
     was) and, as ``predicted_file`` / ``rows_file``, with the calibration file's own stack."""
+    workload, num_requests, seed = report["workload"], report["num_requests"], report["seed"]
     for system, data in report["systems"].items():
         specs = {"": system_spec(system, calibration, data.get("stack"))}
         if data.get("stack"):
             specs["_file"] = system_spec(system, calibration)
         for point in data["points"]:
             for suffix, spec in specs.items():
-                predicted = predict(spec, report["workload"], point["rate"], report["num_requests"], report["seed"])
-                point["predicted" + suffix] = predicted
+                arrivals = sim_requests(workload, point["rate"], num_requests, MAX_MODEL_LEN, seed)
+                percentiles = simulate(spec, arrivals).percentiles()
+                point["predicted" + suffix] = predicted = {m: percentiles[m] for m in ("ttft_s", "tpot_s")}
                 point["rows" + suffix] = compare_point(point["runs"], predicted)
     report["calibration"] = os.path.relpath(calibration)
     return report
@@ -286,9 +272,7 @@ def _stack_cell(stack: ServingStack | dict) -> str:
 
 def write_report(report: dict, out: Path) -> None:
     """planner.json, planner.md's block and planner.png (measured against predicted) in ``out``."""
-    write_json(out / "planner.json", report)
-    new = template(NAME, "# Planner: the simulator against the served app")
-    write_page(out / "planner.md", NAME, render(report), new)
+    publish(out, "planner", NAME, report, render(report), "# Planner: the simulator against the served app")
     with figure(out / "planner.png", 1, 4, (14, 3.6), dpi=90) as (*axes, _):
         for ax, (metric, pct) in zip(axes, METRICS):
             name = f"{metric.removesuffix('_s')} {pct}"
@@ -318,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--file-stack", action="store_true", help="skip the stack probe (the calibration file's stack)")
     options = parser.parse_args(argv)
     out, calibration = Path(options.out), Path(options.calibration)
-    report = read_json(out / "planner.json") if options.predict_only else measure(options, calibration)
+    report = read_json(out / "planner.json") if options.predict_only else measure(options)
     report = add_predictions(report, calibration)
     report["simulator_speed"] = simulator_speed(calibration)
     report["goodput_ordering"] = simulated_goodputs(calibration)

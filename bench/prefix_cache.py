@@ -18,7 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.report import cells, command_line, figure, read_json, table, template, write_json, write_page
+from bench.host import cpu_model, machine, tokenizer
+from bench.ray_local import Server
+from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table, write_json
+from bench.serve import client
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
 
@@ -47,7 +50,19 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, chat: ChatC
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
             else:
                 async for line in response.aiter_lines():
-                    usage = read_chunk(line, record, texts) or usage
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk, now = json.loads(line[6:]), time.perf_counter()
+                    if "error" in chunk:
+                        record.error = str(chunk["error"].get("message"))
+                        continue
+                    record.last, usage = now, chunk.get("usage") or usage
+                    if chunk.get("usage"):
+                        record.usage_prompt_tokens = record.prompt_tokens = usage["prompt_tokens"]
+                        record.usage_output_tokens = usage["completion_tokens"]
+                    if text := "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", ())):
+                        record.chunks.append(now)
+                        texts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     if record.error is None and not record.chunks:
@@ -60,24 +75,6 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, chat: ChatC
             "answer": "".join(texts)}  # fmt: skip
 
 
-def read_chunk(line: str, record: RequestRecord, texts: list[str]) -> dict | None:
-    """One line of the SSE stream into ``record`` (arrivals, usage) and ``texts``; its usage, if any."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return None
-    chunk, now = json.loads(line[6:]), time.perf_counter()
-    if "error" in chunk:
-        record.error = str(chunk["error"].get("message"))
-        return None
-    record.last = now
-    if usage := chunk.get("usage"):
-        record.usage_prompt_tokens = record.prompt_tokens = usage["prompt_tokens"]
-        record.usage_output_tokens = usage["completion_tokens"]
-    if text := "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", ())):
-        record.chunks.append(now)
-        texts.append(text)
-    return usage
-
-
 async def closed_loop(url: str, model: str, chats: list[ChatConversation], after_turn=None) -> tuple[list, float]:
     """All conversations at once, each turn sent when the previous answer has ended (a failed turn
     ends its conversation); every turn's row and the duration. ``after_turn()``: more of a row."""
@@ -85,12 +82,11 @@ async def closed_loop(url: str, model: str, chats: list[ChatConversation], after
     async def conversation(chat: ChatConversation) -> list[dict]:
         rows: list[dict] = []
         while len(rows) < chat.num_turns and (not rows or rows[-1]["error"] is None):
-            rows.append(row := await chat_turn(client, url, model, chat, [r["answer"] for r in rows]))
+            rows.append(row := await chat_turn(http, url, model, chat, [r["answer"] for r in rows]))
             row |= await after_turn() if after_turn and row["error"] is None else {}
         return rows
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with client() as http:
         start = time.perf_counter()
         done = await asyncio.gather(*map(conversation, chats))
         duration = time.perf_counter() - start
@@ -129,8 +125,6 @@ def run_setting(setting: str, index: int, chats: list, lone: ChatConversation, e
     loop's turns, its counters and prefill stats, the lone conversation's turns."""
     from ray import serve
 
-    from bench.ray_local import Server
-
     with Server("disagg", {**COMMON, **extra, "engine.enable_prefix_caching": SETTINGS[setting]}, index) as server:
         url, model = server.url, server.model()
         prefill = serve.get_deployment_handle("PrefillServer", app_name="bench")
@@ -165,8 +159,7 @@ def _checked(what: str, rows: list[dict]) -> list[dict]:
 
 
 def _p(values: list[float]) -> dict[str, float]:
-    figures = distribution(values)
-    return {"p50": figures["p50"], "p90": figures["p90"]}
+    return {p: v for p, v in distribution(values).items() if p in ("p50", "p90")}
 
 
 def summarize(raw: dict) -> dict:
@@ -197,19 +190,16 @@ def summarize(raw: dict) -> dict:
 
 def ratios(on: dict, off: dict) -> dict[str, float]:
     """off / on for latencies and bytes (above 1: caching is better), on / off for throughput."""
-
-    def div(a: float, b: float) -> float:
-        return a / b if b else float("nan")
-
-    return {
-        "ttft_turns2_5_p50_off_on": div(off["ttft_turns2_5_s"]["p50"], on["ttft_turns2_5_s"]["p50"]),
-        "ttft_turns2_5_p90_off_on": div(off["ttft_turns2_5_s"]["p90"], on["ttft_turns2_5_s"]["p90"]),
-        "ttft_turn1_p50_off_on": div(off["ttft_turn1_s"]["p50"], on["ttft_turn1_s"]["p50"]),
-        "tpot_p50_off_on": div(off["tpot_s"]["p50"], on["tpot_s"]["p50"]),
-        "kv_bytes_per_request_off_on": div(off["kv_bytes_per_request"], on["kv_bytes_per_request"]),
-        "output_tokens_per_s_on_off": div(on["output_tokens_per_s"], off["output_tokens_per_s"]),
-        "duration_off_on": div(off["duration_s"], on["duration_s"]),
+    pairs = {
+        "ttft_turns2_5_p50_off_on": (off["ttft_turns2_5_s"]["p50"], on["ttft_turns2_5_s"]["p50"]),
+        "ttft_turns2_5_p90_off_on": (off["ttft_turns2_5_s"]["p90"], on["ttft_turns2_5_s"]["p90"]),
+        "ttft_turn1_p50_off_on": (off["ttft_turn1_s"]["p50"], on["ttft_turn1_s"]["p50"]),
+        "tpot_p50_off_on": (off["tpot_s"]["p50"], on["tpot_s"]["p50"]),
+        "kv_bytes_per_request_off_on": (off["kv_bytes_per_request"], on["kv_bytes_per_request"]),
+        "output_tokens_per_s_on_off": (on["output_tokens_per_s"], off["output_tokens_per_s"]),
+        "duration_off_on": (off["duration_s"], on["duration_s"]),
     }
+    return {key: a / b if b else float("nan") for key, (a, b) in pairs.items()}
 
 
 def same_answers(on: dict, off: dict) -> dict[str, int]:
@@ -219,18 +209,17 @@ def same_answers(on: dict, off: dict) -> dict[str, int]:
     return {"compared": len(pairs), "identical": sum(a == b for a, b in pairs)}
 
 
-def report(command: str, raws: dict[str, dict], elapsed_s: float, extra: dict[str, str]) -> dict:
-    """The summary (``prefix_cache.json``) of the settings' raw runs."""
-    from bench.host import cpu_model, machine
-
-    summary = {"command": command, "elapsed_s": elapsed_s, "machine": f"{cpu_model()}; {machine()}",
+def report(saved: dict) -> dict:
+    """The summary (``prefix_cache.json``) of a run's record (``main``'s runs.json)."""
+    raws, extra = saved["runs"], saved["extra"]
+    summary = {"command": saved["command"], "elapsed_s": saved["elapsed_s"], "machine": f"{cpu_model()}; {machine()}",
                "settings_order": list(raws), "config": {**COMMON, **extra}, "extra_args": extra,
                "settings": {setting: summarize(raw) for setting, raw in raws.items()},
                "lone": {setting: raw["lone"] for setting, raw in raws.items()}}  # fmt: skip
     if "on" in raws and "off" in raws:
         summary["ratios"] = ratios(summary["settings"]["on"], summary["settings"]["off"])
         summary["answers"] = same_answers(raws["on"], raws["off"])
-    return summary
+    return summary | {"git": saved.get("git")}
 
 
 # metric | one setting's figure | the ratio: ``report.cells`` of a setting's summary, of the ratios
@@ -290,9 +279,7 @@ def render(s: dict) -> list[str]:
 
 
 def write_report(summary: dict, out: Path) -> None:
-    write_json(out / "prefix_cache.json", summary)
-    new = template(NAME, "# Prefix caching: a closed-loop multi-turn chat")
-    write_page(out / "prefix_cache.md", NAME, render(summary), new)
+    publish(out, "prefix_cache", NAME, summary, render(summary), "# Prefix caching: a closed-loop multi-turn chat")
     with figure(out / "prefix_cache.png", 1, 2, (10, 3.8)) as (left, right, _):
         for setting, colour in (("on", "tab:green"), ("off", "tab:red")):
             turns, lone = summary["settings"][setting]["per_turn"], summary["lone"][setting]
@@ -310,15 +297,13 @@ def write_report(summary: dict, out: Path) -> None:
 
 def git_tree() -> dict:
     """The checkout a run used: HEAD and the files changed from it (others may edit meanwhile)."""
-    head, changed = (subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip() for a in GIT_ARGS)
+    git = (("rev-parse", "HEAD"), ("status", "--porcelain"))
+    head, changed = (subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip() for a in git)
     return {"head": head, "changed": changed.splitlines()}
 
 
-GIT_ARGS = (("rev-parse", "HEAD"), ("status", "--porcelain"))
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--settings", default="on,off", help="prefix caching settings, in run order (on, off)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
@@ -329,36 +314,32 @@ def _parser() -> argparse.ArgumentParser:
     kv = {"action": "append", "default": [], "metavar": "KEY=VALUE"}
     parser.add_argument("--set", **kv, help="a disagg_app argument for every setting (repeatable)")
     parser.add_argument("--report-only", action="store_true", help="render the report from --raw, run nothing")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = _parser()
     args = parser.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
     if unknown := [s for s in settings if s not in SETTINGS]:
         parser.error(f"unknown setting {unknown[0]!r}: choose from {', '.join(SETTINGS)}")
     if any("=" not in item for item in args.set):
         parser.error("--set takes KEY=VALUE")
-    extra, raw_path = dict(item.split("=", 1) for item in args.set), args.raw / "runs.json"
-    if args.report_only:
-        saved = read_json(raw_path)
-        summary = report(saved["command"], saved["runs"], saved["elapsed_s"], saved["extra"])
-        return write_report({**summary, "git": saved.get("git")}, args.out)
-    from bench.host import tokenizer
-
-    chats = chat_conversations(tokenizer(), args.conversations + 1, args.turns, args.user_tokens, args.output_tokens)
-    command, started, runs, tree = command_line(NAME, argv), time.time(), {}, git_tree()
-    for index, setting in enumerate(settings):
-        runs[setting] = run_setting(setting, index, chats[:-1], chats[-1], extra)
-        saved = {"command": command, "elapsed_s": time.time() - started, "extra": extra, "git": tree, "runs": runs}
-        write_json(raw_path, saved, indent=None)
-    summary = {**report(command, runs, time.time() - started, extra), "git": tree}
+    raw_path = args.raw / "runs.json"
+    saved = read_json(raw_path) if args.report_only else run_all(args, settings, raw_path, command_line(NAME, argv))
+    summary = report(saved)
     if "ratios" in summary:
         write_report(summary, args.out)
     else:
         print(json.dumps(summary["settings"], indent=1))
     print(f"records: {raw_path}", file=sys.stderr)
+
+
+def run_all(args: argparse.Namespace, settings: list[str], raw_path: Path, command: str) -> dict:
+    """Each setting on its own server; the record (runs.json) rewritten after each."""
+    extra = dict(item.split("=", 1) for item in args.set)
+    chats = chat_conversations(tokenizer(), args.conversations + 1, args.turns, args.user_tokens, args.output_tokens)
+    started, saved = time.time(), {"command": command, "elapsed_s": 0.0, "extra": extra, "git": git_tree(), "runs": {}}
+    for index, setting in enumerate(settings):
+        saved["runs"][setting] = run_setting(setting, index, chats[:-1], chats[-1], extra)
+        saved["elapsed_s"] = time.time() - started
+        write_json(raw_path, saved, indent=None)
+    return saved
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ from typing import Any
 
 import httpx
 
-from bench.report import cells, first_paragraph, read_json, table, template, write_json, write_page
+from bench.report import cells, command_line, first_paragraph, read_json, table, template, write_json, write_page
+from bench.serve import Target
+from workloads import BenchRequest, PromptBuilder
 
 NAME = "bench.reliability"
 HTTP_PORT = 18660
@@ -191,11 +193,10 @@ class Client:
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(connect=10.0, read=HANG_S, write=30.0, pool=None)
-        self.http, self.model = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits), model
+        self.http, self.target = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits), Target(url, model)
         rules = [rule for spec in specs for rule in spec.rules]
         self._points = FaultPoints(AppConfig.model_validate({"faults": rules}).faults)
-        names = [spec.name if spec.kind == "random" else None for spec in specs for _ in spec.rules]
-        self._random = [(i, name) for i, name in enumerate(names) if name is not None]
+        self._names = [spec.name if spec.kind == "random" else None for spec in specs for _ in spec.rules]
         self.t0, self.wall0, self.outcomes = time.monotonic(), time.time(), list[Outcome]()
 
     def now(self) -> float:
@@ -203,40 +204,40 @@ class Client:
 
     def drawn(self, request_id: str) -> tuple[str, ...]:
         """The probabilistic faults this request id meets (the server draws the same way)."""
-        rules = self._points.rules
-        chosen = [
-            {j for j, _ in self._points.selected(rules[i].point, request_id, rules[i].layer)} for i, _ in self._random
-        ]
-        return tuple(name for (i, name), met in zip(self._random, chosen) if i in met)
+        met = {i for rule in self._points.rules for i, _ in self._points.selected(rule.point, request_id, rule.layer)}
+        return tuple(name for i, name in enumerate(self._names) if name is not None and i in met)
 
     async def send(self, planned: Planned) -> Outcome:
         p = planned
         out = Outcome(p.request_id, p.phase, p.kind, self.drawn(p.request_id), len(p.prompt), p.max_tokens, self.now())
-        last_byte = [out.sent_s]  # when this request's last byte came
+        arrivals = [out.sent_s]  # the send, then when the headers and each line came
         try:
             async with asyncio.timeout(planned.cut_after_s):
-                await self._exchange(planned, out, last_byte)
+                await self._exchange(planned, out, arrivals)
         except asyncio.CancelledError:  # still open when the run ended, past every bound
-            out.result, out.cause, out.end_s = HANG, "still open at the end of the run", self.now()
-            self.outcomes.append(out)
+            out.result, out.cause = HANG, "still open at the end of the run"
+            self._finish(out, arrivals)
             raise
         except TimeoutError:
             out.result, out.cause = DISCONNECTED, "after a delay"
         except httpx.ReadTimeout:
             out.result, out.cause = HANG, "no byte within the read timeout"
-            out.max_silence_s = max(out.max_silence_s, self.now() - last_byte[0])
+            arrivals.append(self.now())
         except httpx.HTTPError as exc:
             out.result, out.cause = CUT if out.status == 200 else CLIENT_ERROR, type(exc).__name__
-        out.end_s = self.now()
-        self.outcomes.append(out)
+        self._finish(out, arrivals)
         return out
 
-    async def _exchange(self, planned: Planned, out: Outcome, last_byte: list[float]) -> None:
-        body = {"model": self.model, "prompt": planned.prompt, "max_tokens": planned.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    def _finish(self, out: Outcome, arrivals: list[float]) -> None:
+        out.end_s = self.now()
+        out.max_silence_s = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
+        self.outcomes.append(out)
+
+    async def _exchange(self, planned: Planned, out: Outcome, arrivals: list[float]) -> None:
+        body = self.target.body(BenchRequest(planned.prompt, len(planned.prompt), planned.max_tokens))
         headers = {"X-Request-Id": planned.request_id}
         async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
-            self._tick(out, last_byte)
+            arrivals.append(self.now())
             out.status = response.status_code
             if out.status != 200:
                 out.result, out.cause = _http_result(out.status, await response.aread(), response.headers)
@@ -247,14 +248,9 @@ class Client:
                 return
             usage: list[int] = []
             async for line in response.aiter_lines():
-                self._tick(out, last_byte)
-                if _take(out, line, planned, usage, self.now()):
+                arrivals.append(self.now())
+                if _take(out, line, planned, usage, arrivals[-1]):
                     return
-
-    def _tick(self, out: Outcome, last_byte: list[float]) -> None:
-        now = self.now()
-        out.max_silence_s = max(out.max_silence_s, now - last_byte[0])
-        last_byte[0] = now
 
 
 def _take(out: Outcome, line: str, planned: Planned, usage: list[int], now: float) -> bool:
@@ -303,7 +299,6 @@ class Prompts:
 
     def __init__(self, seed: int) -> None:
         from bench.host import tokenizer
-        from workloads import PromptBuilder
 
         self.builder, self.rng = PromptBuilder(tokenizer()), random.Random(seed)
 
@@ -325,8 +320,8 @@ class Prompts:
 async def soak(client: Client, prompts: Prompts, watch: KVWatch, opts: argparse.Namespace) -> list[KillEvent]:
     """Poisson traffic for ``soak_s``, with the stalls and kills at their times; returns the kills."""
     start, rng, kills, tasks = client.now(), random.Random(opts.seed + 1), [], set()
-    events = [(start + at, "kill") for at in _every(opts.kill_every_s, opts.soak_s)]
-    events += [(start + at, "stall") for at in _every(opts.stall_every_s, opts.soak_s)]
+    every = {"kill": opts.kill_every_s, "stall": opts.stall_every_s}  # at 1, 2, ... periods, strictly before the end
+    events = [(start + k * t, what) for what, t in every.items() for k in range(1, math.ceil(opts.soak_s / t))]
     at = start
     while (at := at + rng.expovariate(opts.rate)) < start + opts.soak_s:
         events.append((at, "plain"))
@@ -362,11 +357,6 @@ async def kill_replica(client: Client, prompts: Prompts, watch: KVWatch, event: 
     if new is not None:
         event.new_engine, event.restarted_s = new, watch.seen(new, "first_seen_s")
         await client.send(Planned(f"probe-{event.request_id}", "soak", "probe", prompts.prompt(32, 64), 16))
-
-
-def _every(period_s: float, until_s: float) -> list[float]:
-    """``period_s``, 2 x ``period_s``, ... strictly before ``until_s``."""
-    return [k * period_s for k in range(1, math.ceil(until_s / period_s))]
 
 
 class KVWatch:
@@ -481,7 +471,7 @@ def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "raw", "quick")}
     settings |= {"kv_transfer_timeout_s": TIMEOUT_S, "stream_idle_timeout_s": STREAM_IDLE_S}
     summary = {
-        "mode": opts.mode, "command": " ".join(["python -m bench.reliability", *sys.argv[1:]]), "machine": machine(),
+        "mode": opts.mode, "command": command_line(NAME), "machine": machine(),
         "ray": ray.__version__, "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": settings | {"app_args": app_args(opts.mode, specs)}, "faults": [asdict(spec) for spec in specs],
     }  # fmt: skip
@@ -604,7 +594,11 @@ EXPECTED_LOG = {  # one line each, by design; a line counts under its first matc
     "proxy: client disconnected": "disconnected, cancelling request",
 }
 SERVE_COMPONENTS = ("controller", "proxy")  # Ray Serve's own processes, not this project's code
-LOG_KINDS = {"unexpected": "unexpected", "serve": "serve_internal", "warnings": "other_warnings"}  # count -> key
+LOG_KINDS = {  # the JSON's key of each kind of line not expected, and its title on the page
+    "unexpected": "unexpected in the ingress and engine replicas (tracebacks, errors not injected)",
+    "other_warnings": "other warnings of the ingress and engine replicas",
+    "serve_internal": "warnings, errors and tracebacks of Ray Serve's own controller and proxy",
+}
 SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [\d:,]+ (\S+) ")
 
 
@@ -631,9 +625,9 @@ def scan_logs(log_dir: Path) -> dict[str, Any]:
                 _classify(counts, line, match)
     expected = {n: counts["expected"][n] for n in EXPECTED_LOG if counts["expected"][n]}
     summary: dict[str, Any] = {"dir": str(log_dir), "expected": expected}
-    for kind, key in LOG_KINDS.items():
-        summary[f"{key}_count"] = sum(counts[kind].values())
-        summary[key] = [{"line": k, "count": v} for k, v in counts[kind].most_common(30)]
+    for key in LOG_KINDS:
+        summary[f"{key}_count"] = sum(counts[key].values())
+        summary[key] = [{"line": k, "count": v} for k, v in counts[key].most_common(30)]
     return summary
 
 
@@ -650,7 +644,8 @@ def _count(counts: dict[str, Counter], source: str, text: str, warning: bool = F
     message = f"{source}: {re.sub(r'[0-9a-f]{16,}', '<id>', text)}"
     if warning:  # grouped by shape: numbers (ids, times) left out
         message = re.sub(r"\d+(\.\d+)?", "N", message)
-    counts["serve" if source in SERVE_COMPONENTS else "warnings" if warning else "unexpected"][message] += 1
+    kind = "serve_internal" if source in SERVE_COMPONENTS else "other_warnings" if warning else "unexpected"
+    counts[kind][message] += 1
 
 
 # ---- the page --------------------------------------------------------------------------------
@@ -788,18 +783,15 @@ def _memory_lines(summary: dict[str, Any]) -> list[str]:
         first = f"{max(0.0, m['first_seen_s']):.0f} s"
         rows.append([m["deployment"], f"`{m['engine_id'][:12]}`", first, state, *rss, growth])
     header = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
-    return ["", "### Memory", "", *table(header, rows), "", "### Logs", ""]
+    return ["", "### Memory", "", *table(header, rows)]
 
 
 def _log_lines(logs: dict[str, Any]) -> list[str]:
-    lines = [f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):", ""]
+    lines = ["", "### Logs", ""]
+    lines += [f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):", ""]
     expected = logs.get("expected", {})
     lines += [f"- {name}: {expected[name]} lines" for name in EXPECTED_LOG if name in expected]
-    for key, title in (
-        ("unexpected", "unexpected in the ingress and engine replicas (tracebacks, errors not injected)"),
-        ("other_warnings", "other warnings of the ingress and engine replicas"),
-        ("serve_internal", "warnings, errors and tracebacks of Ray Serve's own controller and proxy"),
-    ):
+    for key, title in LOG_KINDS.items():
         lines.append(f"- {title}: {logs.get(key + '_count', 0)}")
         lines += [f"  - {row['count']} x `{row['line']}`" for row in logs.get(key, [])[:10]]
     return lines
@@ -844,10 +836,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help="docs folder (default docs; --quick: /tmp/reliability_quick)")
     parser.add_argument("--raw", help="every request's outcome as JSON (default /tmp/reliability_raw_<mode>.json)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: " + json.dumps(QUICK))
+    if parser.parse_known_args(argv)[0].quick:  # QUICK's values replace the defaults, not what was given
+        parser.set_defaults(**QUICK)
     opts = parser.parse_args(argv)
-    for key, value in QUICK.items() if opts.quick else ():
-        if getattr(opts, key) == parser.get_default(key):
-            setattr(opts, key, value)
     opts.out = Path(opts.out or ("/tmp/reliability_quick" if opts.quick else "docs"))
     opts.raw = Path(opts.raw or f"/tmp/reliability_raw_{opts.mode}.json")
     return opts

@@ -75,6 +75,12 @@ def table(header: str | Sequence[str], rows: Iterable[str | Sequence[object]]) -
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *(f"| {row} |" for row in rows)]
 
 
+def publish(out: Path, stem: str, name: str, data, lines: Sequence[str], title: str) -> None:
+    """``data`` as ``out/stem.json`` and ``lines`` as ``name``'s block of ``out/stem.md`` (a new page: ``title``'s)."""
+    write_json(out / f"{stem}.json", data)
+    write_page(out / f"{stem}.md", name, lines, template(name, title))
+
+
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
 

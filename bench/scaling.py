@@ -19,16 +19,15 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
-import httpx
-
-from bench.compare import COMMON
-from bench.elastic import parse_systems
+from bench.compare import COMMON, ELASTIC
+from bench.elastic import SystemRun, lent, mark_spans, parse_systems, save_raw
 from bench.host import cpu_model, cpu_ticks, machine, ticks_between, tokenizer, tree_ticks
 from bench.ray_local import Server
 from bench.report import cells, command_line, figure, first_paragraph, read_json, table, write_json, write_page
-from bench.serve import Target, poll_autoscaler, send, warm_up
+from bench.serve import Target, client, polled, send, warm_up
 from bench.slo import RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder
 
@@ -45,10 +44,7 @@ class Step:
 # each step outlasts the policy's delays plus a replica's start; 16 clients ask for a replica the
 # 2 CPUs cannot place, so the give-up path runs too (docs/benchmarks/elastic.md)
 STEPS = (Step(2, 45.0), Step(8, 75.0), Step(16, 100.0), Step(8, 60.0), Step(2, 75.0))
-SYSTEMS = {  # name -> disagg_app's arguments on top of bench.compare's COMMON
-    "scaling": {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "true"},
-    "lending": {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.replica_scaling": "false"},
-}
+SYSTEMS = {"scaling": {**ELASTIC, "autoscaling.replica_scaling": "true"}, "lending": ELASTIC}  # disagg_app's, on COMMON
 DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}  # the engine deployments, by pool
 LOG_LINE = re.compile(  # Serve log lines kept: decisions, replicas added / removed / not placed / stopped, errors
     r"autoscaler (scale_up|scale_down|give_up|lend|reclaim|drained)|Adding \d+ replica|Removing \d+ replica"
@@ -74,20 +70,13 @@ SECTION = """
 """
 
 
-@dataclass(frozen=True)
-class ScalingRun:
-    """One system on the stepped load: per request ``rows`` (``client``, ``number``, ``step``,
-    ``sent_s``, ``record``), the autoscaler's polls and decisions, the kept Serve log lines."""
+@dataclass(frozen=True, kw_only=True)
+class ScalingRun(SystemRun):
+    """One system on the stepped load (``rows``: ``client``, ``number``, ``step``, ``sent_s``,
+    ``record``), with its arguments, the steps and the kept Serve log lines."""
 
-    system: str
-    command: str
     args: dict[str, str]
     steps: tuple[Step, ...]
-    elapsed_s: float
-    duration_s: float
-    rows: list[dict]
-    timeline: list[dict] = field(default_factory=list)
-    decisions: list[dict] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
     wall0: float = 0.0  # the load's start, time.time() (log lines are placed on the run's time by it)
     finished: float = 0.0  # time.time() when saved: the runs are reported in the order run
@@ -120,11 +109,11 @@ def request(builder: PromptBuilder, client: int, number: int) -> BenchRequest:
     return BenchRequest(prompt, PROMPT_TOKENS, OUTPUT_TOKENS)
 
 
-async def closed_loop(target: Target, steps: tuple[Step, ...], builder: PromptBuilder, t0: float) -> list[dict]:
-    """Every client's requests, back to back while the running step counts the client in."""
+async def closed_loop(target: Target, steps: tuple[Step, ...], builder: PromptBuilder, t0: float) -> tuple[list, float]:
+    """Every client's requests, back to back while the running step counts the client in; the rows
+    and the seconds since ``t0``."""
     total_s, rows = sum(s.seconds for s in steps), []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with client() as http:
 
         async def one_client(index: int) -> None:
             number = 0
@@ -133,13 +122,13 @@ async def closed_loop(target: Target, steps: tuple[Step, ...], builder: PromptBu
                 if index >= steps[step].concurrency:
                     await asyncio.sleep(max(0.0, next_active(steps, now, index) - now))
                     continue
-                record = await send(client, target, request(builder, index, number))
+                record = await send(http, target, request(builder, index, number))
                 row = {"client": index, "number": number, "step": step, "sent_s": round(record.sent - t0, 4)}
                 rows.append(row | {"record": record.to_json()})
                 number += 1
 
         await asyncio.gather(*(one_client(i) for i in range(max(s.concurrency for s in steps))))
-    return sorted(rows, key=lambda r: r["sent_s"])
+    return sorted(rows, key=lambda r: r["sent_s"]), time.perf_counter() - t0
 
 
 class CpuMeter:
@@ -159,25 +148,18 @@ class CpuMeter:
 def run_system(
     system: str, index: int, options: argparse.Namespace, builder: PromptBuilder, command: str
 ) -> ScalingRun:
-    """Start ``system``, warm it up, drive the steps with the poller beside; keep its Serve logs."""
+    """Start ``system``, warm it up, drive the steps with the autoscaler polled beside (until 2 s
+    after, for the last requests' end); keep its Serve logs."""
     started, args = time.time(), {**COMMON, **SYSTEMS[system]}
-
-    async def drive(target: Target):
-        stop, t0, wall0 = asyncio.Event(), time.perf_counter(), time.time()
-        poller = asyncio.create_task(poll_autoscaler(target.url, (t0, wall0), stop, CpuMeter().read))
-        rows = await closed_loop(target, options.steps, builder, t0)
-        duration = time.perf_counter() - t0
-        await asyncio.sleep(2.0)  # the last requests' end in the timeline
-        stop.set()
-        return rows, *(await poller), duration, wall0
-
     with Server("disagg", args, index) as server:
         target = Target(server.url, server.model())
         warm_up(target, [request(builder, 0, 10_000)])
-        rows, timeline, decisions, duration, wall0 = asyncio.run(drive(target))
+        load, cpu = partial(closed_loop, target, options.steps, builder), CpuMeter().read
+        (rows, duration), timeline, decisions, (_, wall0) = polled(target.url, load, extra=cpu, linger_s=2.0)
         logs = server.log_dir
-    elapsed, kept = time.time() - started, scaling_lines(logs) if logs is not None else []
-    return ScalingRun(system, command, args, options.steps, elapsed, duration, rows, timeline, decisions, kept, wall0)
+    kept = scaling_lines(logs) if logs is not None else []
+    base = (system, command, time.time() - started, duration, rows, timeline, decisions)  # SystemRun's fields
+    return ScalingRun(*base, args=args, steps=options.steps, log_lines=kept, wall0=wall0)
 
 
 def scaling_lines(logs: Path) -> list[str]:
@@ -189,7 +171,7 @@ def scaling_lines(logs: Path) -> list[str]:
 
 
 def save_run(raw: Path, run: ScalingRun) -> None:
-    write_json(raw / f"system_{run.system}.json", asdict(run) | {"finished": run.finished or time.time()}, indent=None)
+    save_raw(raw, f"system_{run.system}", asdict(run) | {"finished": run.finished or time.time()})
 
 
 def load_runs(raw: Path) -> list[ScalingRun]:
@@ -220,10 +202,6 @@ def _pool(sample: dict, pool: str, key: str) -> int | None:
     return sample.get("scaling", {}).get("pools", {}).get(pool, {}).get(key)
 
 
-def _lent(sample: dict) -> bool:
-    return any(r["role"] == "both" for r in sample.get("replicas", []) if r["deployment"] == "PrefillServer")
-
-
 def _mean(values: list[float]) -> float:
     return statistics.mean(values) if values else math.nan
 
@@ -249,7 +227,7 @@ def step_stats(run: ScalingRun) -> list[dict]:
              "tokens_per_s": sum(start <= c < end for c in chunks) / (end - start),
              "decode_reporting_mean": _mean(reporting), "decode_reporting_max": max(reporting, default=0),
              "decode_target_max": max(targets, default=None),
-             "prefill_lent_share": _mean([float(_lent(s)) for s in polls]),
+             "prefill_lent_share": _mean([float(lent(s)) for s in polls]),
              "busy_cores": _mean([r["machine"] for r in cpu]),
              "other_cores": _mean([max(0.0, r["machine"] - r["ours"]) for r in cpu])}
         )  # fmt: skip
@@ -463,15 +441,10 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
     """On one time axis: each system's decode replicas reporting (the scaling system's target and
     decisions), TPOT p90 per step, tokens/s."""
     steps, top = runs[0].steps, max(s.concurrency for s in runs[0].steps)
+    windows = step_windows(steps)
+    spans = [(a, b, f"{s.concurrency} clients", 0.25 * s.concurrency / top) for s, (a, b) in zip(steps, windows)]
     with figure(path, 3, 1, (11, 8.5), sharex=True) as (count_ax, tpot_ax, rate_ax, _):
-        for ax in (count_ax, tpot_ax, rate_ax):
-            for step, (start, end) in zip(steps, step_windows(steps)):
-                ax.axvspan(start, end, color="orange", alpha=0.25 * step.concurrency / top, linewidth=0)
-                ax.axvline(start, color="grey", linewidth=0.6, linestyle=":")
-                if ax is count_ax:
-                    at = ((start + end) / 2, 1.02, f"{step.concurrency} clients")
-                    ax.text(*at, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
-            ax.grid(alpha=0.3)
+        mark_spans([count_ax, tpot_ax, rate_ax], spans, fontsize=8)
         for number, run in enumerate(runs):
             colour, per = COLOURS.get(run.system), summary["systems"][run.system]["per_step"]
             _plot_counts(count_ax, run, colour, lent_at=0.3 + 0.15 * number)
@@ -493,8 +466,8 @@ def _plot_counts(ax, run: ScalingRun, colour: str | None, lent_at: float) -> Non
     ax.step(times, reporting, where="post", color=colour, label=f"{run.system}: decode replicas reporting")
     if any(t is not None for t in target) and run.args.get("autoscaling.replica_scaling") == "true":
         ax.step(times, target, where="post", color=colour, linestyle="--", label=f"{run.system}: decode target")
-    lent = [n + lent_at if _lent(s) and n is not None else math.nan for s, n in zip(run.timeline, reporting)]
-    ax.plot(times, lent, color=colour, marker="|", linestyle="none", markersize=4, label=f"{run.system}: prefill lent")
+    marks = [n + lent_at if lent(s) and n is not None else math.nan for s, n in zip(run.timeline, reporting)]
+    ax.plot(times, marks, color=colour, marker="|", linestyle="none", markersize=4, label=f"{run.system}: prefill lent")
     style = {"color": colour, "fontsize": 6, "rotation": 90, "va": "bottom", "ha": "right"}
     for d in (d for d in run.decisions if d.get("pool") in DEPLOYMENTS):
         ax.axvline(d["t"], color=colour, linewidth=0.8, alpha=0.6)

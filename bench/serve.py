@@ -51,6 +51,12 @@ class Target:
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
 
 
+def client() -> httpx.AsyncClient:
+    """The benchmarks' HTTP client: no connection limit, 10 minutes a request."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
+
+
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
     """Stream one completion; every chunk's arrival time is taken as it is read."""
     record = RequestRecord(request.prompt_tokens, request.max_tokens, time.perf_counter())
@@ -90,14 +96,13 @@ async def run(
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr, leave=False)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with client() as http:
 
         async def one(request: BenchRequest, offset: float) -> RequestRecord:
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            record = await send(client, target, request)
+            record = await send(http, target, request)
             bar.update(1)
             return record
 
@@ -177,14 +182,6 @@ def warm_up(target: Target, requests: list[BenchRequest]) -> None:
         run_checked(target, [probe, probe], "warm-up request")
 
 
-def timeline_sample(view: dict, t: float) -> dict:
-    """One ``GET /admin/autoscaler`` answer, without the decisions (those are kept once each)."""
-    replicas = [{"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
-                for r in view.get("replicas", [])]  # fmt: skip
-    in_flight, observed = view.get("ingress", {}).get("in_flight", {}), view.get("observed", {})
-    return {"t": round(t, 2), "replicas": replicas, "in_flight": in_flight, "observed": observed}
-
-
 async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.Event, extra=None) -> tuple[list, list]:
     """Samples of the autoscaler's view (and ``await extra()``'s fields) every ``POLL_S`` until ``stop``,
     and every decision seen, once, by time since ``started`` (its ``perf_counter`` and ``time`` clocks)."""
@@ -195,7 +192,11 @@ async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.
             sample = {"t": round(tick - t0, 2), **(await extra() if extra else {})}
             try:
                 view = (await client.get(url + "/admin/autoscaler")).json()
-                sample |= timeline_sample(view, tick - t0) | {"scaling": view.get("scaling", {})}
+                replicas = [{"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
+                            for r in view.get("replicas", [])]  # fmt: skip
+                in_flight, observed = view.get("ingress", {}).get("in_flight", {}), view.get("observed", {})
+                sample |= {"replicas": replicas, "in_flight": in_flight, "observed": observed}
+                sample["scaling"] = view.get("scaling", {})
                 for d in view.get("decisions", []):
                     key = (d["monotonic_s"], d["action"], d["replica"], d["role"])
                     decisions[key] = {"t": round(d["time"] - wall0, 2), **d}
@@ -205,6 +206,22 @@ async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, POLL_S - (time.perf_counter() - tick)))
     return timeline, sorted(decisions.values(), key=lambda d: d["t"])
+
+
+def polled(url: str, load, poll: bool = True, extra=None, linger_s: float = 0.0) -> tuple:
+    """``asyncio.run`` of ``load(t0)`` (``t0``: its start, ``perf_counter``) with, when ``poll``, the
+    autoscaler polled until ``linger_s`` after it: (its result, ``poll_autoscaler``'s samples and
+    decisions, the start on both clocks)."""
+
+    async def both() -> tuple:
+        stop, started = asyncio.Event(), (time.perf_counter(), time.time())
+        poller = poll and asyncio.create_task(poll_autoscaler(url, started, stop, extra))
+        result = await load(started[0])
+        await asyncio.sleep(linger_s)
+        stop.set()
+        return result, *(await poller if poller else ([], [])), started
+
+    return asyncio.run(both())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

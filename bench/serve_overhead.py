@@ -16,8 +16,9 @@ import httpx
 
 from bench.host import engine_core, seconds
 from bench.ray_local import start_local_ray
-from bench.report import command_line, first_paragraph, table, template, write_json, write_page
+from bench.report import command_line, first_paragraph, publish, table
 
+NAME = "bench.serve_overhead"
 PORT = 18433
 MODEL = "SmolLM2-135M-Instruct"
 NUM_TOKENS = 48
@@ -49,7 +50,7 @@ def stream_once(url: str) -> tuple[float, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="bench.serve_overhead", description=first_paragraph(__doc__)).parse_args(argv)
+    argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__)).parse_args(argv)
     import ray
     from ray import serve
 
@@ -70,13 +71,11 @@ def main(argv: list[str] | None = None) -> None:
         serve.shutdown()
         ray.shutdown()
     rows = [row for row, _ in repetitions]
-    result = {"command": command_line("bench.serve_overhead")}
+    result = {"command": command_line(NAME)}
     result |= {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     result["itl_p50_ms"] = statistics.median(gap for _, gaps in repetitions for gap in gaps) * 1e3
-    out = Path("docs/benchmarks")
-    write_json(out / "serve_overhead.json", result | {"repetitions": rows})
-    new = template("bench.serve_overhead", "# Serve overhead benchmark")
-    write_page(out / "serve_overhead.md", "bench.serve_overhead", render(result), new)
+    data = result | {"repetitions": rows}
+    publish(Path("docs/benchmarks"), "serve_overhead", NAME, data, render(result), "# Serve overhead benchmark")
 
 
 def repetition(base: str, decode, local) -> tuple[dict[str, float], list[float]]:

@@ -32,18 +32,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.compare import COMMON, TPOT_SLO_X, TTFT_SLO_X
-from bench.compare import SYSTEMS as COMPARE_SYSTEMS
+from bench.elastic import SYSTEMS, binned, each_system, parse_systems
 from bench.host import machine, tokenizer
-from bench.ray_local import Server
 from bench.report import command_line, first_paragraph, table, template, write_json, write_page
-from bench.serve import Target, run, uncontended, warm_up
+from bench.serve import Target, run, warm_up
 from bench.slo import SLO, distribution
 from planner import replay
 from planner.sim_types import SimRequest
 from planner.simulator import simulate
 from planner.trace import read_trace, window
-from workloads import BenchRequest, PromptBuilder, median_request
+from workloads import BenchRequest, PromptBuilder
 
 NAME = "bench.trace_replay"
 TRACE = Path(__file__).parents[1] / "workloads" / "traces" / "azure_llm_2023_conv.csv"
@@ -53,12 +51,6 @@ DRIFT = Path(__file__).parents[1] / "docs" / "benchmarks" / "drift.json"  # the 
 PROMPT_DIV, PROMPT_RANGE = 8, (16, 384)
 OUTPUT_DIV, OUTPUT_RANGE = 4, (8, 96)
 CAPACITY_COMPRESSION = 4.0  # the window offered this much faster to find what 1 + 1 completes
-SYSTEMS = {  # name -> (application, its arguments on top of bench.compare's COMMON, simulator arguments)
-    "static": (*COMPARE_SYSTEMS["disagg-pull"], {"prefill": 1, "decode": 1}),
-    "colocated": (*COMPARE_SYSTEMS["colocated"], {"colocated": 2}),
-    "elastic": ("disagg", {"transport.mode": "pull", "autoscaling.enabled": "true", "autoscaling.policy": "default",
-                           "autoscaling.replica_scaling": "false"}, {"prefill": 1, "decode": 1}),
-}  # fmt: skip
 MINUTE_S = 60.0
 
 
@@ -75,7 +67,7 @@ def scaled(requests: list[SimRequest]) -> list[SimRequest]:
 def _sim_args(system: str, slo: SLO, **extra: Any) -> argparse.Namespace:
     from autoscaling.policy import Scaling, load_policy
 
-    sim = dict(SYSTEMS[system][2])
+    sim: dict[str, Any] = {"colocated": 2} if system == "colocated" else {"prefill": 1, "decode": 1}  # as served
     if system == "elastic":
         sim["policy"] = load_policy("default").model_copy(update={"scaling": Scaling(enabled=False)})
     return replay.with_defaults(calibration=CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim, **extra)
@@ -116,18 +108,9 @@ def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minu
             "tpot_attainment": sum(tpot_ok) / len(rows),
             "ttft_p90_s": distribution(ttfts)["p90"] if ttfts else None,
             "tpot_p90_s": distribution(tpots)["p90"] if tpots else None,
-            "per_minute": minute_attainment([(a, m) for (a, _, _), m in zip(rows, met)], minutes),
+            "per_minute": binned([(a, m) for (a, _, _), m in zip(rows, met)], MINUTE_S, minutes, None),
             "requests": [[round(a, 3), None if t is None else round(t, 4), None if p is None else round(p, 5)]
                          for a, t, p in rows]}  # fmt: skip
-
-
-def minute_attainment(rows: list[tuple[float, bool]], minutes: int) -> list[float | None]:
-    """(arrival, met) -> the share met among each minute's arrivals."""
-    shares = []
-    for minute in range(minutes):
-        mine = [met for arrival, met in rows if minute * MINUTE_S <= arrival < (minute + 1) * MINUTE_S]
-        shares.append(sum(mine) / len(mine) if mine else None)
-    return shares
 
 
 def predict(system: str, requests: list[SimRequest], slo: SLO, minutes: int) -> dict[str, Any]:
@@ -136,15 +119,9 @@ def predict(system: str, requests: list[SimRequest], slo: SLO, minutes: int) -> 
     return outcome(rows, slo, minutes) | {"routes": result.routes}
 
 
-def served(system: str, slo: SLO, requests: list[BenchRequest], offsets: list[float], minutes: int) -> dict[str, Any]:
-    app, args, _ = SYSTEMS[system]
-    args = {**COMMON, **args}
-    if system == "elastic":
-        args |= {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"}
-    with Server(app, args) as server:
-        target = Target(server.url, server.model())
-        warm_up(target, requests[:2])
-        records, duration = asyncio.run(run(target, requests, offsets, system))
+def served(target: Target, system: str, slo: SLO, requests: list, offsets: list[float], minutes: int) -> dict[str, Any]:
+    warm_up(target, requests[:2])
+    records, duration = asyncio.run(run(target, requests, offsets, system))
     rows = [(offset, r.ttft if r.ok else None, r.tpot if r.ok else None) for offset, r in zip(offsets, records)]
     return outcome(rows, slo, minutes) | {"errors": sum(not r.ok for r in records), "duration_s": duration}
 
@@ -184,14 +161,11 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
                             "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
                             "drift_reference": drift_reference(), "drift_before": drift_sample(),
                             "systems": {}}  # fmt: skip
-    slo = None
-    for system in options.systems:
-        if slo is None:  # SLOs from the idle colocated system's median request, as bench.compare
-            with Server("colocated", dict(COMMON)) as server:
-                base = uncontended(Target(server.url, server.model()), median_request(bench))
-            slo = SLO(TTFT_SLO_X * base["ttft_s"], TPOT_SLO_X * base["tpot_s"])
-            data["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "uncontended": base}
-        data["systems"][system] = {"measured": served(system, slo, bench, offsets, minutes),
+    # SLOs from the idle colocated system's median request (one class: bench.elastic's summarized prompts)
+    for system, target, calibration in each_system(options.systems, None, {"prompt": bench}):
+        slo = calibration.slo("prompt")
+        data["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "uncontended": calibration.classes["prompt"]}
+        data["systems"][system] = {"measured": served(target, system, slo, bench, offsets, minutes),
                                    "predicted": predict(system, requests, slo, minutes)}  # fmt: skip
         print(f"{system}: {json.dumps({k: v['attainment'] for k, v in data['systems'][system].items()})}",
               file=sys.stderr)  # fmt: skip
@@ -255,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     options = parser.parse_args(argv)
-    options.systems = [s for s in options.systems.split(",") if s]
-    if unknown := set(options.systems) - set(SYSTEMS):
-        parser.error(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    options.systems = list(parse_systems(options.systems, SYSTEMS))
     data = run_all(options, argv)
     write_json(options.out / "trace_replay.json", data)
     page = options.out / "trace_replay.md"

@@ -10,14 +10,15 @@ from dataclasses import asdict
 
 import pytest
 
+from bench import elastic
 from bench.elastic import (
     NAME,
     Calibration,
-    ClassCalibration,
     Phase,
     SystemRun,
     attainment_bins,
     by_class,
+    each_system,
     floor_lines,
     in_flight,
     load_raw,
@@ -25,15 +26,15 @@ from bench.elastic import (
     make_trace,
     parse_options,
     phase_scores,
-    save_calibration,
-    save_json,
-    save_trace,
+    save_raw,
     system_args,
     targets,
     write_report,
 )
 from bench.host import tokenizer
 from bench.report import markers
+from bench.slo import SLO
+from workloads import BenchRequest
 
 BEGIN, END = markers(NAME)
 
@@ -43,8 +44,13 @@ PHASES = (
     Phase("prompt-heavy 2", "prompt", (380, 440), (24, 40), 0.45, 60.0, 90.0),
 )
 # prompt class: TTFT SLO 5 x 1.0 = 5 s; burst: 5 x 0.2 = 1 s; TPOT SLO 2 x mean(0.04, 0.06) = 0.1 s
+SLO_PROMPT = SLO(5.0, 0.08)  # one class: TTFT 5 x 1.0 s, TPOT 2 x 0.04 s
 CALIBRATION = Calibration(
-    classes={"prompt": ClassCalibration(410, 1.0, 0.04), "burst": ClassCalibration(48, 0.2, 0.06)}, model="m"
+    classes={
+        "prompt": {"prompt_tokens": 410, "ttft_s": 1.0, "tpot_s": 0.04},
+        "burst": {"prompt_tokens": 48, "ttft_s": 0.2, "tpot_s": 0.06},
+    },
+    model="m",
 )
 
 
@@ -95,10 +101,10 @@ def _elastic() -> SystemRun:
 
 def test_attainment_per_phase_uses_each_class_slo():
     scores = phase_scores(_static(), PHASES, CALIBRATION)
-    assert [s.attainment for s in scores.values()] == [0.5, 0.0, 0.5, 2 / 6]
-    assert scores["prompt-heavy 2"].failed == 1
-    assert scores["overall"].requests == 6 and scores["overall"].failed == 1
-    assert scores["decode burst"].tpot_p90_s == pytest.approx(0.05 + 0.9 * 0.25)  # numpy linear p90 of 0.05, 0.3
+    assert [s["attainment"] for s in scores.values()] == [0.5, 0.0, 0.5, 2 / 6]
+    assert scores["prompt-heavy 2"]["failed"] == 1
+    assert scores["overall"]["requests"] == 6 and scores["overall"]["failed"] == 1
+    assert scores["decode burst"]["tpot_p90_s"] == pytest.approx(0.05 + 0.9 * 0.25)  # numpy linear p90 of 0.05, 0.3
 
 
 def test_attainment_bins_group_requests_by_arrival():
@@ -147,13 +153,17 @@ def _floor() -> dict:
     }
 
 
+def _phases() -> list[dict]:
+    return [asdict(p) for p in PHASES]
+
+
 def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_path):
     raw, out = tmp_path / "raw", tmp_path / "out"
-    save_trace(raw, PHASES, seed=3, command="python -m bench.elastic --phase-s 30")
-    save_calibration(raw, CALIBRATION)
+    save_raw(raw, "trace", {"seed": 3, "command": "python -m bench.elastic --phase-s 30", "phases": _phases()})
+    save_raw(raw, "calibration", CALIBRATION)
     for run in (_static(), _elastic()):
-        save_json(raw / f"system_{run.system}.json", asdict(run))
-    save_json(raw / "floor.json", _floor())
+        save_raw(raw, f"system_{run.system}", run)
+    save_raw(raw, "floor", _floor())
     out.mkdir()
     (out / "elastic.md").write_text(f"# Title\n\n{BEGIN}\nstale table\n{END}\n\n## Reading the results\n\nMine.\n")
 
@@ -184,7 +194,7 @@ def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_pat
 
 def test_report_without_an_md_starts_from_the_template(tmp_path):
     raw = tmp_path / "raw"
-    save_trace(raw, PHASES, seed=0, command="")
+    save_raw(raw, "trace", {"seed": 0, "command": "", "phases": _phases()})
     write_report(load_raw(raw), tmp_path)
     text = (tmp_path / "elastic.md").read_text()
     assert text.index(BEGIN) < text.index(END) < text.index("## Reading the results")
@@ -211,12 +221,52 @@ def test_trace_phases_and_classes():
 
 
 def test_the_elastic_system_gets_the_slos_and_the_options_are_checked(tmp_path):
-    args = system_args("elastic", CALIBRATION, tmp_path)
+    (tmp_path / "trace.jsonl").write_text("stale\n")
+    args = system_args("elastic", CALIBRATION, tmp_path / "trace.jsonl")
     assert (args["slo.ttft_ms"], args["slo.tpot_ms"]) == ("5000.0", "100.0")
     assert args["autoscaling.record"] == str(tmp_path.resolve() / "trace.jsonl")
-    assert "slo.ttft_ms" not in system_args("static", CALIBRATION, tmp_path)
+    assert not (tmp_path / "trace.jsonl").exists()  # the last run's record is not appended to
+    assert "slo.ttft_ms" not in system_args("static", CALIBRATION, tmp_path / "trace.jsonl")
     options = parse_options(["--systems", "static,elastic", "--stage", "report"])
     assert options.systems == ("static", "elastic") and options.out.name == "benchmarks"
     for bad in (["--systems", "nope"], ["--floor-steps", "1"]):
         with pytest.raises(SystemExit):
             parse_options(bad)
+
+
+def test_each_system_is_calibrated_on_the_idle_colocated_system_first(monkeypatch):
+    started = []
+
+    class FakeServer:
+        url = "http://fake"
+
+        def __init__(self, application: str, args: dict, index: int) -> None:
+            started.append((application, args.get("slo.ttft_ms"), index))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+        def model(self) -> str:
+            return "m"
+
+    def uncontended(target, request, max_tokens):
+        return {"prompt_tokens": request.prompt_tokens, "ttft_s": 1.0, "tpot_s": 0.04}
+
+    monkeypatch.setattr(elastic, "Server", FakeServer)
+    monkeypatch.setattr(elastic, "uncontended", uncontended)
+    classes = {"prompt": [BenchRequest([1] * 4, 4, 2)]}
+    ran = [
+        (system, calibration.slo("prompt"))
+        for system, _, calibration in each_system(["colocated", "elastic"], None, classes)
+    ]
+    assert ran == [("colocated", SLO_PROMPT), ("elastic", SLO_PROMPT)]
+    assert started == [("colocated", None, 0), ("disagg", "5000.0", 1)]  # calibrated on the colocated run's server
+    started.clear()
+    assert [system for system, _, _ in each_system(["static"], None, classes)] == ["static"]
+    assert started == [("colocated", None, 0), ("disagg", None, 1)]  # a server of its own to calibrate on
+    started.clear()
+    assert [system for system, _, _ in each_system(["elastic"], CALIBRATION, classes)] == ["elastic"]
+    assert started == [("disagg", "5000.0", 0)]

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from bench.gpu_engine import TINY_SIZES, Row, decode_weight_bytes, guarded, run
+from bench.engine import decode_weight_bytes
+from bench.gpu_engine import TINY_SIZES, Row, guarded, run
 
 
 def test_a_row_prints_its_figures_and_its_ratio_to_the_floor():

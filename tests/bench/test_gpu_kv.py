@@ -94,7 +94,7 @@ def test_push_row_takes_medians_after_a_warm_up_that_checks_the_bytes():
     assert row["tail_to_notice_ms"] == pytest.approx(2.0) and row["bytes_ok"] is True
     assert row["one_layer_ms"] == pytest.approx(0.25) and row["num_layers"] == CPU_PLAN.layout.num_layers
     waits = [args for role, command, args in pair.commands if command == "wait_push"]
-    assert [verify for _, verify, _ in waits] == [True, False, False, False]  # the warm-up's bytes are checked
+    assert [verify for _, _, verify in waits] == [True, False, False, False]  # the warm-up's bytes are checked
 
 
 def test_push_figures_measure_the_tail_from_the_last_compute_end():

@@ -27,6 +27,7 @@ from bench.scaling import (
     step_stats,
     write_report,
 )
+from bench.serve import polled
 from workloads import PromptBuilder
 
 WALL0 = time.mktime((2026, 12, 1, 10, 0, 0, 0, 0, -1))  # the load's start
@@ -65,8 +66,9 @@ def _run() -> ScalingRun:
     decision = {"t": 12.5, "action": "scale_up", "pool": "decode", "replica": None, "role": None, "replicas": [1, 2],
                 "reason": "decode: needs 2"}  # fmt: skip
     logs = [_log(13.0, "Adding 1 replica to Deployment(name='DecodeServer', app='bench').")]
-    return ScalingRun("scaling", "python -m bench.scaling --steps 2:10,8:10", {"model.max_model_len": "512"},
-                      (Step(2, 10.0), Step(8, 10.0)), 60.0, 20.0, rows, timeline, [decision], logs, WALL0)  # fmt: skip
+    return ScalingRun("scaling", "python -m bench.scaling --steps 2:10,8:10", 60.0, 20.0, rows, timeline, [decision],
+                      args={"model.max_model_len": "512"}, steps=(Step(2, 10.0), Step(8, 10.0)), log_lines=logs,
+                      wall0=WALL0)  # fmt: skip
 
 
 def test_step_stats_and_scale_timings():
@@ -134,3 +136,18 @@ def test_cpu_meter_and_options():
     for bad in (["--steps", "2"], ["--steps", "0:10"], ["--systems", "elastic"]):
         with pytest.raises(SystemExit):
             parse_options(bad)
+
+
+def test_polled_runs_the_load_with_the_autoscaler_polled_beside(capsys):
+    async def load(t0: float) -> float:
+        await asyncio.sleep(0.05)
+        return time.perf_counter() - t0
+
+    async def extra() -> dict:
+        return {"cpu": {"machine": 1.0}}
+
+    took, timeline, decisions, (_, wall0) = polled("http://127.0.0.1:9", load, True, extra, linger_s=0.1)
+    assert took >= 0.05 and decisions == [] and abs(wall0 - time.time()) < 60
+    assert timeline[0]["t"] >= 0.0 and timeline[0]["cpu"] == {"machine": 1.0} and "replicas" not in timeline[0]
+    assert "autoscaler poll failed" in capsys.readouterr().err  # nothing listens there: the sample keeps its time
+    assert polled("http://127.0.0.1:9", load, poll=False)[1:3] == ([], [])
