@@ -53,11 +53,13 @@ scaling:
   scale_up_delay_s: 1
   scale_down_delay_s: 2
   scale_down_below: 0.9
-  pending_timeout_s: 150
+  pending_timeout_s: 600            # a replica that starts slowly on a loaded machine is waited for
   max_backoff_s: 300
   graceful_shutdown_timeout_s: 60
 """
-VIEW_TIMEOUT_S = 150.0
+# a bound, not a pace: each wait returns when its condition holds; a replica's start took 150 s+
+# on a fresh clone's run with the machine shared (2026-12-02)
+VIEW_TIMEOUT_S = 480.0
 
 
 @pytest.fixture(scope="module")
