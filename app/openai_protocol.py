@@ -12,13 +12,35 @@ leaves the ingress.
 
 from __future__ import annotations
 
+import json
 import uuid
 from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from app.tool_calls import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    AnswerShape,
+    ReasoningParser,
+    ToolParser,
+    bound_numbers,
+    forced_schema,
+    parser_for_template,
+)
 from engine.params import (
     LOGIT_BIAS_RANGE,
     PENALTY_RANGE,
@@ -87,7 +109,10 @@ class ResponseFormat(_Body):
             return None
         if self.type == "json_object" or self.json_schema is None or self.json_schema.json_schema is None:
             return JSON_OBJECT_SCHEMA
-        return check_schema(self.json_schema.json_schema)
+        try:
+            return check_schema(bound_numbers(self.json_schema.json_schema))
+        except RecursionError:
+            raise FieldError("response_format: the JSON schema is nested too deeply", "response_format") from None
 
 
 class _SamplingFields(_Body):
@@ -127,12 +152,13 @@ class _SamplingFields(_Body):
     prompt_field: ClassVar[str]  # the field that holds the prompt
 
     def to_generation_request(
-        self, tokenizer: Any, limits: ContextLimits, request_id: str | None = None
+        self, tokenizer: Any, limits: ContextLimits, request_id: str | None = None, chat: ChatSetup | None = None
     ) -> GenerationRequest:
-        """Tokenize, check against the context and build the engine's request (``request_id``:
-        the client's, else a new one). Raises ``FieldError`` naming the client's field."""
+        """Tokenize (a chat as ``chat`` says), check against the context and build the engine's
+        request (``request_id``: the client's, else a new one). Raises ``FieldError`` naming the
+        client's field."""
         self._check_consistent()
-        ids = self._prompt_token_ids(tokenizer)
+        ids = self._prompt_token_ids(tokenizer, chat or ChatSetup())
         limit_field, requested = self._max_tokens()
         if requested is not None and requested < 1:
             raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
@@ -162,10 +188,14 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias or (),
-            json_schema=self.response_format.to_schema() if self.response_format is not None else None,
+            json_schema=self._json_schema(),
         )
 
-    def _prompt_token_ids(self, tokenizer: Any) -> list[int]:
+    def _json_schema(self) -> str | None:
+        """The grammar the output is generated under (``SamplingParams.json_schema``), if any."""
+        return self.response_format.to_schema() if self.response_format is not None else None
+
+    def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         try:
             return encode_prompt(tokenizer, self._prompt())
         except ValueError as exc:
@@ -196,9 +226,25 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(description="the function called")
+    arguments: str = Field(description="its arguments, JSON text of an object")
+
+
+class MessageToolCall(_Body):
+    id: str = Field(description="the call's id, which the tool message answering it names")
+    type: Literal["function"] = Field("function", description="only functions")
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="author of the message")
-    content: str | list[TextPart] = Field(description="message text, or a list of text parts")
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant's calls")
+    content: str | list[TextPart] | None = Field(
+        None, validate_default=True, description="message text, or a list of text parts"
+    )
+    tool_call_id: str | None = Field(None, validate_default=True, description="a tool message: the call it answers")
+    name: str | None = Field(None, description="the author's name (passed to the template)")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -209,11 +255,109 @@ class ChatMessage(_Body):
                     raise ValueError(f"content parts of type {part.get('type')!r} are not supported, only 'text'")
         return value
 
-    def for_template(self) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template: text parts joined by newlines, as vLLM
-        does; ``developer`` is OpenAI's newer name for ``system``, which templates know."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("Field required (an assistant message may carry tool_calls instead)")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not value:
+            raise ValueError("Field required in a tool message")
+        return value
+
+    def for_template(self) -> dict[str, Any]:
+        """The message for the chat template: text parts joined by newlines, as vLLM does;
+        ``developer`` is OpenAI's newer name for ``system``, which templates know; a call's
+        arguments decoded (templates write them with ``tojson``)."""
+        text = self.content if isinstance(self.content, str | None) else "\n".join(p.text for p in self.content)
+        item: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+        if self.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _decoded(c)}}
+                for c in self.tool_calls
+            ]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                item[key] = getattr(self, key)
+        return item
+
+
+def _decoded(call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="the function's name")
+    description: str | None = Field(None, description="what it does, for the model")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}, description="its arguments, a JSON Schema"
+    )
+    strict: bool | None = Field(None, description="accepted: forced calls always follow the schema")
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type", "object") != "object":
+            raise ValueError("must be a JSON Schema of type object")
+        try:
+            check_schema(forced_schema([{"name": "f", "parameters": value}], "f", False), field="parameters")
+        except FieldError as exc:
+            raise ValueError(str(exc).removeprefix("parameters: ")) from None
+        except RecursionError:
+            raise ValueError("the JSON Schema is nested too deeply") from None
+        return value
+
+
+class Tool(_Body):
+    type: Literal["function"] = Field(description="only functions")
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = Field(description="only functions")
+    function: FunctionName
+
+
+_SHIPPED_TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    """How chat requests are rendered and their answers read (``api``): ``template`` in place
+    of the model's own (None: its own); ``tools_template`` for requests with tools (None: the
+    model renders none); the tool-call and reasoning parsers."""
+
+    template: str | None = None
+    tools_template: str | None = None
+    tool_parser: ToolParser | None = None
+    reasoning: ReasoningParser | None = None
+
+    @classmethod
+    def of(cls, own: str | None, template: str | None, tool_parser: str | None, reasoning: str | None) -> ChatSetup:
+        """``own``: the model's template; the other arguments as ``api``'s settings. A ChatML template
+        that renders no tools gets the project's ChatML template with Hermes-style tools for them."""
+        chosen = template or own or ""
+        tools = chosen if "tools" in chosen else None
+        if tools is None and "<|im_start|>" in chosen:
+            tools = _SHIPPED_TOOLS_TEMPLATE.read_text()
+        parser = tool_parser or parser_for_template(tools)
+        return cls(
+            template=template,
+            tools_template=tools,
+            tool_parser=TOOL_PARSERS[parser]() if parser else None,
+            reasoning=REASONING_PARSERS[reasoning] if reasoning else None,
+        )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -221,8 +365,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, description="alias of max_tokens")
     logprobs: bool = Field(False, description="return the log-probability of each output token")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or one named function"
+    )
+    parallel_tool_calls: bool = Field(True, description="more than one call in an answer")
 
     id_prefix: ClassVar[str] = "chatcmpl"
     prompt_field: ClassVar[str] = "messages"
@@ -230,16 +377,67 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_consistent(self) -> None:
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs: needs logprobs: true", "top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise FieldError("tools: two functions have the same name", "tools")
+        if self.tool_choice not in (None, "none") and not names:
+            raise FieldError("tool_choice: needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise FieldError(f"tool_choice: no function {self.tool_choice.function.name!r} in tools", "tool_choice")
+        if self.forced_tools and self.response_format is not None and self.response_format.type != "text":
+            raise FieldError("response_format: cannot be combined with a forced tool_choice", "response_format")
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            called |= {c.id for c in message.tool_calls or ()}
+            if message.role == "tool" and message.tool_call_id not in called:
+                field = f"messages.{i}.tool_call_id"
+                raise FieldError(f"{field}: {message.tool_call_id!r} answers no earlier tool call", field)
 
-    def _prompt(self) -> list[dict[str, str]]:
+    @property
+    def forced_tools(self) -> bool:
+        """``tool_choice`` required or a named function: the answer is generated as calls."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def _tool_history(self) -> bool:
+        return any(m.role == "tool" or m.tool_calls for m in self.messages)
+
+    def _prompt(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
-    def _prompt_token_ids(self, tokenizer: Any) -> list[int]:
+    def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
+        template = chat.template
+        if self.tools or self._tool_history:
+            if chat.tools_template is None:
+                message = "this model's chat template renders no tools: set api.chat_template to one that does"
+                raise FieldError(f"tools: {message}", "tools")
+            template = chat.tools_template
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         try:
-            return super()._prompt_token_ids(tokenizer)
+            return encode_prompt(tokenizer, self._prompt(), tools, template)
+        except ValueError as exc:
+            raise FieldError(str(exc), self.prompt_field) from None
         except TemplateError as exc:  # e.g. a template that wants user and assistant to alternate
             message = f"messages: the model's chat template refused them: {exc}"
             raise FieldError(message, "messages") from None
+
+    def _json_schema(self) -> str | None:
+        if not self.forced_tools:
+            return super()._json_schema()
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        functions = [t.function.model_dump() for t in self.tools or ()]
+        return check_schema(forced_schema(functions, named, self.parallel_tool_calls), field="tools")
+
+    def answer_shape(self, chat: ChatSetup) -> AnswerShape | None:
+        """How this request's answer is read (None: as plain text, untouched)."""
+        calls = bool(self.tools) and self.tool_choice != "none"
+        if calls and not self.forced_tools and chat.tool_parser is None:
+            calls = False  # no call format known: auto answers are content
+        if not calls and chat.reasoning is None:
+            return None
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        parser = chat.tool_parser if calls and not self.forced_tools else None
+        return AnswerShape(chat.reasoning, parser, forced=calls and self.forced_tools, named=named)
 
     def _max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -248,12 +446,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def _refusals(self) -> list[tuple[str, bool]]:
-        return super()._refusals() + [
-            ("tools", bool(self.tools)),
-            ("tool_choice", self.tool_choice not in (None, "none")),
-        ]
 
 
 class CompletionRequest(_SamplingFields):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from app.auth_settings import AuthConfig
+from app.tool_calls import REASONING_PARSERS, TOOL_PARSERS
 from autoscaling.config import AutoscalingSettings
 from engine.config import EngineSettings, check_token_budget
 from engine.params import Role
@@ -105,6 +106,37 @@ class RecoveryConfig(_Section):
     )
 
 
+class ApiConfig(_Section):
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template (a file, or the template itself) in place of the model's"
+    )
+    tool_call_parser: Literal[tuple(TOOL_PARSERS)] | None = Field(  # type: ignore[valid-type]
+        None, description="how tool calls are read from the model's text; none: as the chat template writes them"
+    )
+    reasoning_parser: Literal[tuple(REASONING_PARSERS)] | None = Field(  # type: ignore[valid-type]
+        None, description="splits <think>...</think> into reasoning_content; none: no reasoning parsed"
+    )
+    _template_text: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _read_template(self) -> ApiConfig:
+        """A template file is read here, once, where the settings are validated: the replicas get its text."""
+        value = self.chat_template
+        if value is None or "{{" in value or "{%" in value:
+            self._template_text = value
+            return self
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+        self._template_text = path.read_text()
+        return self
+
+    @property
+    def template_text(self) -> str | None:
+        """The chat template's text (None: the model's own)."""
+        return self._template_text
+
+
 class AppConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="what to serve")
     engine: EngineSection = Field(default_factory=EngineSection, description="per-replica engine settings")
@@ -128,6 +160,7 @@ class AppConfig(_Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="bounds on what one request may ask")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys on /v1 and /admin; none: open")
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig, description="failures before the first token")
+    api: ApiConfig = Field(default_factory=ApiConfig, description="chat templates, tool-call and reasoning parsers")
     faults: list[FaultRule] = Field(
         default_factory=list, description="fault injection for failure rehearsals (kv_transport/faults.py); none"
     )

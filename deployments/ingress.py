@@ -26,12 +26,14 @@ from starlette.requests import ClientDisconnect
 
 from app.openai_protocol import (
     ChatCompletionRequest,
+    ChatSetup,
     CompletionRequest,
     error_body,
     unsupported,
     validation_error_body,
 )
 from app.settings import AppConfig
+from app.tool_calls import AnswerShape
 from deployments import logs
 from deployments.auth import KEY_ID, APIKeyMiddleware, ApiKeys
 from deployments.elastic_routing import ElasticRouting
@@ -143,6 +145,10 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(spec)
         self._text_of = token_text_of(self.tokenizer)
         self.model = self.config.model.served_name or model_name(spec)
+        own, api_settings = getattr(self.tokenizer, "chat_template", None), self.config.api
+        self.chat = ChatSetup.of(
+            own, api_settings.template_text, api_settings.tool_call_parser, api_settings.reasoning_parser
+        )
         self.max_model_len = self.config.model.max_model_len
         vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
         limits = self.config.limits
@@ -264,9 +270,10 @@ class OpenAIIngress:
         headers = {"X-Request-Id": request.request_id}
         text_of = self._text_of if request.sampling.logprobs is not None else None
         choices = choice_requests(request, body.n)
+        shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(fmt, request.request_id, choices, include_usage, text_of)
+            stream = self._stream(fmt, request.request_id, choices, include_usage, text_of, shape)
             # the request id is free again when the stream ends, even one that never started
             done = lambda: self._active_ids.discard(request.request_id)  # noqa: E731
             return HeldStreamingResponse(
@@ -282,7 +289,7 @@ class OpenAIIngress:
             return exc.response()
         finally:
             self.in_flight -= 1
-        body = full_response_choices(fmt, request.request_id, self.model, outputs, text_of)
+        body = full_response_choices(fmt, request.request_id, self.model, outputs, text_of, shape)
         return JSONResponse(body, headers=headers)
 
     async def _read_json(self, raw: Request) -> dict:
@@ -316,7 +323,7 @@ class OpenAIIngress:
 
     def _to_engine(self, body: Any, client_id: str | None) -> GenerationRequest:
         try:
-            return body.to_generation_request(self.tokenizer, self.limits, client_id)
+            return body.to_generation_request(self.tokenizer, self.limits, client_id, self.chat)
         except FieldError as exc:
             raise HTTPError.bad_request(exc) from None
 
@@ -330,9 +337,15 @@ class OpenAIIngress:
         self._active_ids.add(request.request_id)  # discarded when its outputs end
 
     async def _stream(
-        self, fmt: ResponseFormat, request_id: str, choices: list[GenerationRequest], include_usage: bool, text_of: Any
+        self,
+        fmt: ResponseFormat,
+        request_id: str,
+        choices: list[GenerationRequest],
+        include_usage: bool,
+        text_of: Any,
+        shape: AnswerShape | None = None,
     ) -> AsyncIterator[bytes]:
-        writers = [ChunkWriter(fmt, request_id, self.model, text_of, index) for index in range(len(choices))]
+        writers = [ChunkWriter(fmt, request_id, self.model, text_of, i, shape) for i in range(len(choices))]
         self.in_flight += 1
         try:
             for writer in writers:

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
+from app.tool_calls import AnswerShape, AnswerStream, Delta, Parsed
 from engine.params import RequestOutput, TokenLogprobs
 
 TokenText = Callable[[int], str]
@@ -40,8 +41,31 @@ def usage(last: RequestOutput, *others: RequestOutput) -> dict:
     }
 
 
-def finish_reason(last: RequestOutput) -> str | None:
-    return last.finish_reason.value if last.finish_reason is not None else None
+def finish_reason(last: RequestOutput, called: bool = False) -> str | None:
+    """``called``: the answer made tool calls, which OpenAI reports in place of a plain stop."""
+    reason = last.finish_reason.value if last.finish_reason is not None else None
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def answer_message(reasoning: str | None, parsed: Parsed) -> dict:
+    """A chat answer's message with its calls (``tool_calls``) and reasoning (``reasoning_content``)."""
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if parsed.calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+    return message
+
+
+def answer_delta(delta: Delta) -> dict:
+    """One streamed piece of a chat answer as OpenAI's ``delta``: a call's first piece carries its
+    index, id, type and name; the next, its arguments."""
+    if delta.kind != "call":
+        return {"reasoning_content" if delta.kind == "reasoning" else "content": delta.text}
+    call = delta.call.to_openai() if delta.first else {"function": {"arguments": delta.call.arguments}}
+    if delta.first:
+        call["function"]["arguments"] = ""
+    return {"tool_calls": [{"index": delta.index, **call}]}
 
 
 def chat_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText) -> dict:
@@ -145,14 +169,22 @@ def full_response_choices(
     model: str,
     choices: SequenceOf[SequenceOf[RequestOutput]],
     text_of: TokenText | None = None,
+    shape: AnswerShape | None = None,
 ) -> dict:
-    """The non-streamed body of ``n`` choices (each choice's outputs, in index order)."""
+    """The non-streamed body of ``n`` choices (each choice's outputs, in index order); ``shape``:
+    how a chat answer's reasoning and tool calls are read (None: its text as it is)."""
     bodies = []
     for index, outputs in enumerate(choices):
         entries = [e for o in outputs for e in o.logprobs]
         logprobs = fmt.logprobs(entries, text_of, 0)[0] if text_of else None
         text = "".join(o.text for o in outputs)
-        bodies.append(fmt.choice(text, logprobs, finish_reason(outputs[-1]), index))
+        if shape is None:
+            bodies.append(fmt.choice(text, logprobs, finish_reason(outputs[-1]), index))
+            continue
+        reasoning, parsed = shape.read(text)
+        reason = finish_reason(outputs[-1], called=bool(parsed.calls))
+        message = answer_message(reasoning, parsed)
+        bodies.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return {
         "id": request_id,
         "object": fmt.object_name,
@@ -174,12 +206,20 @@ class ChunkWriter:
     held back, e.g. part of a character, ride on the next chunk)."""
 
     def __init__(
-        self, fmt: ResponseFormat, request_id: str, model: str, text_of: TokenText | None = None, index: int = 0
+        self,
+        fmt: ResponseFormat,
+        request_id: str,
+        model: str,
+        text_of: TokenText | None = None,
+        index: int = 0,
+        shape: AnswerShape | None = None,
     ) -> None:
-        """``index``: the choice this writer's chunks carry (``n`` > 1: one writer per choice)."""
+        """``index``: the choice this writer's chunks carry (``n`` > 1: one writer per choice);
+        ``shape``: how a chat answer's reasoning and tool calls are read (None: text as it comes)."""
         self.fmt, self.request_id, self.model, self.index = fmt, request_id, model, index
         self.created = int(time.time())
         self.text_of = text_of
+        self.answer = AnswerStream(shape) if shape is not None else None
         self._pending: list[TokenLogprobs] = []
         self._offset = 0  # characters of text sent so far (completions' text_offset)
 
@@ -208,10 +248,26 @@ class ChunkWriter:
 
     def delta(self, output: RequestOutput) -> bytes | None:
         self._pending.extend(output.logprobs)
+        if self.answer is not None:
+            return self._answer_delta(output)
         reason = finish_reason(output) if output.finished else None
         if not output.text and reason is None:
             return None
         return self._chunk(self.fmt.delta_choice(output.text, self._logprobs(), reason, self.index))
+
+    def _answer_delta(self, output: RequestOutput) -> bytes | None:
+        """The chunks of one output of a read answer: a chunk per piece (content, reasoning, a
+        call's start or arguments), the finish reason on the last."""
+        pieces = [answer_delta(d) for d in self.answer.feed(output.text, final=output.finished)]
+        reason = finish_reason(output, called=self.answer.num_calls > 0) if output.finished else None
+        if not pieces and reason is None:
+            return None
+        chunks, logprobs = [], self._logprobs()
+        for i, delta in enumerate(pieces or [{}]):
+            last = i == max(len(pieces), 1) - 1
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs if i == 0 else None}
+            chunks.append(self._chunk(choice | {"finish_reason": reason if last else None}))
+        return b"".join(chunks)
 
     def usage(self, last: RequestOutput, *others: RequestOutput) -> bytes:
         return self._chunk(None, usage(last, *others))

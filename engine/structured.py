@@ -47,25 +47,26 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'  # what response_format {"type": "json_
 _MAX_CACHED_SCHEMAS = 64
 
 
-def _grammar(schema_json: str) -> str:
-    """llguidance's grammar for a schema given as JSON text; ``FieldError`` if unusable."""
+def _grammar(schema_json: str, field: str = "response_format") -> str:
+    """llguidance's grammar for a schema given as JSON text; ``FieldError`` naming ``field`` if unusable."""
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults=_JSON_LAYOUT)
     except ValueError as exc:
-        raise FieldError(f"response_format: the JSON schema is not valid JSON: {exc}", "response_format") from None
+        raise FieldError(f"{field}: the JSON schema is not valid JSON: {exc}", field) from None
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
-        raise FieldError(f"response_format: the JSON schema cannot be used: {problem}", "response_format")
+        raise FieldError(f"{field}: the JSON schema cannot be used: {problem}", field)
     return grammar
 
 
-def check_schema(schema: dict) -> str:
+def check_schema(schema: dict, field: str = "response_format") -> str:
     """``schema`` as the JSON text ``SamplingParams.json_schema`` takes, after checking that
-    llguidance can enforce it. Keys keep their order (it is the order properties are written in)."""
+    llguidance can enforce it (else a ``FieldError`` naming ``field``). Keys keep their order (it
+    is the order properties are written in)."""
     if not isinstance(schema, dict):
-        raise FieldError("response_format: the JSON schema must be an object", "response_format")
+        raise FieldError(f"{field}: the JSON schema must be an object", field)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    _grammar(text)
+    _grammar(text, field)
     return text
 
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-ChatMessage = Mapping[str, str]
+ChatMessage = Mapping[str, Any]
 
 
 def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase | None, prompt: str | Sequence[ChatMessage] | Sequence[int]
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: str | Sequence[ChatMessage] | Sequence[int],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Token ids of a prompt. A list of ``{"role", "content"}`` dicts uses the chat template."""
+    """Token ids of a prompt. A list of ``{"role", "content", ...}`` dicts uses the chat template
+    (``chat_template``: in place of the tokenizer's), with ``tools`` given to it."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer (dummy weights); pass token ids")
@@ -23,12 +28,14 @@ def encode_prompt(
     if not items:
         raise ValueError("prompt must not be empty")
     if all(isinstance(m, Mapping) for m in items):
-        if tokenizer is None or tokenizer.chat_template is None:
+        if tokenizer is None or (chat_template or tokenizer.chat_template) is None:
             raise ValueError("messages: this model has no chat template")
         for i, m in enumerate(items):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
-        encoded = tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+        encoded = tokenizer.apply_chat_template(
+            items, tools=tools or None, chat_template=chat_template, add_generation_prompt=True, tokenize=True
+        )
         return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
     if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
         return items

@@ -8,10 +8,17 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, unsupported, validation_error_body
+from app.openai_protocol import (
+    ChatCompletionRequest,
+    ChatSetup,
+    CompletionRequest,
+    unsupported,
+    validation_error_body,
+)
 from engine.loader import ModelSpec, load_tokenizer
 from engine.params import ContextLimits, FieldError
 from engine.structured import JSON_OBJECT_SCHEMA
+from engine.tokenization import encode_prompt
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
@@ -31,7 +38,8 @@ def limits(tokenizer) -> ContextLimits:
 def _sampling(schema: type, body: dict, tokenizer, limits):
     request = schema.model_validate(body)
     assert unsupported(request) is None
-    return request.to_generation_request(tokenizer, limits).sampling
+    chat = ChatSetup.of(tokenizer.chat_template, None, None, None)
+    return request.to_generation_request(tokenizer, limits, chat=chat).sampling
 
 
 def _field_error(schema: type, body: dict, tokenizer, limits) -> FieldError:
@@ -54,7 +62,10 @@ def test_the_fields_reach_the_engine(tokenizer, limits):
     sp = _sampling(ChatCompletionRequest, body, tokenizer, limits)
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1, 1.3)
     assert sp.logit_bias == ((7, -100.0), (50, 100.0)) and sp.stop == ("a", "b", "c", "d")
-    assert json.loads(sp.json_schema) == SCHEMA and sp.json_schema.index('"b"') < sp.json_schema.index('"a"')
+    # an integer without bounds of its own is kept to what a JSON consumer holds exactly
+    bounded = {**SCHEMA["properties"]["b"], "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
+    assert json.loads(sp.json_schema) == {**SCHEMA, "properties": {**SCHEMA["properties"], "b": bounded}}
+    assert sp.json_schema.index('"b"') < sp.json_schema.index('"a"')
     completion = {**COMPLETION, "response_format": {"type": "json_object"}, "logit_bias": {"3": 1}}
     sp = _sampling(CompletionRequest, completion, tokenizer, limits)
     assert sp.json_schema == JSON_OBJECT_SCHEMA and sp.logit_bias == ((3, 1.0),)
@@ -105,10 +116,80 @@ def test_refusals_by_schema_name_the_field(extra, param):
     assert error["param"] == param and error["message"].startswith(f"{param}: "), error
 
 
-def test_tools_stay_refused_by_name_and_n_is_bounded():
-    assert unsupported(ChatCompletionRequest.model_validate({**CHAT, "tools": [{"type": "function"}]}))[0] == "tools"
-    assert unsupported(ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "required"}))[0] == "tool_choice"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                          "required": ["city"]}}}  # fmt: skip
+CALLED = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+]  # fmt: skip
+
+
+def test_n_is_bounded_and_tools_are_served():
     assert unsupported(ChatCompletionRequest.model_validate({**CHAT, "n": 2})) is None
     for bad in (0, 17):
         with pytest.raises(ValidationError, match="n"):
             ChatCompletionRequest.model_validate({**CHAT, "n": bad})
+    body = {**CHAT, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    assert unsupported(ChatCompletionRequest.model_validate(body)) is None
+
+
+def test_tools_and_their_history_render_through_the_chat_template(tokenizer, limits):
+    chat = ChatSetup.of(tokenizer.chat_template, None, None, None)  # the model's renders no tools
+    assert chat.tool_parser is not None and chat.tool_parser.name == "hermes"
+    body = ChatCompletionRequest.model_validate({**CHAT, "messages": CALLED, "tools": [WEATHER]})
+    text = tokenizer.decode(body.to_generation_request(tokenizer, limits, chat=chat).prompt_token_ids)
+    assert '"name": "get_weather"' in text and "<tools>" in text and "<tool_response>\n18 C\n</tool_response>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    plain = ChatCompletionRequest.model_validate(CHAT).to_generation_request(tokenizer, limits, chat=chat)
+    assert list(plain.prompt_token_ids) == encode_prompt(tokenizer, CHAT["messages"])  # the model's own template
+    with pytest.raises(FieldError, match="renders no tools") as info:
+        body.to_generation_request(tokenizer, limits, chat=ChatSetup.of("{{ messages }}", None, None, None))
+    assert info.value.param == "tools"
+
+
+def test_a_forced_call_is_generated_under_its_schema(tokenizer, limits):
+    named = {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    schema = json.loads(_sampling(ChatCompletionRequest, named, tokenizer, limits).json_schema)
+    assert schema["properties"]["city"] == {"type": "string"} and schema["properties"]["days"]["maximum"] == 2**53 - 1
+    required = {**CHAT, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    schema = json.loads(_sampling(ChatCompletionRequest, required, tokenizer, limits).json_schema)
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    assert _sampling(ChatCompletionRequest, {**CHAT, "tools": [WEATHER]}, tokenizer, limits).json_schema is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "text"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "no"}}}, "tool_choice", "no"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "same name"),
+        ({"messages": [CALLED[0], {**CALLED[2], "tool_call_id": "c9"}]}, "messages.1.tool_call_id", "c9"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", "forced"),
+    ],
+)  # fmt: skip
+def test_tool_refusals_name_the_field(extra, param, text, tokenizer, limits):
+    error = _field_error(ChatCompletionRequest, {**CHAT, **extra}, tokenizer, limits)
+    assert error.param == param and text in str(error)
+
+
+@pytest.mark.parametrize(
+    ("tool", "loc"),
+    [
+        (
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}},
+            "tools.0.function.parameters",
+        ),
+        ({"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}, "tools.0.function.parameters"),
+        ({"type": "function", "function": {"name": "bad name!"}}, "tools.0.function.name"),
+        ({"type": "retrieval"}, "tools.0.type"),
+    ],
+)
+def test_malformed_tools_are_refused_naming_the_field(tool, loc):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({**CHAT, "tools": [tool]})
+    assert validation_error_body(info.value)["error"]["param"] == loc

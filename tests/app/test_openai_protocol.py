@@ -78,8 +78,6 @@ def test_text_parts_are_joined_and_developer_is_system():
 @pytest.mark.parametrize(
     ("schema", "extra", "param"),
     [
-        (ChatCompletionRequest, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice"),
         (CompletionRequest, {"echo": True}, "echo"),
         (CompletionRequest, {"best_of": 3}, "best_of"),
         (CompletionRequest, {"suffix": "end"}, "suffix"),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deployments.openai_format import CHAT, COMPLETION, ChunkWriter, full_response, token_text_of
+from deployments.openai_format import CHAT, COMPLETION, ChunkWriter, full_response, full_response_choices, token_text_of
 from engine.loader import ModelSpec, load_tokenizer
 from engine.params import FinishReason, RequestOutput, TokenLogprobs
 
@@ -74,3 +74,84 @@ def test_streamed_chunks_carry_each_tokens_logprobs_once(outputs, text_of, fmt):
         tokens = [b["choices"][0]["logprobs"]["tokens"] for b in bodies]
         assert bodies[1]["choices"][0]["logprobs"]["text_offset"] == [len(text_of(ids[0]))]
     assert tokens == [[text_of(ids[0])], [text_of(ids[1])]]
+
+
+def _outputs(pieces: list[str], reason: FinishReason = FinishReason.STOP) -> list[RequestOutput]:
+    """One output per piece of text, the last one finished."""
+    last = len(pieces) - 1
+    return [
+        RequestOutput(
+            request_id="r",
+            token_ids=(i,),
+            text=piece,
+            finished=i == last,
+            finish_reason=reason if i == last else None,
+            num_prompt_tokens=4,
+            num_output_tokens=i + 1,
+        )
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def _events(writer: ChunkWriter, outputs: list[RequestOutput]) -> list[dict]:
+    raw = b"".join(chunk for chunk in map(writer.delta, outputs) if chunk).decode()
+    return [json.loads(line.removeprefix("data: ")) for line in raw.split("\n\n") if line]
+
+
+HERMES_ANSWER = ["<think>The user wants", " weather.</think>Checking. <tool", '_call>{"name": "get_weather", ',
+                 '"arguments": {"city": "Paris"}}</tool_call>']  # fmt: skip
+
+
+def test_a_chat_answer_with_reasoning_and_calls_is_read_alike_whole_and_streamed():
+    from app.tool_calls import REASONING_PARSERS, AnswerShape, HermesParser
+
+    shape = AnswerShape(REASONING_PARSERS["qwen3"], HermesParser())
+    body = full_response_choices(CHAT, "r", "m", [_outputs(HERMES_ANSWER)], None, shape)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert (message["reasoning_content"], message["content"]) == ("The user wants weather.", "Checking.")
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    events = _events(ChunkWriter(CHAT, "r", "m", None, 0, shape), _outputs(HERMES_ANSWER))
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    calls = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(c["function"]["arguments"] for c in calls) == call["function"]["arguments"]
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "tool_calls"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+def test_a_named_call_streams_its_arguments_as_they_come_and_a_cut_one_says_length():
+    from app.tool_calls import AnswerShape
+
+    shape = AnswerShape(forced=True, named="get_time")
+    pieces = ['{"tz": ', '"CET"}']
+    events = _events(ChunkWriter(CHAT, "r", "m", None, 0, shape), _outputs(pieces))
+    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", ())]
+    assert calls[0]["function"] == {"name": "get_time", "arguments": ""} and "id" not in calls[1]
+    assert [c["function"]["arguments"] for c in calls[1:]] == pieces
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    cut = full_response_choices(CHAT, "r", "m", [_outputs(['{"tz": "C'], FinishReason.LENGTH)], None, shape)
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"tz": "C'
+
+
+def test_required_calls_come_whole_and_text_that_does_not_parse_stays_content():
+    from app.tool_calls import AnswerShape, HermesParser
+
+    shape = AnswerShape(forced=True)
+    text = ['[{"name": "get_time", "parameters": {"tz": "CET"}}, ', '{"name": "get_weather", "parameters": {}}]']
+    body = full_response_choices(CHAT, "r", "m", [_outputs(text)], None, shape)
+    calls = body["choices"][0]["message"]["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_time", '{"tz": "CET"}'),
+        ("get_weather", "{}"),
+    ]
+    broken = ["<tool_call>{not json}</tool_call>"]
+    body = full_response_choices(CHAT, "r", "m", [_outputs(broken)], None, AnswerShape(parser=HermesParser()))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": broken[0]}
+    assert body["choices"][0]["finish_reason"] == "stop"

@@ -176,6 +176,10 @@ PERSON = {
 }
 
 
+def _tool(parameters: dict, name: str = "get_weather") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 def _json_schema(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
@@ -235,7 +239,22 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (CHAT, {"model": "gpt-9", "messages": QUESTION}, 404, "model", "gpt-9"),
         (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", "min_"),
         (CHAT, {"model": MODEL, "messages": QUESTION, "n": 17}, 400, "n", "less than or equal to 16"),
-        (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools.0.function", "req"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "tool_choice": "auto"}, 400, "tool_choice", "needs tools"),
+        (
+            CHAT,
+            {"model": MODEL, "messages": QUESTION, "tools": [_tool({"type": "string"})]},
+            400,
+            "tools.0.function.parameters",
+            "type object",
+        ),
+        (
+            CHAT,
+            {"model": MODEL, "messages": [*QUESTION, {"role": "tool", "tool_call_id": "c9", "content": "1"}]},
+            400,
+            "messages.1.tool_call_id",
+            "answers no earlier tool call",
+        ),
         (CHAT, {"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
         (COMPLETIONS, {**TEXT, "prompt": [1, 2, 10**6]}, 400, "prompt", "token id 1000000 is out of vocabulary"),
         (COMPLETIONS, {**TEXT, "prompt": ["a", "b"]}, 400, "prompt", "batched prompts"),
@@ -327,3 +346,99 @@ def test_client_disconnect_frees_blocks_on_both_replicas(served):
     )
     assert (decode.num_running, decode.num_free_blocks) == (0, decode.num_total_blocks)
     assert (prefill.num_pinned_blocks, prefill.num_free_blocks) == (0, prefill.num_total_blocks)
+
+
+# ---- tool calls through the official openai client ----------------------------------------------
+TOOLS = [
+    _tool({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}, "get_weather"),
+    _tool({"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}, "get_time"),
+]  # fmt: skip
+ASK_TOOLS = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
+
+
+def _openai(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _streamed_calls(stream) -> tuple[list[tuple[str, str, str]], str | None]:
+    """(id, name, arguments) of each streamed call, reassembled from its deltas; the finish reason."""
+    calls: dict[int, list[str]] = {}
+    reason = None
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            entry = calls.setdefault(delta.index, [delta.id, delta.function.name, ""])
+            entry[2] += delta.function.arguments or ""
+        reason = (chunk.choices[0].finish_reason if chunk.choices else None) or reason
+    return [tuple(c) for _, c in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel"),
+    [("required", False), ("required", True), ({"type": "function", "function": {"name": "get_time"}}, True)],
+    ids=["required", "required-parallel", "named"],
+)
+def test_forced_tool_calls_validate_against_their_schema_and_stream_as_they_answer(base_url, tool_choice, parallel):
+    import jsonschema
+
+    client, schemas = _openai(base_url), {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    ask = dict(model=MODEL, messages=ASK_TOOLS, tools=TOOLS, tool_choice=tool_choice, max_tokens=64, temperature=0)
+    answer = client.chat.completions.create(**ask, parallel_tool_calls=parallel).choices[0]
+    calls = answer.message.tool_calls
+    assert answer.finish_reason == "tool_calls" and calls and answer.message.content is None
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert parallel or len(calls) == 1
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in calls] == ["get_time"]
+    streamed, reason = _streamed_calls(client.chat.completions.create(**ask, parallel_tool_calls=parallel, stream=True))
+    assert reason == "tool_calls" and all(i and i.startswith("call_") for i, _, _ in streamed)
+    assert [(name, arguments) for _, name, arguments in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+def test_a_tool_result_goes_back_and_the_answer_that_follows_is_text(base_url):
+    client = _openai(base_url)
+    ask = dict(model=MODEL, tools=TOOLS, max_tokens=48, temperature=0)
+    first = client.chat.completions.create(**ask, messages=ASK_TOOLS, tool_choice="required", parallel_tool_calls=False)
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    result = {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny; 21:00 in Tokyo"}
+    history = [*ASK_TOOLS, message.model_dump(exclude_none=True), result]
+    final = client.chat.completions.create(**ask, messages=history, tool_choice="none").choices[0]
+    assert final.message.content and not final.message.tool_calls and final.finish_reason in ("stop", "length")
+
+
+def test_an_agent_framework_runs_a_tool_loop_against_the_server_unmodified(base_url):
+    """openai-agents over chat completions: the first turn forced (the default model is not trained
+    for tools), the SDK's own reset of tool_choice after a call lets the next turn answer."""
+    import openai
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)  # the SDK's traces go to OpenAI's servers: none here
+    ran: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        ran.append(city)
+        return f"18 C and sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="Answer questions about the weather.",
+        tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
+    )
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    kinds = [type(item) for item in result.new_items]
+    assert len(ran) == 1 and ToolCallOutputItem in kinds
+    assert kinds.index(ToolCallOutputItem) < len(kinds) - 1 and kinds[-1] is MessageOutputItem
+    assert isinstance(result.final_output, str) and result.final_output.strip()
