@@ -13,6 +13,7 @@ leaves the ingress.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import abstractmethod
 from dataclasses import dataclass
@@ -37,10 +38,9 @@ from app.tool_calls import (
     AnswerShape,
     ReasoningParser,
     ToolParser,
-    bound_numbers,
-    forced_schema,
     parser_for_template,
 )
+from app.tool_schemas import bounded, forced_schema
 from engine.params import (
     LOGIT_BIAS_RANGE,
     PENALTY_RANGE,
@@ -51,7 +51,8 @@ from engine.params import (
     SamplingParams,
     check_fits,
 )
-from engine.structured import JSON_OBJECT_SCHEMA, check_schema
+from engine.structured import check_schema
+from engine.structured import lark_grammar as check_lark
 from engine.tokenization import encode_prompt
 
 MAX_CHOICES = 16  # ``n`` at most: each choice is a request of its own on the engines
@@ -107,10 +108,11 @@ class ResponseFormat(_Body):
         ``response_format`` for a schema the grammar library cannot enforce."""
         if self.type == "text":
             return None
-        if self.type == "json_object" or self.json_schema is None or self.json_schema.json_schema is None:
-            return JSON_OBJECT_SCHEMA
+        schema = {"type": "object"}  # json_object, or a json_schema without a schema
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.json_schema is not None:
+            schema = self.json_schema.json_schema
         try:
-            return check_schema(bound_numbers(self.json_schema.json_schema))
+            return check_schema(bounded(schema) if isinstance(schema, dict) else schema)
         except RecursionError:
             raise FieldError("response_format: the JSON schema is nested too deeply", "response_format") from None
 
@@ -158,13 +160,14 @@ class _SamplingFields(_Body):
         request (``request_id``: the client's, else a new one). Raises ``FieldError`` naming the
         client's field."""
         self._check_consistent()
-        ids = self._prompt_token_ids(tokenizer, chat or ChatSetup())
+        chat = chat or ChatSetup()
+        ids = self._prompt_token_ids(tokenizer, chat)
         limit_field, requested = self._max_tokens()
         if requested is not None and requested < 1:
             raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
         max_tokens = requested if requested is not None else limits.default_max_tokens(len(ids))
         check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
-        sampling = self._sampling_params(max_tokens)
+        sampling = self._sampling_params(max_tokens, chat)
         if limits.vocab_size is not None:
             sampling.check_token_ids(limits.vocab_size)
         return GenerationRequest(
@@ -173,7 +176,7 @@ class _SamplingFields(_Body):
             sampling=sampling,
         )
 
-    def _sampling_params(self, max_tokens: int) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, chat: ChatSetup) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -188,12 +191,12 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias or (),
-            json_schema=self._json_schema(),
+            **self._grammar(chat),
         )
 
-    def _json_schema(self) -> str | None:
-        """The grammar the output is generated under (``SamplingParams.json_schema``), if any."""
-        return self.response_format.to_schema() if self.response_format is not None else None
+    def _grammar(self, chat: ChatSetup) -> dict[str, str | None]:
+        """The grammar the output is generated under: ``SamplingParams.json_schema`` or ``lark_grammar``."""
+        return {"json_schema": self.response_format.to_schema() if self.response_format is not None else None}
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         try:
@@ -229,6 +232,17 @@ class TextPart(_Body):
 class FunctionCall(_Body):
     name: str = Field(description="the function called")
     arguments: str = Field(description="its arguments, JSON text of an object")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            decoded = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError("must be JSON text of an object") from None
+        if not isinstance(decoded, dict):
+            raise ValueError("must be JSON text of an object")
+        return value
 
 
 class MessageToolCall(_Body):
@@ -286,11 +300,14 @@ class ChatMessage(_Body):
         return item
 
 
+def _checked_lark(text: str) -> str:
+    """A lazy tool-call grammar, checked by llguidance (``FieldError`` naming ``tools``)."""
+    check_lark(text)
+    return text
+
+
 def _decoded(call: MessageToolCall) -> Any:
-    try:
-        return json.loads(call.function.arguments)
-    except ValueError:
-        return call.function.arguments
+    return json.loads(call.function.arguments)  # checked to parse (``FunctionCall``)
 
 
 class FunctionDefinition(_Body):
@@ -340,7 +357,7 @@ class ChatSetup:
 
     template: str | None = None
     tools_template: str | None = None
-    tool_parser: ToolParser | None = None
+    tool_parser: type[ToolParser] | None = None
     reasoning: ReasoningParser | None = None
 
     @classmethod
@@ -348,14 +365,14 @@ class ChatSetup:
         """``own``: the model's template; the other arguments as ``api``'s settings. A ChatML template
         that renders no tools gets the project's ChatML template with Hermes-style tools for them."""
         chosen = template or own or ""
-        tools = chosen if "tools" in chosen else None
+        tools = chosen if re.search(r"\btools\b", chosen) else None
         if tools is None and "<|im_start|>" in chosen:
             tools = _SHIPPED_TOOLS_TEMPLATE.read_text()
         parser = tool_parser or parser_for_template(tools)
         return cls(
             template=template,
             tools_template=tools,
-            tool_parser=TOOL_PARSERS[parser]() if parser else None,
+            tool_parser=TOOL_PARSERS[parser] if parser else None,
             reasoning=REASONING_PARSERS[reasoning] if reasoning else None,
         )
 
@@ -386,6 +403,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError(f"tool_choice: no function {self.tool_choice.function.name!r} in tools", "tool_choice")
         if self.forced_tools and self.response_format is not None and self.response_format.type != "text":
             raise FieldError("response_format: cannot be combined with a forced tool_choice", "response_format")
+        if self.forced_tools and self.stop:  # a stop string would cut a call the grammar keeps whole
+            raise FieldError("stop: cannot be combined with a forced tool_choice", "stop")
         called: set[str] = set()
         for i, message in enumerate(self.messages):
             called |= {c.id for c in message.tool_calls or ()}
@@ -417,16 +436,24 @@ class ChatCompletionRequest(_SamplingFields):
             return encode_prompt(tokenizer, self._prompt(), tools, template)
         except ValueError as exc:
             raise FieldError(str(exc), self.prompt_field) from None
+        except RecursionError:
+            raise FieldError("messages: nested too deeply for the chat template", "messages") from None
         except TemplateError as exc:  # e.g. a template that wants user and assistant to alternate
             message = f"messages: the model's chat template refused them: {exc}"
             raise FieldError(message, "messages") from None
 
-    def _json_schema(self) -> str | None:
-        if not self.forced_tools:
-            return super()._json_schema()
-        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+    def _grammar(self, chat: ChatSetup) -> dict[str, str | None]:
+        """Forced calls: their JSON Schema. ``auto`` with a call format that has a trigger (and no
+        ``response_format`` or reasoning, whose text could hold the trigger): its lazy grammar."""
         functions = [t.function.model_dump() for t in self.tools or ()]
-        return check_schema(forced_schema(functions, named, self.parallel_tool_calls), field="tools")
+        if self.forced_tools:
+            named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+            return {"json_schema": check_schema(forced_schema(functions, named, self.parallel_tool_calls), "tools")}
+        shape = self.answer_shape(chat)
+        if shape is None or shape.parser is None or shape.reasoning is not None or self.response_format is not None:
+            return super()._grammar(chat)
+        lazy = shape.parser.lazy_grammar(functions)
+        return {"json_schema": None, "lark_grammar": _checked_lark(lazy)} if lazy else super()._grammar(chat)
 
     def answer_shape(self, chat: ChatSetup) -> AnswerShape | None:
         """How this request's answer is read (None: as plain text, untouched)."""
@@ -436,7 +463,8 @@ class ChatCompletionRequest(_SamplingFields):
         if not calls and chat.reasoning is None:
             return None
         named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-        parser = chat.tool_parser if calls and not self.forced_tools else None
+        names = [t.function.name for t in self.tools or ()]
+        parser = chat.tool_parser(names) if calls and not self.forced_tools and chat.tool_parser else None
         return AnswerShape(chat.reasoning, parser, forced=calls and self.forced_tools, named=named)
 
     def _max_tokens(self) -> tuple[str, int | None]:

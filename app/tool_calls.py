@@ -33,8 +33,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-JSON_INT_LIMIT = 2**53 - 1  # integers a JSON consumer (a double) holds exactly
-JSON_FRACTION_DIGITS = 9  # decimals of a generated number without a multipleOf of its own
+from llguidance import StructTag
+
+from app.tool_schemas import JSON_LAYOUT, forced_schema
 
 
 def new_call_id() -> str:
@@ -68,19 +69,37 @@ def _joined(before: str, after: str) -> str | None:
     return "\n".join(p for p in (before.strip(), after.strip()) if p) or None
 
 
-def _as_call(item: Any, arguments_keys: Sequence[str] = ("arguments", "parameters")) -> ToolCall | None:
-    """A call from a decoded ``{"name": ..., "arguments": {...}}`` (arguments may be JSON text)."""
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-        return None
-    arguments = next((item[k] for k in arguments_keys if k in item), {})
+_ARGUMENTS = ("arguments", "parameters")  # where a call's arguments may be, in the order looked for
+
+
+def _arguments_text(arguments: Any) -> str | None:
+    """An object as the ``arguments`` JSON text (ASCII, no NaN or infinity: what every JSON reader
+    takes), or None for anything else."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
+    try:
+        return json.dumps(arguments, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
+def _as_call(
+    item: Any, names: frozenset[str] | None, keys: Sequence[str] = ("arguments", "parameters")
+) -> ToolCall | None:
+    """A call from a decoded ``{"name": ..., "arguments": {...}}`` (arguments may be JSON text);
+    None when it is not one, has no arguments, or names a function not among ``names``."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+        return None
+    if names is not None and item["name"] not in names:
+        return None
+    key = next((k for k in keys if k in item), None)
+    arguments = _arguments_text(item[key]) if key is not None else None
+    return None if arguments is None else ToolCall(item["name"], arguments)
 
 
 def _decode_all(text: str, separators: str = "") -> list[Any] | None:
@@ -94,7 +113,7 @@ def _decode_all(text: str, separators: str = "") -> list[Any] | None:
             return values
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         values.append(value)
 
@@ -106,6 +125,11 @@ class ToolParser(ABC):
     name: ClassVar[str]
     triggers: ClassVar[tuple[str, ...]]  # text that opens the calls
     at_start_only: ClassVar[bool] = False  # calls only when the answer opens with a trigger
+    closer: ClassVar[str | None] = None  # text that ends one call (None: calls are read whole)
+
+    def __init__(self, names: Sequence[str] | None = None) -> None:
+        """``names``: the request's functions; a call of another stays content (None: any name)."""
+        self.names = frozenset(names) if names is not None else None
 
     def start(self, text: str) -> int | None:
         if self.at_start_only:
@@ -118,10 +142,18 @@ class ToolParser(ABC):
         begin = self.start(text)
         if begin is None:
             return Parsed(_content(text))
-        calls, rest = self.region(text[begin:])
+        calls, rest = self.safe_region(text[begin:])
         if not calls:
             return Parsed(_content(text))
         return Parsed(_joined(text[:begin], rest), tuple(calls))
+
+    def safe_region(self, region: str) -> tuple[list[ToolCall], str]:
+        """``region``'s reading, or none of it a call when the text defeats the reader (a nesting
+        too deep, a number too long to hold): model text never fails a response."""
+        try:
+            return self.region(region)
+        except (RecursionError, MemoryError, ValueError, TypeError):
+            return [], region
 
     @abstractmethod
     def region(self, region: str) -> tuple[list[ToolCall], str]:
@@ -132,9 +164,30 @@ class ToolParser(ABC):
         the format can only be read whole)."""
         return []
 
+    def lazy_grammar(self, functions: Sequence[dict[str, Any]]) -> str | None:
+        """An llguidance grammar for ``tool_choice: auto``: any text until a call's trigger, then
+        the call forced to a declared function with valid arguments (None: the format has no
+        trigger to wait for, so the model's text is only parsed)."""
+        return None
+
+    @staticmethod
+    def _tags(functions: Sequence[dict[str, Any]], trigger: str, begin: str, end: str) -> str:
+        """``StructTag``s of llguidance: after ``trigger`` the text ``begin`` (with ``{name}``), the
+        function's parameters as JSON in the project's layout, then ``end``."""
+        tags = [
+            StructTag(
+                trigger=trigger,
+                begin=begin.format(name=json.dumps(f["name"])),
+                grammar=forced_schema(functions, f["name"], False) | {"x-guidance": JSON_LAYOUT},
+                end=end,
+            )
+            for f in functions
+        ]
+        return StructTag.to_grammar(tags, assume_special=False)
+
 
 class HermesParser(ToolParser):
-    name, triggers = "hermes", ("<tool_call>",)
+    name, triggers, closer = "hermes", ("<tool_call>",), "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def region(self, region: str) -> tuple[list[ToolCall], str]:
@@ -142,7 +195,7 @@ class HermesParser(ToolParser):
         for match in self.BLOCK.finditer(region):
             rest.append(region[end : match.start()])
             values = _decode_all(match.group(1))
-            call = _as_call(values[0]) if values and len(values) == 1 else None
+            call = _as_call(values[0], self.names) if values and len(values) == 1 else None
             if call is None:
                 rest.append(match.group(0))
             else:
@@ -152,7 +205,10 @@ class HermesParser(ToolParser):
 
     def closed(self, region: str) -> list[ToolCall]:
         blocks = [m for m in self.BLOCK.finditer(region) if m.group(0).endswith("</tool_call>")]
-        return self.region("".join(m.group(0) for m in blocks))[0]
+        return self.safe_region("".join(m.group(0) for m in blocks))[0]
+
+    def lazy_grammar(self, functions: Sequence[dict[str, Any]]) -> str | None:
+        return self._tags(functions, "<tool_call>", '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>")
 
 
 class Llama3JsonParser(ToolParser):
@@ -160,7 +216,7 @@ class Llama3JsonParser(ToolParser):
 
     def region(self, region: str) -> tuple[list[ToolCall], str]:
         values = _decode_all(region.strip().removeprefix("<|python_tag|>"), separators=";")
-        calls = [_as_call(v, ("parameters", "arguments")) for v in values or ()]
+        calls = [_as_call(v, self.names, ("parameters", "arguments")) for v in values or ()]
         return ([], region) if not calls or None in calls else (calls, "")
 
 
@@ -173,14 +229,18 @@ class MistralParser(ToolParser):
         for piece in region.split("[TOOL_CALLS]")[1:]:
             if piece.lstrip().startswith("["):
                 values = _decode_all(piece)
-                calls += [_as_call(v) for v in (values[0] if values and isinstance(values[0], list) else [None])]
+                listed = values[0] if values and len(values) == 1 and isinstance(values[0], list) else [None]
+                calls += [_as_call(v, self.names) for v in listed or [None]]
             elif (named := self.NAMED.match(piece)) is not None:
                 values = _decode_all(piece[named.end() :])
                 arguments = values[0] if values and len(values) == 1 else None
-                calls.append(_as_call({"name": named.group(1), "arguments": arguments}))
+                calls.append(_as_call({"name": named.group(1), "arguments": arguments}, self.names))
             else:
                 calls.append(None)
         return ([], region) if not calls or None in calls else (calls, "")
+
+    def lazy_grammar(self, functions: Sequence[dict[str, Any]]) -> str | None:
+        return self._tags(functions, "[TOOL_CALLS]", '[TOOL_CALLS][{{"name": {name}, "arguments": ', "}]")
 
 
 class PythonicParser(ToolParser):
@@ -192,15 +252,22 @@ class PythonicParser(ToolParser):
         try:
             tree = ast.parse(text, mode="eval").body
             calls = [self._call(node) for node in tree.elts] if isinstance(tree, ast.List) else []
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             calls = []
         return (calls, "") if calls else ([], region)
 
     def _call(self, node: ast.AST) -> ToolCall:
         if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
             raise ValueError("not a call with keyword arguments")
-        arguments = {k.arg: self._literal(k.value) for k in node.keywords if k.arg is not None}
-        return ToolCall(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False))
+        if any(k.arg is None for k in node.keywords):
+            raise ValueError("**arguments are not literals")
+        name, arguments = (
+            ast.unparse(node.func),
+            _arguments_text({k.arg: self._literal(k.value) for k in node.keywords}),
+        )
+        if arguments is None or self.names is not None and name not in self.names:
+            raise ValueError("not a call of a declared function with JSON arguments")
+        return ToolCall(name, arguments)
 
     def _literal(self, node: ast.AST) -> Any:
         if isinstance(node, ast.Name) and node.id in self.NAMES:
@@ -208,8 +275,14 @@ class PythonicParser(ToolParser):
         if isinstance(node, (ast.List, ast.Tuple)):
             return [self._literal(e) for e in node.elts]
         if isinstance(node, ast.Dict):
-            return {self._literal(k): self._literal(v) for k, v in zip(node.keys, node.values)}
-        return ast.literal_eval(node)
+            keys = [self._literal(k) for k in node.keys]
+            if not all(isinstance(k, str) for k in keys):
+                raise ValueError("a JSON object's keys are strings")
+            return dict(zip(keys, (self._literal(v) for v in node.values)))
+        value = ast.literal_eval(node)
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            raise ValueError(f"{type(value).__name__} is not a JSON value")
+        return value
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -252,69 +325,15 @@ REASONING_PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), R
 
 
 # ---- forced calls ------------------------------------------------------------------------------
-def bound_numbers(schema: Any) -> Any:
-    """``schema`` with its numbers kept to what a JSON consumer holds: an integer or number without
-    bounds of its own within ±(2**53 - 1), and a number without its own ``multipleOf`` to
-    ``JSON_FRACTION_DIGITS`` decimals (llguidance turns both into its number grammar: a bounded
-    integer part, no exponent, a bounded fraction), so a value cannot run on until ``max_tokens``."""
-    if isinstance(schema, list):
-        return [bound_numbers(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: bound_numbers(v) if k not in ("const", "enum", "default", "examples") else v for k, v in schema.items()}
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    if "integer" in types or "number" in types:
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -JSON_INT_LIMIT
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = JSON_INT_LIMIT
-    if "number" in types and "multipleOf" not in out:
-        out["multipleOf"] = 10.0**-JSON_FRACTION_DIGITS
-    return out
-
-
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with every object that lists its properties, and says nothing of others, closed
-    to others (``additionalProperties: false``): a forced call writes the parameters its function
-    declares, not keys a small model invents until ``max_tokens`` (the call still validates
-    against the function's own schema)."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed_objects(v) if k not in ("const", "enum", "default", "examples") else v for k, v in schema.items()}
-    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
-        out["additionalProperties"] = False
-    return out
-
-
-def forced_schema(functions: Sequence[dict[str, Any]], named: str | None, parallel: bool) -> dict[str, Any]:
-    """The JSON Schema a forced answer is generated under: the named function's parameters, or a
-    list of calls of any of ``functions`` (``{"name", "parameters"}``; one unless ``parallel``);
-    its objects closed (``closed_objects``) and its integers bounded (``bound_numbers``)."""
-    if named is not None:
-        return bound_numbers(closed_objects(next(f["parameters"] for f in functions if f["name"] == named)))
-    items = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "parameters": bound_numbers(closed_objects(f["parameters"]))},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-    return schema | ({} if parallel else {"maxItems": 1})
-
-
 def parse_forced(text: str, named: str | None) -> Parsed:
-    """The calls of an answer generated under ``forced_schema`` (a cut one: what parses of it)."""
+    """The calls of an answer generated under ``forced_schema``: a named call's arguments are the
+    text as it is (cut by ``max_tokens``: as far as it got); a list that does not parse whole (cut)
+    stays content."""
     if named is not None:
         return Parsed(None, (ToolCall(named, text.strip()),))
     values = _decode_all(text)
     items = values[0] if values and len(values) == 1 and isinstance(values[0], list) else []
-    calls = [c for c in (_as_call(i, ("parameters",)) for i in items) if c is not None]
+    calls = [c for c in (_as_call(i, None, ("parameters",)) for i in items) if c is not None]
     return Parsed(None if calls else _content(text), tuple(calls))
 
 
@@ -401,7 +420,9 @@ class ToolCallStream:
             yield from self._content(self._safe_end())
             return
         yield from self._content(self.region_at)
-        yield from self._calls(self.parser.closed(self.text[self.region_at :]))
+        closer = self.parser.closer
+        if closer is not None and closer in self.text[-(len(text) + len(closer)) :]:  # a call just ended
+            yield from self._calls(self.parser.closed(self.text[self.region_at :]))
 
     def finish(self) -> Iterator[Delta]:
         parsed = self.parser.parse(self.text)
@@ -409,7 +430,7 @@ class ToolCallStream:
             yield from self._content(len(self.text))
             return
         yield from self._calls(list(parsed.calls))
-        rest = self.parser.region(self.text[self.region_at :])[1].strip()
+        rest = self.parser.safe_region(self.text[self.region_at :])[1].strip()
         if rest:
             yield Delta("content", ("\n" if self.sent else "") + rest)
 

@@ -220,7 +220,7 @@ class EngineCore:
         self._validate_length(request)
         sp = request.sampling
         sp.check_token_ids(self.vocab_size)
-        grammar = self.grammars.matcher(sp.json_schema) if sp.json_schema is not None else None
+        grammar = self.grammars.matcher(*sp.grammar) if sp.grammar is not None else None
         prompt = list(request.prompt_token_ids)
         seq = SequenceState(rid, prompt, len(prompt), remote_kv=remote_blocks is not None)
         if remote_blocks is not None:

@@ -84,8 +84,10 @@ class SamplingParams:
 
     ``json_schema``: the output must be JSON matching this schema, given as its JSON text
     (plain data: it pickles through Ray and keys the engine's grammar cache); the client's
-    field is ``response_format``. Every field is plain data, so that a decode replica rebuilds
-    the request's sampling state from the request and the tokens so far.
+    field is ``response_format``. ``lark_grammar``: an llguidance Lark grammar in its place (a
+    tool-call format's lazy grammar: free text until a call's trigger, then the call forced).
+    Every field is plain data, so that a decode replica rebuilds the request's sampling state
+    from the request and the tokens so far.
     """
 
     max_tokens: int = 16
@@ -103,6 +105,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id; a mapping is accepted
     json_schema: str | None = None
+    lark_grammar: str | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
@@ -154,6 +157,15 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
         schema = self.json_schema
         _require(schema is None or _is_json_object(schema), "response_format", "a JSON schema object as text", schema)
+        lark = self.lark_grammar
+        _require(lark is None or isinstance(lark, str) and schema is None, "tools", "one grammar, as text", lark)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The grammar the output follows, as (text, kind): kind ``json`` or ``lark``; None: none."""
+        if self.json_schema is not None:
+            return self.json_schema, "json"
+        return (self.lark_grammar, "lark") if self.lark_grammar is not None else None
 
     @property
     def greedy(self) -> bool:

@@ -47,16 +47,26 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'  # what response_format {"type": "json_
 _MAX_CACHED_SCHEMAS = 64
 
 
-def _grammar(schema_json: str, field: str = "response_format") -> str:
-    """llguidance's grammar for a schema given as JSON text; ``FieldError`` naming ``field`` if unusable."""
+def _grammar(text: str, field: str = "response_format", kind: str = "json") -> str:
+    """llguidance's grammar for a JSON schema's text (``kind`` json) or a Lark grammar's (lark);
+    ``FieldError`` naming ``field`` if unusable."""
+    noun = "the JSON schema" if kind == "json" else "the grammar"
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults=_JSON_LAYOUT)
+        if kind == "json":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_LAYOUT)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
     except ValueError as exc:
-        raise FieldError(f"{field}: the JSON schema is not valid JSON: {exc}", field) from None
+        raise FieldError(f"{field}: {noun} is not valid: {exc}", field) from None
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
-        raise FieldError(f"{field}: the JSON schema cannot be used: {problem}", field)
+        raise FieldError(f"{field}: {noun} cannot be used: {problem}", field)
     return grammar
+
+
+def lark_grammar(text: str, field: str = "tools") -> str:
+    """``_grammar`` of a Lark grammar (a tool-call format's lazy grammar)."""
+    return _grammar(text, field, "lark")
 
 
 def check_schema(schema: dict, field: str = "response_format") -> str:
@@ -110,20 +120,21 @@ class GrammarCache:
         self._eos_ids = sorted(eos_ids)
         self._max_schemas = max_schemas
         self._lltokenizer: llguidance.LLTokenizer | None = None
-        self._matchers: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._matchers: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         self.num_compiled = 0  # schemas turned into a matcher (cache misses)
 
-    def matcher(self, schema_json: str) -> GrammarMatcher:
+    def matcher(self, schema_json: str, kind: str = "json") -> GrammarMatcher:
         """A fresh matcher at the start of the schema's grammar; ``FieldError`` naming
         ``response_format`` if it cannot be used with this tokenizer."""
-        template = self._matchers.get(schema_json)
+        key = (kind, schema_json)
+        template = self._matchers.get(key)
         if template is None:
-            template = self._compile(schema_json)
-            self._matchers[schema_json] = template
+            template = self._compile(schema_json, kind)
+            self._matchers[key] = template
             if len(self._matchers) > self._max_schemas:
                 self._matchers.popitem(last=False)
-        self._matchers.move_to_end(schema_json)
+        self._matchers.move_to_end(key)
         return GrammarMatcher(template.deep_copy())
 
     def prepare(self) -> None:
@@ -144,11 +155,12 @@ class GrammarCache:
             )
         return self._lltokenizer
 
-    def _compile(self, schema_json: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._tokenizer_view(), _grammar(schema_json), log_level=0)
+    def _compile(self, text: str, kind: str) -> llguidance.LLMatcher:
+        grammar = _grammar(text, kind=kind) if kind == "json" else lark_grammar(text)
+        matcher = llguidance.LLMatcher(self._tokenizer_view(), grammar, log_level=0)
         if matcher.is_error():
-            message = f"response_format: the JSON schema cannot be used: {matcher.get_error()}"
-            raise FieldError(message, "response_format")
+            field = "response_format" if kind == "json" else "tools"
+            raise FieldError(f"{field}: the grammar cannot be used: {matcher.get_error()}", field)
         self.num_compiled += 1
         return matcher
 

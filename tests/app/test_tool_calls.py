@@ -16,9 +16,6 @@ from app.tool_calls import (
     ReasoningStream,
     ToolCall,
     ToolCallStream,
-    bound_numbers,
-    forced_schema,
-    parse_forced,
     parser_for_template,
 )
 
@@ -127,44 +124,42 @@ def test_reasoning_streamed_in_any_split_reassembles(case, cuts) -> None:
     assert (got["reasoning"] or None, got["content"] or None) == (reasoning, content)
 
 
-def test_forced_schemas_and_their_answers() -> None:
-    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
-                 {"name": "get_time", "parameters": {"type": "object", "properties": {}}}]  # fmt: skip
-    required = forced_schema(functions, None, parallel=False)
-    assert required["maxItems"] == 1 and [i["properties"]["name"]["const"] for i in required["items"]["anyOf"]] == [
-        "get_weather",
-        "get_time",
-    ]
-    assert "maxItems" not in forced_schema(functions, None, parallel=True)
-    # the named function's parameters, closed to keys it does not declare
-    assert forced_schema(functions, "get_time", parallel=False) == {
-        **functions[1]["parameters"],
-        "additionalProperties": False,
-    }
-    assert required["items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
-    parsed = parse_forced('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', None)
-    assert _calls(parsed) == [("get_weather", {"city": "Paris"})] and parsed.content is None
-    assert _calls(parse_forced('{"city": "Paris"}', "get_weather")) == [("get_weather", {"city": "Paris"})]
+ADVERSARIAL = [
+    "<tool_call>" + "[" * 5000,  # deeper than Python's JSON reader goes
+    '<tool_call>{"name": "f", "arguments": {"x": "\\ud800", "n": NaN, "big": 1e999}}</tool_call>',
+    "[f(a={[1]: 2})]",
+    "[f(a={(1, 2): 2})]",
+    "[f(a={1, 2})]",
+    "[f(a=b'x')]",
+    "[f(a=1j)]",
+    "[f(a=...)]",
+    "[f(**kw)]",
+    "[f(a=" + "-" * 100_000 + "1)]",
+    "[" * 5000 + "]" * 5000,
+    '[TOOL_CALLS][{"name": "f", "arguments": {}}] [{"x": 1}]',  # a trailing value is not dropped
+    '{"name": "Bob", "age": 3}',  # no parameters: an object, not a call
+]
 
 
-def test_unbounded_numbers_are_bounded_to_what_json_consumers_hold() -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"],
-              "minimum": 0}, "x": {"type": "number", "multipleOf": 0.5}, "y": {"type": "number"},
-              "s": {"type": "string", "enum": [{"type": "integer"}]}}}  # fmt: skip
-    bounded = bound_numbers(schema)["properties"]
-    assert (bounded["n"]["minimum"], bounded["n"]["maximum"]) == (-(2**53 - 1), 2**53 - 1)
-    assert (bounded["m"]["minimum"], bounded["m"]["maximum"]) == (0, 2**53 - 1) and "multipleOf" not in bounded["m"]
-    assert bounded["x"]["multipleOf"] == 0.5 and bounded["y"]["multipleOf"] == 1e-9
-    assert bounded["s"] == schema["properties"]["s"]  # data, not a schema
+@pytest.mark.parametrize("text", ADVERSARIAL)
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_model_text_that_defeats_a_parser_comes_back_as_content(name, text) -> None:
+    parsed = TOOL_PARSERS[name]().parse(text)
+    for call in parsed.calls:  # whatever is read as a call has arguments every JSON reader takes
+        assert json.loads(call.arguments, parse_constant=lambda c: pytest.fail(c)) is not None
+        call.arguments.encode("ascii")
+    if not parsed.calls:
+        assert parsed.content == text.strip()
+    assert _streamed(name, [text[: len(text) // 2], text[len(text) // 2 :]]).content == parsed.content
 
 
-def test_a_bounded_number_cannot_run_on(tokenizer_matcher) -> None:
-    """Under llguidance the bounds and the multipleOf leave no room for a 17th integer digit, a
-    10th decimal or an exponent; the numbers a double holds still pass."""
-    schema = bound_numbers({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
-    for text, accepted in (('{"x": 0.123456789}', True), ('{"x": 0.1234567891}', False), ('{"x": -2.5}', True),
-                           ('{"x": 12345678901234567}', False), ('{"x": 1e300}', False)):  # fmt: skip
-        assert tokenizer_matcher(schema, text) == accepted, text
+def test_a_call_of_a_function_the_request_did_not_declare_stays_content() -> None:
+    known = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    parsed = TOOL_PARSERS["hermes"](["get_time"]).parse(known + unknown)
+    assert [c.name for c in parsed.calls] == ["get_time"] and parsed.content == unknown
+    assert TOOL_PARSERS["pythonic"](["get_time"]).parse("[rm_rf()]").calls == ()
+    assert TOOL_PARSERS["mistral"](["get_time"]).parse('[TOOL_CALLS]rm_rf{"a": 1}').calls == ()
 
 
 def test_the_parser_a_template_implies() -> None:
@@ -192,18 +187,58 @@ def test_api_settings_name_what_they_refuse(tmp_path) -> None:
     assert AppConfig.load({"api.chat_template": str(template)}).api.template_text == template.read_text()
 
 
+FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}},
+]
+LAZY = [  # (parser, text, accepted whole, may end there)
+    ("hermes", "It is sunny in Paris, as <b>usual</b>.", True, True),
+    ("hermes", 'Checking.<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>', True, True),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> Done.', True, True),
+    ("hermes", '<tool_call>\n{"name": "get_date"', False, False),  # not a declared function
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"town": ', False, False),  # not its parameter
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}', True, False),  # mid-call
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', True, True),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": 3', False, False),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "accepted", "may_end"), LAZY)
+def test_a_lazy_grammar_lets_text_pass_and_forces_a_call_once_its_trigger_is_written(
+    name, text, accepted, may_end, lark_matcher
+) -> None:
+    grammar = TOOL_PARSERS[name]().lazy_grammar(FUNCTIONS)
+    assert lark_matcher(grammar, text) == (accepted, may_end)
+
+
+def test_formats_without_a_trigger_have_no_lazy_grammar() -> None:
+    assert TOOL_PARSERS["pythonic"]().lazy_grammar(FUNCTIONS) is None
+    assert TOOL_PARSERS["llama3_json"]().lazy_grammar(FUNCTIONS) is None
+
+
 @pytest.fixture(scope="module")
-def tokenizer_matcher():
-    """Whether the default model's tokens of a text complete a schema's grammar in the engine's matcher."""
+def lark_matcher():
+    """(every token accepted, EOS allowed after them) for the default model's tokens of a text."""
     from engine.loader import ModelSpec, load_tokenizer
-    from engine.structured import GrammarCache, check_schema
+    from engine.structured import GrammarCache
 
     tokenizer = load_tokenizer(ModelSpec())
     cache = GrammarCache(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
-    def accepts(schema: dict, text: str) -> bool:
-        matcher = cache.matcher(check_schema(schema))
+    def accepts(grammar: str, text: str) -> tuple[bool, bool]:
+        matcher = cache.matcher(grammar, "lark")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return all(matcher.advance(t) for t in ids) and matcher.done
+        accepted = all(matcher.advance(t) for t in ids)
+        return accepted, accepted and matcher.llmatcher.is_accepting()
 
     return accepts
+
+
+def test_a_request_has_one_grammar_at_most() -> None:
+    from engine.params import FieldError, SamplingParams
+
+    lazy = TOOL_PARSERS["hermes"]().lazy_grammar(FUNCTIONS)
+    assert SamplingParams(lark_grammar=lazy).grammar == (lazy, "lark")
+    assert SamplingParams(json_schema='{"type":"object"}').grammar == ('{"type":"object"}', "json")
+    with pytest.raises(FieldError, match="tools"):
+        SamplingParams(json_schema='{"type":"object"}', lark_grammar=lazy)

@@ -442,3 +442,28 @@ def test_an_agent_framework_runs_a_tool_loop_against_the_server_unmodified(base_
     assert len(ran) == 1 and ToolCallOutputItem in kinds
     assert kinds.index(ToolCallOutputItem) < len(kinds) - 1 and kinds[-1] is MessageOutputItem
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_a_required_call_is_the_same_on_every_path(url, base_url):
+    """Prefill's first token under the grammar, decode's rest under it after the hand-off (pull or
+    push), or both on one colocated replica: the same greedy call."""
+    ask = dict(model=MODEL, messages=ASK_TOOLS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+               max_tokens=48, temperature=0)  # fmt: skip
+    calls = [_openai(u).chat.completions.create(**ask).choices[0].message.tool_calls for u in (url, base_url)]
+    assert [(c.function.name, c.function.arguments) for c in calls[0]] == [
+        (c.function.name, c.function.arguments) for c in calls[1]
+    ]
+
+
+def test_a_schema_s_unbounded_numbers_cannot_run_to_the_length_limit(base_url):
+    """An integer and a number with no bounds of their own, 48 tokens: the answer ends (stop) and
+    parses, its numbers within what a JSON reader holds."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+              "population": {"type": "integer"}, "area": {"type": "number"}},
+              "required": ["city", "population", "area"], "additionalProperties": False}  # fmt: skip
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Paris as JSON: its population and area."}],
+            "max_tokens": 48, "temperature": 0, "response_format": _json_schema(schema)}  # fmt: skip
+    choice = _post(base_url, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    answer = json.loads(choice["message"]["content"])
+    assert abs(answer["population"]) <= 2**53 - 1 and len(repr(answer["area"]).split(".")[-1]) <= 9
