@@ -117,3 +117,46 @@ def test_the_grammar_state_holds_across_the_prefill_decode_handover(smol, make_e
     assert _text(outputs) == _text(whole)
     _validate(json.loads(_text(outputs)), PERSON)
     assert outputs[-1].finish_reason is FinishReason.STOP
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"}}, "required": ["city"]}}},
+]  # fmt: skip
+TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
+
+
+def test_a_forced_tool_call_on_a_lent_replica_and_across_the_hand_off(smol, make_engine):
+    """A forced call's JSON Schema, built at the edge: a prefill engine lent to decode (flipped to
+    ``both``) serves the request whole, a prefill -> decode hand-off gives the same tokens, and the
+    call parses and validates."""
+    import jsonschema
+
+    from app.openai_protocol import ChatCompletionRequest, ChatSetup
+    from engine.params import ContextLimits
+
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": TOOL_ASK,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 40,
+            "temperature": 0,
+            "parallel_tool_calls": False,
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
+    )
+    chat = ChatSetup.of(smol.tokenizer.chat_template, None, None, None)
+    request = body.to_generation_request(smol.tokenizer, ContextLimits(2048, len(smol.tokenizer)), "lent", chat)
+    assert request.sampling.grammar is not None
+    lent = make_engine(smol, role=Role.PREFILL)
+    lent.set_role(Role.BOTH)
+    whole = run_to_completion(lent, {0: [request]})[request.request_id]
+    prefill_core, decode_core = make_engine(smol, role=Role.PREFILL), make_engine(smol, role=Role.DECODE)
+    _, outputs = _handover(prefill_core, decode_core, request)
+    assert _text(outputs) == _text(whole)
+    [call] = body.answer_shape(chat).read(_text(whole))[1].calls
+    assert call.name == "get_weather" and outputs[-1].finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
