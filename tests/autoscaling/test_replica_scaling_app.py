@@ -57,8 +57,8 @@ scaling:
   max_backoff_s: 300
   graceful_shutdown_timeout_s: 60
 """
-# a bound, not a pace: each wait returns when its condition holds; a replica's start took 150 s+
-# on a fresh clone's run with the machine shared (2026-12-02)
+# a bound, not a pace: each wait returns when its condition holds (a replica starts slowly on a
+# shared machine)
 VIEW_TIMEOUT_S = 480.0
 
 

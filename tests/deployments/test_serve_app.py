@@ -450,7 +450,12 @@ def test_a_required_call_is_the_same_on_every_path(url, base_url):
     push), or both on one colocated replica: the same greedy call."""
     ask = dict(model=MODEL, messages=ASK_TOOLS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                max_tokens=48, temperature=0)  # fmt: skip
+    import jsonschema
+
     calls = [_openai(u).chat.completions.create(**ask).choices[0].message.tool_calls for u in (url, base_url)]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    [call] = calls[0]  # one call (parallel_tool_calls false), valid on this path
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert [(c.function.name, c.function.arguments) for c in calls[0]] == [
         (c.function.name, c.function.arguments) for c in calls[1]
     ]
