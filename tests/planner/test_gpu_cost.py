@@ -24,6 +24,17 @@ ROOT = Path(__file__).parents[2]
 GPU_ENGINE = json.loads((ROOT / "docs" / "benchmarks" / "gpu_engine.json").read_text())
 
 
+def _approx(value: object) -> object:
+    """``value`` with every float as ``pytest.approx`` (relative 1e-9), nested containers kept."""
+    if isinstance(value, float):
+        return pytest.approx(value, rel=1e-9)
+    if isinstance(value, dict):
+        return {k: _approx(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_approx(v) for v in value]
+    return value
+
+
 def test_the_shipped_calibration_is_what_the_h200_rows_give():
     shipped = load_gpu_calibration("h200-eager")
     rows = rows_from_gpu_engine(GPU_ENGINE)
@@ -33,8 +44,9 @@ def test_the_shipped_calibration_is_what_the_h200_rows_give():
     ]  # fmt: skip
     assert rows[1].context_tokens == 64 * 160 and rows[0].step_s == pytest.approx(0.022756, rel=1e-4)
     refit = calibration(rows, "h200", "eager", "docs/benchmarks/gpu_engine.json")
-    assert refit.to_json() == json.loads((ROOT / "planner" / "calibration" / "h200-eager.json").read_text())
-    assert shipped.host == refit.host
+    # equal up to the last bits of a least-squares fit, which differ between CPUs' BLAS kernels
+    assert _approx(refit.to_json()) == json.loads((ROOT / "planner" / "calibration" / "h200-eager.json").read_text())
+    assert _approx(vars(shipped.host)) == vars(refit.host)
     assert 1.4e-3 < shipped.host.decode_layer_s < 1.6e-3  # "about 1.4-1.6 ms of host cost per layer-step"
 
 
