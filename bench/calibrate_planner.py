@@ -3,8 +3,7 @@
 The engine as ``bench.compare`` serves it (default model, one torch thread, context 512, no prefix
 cache) into ``planner/calibration/cpu-2core.json``: prefill and decode steps (each in a fresh
 process, in two rounds, the second reversed: the machine drifts within minutes), our NIXL pull,
-a decode step beside a prefilling process, then each served system's stack (``probe_stack``).
-"""
+a decode step beside a prefilling process, then each served system's stack (``probe_stack``)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.engine import greedy_request
 from bench.host import engine_core, machine, medians, seconds, ticks_between, tokenizer, tree_ticks, worker_json
 from bench.report import command_line, first_paragraph, read_json
 from bench.serve import Target, run, run_checked, uncontended
@@ -56,12 +56,9 @@ class Prompts:
         self.builder, self.number = PromptBuilder(words), 0
 
     def request(self, length: int, max_tokens: int):
-        from engine.params import GenerationRequest, SamplingParams
-
         self.number += 1
-        prompt = tuple(self.builder.summarization(length, 997 * self.number))
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        return GenerationRequest(f"cal{self.number}", prompt, params)
+        prompt = self.builder.summarization(length, 997 * self.number)
+        return greedy_request(f"cal{self.number}", prompt, max_tokens)
 
 
 def timed_prefill(engine, prompts: Prompts, count: int, length: int) -> float:
@@ -75,8 +72,7 @@ def timed_prefill(engine, prompts: Prompts, count: int, length: int) -> float:
 
 
 def timed_decode(engine, prompts: Prompts, batch: int, length: int, steps: int = DECODE_STEPS) -> float:
-    """Median of ``steps`` decode steps of ``batch`` requests of ``length``-token prompts, once every
-    prompt is computed and after a warm-up step (then every request is finished)."""
+    """Median of ``steps`` decode steps of ``batch`` prompts of ``length``, after a warm-up step."""
     for _ in range(batch):
         engine.add_request(prompts.request(length, steps + 4))
     while engine.stats().num_queued_prompt_tokens:
@@ -89,8 +85,7 @@ def timed_decode(engine, prompts: Prompts, batch: int, length: int, steps: int =
 
 
 def in_rounds(shapes: list, once) -> dict:
-    """``once(shape)`` for every shape in ``ROUNDS`` rounds, every other one reversed: a slow spell
-    of the machine hits one repetition, not a whole shape."""
+    """``once(shape)`` per shape in ``ROUNDS`` rounds, alternate ones reversed (a slow spell hits all)."""
     found: dict = {shape: [] for shape in shapes}
     for number in range(ROUNDS):
         for shape in shapes if number % 2 == 0 else shapes[::-1]:
@@ -157,10 +152,10 @@ def _idle_probes(target, requests, cost, kind: str) -> list[dict]:
     for number, length in enumerate(STACK_LENGTHS):
         served = uncontended(target, requests(length, STACK_OUTPUT, [7919 * (number + 1)])[0], max_tokens=STACK_OUTPUT)
         transfer_s = cost.transfer_s(length * cost.kv_bytes_per_token) if kind == "disaggregated" else 0.0
-        bare_ttft = cost.prefill_s(length) + transfer_s
         ttft, tpot, step = served["ttft_s"], served["tpot_s"], cost.decode_step_s(1, length + STACK_OUTPUT // 2)
         probes.append({"prompt_tokens": length, "ttft_s": round(ttft, 5), "tpot_s": round(tpot, 6),
-                       "ttft_extra_s": round(ttft - bare_ttft, 5), "tpot_extra_s": round(tpot - step, 6)})  # fmt: skip
+                       "ttft_extra_s": round(ttft - cost.prefill_s(length) - transfer_s, 5),
+                       "tpot_extra_s": round(tpot - step, 6)})  # fmt: skip
     return probes
 
 
@@ -183,8 +178,7 @@ def fit_stack(kind: dict) -> dict:
     median excess), TPOT = factor x engine step (median ratio), and per batched probe its TPOT over
     the engine's step at that batch (never below 1 either)."""
     probes = kind["probes"]
-    engine = [p["ttft_s"] - p["ttft_extra_s"] for p in probes]
-    served = [p["ttft_s"] for p in probes]
+    engine, served = [p["ttft_s"] - p["ttft_extra_s"] for p in probes], [p["ttft_s"] for p in probes]
     slope, hops = (float(c) for c in np.polyfit(engine, served, 1)) if len(probes) > 1 else (1.0, 0.0)
     if slope < 1.0:
         slope, hops = 1.0, statistics.median(s - e for s, e in zip(served, engine))
@@ -193,15 +187,13 @@ def fit_stack(kind: dict) -> dict:
               "decode_factor": round(max(decode, 1.0), 4),
               "cpu_s_per_token": kind["load"]["cpu_s_per_token"]}  # fmt: skip
     if batched := sorted(kind.get("batched", []), key=lambda probe: probe["batch"]):
-        fitted["batched_decode_factors"] = [
-            [p["batch"], round(max(p["tpot_s"] / p["engine_step_s"], 1.0), 4)] for p in batched
-        ]
+        factors = [[p["batch"], round(max(p["tpot_s"] / p["engine_step_s"], 1.0), 4)] for p in batched]
+        fitted["batched_decode_factors"] = factors
     return fitted
 
 
 def _stack_cpu(target, requests) -> dict:
-    """CPU seconds per streamed token of everything but the engine replicas (the proxy, the ingress,
-    Serve's controller, Ray's daemons, this client) under a load of distinct requests."""
+    """CPU seconds per streamed token of all but the engine replicas, under a load of distinct requests."""
     count, every, length, output = STACK_LOAD
     engines = [r["pid"] for r in httpx.get(f"{target.url}/admin/kv", timeout=10).json()["replicas"] if r["live"]]
     sent = requests(length, output, [104729 * (i + 1) for i in range(count)])
@@ -232,51 +224,45 @@ def measure_stack(data: dict) -> dict:
 
 def calibrate(command: str) -> dict:
     started = time.time()
-    print("engine: prefill and decode steps...", file=sys.stderr, flush=True)
-    engine = worker_json(NAME, "--engine-worker")
-    print("interference: a decode batch beside a prefilling process...", file=sys.stderr, flush=True)
-    floor = worker_json(NAME, "--interference-worker")
-    print("KV transfer (NIXL pull)...", file=sys.stderr, flush=True)
+    print("engine steps, a decode batch beside a prefilling process, NIXL pull...", file=sys.stderr, flush=True)
+    engine, floor = worker_json(NAME, "--engine-worker"), worker_json(NAME, "--interference-worker")
     transfer = measure_transfer()
     slowdown = floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1
-    settings = {"max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": BLOCK_SIZE,
-                "max_num_batched_tokens": 2048}  # fmt: skip
     source = "batch-8 decode step beside a process prefilling distinct 400-token prompts / alone - 1"
-    interference = {"value": round(max(slowdown, 0.0), 4), "source": source, "floor": floor}
     return {"command": command, "machine": machine(),
             "model": "SmolLM2-135M-Instruct (the default), float32, 1 torch thread per replica",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "elapsed_s": round(time.time() - started, 1),
             "load_average_after": os.getloadavg(),
-            "engine": settings | {k: engine[k] for k in ("kv_bytes_per_token", "kv_capacity_tokens")},
+            "engine": {"max_model_len": MAX_MODEL_LEN, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": BLOCK_SIZE,
+                       "max_num_batched_tokens": 2048, "kv_bytes_per_token": engine["kv_bytes_per_token"],
+                       "kv_capacity_tokens": engine["kv_capacity_tokens"]},
             "prefill": engine["prefill"], "decode": engine["decode"], "transfer": transfer,
-            "interference": interference}  # fmt: skip
+            "interference": {"value": round(max(slowdown, 0.0), 4), "source": source, "floor": floor}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
-    parser.add_argument("--out", default=str(DEFAULT_CALIBRATION))
+    parser.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION)
     parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--interference-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stack", action="store_true", help="measure only the serving stack, into --out's file")
     parser.add_argument("--refit-stack", action="store_true", help="refit --out's stack from its recorded probes")
     args = parser.parse_args(argv)
-    out = Path(args.out)
     if args.engine_worker or args.interference_worker:
         from bench.elastic import engine_floor
 
-        print(json.dumps(measure_engine() if args.engine_worker else engine_floor(48, rounds=ROUNDS, distinct=True)))
-        return
+        return print(json.dumps(measure_engine() if args.engine_worker else engine_floor(48, ROUNDS, distinct=True)))
     command = command_line(NAME, argv)
-    data = read_json(out) if args.stack or args.refit_stack else calibrate(command)
+    data = read_json(args.out) if args.stack or args.refit_stack else calibrate(command)
     if args.refit_stack:
         for kind in data["stack"]["kinds"].values():
             kind.update(fit_stack(kind))
     else:
         print("serving stack (through the served app)...", file=sys.stderr, flush=True)
         data["stack"] = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **measure_stack(data)}
-    cost = load_calibration(save_calibration(data, out))
+    cost = load_calibration(save_calibration(data, args.out))
     text = f"decode {cost.decode}, transfer {cost.transfer}, interference {cost.interference}, stack {cost.stacks}"
-    print(f"wrote {out}: {text}", file=sys.stderr)
+    print(f"wrote {args.out}: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,8 @@ SYSTEMS = {  # name -> (application, its arguments)
 }
 SLO_AWARE = frozenset({"elastic"})  # started per workload, with that workload's SLOs
 # rate points, as multiples of 2 / (uncontended E2E of the median request)
-MULTIPLIERS = {
-    "summarization": (0.25, 0.5, 0.75, 1.0, 1.25),
-    "code": (0.5, 0.75, 1.0, 1.5),
-    "chatbot": (0.5, 0.75, 1.0, 1.5),
-}
+MULTIPLIERS = {"summarization": (0.25, 0.5, 0.75, 1.0, 1.25), "code": (0.5, 0.75, 1.0, 1.5),
+               "chatbot": (0.5, 0.75, 1.0, 1.5)}  # fmt: skip
 
 
 def system_server(system: str, index: int = 0, args: dict[str, str] | None = None) -> Server:
@@ -61,8 +58,7 @@ def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> li
     """The same requests, one at a time, through this harness and through the ``openai`` client."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=target.url + "/v1", api_key="unused", timeout=300)
-    rows = []
+    client, rows = OpenAI(base_url=target.url + "/v1", api_key="unused", timeout=300), []
     for request in requests[:num]:
         record = asyncio.run(run(target, [request], [0.0], progress=False))[0][0]
         start, first = time.perf_counter(), None
@@ -113,8 +109,7 @@ def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchReques
 
 
 def calibrate(target: Target, requests: dict[str, list[BenchRequest]], multipliers: dict) -> dict[str, dict]:
-    """Per workload, its median request alone on ``target`` (the idle colocated system) and the
-    rates fixed from it: each multiplier x 2 / E2E (two replicas)."""
+    """Per workload, its median request alone on idle colocated, and its rates: multipliers x 2 / E2E."""
     workloads = {}
     for workload, batch in requests.items():
         base = uncontended(target, median_request(batch), max_tokens=32)
@@ -122,21 +117,17 @@ def calibrate(target: Target, requests: dict[str, list[BenchRequest]], multiplie
         e2e, ms = base["ttft_s"] + (outputs - 1) * base["tpot_s"], list(multipliers[workload])
         workloads[workload] = base | {"median_output_tokens": outputs, "e2e_s": e2e, "multipliers": ms,
                                       "rates": [round(m * 2 / e2e, 4) for m in ms]}  # fmt: skip
-        slo, rates = workload_slo(workloads[workload]), workloads[workload]["rates"]
-        print(f"{workload}: uncontended {base}, SLO {slo}, rates {rates}", file=sys.stderr)
+        print(f"{workload}: {workloads[workload]}, SLO {workload_slo(workloads[workload])}", file=sys.stderr)
     return workloads
 
 
 def merged(report: dict, previous: dict | None) -> dict:
-    """This run's report (``main``'s) behind the previous one's other workloads (``--merge``)."""
-    if previous is None:
-        return report
-    return report | {
+    """This run's report behind the previous one's other workloads (``--merge``)."""
+    return report if previous is None else report | {
         "command": f"{previous['command']} && {report['command']}",
         "elapsed_s": previous["elapsed_s"] + report["elapsed_s"],
         "calibration": previous["calibration"] | report["calibration"],
-        "results": previous["results"] | report["results"],
-    }
+        "results": previous["results"] | report["results"]}  # fmt: skip
 
 
 def load_previous(out: Path, raw: Path, skip: list[str]) -> dict:
@@ -164,17 +155,11 @@ def summary_json(report: dict, host: str) -> dict:
     """goodput.json: the report without the per-request records."""
     slos = {w: workload_slo(c) for w, c in report["calibration"].items()}
     results = {w: {s: _without_records(sw) for s, sw in by.items()} for w, by in report["results"].items()}
-    return {
-        "command": report["command"],
-        "machine": host,
-        "model": report["model"],
-        "elapsed_s": report["elapsed_s"],
-        "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
-        "calibration": report["calibration"],
-        "slo_s": {w: {"ttft": slo.ttft_s, "tpot": slo.tpot_s} for w, slo in slos.items()},
-        "crosscheck": report["crosscheck"],
-        "results": results,
-    }
+    return {"command": report["command"], "machine": host, "model": report["model"],
+            "elapsed_s": report["elapsed_s"], "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
+            "calibration": report["calibration"],
+            "slo_s": {w: {"ttft": slo.ttft_s, "tpot": slo.tpot_s} for w, slo in slos.items()},
+            "crosscheck": report["crosscheck"], "results": results}  # fmt: skip
 
 
 def _without_records(sweep: dict) -> dict:
@@ -195,17 +180,17 @@ def render(summary: dict) -> list[str]:
         slo, rates = summary["slo_s"][w], ", ".join(f"{r:.3g}" for r in c["rates"])
         uncontended_s = [f"{c['ttft_s']:.3f} s ({c['prompt_tokens']} tok)", f"{c['tpot_s'] * 1e3:.0f} ms"]
         slos.append([w, *uncontended_s, f"{slo['ttft']:.3f} s", f"{slo['tpot'] * 1e3:.0f} ms", rates])
-    header = ["workload", "uncontended TTFT", "uncontended TPOT", "TTFT SLO", "TPOT SLO", "rates (req/s)"]
+    header = "workload | uncontended TTFT | uncontended TPOT | TTFT SLO | TPOT SLO | rates (req/s)"
     lines += [*table(header, slos), "", "![attainment against rate](goodput.png)", ""]
-    header = ["system", "goodput (req/s)", "vs colocated", "attainment per rate", "TTFT p90 (s)", "TPOT p90 (ms)"]
+    header = "system | goodput (req/s) | vs colocated | attainment per rate | TTFT p90 (s) | TPOT p90 (ms)"
     for workload, systems in summary["results"].items():
         if systems:
             rows = [_system_row(s, sweep, systems.get("colocated")) for s, sweep in systems.items()]
-            lines += [f"### {workload}", "", *table([*header, "server TTFT split, mean (s)"], rows), ""]
+            lines += [f"### {workload}", "", *table(f"{header} | server TTFT split, mean (s)", rows), ""]
             lines += [f"![TTFT and TPOT CDFs, {workload}](goodput_cdf_{workload}.png)", ""]
     if summary["crosscheck"]:
         lines += ["Harness against the official `openai` client (same requests, one at a time):", ""]
-        header = ["prompt", "output", "TTFT harness", "TTFT openai", "E2E harness", "E2E openai"]
+        header = "prompt | output | TTFT harness | TTFT openai | E2E harness | E2E openai"
         times = ("harness_ttft_s", "openai_ttft_s", "harness_e2e_s", "openai_e2e_s")
         rows = [[c["prompt_tokens"], c["max_tokens"], *(f"{c[k]:.3f}" for k in times)] for c in summary["crosscheck"]]
         lines += [*table(header, rows), ""]
@@ -224,12 +209,9 @@ def ratio_text(sweep: dict, reference: dict | None) -> str:
     """Goodput ratio to the reference, with the direction of any bound (above every rate, below the lowest)."""
     if reference is None:
         return "n/a"
-    mine, ref = sweep["goodput"], reference["goodput"]
-    lowest = min(p["rate"] for p in reference["points"])
+    (mine, ref), lowest = (sweep["goodput"], reference["goodput"]), min(p["rate"] for p in reference["points"])
     if ref["bound"] == "below":  # reference goodput < its lowest rate
-        if mine["bound"] == "below":
-            return "n/a (both below the lowest rate)"
-        return f"> {mine['rate'] / lowest:.2f}x"
+        return "n/a (both below the lowest rate)" if mine["bound"] == "below" else f"> {mine['rate'] / lowest:.2f}x"
     value = mine["rate"] / ref["rate"]
     if mine["bound"] == "at_least" and ref["bound"] != "at_least":
         return f">= {value:.2f}x"
@@ -241,17 +223,12 @@ def ratio_text(sweep: dict, reference: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Calibrate on the plain colocated system (started first even when not compared), then
-    sweep every system; an SLO-aware system gets a server per workload, with its SLOs."""
+    """Calibrate on plain colocated (always started first), then sweep; SLO-aware systems per workload."""
     options = parse_options(argv)
     requests = workload_requests(options)
     previous = load_previous(options.out, options.raw, list(options.workloads)) if options.merge else None
-    command, started = command_line(NAME, argv), time.time()
-    calibration, checks, sweeps = (
-        {},
-        previous["crosscheck"] if previous else [],
-        {},
-    )  # sweeps: system -> workload -> sweep
+    command, started, calibration, sweeps = command_line(NAME, argv), time.time(), {}, {}  # system -> workload -> sweep
+    checks = previous["crosscheck"] if previous else []
     order = ["colocated"] + [s for s in options.systems if s != "colocated"]
     for index, (system, names) in enumerate(_servers(order, tuple(requests))):
         slo = workload_slo(calibration[names[0]]) if system in SLO_AWARE else None  # the server's one workload's

@@ -2,8 +2,7 @@
 
 One engine (as a replica runs it) times the same three shapes every ``--every`` seconds for
 ``--minutes``, with the hypervisor's steal time; per shape the range, and the largest change
-within ``WINDOW_S``: the drift a calibration taken minutes before a measurement cannot see.
-"""
+within ``WINDOW_S``: the drift a calibration taken minutes before a measurement cannot see."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def sample(engine, prompts) -> dict[str, float]:
 
 
 def summarize(samples: list[dict], window_s: float = WINDOW_S) -> dict[str, dict[str, float]]:
-    """Per shape: median, min, max, max / min, and the largest relative change (either way) between
-    two samples at most ``window_s`` apart."""
+    """Per shape: median, min, max, max / min, and the largest change between samples ``window_s`` apart."""
     summary = {}
     for shape in SHAPES:
         values, seconds = [(s["t"], s[shape]) for s in samples], [s[shape] for s in samples]
@@ -51,8 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.calibrate_planner import Prompts, core
 
     engine = core()
-    prompts = Prompts(engine.tokenizer)
-    sample(engine, prompts)  # warm-up
+    sample(engine, prompts := Prompts(engine.tokenizer))  # warm-up
     samples, start, steal = [], time.monotonic(), cpu_ticks()[2]
     while time.monotonic() - start < options.minutes * 60:
         began = time.monotonic()

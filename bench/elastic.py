@@ -4,8 +4,7 @@ One trace (prompt-heavy, a decode-heavy burst, prompt-heavy again) through three
 own fresh local Ray: ``static`` (1 prefill + 1 decode), ``colocated`` (2 replicas doing both) and
 ``elastic`` (the default policy lending the prefill replica), with SLOs from the idle colocated
 system. Stages: ``floor`` (a decode step beside a prefill, in the engine and through Serve), ``run``
-(the systems), ``report`` (``elastic.{json,md,png}`` in ``--out`` from the raw folder); ``all``.
-"""
+(the systems), ``report`` (``elastic.{json,md,png}`` in ``--out`` from the raw folder); ``all``."""
 
 from __future__ import annotations
 
@@ -24,9 +23,10 @@ from pathlib import Path
 
 from bench.compare import COMMON, ELASTIC, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
+from bench.engine import greedy_request
 from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
 from bench.ray_local import Server
-from bench.report import cells, command_line, figure, first_paragraph, table, template, write_json, write_page
+from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table, write_json
 from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
 from bench.slo import SLO, RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder, median_request
@@ -58,23 +58,20 @@ OVERALL_MARGIN, BURST_MARGIN = 0.10, 0.20  # the targets: elastic ahead by this 
 
 @dataclass(frozen=True)
 class Phase:
-    """Poisson arrivals at ``rate`` from ``start_s`` to ``end_s``, lengths uniform in the ranges;
-    ``kind``: the request class whose TTFT SLO applies (``prompt`` or ``burst``)."""
+    """Poisson arrivals at ``rate`` (req/s) from ``start_s`` to ``end_s``; ``kind``: its request class."""
 
     name: str
     kind: str
     prompt_tokens: tuple[int, int]
     output_tokens: tuple[int, int]
-    rate: float  # req/s
+    rate: float
     start_s: float
     end_s: float
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Each class's median request on the idle colocated system, one at a time (``uncontended``'s
-    ``prompt_tokens``, ``ttft_s``, ``tpot_s``). Each class's TTFT SLO is a multiple of its TTFT; one
-    TPOT SLO for all, from the classes' mean TPOT (the controller takes one TPOT target)."""
+    """Each class's median request alone on the idle colocated system: a TTFT SLO each, one TPOT SLO."""
 
     classes: dict[str, dict[str, float]]
     model: str
@@ -88,14 +85,13 @@ class Calibration:
 
     @property
     def controller_ttft_s(self) -> float:
-        """The controller's one TTFT target: the prompt class's, as its TTFT signals are about prefill."""
+        """The controller's one TTFT target: the prompt class's (its TTFT signals are about prefill)."""
         return self.slo("prompt").ttft_s
 
 
 @dataclass(frozen=True)
 class SystemRun:
-    """One system's run: per request ``rows`` (``sent_s``, ``record`` and the benchmark's own fields:
-    here the ``phase`` index and ``arrival_s``), the autoscaler's polls (``timeline``) and ``decisions``."""
+    """One system's run: a row per request, the autoscaler's polls (``timeline``) and ``decisions``."""
 
     system: str
     command: str
@@ -118,7 +114,6 @@ class ElasticReport:
     floor: dict | None
 
 
-# ---- the trace, the calibration, the systems ------------------------------------------------
 def make_phases(phase_s: float) -> tuple[Phase, ...]:
     return tuple(Phase(*p, i * phase_s, (i + 1) * phase_s) for i, p in enumerate(PHASES))
 
@@ -149,17 +144,13 @@ def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequ
 
 
 def calibrate(target: Target, classes: dict[str, list[BenchRequest]]) -> Calibration:
-    """Each class's median request, one at a time on the idle colocated system."""
-    found = {}
-    for kind, requests in classes.items():
-        found[kind] = uncontended(target, median_request(requests), max_tokens=PROBE_TOKENS)
-        print(f"calibration {kind}: {found[kind]}", file=sys.stderr)
+    found = {kind: uncontended(target, median_request(rs), max_tokens=PROBE_TOKENS) for kind, rs in classes.items()}
+    print(f"calibration: {found}", file=sys.stderr)
     return Calibration(found, target.model)
 
 
 def system_args(system: str, calibration: Calibration | None, record: Path | None = None) -> dict[str, str]:
-    """``system``'s arguments; the elastic system's controller gets the calibration's SLOs and, with
-    ``record``, records its inputs there (a stale record removed)."""
+    """``system``'s arguments: the elastic controller's with the SLOs and a fresh ``record`` file."""
     args = {**COMMON, **SYSTEMS[system][1]}
     if system == "elastic" and calibration is not None:
         args["slo.ttft_ms"] = f"{calibration.controller_ttft_s * 1e3:.1f}"
@@ -173,9 +164,7 @@ def system_args(system: str, calibration: Calibration | None, record: Path | Non
 def each_system(
     systems: list[str], calibration: Calibration | None, classes: dict, record: Path | None = None
 ) -> Iterator[tuple[str, Target, Calibration]]:
-    """Each of ``systems``, in order, in its own Server: (name, target, calibration). Without
-    ``calibration``, each class's median request gives it first on the idle colocated system: the
-    first system's server when that is colocated, else one of its own."""
+    """(name, target, calibration) per system in its own Server, calibrated first on idle colocated."""
     order = [None, *systems] if calibration is None and "colocated" not in systems[:1] else list(systems)
     for index, system in enumerate(order):
         name = system or "colocated"
@@ -203,12 +192,10 @@ def run_system(target: Target, system: str, trace: list, classes: dict, command:
 
 
 def stage_run(options: argparse.Namespace, command: str) -> None:
-    """Calibrate on the colocated system, run first (or take the raw folder's calibration when it is
-    not run), then run each system; the report is rewritten after each."""
+    """Each system, colocated first (or the raw folder's calibration), the report rewritten after each."""
     phases = make_phases(options.phase_s)
     trace = make_trace(tokenizer(), phases, options.seed)
     save_raw(options.raw, "trace", {"seed": options.seed, "command": command, "phases": [asdict(p) for p in phases]})
-    print(f"trace: {len(trace)} requests", file=sys.stderr)
     known = None if "colocated" in options.systems else load_raw(options.raw).calibration
     order = sorted((s for s in SYSTEMS if s in options.systems), key=lambda s: s != "colocated")
     classes = by_class(trace, phases)
@@ -216,19 +203,14 @@ def stage_run(options: argparse.Namespace, command: str) -> None:
         save_raw(options.raw, "calibration", calibration)
         result = run_system(target, system, trace, classes, command)
         save_raw(options.raw, f"system_{system}", result)
-        scores = phase_scores(result, phases, calibration)
-        print(
-            f"{system}: attainment " + ", ".join(f"{n} {s['attainment']:.0%}" for n, s in scores.items()),
-            file=sys.stderr,
-        )
+        scores = phase_scores(result, phases, calibration).items()
+        print(f"{system}: attainment " + ", ".join(f"{n} {s['attainment']:.0%}" for n, s in scores), file=sys.stderr)
         write_report(load_raw(options.raw), options.out)
 
 
-# ---- the interference floor --------------------------------------------------------------------
 def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False) -> dict:
-    """``FLOOR_BATCH`` decodes on one EngineCore (1 thread), stepped in alternating rounds: the other
-    process idle, and prefilling back to back (the same prompt, or with ``distinct`` a new one each
-    time and no prefix cache on either side)."""
+    """``FLOOR_BATCH`` decodes on one EngineCore, in rounds: another process idle, then prefilling back to
+    back (the same prompt, or with ``distinct`` a new one each time and no prefix cache on either side)."""
     from bench import elastic  # the worker's function by its module name (this may run as __main__)
 
     core, ctx = _floor_core(distinct), multiprocessing.get_context("spawn")
@@ -250,9 +232,7 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
             working.wait(60)
             step_s["beside"] += _timed_steps(core, max(1, steps // rounds), cores["beside"])
         busy.clear()
-        contended = []
-        while not times.empty():
-            contended.append(times.get())
+        contended = [times.get() for _ in iter(times.empty, True)]  # until the queue is empty
     finally:
         stop.set()
         busy.set()
@@ -273,12 +253,9 @@ def _floor_core(distinct: bool):
 
 def _start_decodes(core, max_tokens: int) -> None:
     """Admit the batch and step until every request decodes, then 3 warm-up steps."""
-    from engine.params import GenerationRequest, SamplingParams
-
     builder = PromptBuilder(core.tokenizer)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i in range(FLOOR_BATCH):
-        core.add_request(GenerationRequest(f"d{i}", tuple(builder.code(FLOOR_DECODE_PROMPT, 37 * i)), sampling))
+        core.add_request(greedy_request(f"d{i}", builder.code(FLOOR_DECODE_PROMPT, 37 * i), max_tokens))
     while core.stats().num_queued_prompt_tokens:
         core.step()
     for _ in range(3):
@@ -286,8 +263,7 @@ def _start_decodes(core, max_tokens: int) -> None:
 
 
 def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
-    """``num`` decode steps' seconds; appends the machine's busy cores meanwhile (all processes:
-    more than expected means a stranger was running)."""
+    """``num`` decode steps' seconds; the machine's busy cores meanwhile appended (a stranger shows)."""
     times, (busy0, total0, _) = [], cpu_ticks()
     for _ in range(num):
         start = time.perf_counter()
@@ -301,10 +277,7 @@ def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
 
 
 def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
-    """The other process: while ``busy`` is set, prefill one prompt after another (``working`` set
-    during each) and put each one's seconds on ``times``."""
-    from engine.params import GenerationRequest, SamplingParams
-
+    """The other process: while ``busy``, prefill prompt after prompt (``working`` during each), timed."""
     core, number = _floor_core(distinct), 0
     builder = PromptBuilder(core.tokenizer)
     while not stop.is_set():
@@ -314,9 +287,9 @@ def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
         if not busy.is_set():  # cleared meanwhile: the decoder may have seen `working` clear
             working.clear()
             continue
-        prompt = tuple(builder.summarization(FLOOR_PREFILL_TOKENS, 997 * number if distinct else 0))
+        prompt = builder.summarization(FLOOR_PREFILL_TOKENS, 997 * number if distinct else 0)
         start = time.perf_counter()
-        core.add_request(GenerationRequest(f"p{number}", prompt, SamplingParams(max_tokens=1, temperature=0)))
+        core.add_request(greedy_request(f"p{number}", prompt, 1, ignore_eos=False))
         while core.has_work():
             core.step()
         times.put(time.perf_counter() - start)
@@ -325,8 +298,7 @@ def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
 
 
 def serve_floor(index: int) -> dict:
-    """The client's TPOT of one stream through the static app, idle and beside ``FLOOR_STREAMS`` long
-    streams, each probe with the decode replica's median engine step read at once (speed drifts)."""
+    """Client TPOT through the static app, idle and beside long streams, with the decode replica's step."""
     from ray import serve
 
     builder = PromptBuilder(tokenizer())
@@ -368,51 +340,35 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
 
 def stage_floor(options: argparse.Namespace, command: str) -> None:
     """The engine's part in a subprocess (no Ray in it), then through the static app."""
-    print("floor: engine steps...", file=sys.stderr, flush=True)
-    engine = worker_json(NAME, "--floor-worker", str(options.floor_steps))
-    print(f"floor engine: {engine}\nfloor: through the static app...", file=sys.stderr, flush=True)
-    served = serve_floor(index=len(SYSTEMS) + 1)
-    print(f"floor served: {served}", file=sys.stderr)
-    save_raw(options.raw, "floor", {"command": command, **engine, **served})
+    floor = {"command": command, **worker_json(NAME, "--floor-worker", str(options.floor_steps))}
+    floor |= serve_floor(index=len(SYSTEMS) + 1)
+    print(f"floor: {floor}", file=sys.stderr)
+    save_raw(options.raw, "floor", floor)
 
 
-# ---- the raw folder ---------------------------------------------------------------------
 def save_raw(raw: Path, name: str, data) -> None:
     """``name``.json in the raw folder, on one line (a dataclass as its fields)."""
     write_json(raw / f"{name}.json", asdict(data) if is_dataclass(data) else data, indent=None)
 
 
-def read_raw(raw: Path, name: str) -> dict | None:
-    path = raw / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def load_raw(raw: Path) -> ElasticReport:
     """The report's input, as the stages left it in ``raw``."""
-    trace, calibration, floor = read_raw(raw, "trace") or {}, read_raw(raw, "calibration"), read_raw(raw, "floor")
-    phases = tuple(
-        Phase(**p | {"prompt_tokens": tuple(p["prompt_tokens"]), "output_tokens": tuple(p["output_tokens"])})
-        for p in trace.get("phases", [])
-    )
-    runs = {s: SystemRun(**data) for s in SYSTEMS if (data := read_raw(raw, f"system_{s}"))}
+    found, ranges = {path.stem: read_json(path) for path in raw.glob("*.json")}, ("prompt_tokens", "output_tokens")
+    trace, calibration = found.get("trace", {}), found.get("calibration")
+    phases = tuple(Phase(**p | {k: tuple(p[k]) for k in ranges}) for p in trace.get("phases", []))
+    runs = {s: SystemRun(**found[f"system_{s}"]) for s in SYSTEMS if f"system_{s}" in found}
     calibration = calibration and Calibration(**calibration)
-    return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), calibration, runs, floor)
+    return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), calibration, runs, found.get("floor"))
 
 
-# ---- the figures ------------------------------------------------------------------------
 def score(judged: list[tuple[dict, RequestRecord, SLO]]) -> dict:
-    """Of (row, record, its SLO) triples: attainment (of the requests sent; a failed request is a
-    miss) and p90 latencies."""
+    """Of (row, record, its SLO) triples: attainment (a failed request is a miss) and p90 latencies."""
     done = [r for _, r, _ in judged if r.ok]
     met = sum(slo.met(r) for _, r, slo in judged)
     ttft, tpot = distribution([r.ttft for r in done]), distribution([t for r in done if (t := r.tpot) is not None])
-    return {
-        "requests": len(judged),
-        "failed": len(judged) - len(done),
-        "attainment": met / len(judged) if judged else math.nan,
-        "ttft_p90_s": ttft["p90"],
-        "tpot_p90_s": tpot["p90"],
-    }
+    return {"requests": len(judged), "failed": len(judged) - len(done),
+            "attainment": met / len(judged) if judged else math.nan,
+            "ttft_p90_s": ttft["p90"], "tpot_p90_s": tpot["p90"]}  # fmt: skip
 
 
 def _judged(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> list:
@@ -470,7 +426,6 @@ def targets(scores: dict[str, dict[str, dict]], burst: str) -> list[tuple[str, f
     ]
 
 
-# ---- the files ---------------------------------------------------------------------------
 def write_report(report: ElasticReport, out: Path) -> None:
     """elastic.json, elastic.md's block and elastic.png in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -480,9 +435,7 @@ def write_report(report: ElasticReport, out: Path) -> None:
         if report.runs:
             plot_timeline(report, out / "elastic.png")
     summary = summary_json(report, scores, machine())
-    write_json(out / "elastic.json", summary)
-    new = template(NAME, "# Elastic prefill/decode: a phase-changing trace")
-    write_page(out / "elastic.md", NAME, render(summary), new)
+    publish(out, "elastic", NAME, summary, render(summary), "# Elastic prefill/decode: a phase-changing trace")
 
 
 def summary_json(report: ElasticReport, scores: dict[str, dict[str, dict]], host: str) -> dict:
@@ -511,8 +464,8 @@ def render(summary: dict) -> list[str]:
         lines += [f"Command: `{summary['command']}`. Machine: {summary['machine']}.", ""]
     lines += _trace_lines(summary) + _result_lines(summary)
     if "elastic" in summary["elapsed_s"]:
-        phases, template_ = summary["phases"], "{t:.1f} | {phase} | {action} | {replica} | {role} | {reason}"
-        rows = [cells(template_, d | {"phase": _phase_at(phases, d["t"])}) for d in summary["decisions"]]
+        phases, row = summary["phases"], "{t:.1f} | {phase} | {action} | {replica} | {role} | {reason}"
+        rows = [cells(row, d | {"phase": _phase_at(phases, d["t"])}) for d in summary["decisions"]]
         header = "time (s) | phase | action | replica | role | reason"
         lines += ["### The elastic run's decisions", "", *(table(header, rows) if rows else [NO_DECISION]), ""]
     return lines + floor_lines(summary["floor"])
@@ -537,6 +490,13 @@ def _trace_lines(summary: dict) -> list[str]:
     if not summary["phases"]:
         return []
     slo_s, first = summary["slo_s"] or {}, next(iter(summary["results"].values()), {})
+    rows = []
+    for p in summary["phases"]:
+        slo = slo_s.get(p["kind"])
+        ttft, tpot = (f"{slo['ttft']:.2f} s", f"{slo['tpot'] * 1e3:.0f} ms") if slo else (None, None)
+        requests = first.get(p["name"], {}).get("requests")
+        rows.append(cells(PHASE_ROW, p | {"requests": requests, "ttft": ttft, "tpot": tpot}))
+    header = "phase | time (s) | requests | prompt tokens | output tokens | arrivals (req/s, Poisson) | TTFT SLO"
     lines = [
         "### Trace and SLOs",
         "",
@@ -544,18 +504,9 @@ def _trace_lines(summary: dict) -> list[str]:
         "with `ignore_eos` and temperature 0. Prompts are built from real tokens (`workloads.PromptBuilder`: "
         "a document to summarize in the prompt-heavy phases, code to complete in the burst).",
         "",
+        *table(header + " | TPOT SLO", rows),
+        "",
     ]
-    rows = []
-    for p in summary["phases"]:
-        slo = slo_s.get(p["kind"])
-        ttft, tpot = (f"{slo['ttft']:.2f} s", f"{slo['tpot'] * 1e3:.0f} ms") if slo else (None, None)
-        rows.append(
-            cells(PHASE_ROW, p | {"requests": first.get(p["name"], {}).get("requests"), "ttft": ttft, "tpot": tpot})
-        )
-    header = (
-        "phase | time (s) | requests | prompt tokens | output tokens | arrivals (req/s, Poisson) | TTFT SLO | TPOT SLO"
-    )
-    lines += [*table(header, rows), ""]
     if summary["calibration"] is None:
         return lines
     x, controller = summary["slo_multiples"], slo_s["controller"]
@@ -583,7 +534,7 @@ def _result_lines(summary: dict) -> list[str]:
     results = summary["results"]
     if not results:
         return []
-    names = [p["name"] for p in summary["phases"]]
+    names, p90 = [p["name"] for p in summary["phases"]], "{ttft_p90_s:.2f} / {tpot_p90_s:ms.0f}"
     rows = [
         [s, *(f"{per[n]['attainment']:.0%}" for n in [*names, "overall"]), per["overall"]["failed"]]
         + [f"{summary['elapsed_s'][s] / 60:.1f}"]
@@ -591,7 +542,6 @@ def _result_lines(summary: dict) -> list[str]:
     ]
     lines = ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
     lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
-    p90 = "{ttft_p90_s:.2f} / {tpot_p90_s:ms.0f}"
     lines += [*table(["system", *names], [[s, *(cells(p90, per[n]) for n in names)] for s, per in results.items()]), ""]
     rows = []
     for t in summary["targets"]:
@@ -655,8 +605,7 @@ def _floor_meaning(floor: dict) -> str:
 
 
 def mark_spans(axes: list, spans: list[tuple[float, float, str, float]], **label) -> None:
-    """Panels over one time axis: in each, the ``spans`` ((start, end, label, shade)) start at a dotted
-    line and are shaded orange by ``shade``, their labels (``label``: the text's options) over the first."""
+    """Spans (start, end, label, shade) on panels over one time axis, labelled over the first."""
     for ax in axes:
         for start, end, text, shade in spans:
             if shade:
@@ -673,8 +622,7 @@ def lent(sample: dict) -> bool:
 
 
 def plot_timeline(report: ElasticReport, path: Path) -> None:
-    """On one time axis: the elastic prefill replica's role with its decisions, attainment per
-    ``BIN_S`` bin per system, requests in flight."""
+    """The elastic prefill replica's role and decisions, attainment per bin, requests in flight."""
     with figure(path, 3, 1, (11, 8), sharex=True) as (role_ax, bin_ax, flight_ax, _):
         spans = [(p.start_s, p.end_s, p.name, 0.12 if p.kind == "burst" else 0.0) for p in report.phases]
         mark_spans([role_ax, bin_ax, flight_ax], spans)
@@ -705,14 +653,11 @@ def _plot_roles(ax, run: SystemRun | None) -> None:
         ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
 
 
-# ---- the command line --------------------------------------------------------------------------
 def parse_systems(text: str, known) -> tuple[str, ...]:
     """``a,b`` -> the systems named, each one of ``known``."""
-    systems = tuple(s for s in text.split(",") if s)
-    for name in systems:
-        if name not in known:
-            sys.exit(f"unknown system {name!r}: choose from {', '.join(known)}")
-    return systems
+    if unknown := [s for s in text.split(",") if s and s not in known]:
+        sys.exit(f"unknown system {unknown[0]!r}: choose from {', '.join(known)}")
+    return tuple(s for s in text.split(",") if s)
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -723,22 +668,20 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stage", choices=("all", "floor", "run", "report"), default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor-steps", type=int, default=100, help="decode steps timed per floor condition")
-    parser.add_argument("--out", default="docs/benchmarks", help="folder for elastic.md/json/png")
-    parser.add_argument("--raw", default="/tmp/elastic_raw", help="folder for the raw records (not committed)")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder for elastic.md/json/png")
+    parser.add_argument("--raw", type=Path, default=Path("/tmp/elastic_raw"), help="folder for the raw records")
     parser.add_argument("--floor-worker", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if not FLOOR_ROUNDS <= options.floor_steps <= 200:  # 2 x steps decode tokens must fit the context
         sys.exit(f"--floor-steps must be in [{FLOOR_ROUNDS}, 200]")
     options.systems = parse_systems(options.systems, SYSTEMS)
-    options.out, options.raw = Path(options.out), Path(options.raw)
     return options
 
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
     if options.floor_worker is not None:
-        print(json.dumps(engine_floor(options.floor_worker)))
-        return
+        return print(json.dumps(engine_floor(options.floor_worker)))
     command = command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
     if options.stage in ("all", "floor"):

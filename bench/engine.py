@@ -2,8 +2,7 @@
 
 Our engine against transformers on the same model, per torch thread count in a fresh process: the
 batch-1 decode step against the memory-bandwidth floor, 32 concurrent requests, a 2,048-token
-prefill, and our peak RSS.
-"""
+prefill, and our peak RSS."""
 
 from __future__ import annotations
 
@@ -60,9 +59,7 @@ def drain(core) -> None:
 
 @torch.inference_mode()
 def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUNDS) -> dict[str, float]:
-    """Batch-1 decode step, ours and a bare transformers forward step with its own cache (sdpa),
-    and the ``torch.mv`` bandwidth, in alternating rounds: the machine's speed drifts within
-    minutes, so each ratio compares like with like. Both contexts start at ``len(prompt)``."""
+    """Batch-1 decode step, ours and transformers', and ``torch.mv`` bandwidth, in alternating rounds."""
     from transformers import DynamicCache
 
     core.add_request(greedy_request("b1", prompt, NUM_STEPS + 2))
@@ -84,11 +81,8 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
         hf += [seconds(hf_step) for _ in range(NUM_STEPS // rounds)]
         mv += [seconds(lambda: torch.mv(matrix, vector)) for _ in range(3)]
     drain(core)
-    return {
-        "our_decode_step_ms": statistics.median(ours) * 1e3,
-        "hf_decode_step_ms": statistics.median(hf) * 1e3,
-        "mv_bandwidth_bytes_per_s": matrix.numel() * matrix.element_size() / statistics.median(mv),
-    }
+    return {"our_decode_step_ms": statistics.median(ours) * 1e3, "hf_decode_step_ms": statistics.median(hf) * 1e3,
+            "mv_bandwidth_bytes_per_s": matrix.numel() * matrix.element_size() / statistics.median(mv)}  # fmt: skip
 
 
 def our_concurrent(core, prompts: list[list[int]]) -> dict[str, float]:
@@ -109,23 +103,19 @@ def our_concurrent(core, prompts: list[list[int]]) -> dict[str, float]:
 
 @torch.inference_mode()
 def hf_generation(model, prompt: list[int], prompts: list[list[int]]) -> dict[str, float]:
-    """transformers ``generate`` at batch 1 (median of 2) and ``generate_batch`` (its continuous
-    batching) over ``prompts``, in tokens/s."""
+    """transformers ``generate`` at batch 1 (median of 2) and ``generate_batch`` on ``prompts``, tokens/s."""
     from transformers import GenerationConfig
 
     ids = torch.tensor([prompt])
     kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
-    one_s = statistics.median(
-        seconds(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)) for _ in range(2)
-    )
+    generate = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # noqa: E731
+    one_s = statistics.median(seconds(generate) for _ in range(2))
     config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
     start = time.perf_counter()
     results = model.generate_batch(inputs=prompts, generation_config=config)
     batch_s = time.perf_counter() - start
-    return {
-        "hf_generate_tokens_per_s": NEW_TOKENS / one_s,
-        "hf_generate_batch_32_tokens_per_s": sum(len(r.generated_tokens) for r in results.values()) / batch_s,
-    }
+    batch_tokens = sum(len(r.generated_tokens) for r in results.values())
+    return {"hf_generate_tokens_per_s": NEW_TOKENS / one_s, "hf_generate_batch_32_tokens_per_s": batch_tokens / batch_s}
 
 
 @torch.inference_mode()
@@ -156,10 +146,10 @@ def worker(threads: int) -> dict[str, float]:
     steps = interleaved_decode_steps(core, reference, prompt)
     bandwidth = steps.pop("mv_bandwidth_bytes_per_s")
     result |= steps | hf_generation(reference, prompt, prompts)
-    prefill = prefill_pair_s(core, reference, corpus_ids(core.tokenizer, PREFILL_LEN))
-    floor = {"weight_bytes": weight_bytes, "mv_bandwidth_gb_per_s": bandwidth / 1e9,
-             "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
-    return result | {"our_prefill_2048_s": prefill[0], "hf_prefill_2048_s": prefill[1]} | floor
+    ours, theirs = prefill_pair_s(core, reference, corpus_ids(core.tokenizer, PREFILL_LEN))
+    return result | {"our_prefill_2048_s": ours, "hf_prefill_2048_s": theirs, "weight_bytes": weight_bytes,
+                     "mv_bandwidth_gb_per_s": bandwidth / 1e9,
+                     "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
 
 
 TARGETS = {  # ratio: its target, and its value in one run
@@ -216,8 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/benchmarks", help="folder for engine.json and engine.md")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker)))
-        return
+        return print(json.dumps(worker(args.worker)))
     runs = []
     for threads in args.threads:
         print(f"running with {threads} torch thread(s)...", file=sys.stderr, flush=True)

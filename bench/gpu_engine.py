@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import random
 import statistics
 import tempfile
@@ -24,16 +23,14 @@ from transformers import LlamaConfig
 
 from bench.engine import decode_weight_bytes, drain, greedy_request
 from bench.host import seconds
-from bench.report import cells
+from bench.report import cells, table, write_json
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
-from engine.params import GenerationRequest
 
-LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
-LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
+LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+LLAMA_1B = LLAMA | dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, tie_word_embeddings=True)
+LLAMA_8B = LLAMA | dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=512)  # fmt: skip
 
@@ -58,13 +55,12 @@ MODELS = (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B))
 GPU_SIZES = Sizes("cuda", 2 << 30, 8192, 10, MODELS, (1, 64), 128, 64, 2048, 3, 4 << 30)
 TINY_MODELS = tuple((f"tiny-{kind}", TINY | {"tie_word_embeddings": kind == "tied"}) for kind in ("tied", "untied"))
 TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, max_model_len=512)
-HEADER = "| measurement | value | unit | time ms | floor ms | time / floor | notes |\n|---|---|---|---|---|---|---|"
+HEADER = "\n".join(table("measurement | value | unit | time ms | floor ms | time / floor | notes", []))
 
 
 @dataclass
 class Row:
-    """One measurement: ``value`` in ``unit``, the median ``time_ms`` of the operation (or step)
-    and the ``floor_ms`` it is compared with."""
+    """One measurement: ``value`` in ``unit``, its median ``time_ms`` and the ``floor_ms`` it is held to."""
 
     name: str
     value: float | None = None
@@ -81,8 +77,8 @@ class Row:
     def markdown(self) -> str:
         value = "{value:,.0f}" if self.value is not None and abs(self.value) >= 1000 else "{value:.4g}"
         value = "failed: {error}" if self.error else value
-        template = f"{{name}} | {value} | {{unit}} | {{time_ms:.3f}} | {{floor_ms:.3f}} | {{ratio:.2f}} | {{notes}}"
-        return f"| {cells(template, asdict(self), missing='')} |"
+        row = f"{{name}} | {value} | {{unit}} | {{time_ms:.3f}} | {{floor_ms:.3f}} | {{ratio:.2f}} | {{notes}}"
+        return f"| {cells(row, asdict(self), missing='')} |"
 
 
 def guarded(name: str, measure: Callable[[], Row]) -> Row:
@@ -146,15 +142,14 @@ def build_model(name: str, overrides: dict, sizes: Sizes, built: list[LoadedMode
     return Row(f"{name} dummy weights on {sizes.device}", load_s, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
 
 
-def make_requests(core: EngineCore, tag: str, count: int, prompt_len: int, new_tokens: int) -> list[GenerationRequest]:
+def make_requests(core: EngineCore, tag: str, count: int, prompt_len: int, new_tokens: int) -> list:
     rng = random.Random(f"{tag}-{count}-{prompt_len}")
     prompts = [[rng.randrange(core.vocab_size) for _ in range(prompt_len)] for _ in range(count)]
     return [greedy_request(f"{tag}-{i}", prompt, new_tokens) for i, prompt in enumerate(prompts)]
 
 
-def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[float, int, int]:
-    """Admit ``requests``, step until each has its first token (the prefill step), then time
-    the rest, which decode the whole batch. Returns (seconds, steps, tokens)."""
+def run_decode(core: EngineCore, requests: list) -> tuple[float, int, int]:
+    """(seconds, steps, tokens) of the steps after each request's first token (the prefill step)."""
     for request in requests:
         core.add_request(request)
     started: set[str] = set()
@@ -170,13 +165,12 @@ def run_decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[flo
 
 
 def decode_row(label: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row, graphs: bool) -> Row:
-    """Decode at ``batch``, replayed from CUDA graphs or eager; the floor: the weights' bytes / the
-    copy's bandwidth counted read + written (the lower floor; KV reads left out)."""
+    """Decode at ``batch``, from CUDA graphs or eager; the floor: the weights' bytes / the copy's
+    bandwidth counted read + written (the lower floor; KV reads left out)."""
     if graphs and core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA graphs need CUDA")
     core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
-    # the warm-up's context (prompt + 4 tokens) and the timed run's share their padded sizes,
-    # so the warm-up captures every graph the timed run replays
+    # the warm-up (context prompt + 4) shares the timed run's padded sizes: it captures every graph replayed
     run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
     decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
     weight_bytes = decode_weight_bytes(core.runner.model)
@@ -204,8 +198,8 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
     flops = 2 * sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters()) * sizes.prefill_len
     floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
     notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
-    return Row(f"{name} prefill {sizes.prefill_len} tokens", sizes.prefill_len / prefill_s, "tok/s", prefill_s * 1e3,
-               floor_ms, notes)  # fmt: skip
+    tokens = sizes.prefill_len
+    return Row(f"{name} prefill {tokens} tokens", tokens / prefill_s, "tok/s", prefill_s * 1e3, floor_ms, notes)
 
 
 def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> Iterator[Row]:
@@ -251,9 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = TINY_SIZES if args.tiny else GPU_SIZES
     if sizes.device == "cuda" and not torch.cuda.is_available():
-        return print(
-            HEADER, Row("all rows", notes="skipped: no CUDA (use --tiny for the CPU dry run)").markdown(), sep="\n"
-        )
+        skipped = Row("all rows", notes="skipped: no CUDA (use --tiny for the CPU dry run)")
+        return print(HEADER, skipped.markdown(), sep="\n")
     start, rows = time.perf_counter(), []
     name = torch.cuda.get_device_name() if sizes.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     device = f"{name}, torch {torch.__version__}"
@@ -264,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     total_s = time.perf_counter() - start
     print(f"\ntotal {total_s:.1f} s")
     if args.out:
-        report = {"device": device, "tiny": args.tiny, "total_s": total_s, "rows": [asdict(r) for r in rows]}
-        args.out.write_text(json.dumps(report, indent=2))
+        report = {"device": device, "tiny": args.tiny, "total_s": total_s, "rows": list(map(asdict, rows))}
+        write_json(args.out, report, indent=2)
 
 
 if __name__ == "__main__":

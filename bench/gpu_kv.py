@@ -12,7 +12,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import json
 import multiprocessing
 import os
 import re
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_kv_side import CONSUMER, PRODUCER, BandwidthResult, Plan, PushRun, side_call
-from bench.report import cells, table
+from bench.report import cells, table, write_json
 from engine.kv_pool import KVLayout
 
 _UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
@@ -39,15 +38,13 @@ _RANGE = re.compile(r"^\d[\dKMGT]*(\.\.(\d[\dKMGT]*|inf))?$")  # "0", "1..16515"
 # 64 MB, 5 each, through 768 MB of pinned memory per side (6 exports of 64 MB, or a push's 256 MB).
 GPU_PLAN = Plan("cuda", KVLayout(32, 8, 128, 16, "bfloat16"), (16, 64), 12, 128, 5, 1.0, 45.0, 20.0, 60.0,
                 staging_sizes_mb=(16, 64), num_staged_repeats=5, staging_bytes=768 << 20)  # fmt: skip
-CPU_PLAN = Plan(
-    "cpu", KVLayout(8, 2, 64, 16, "bfloat16"), (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, 20.0, (1, 4), 3, 64 << 20
-)
+CPU_PLAN = Plan("cpu", KVLayout(8, 2, 64, 16, "bfloat16"), (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, 20.0, (1, 4), 3,
+                64 << 20)  # fmt: skip
 SECTIONS = (("none", "pull_vs_raw", "push"), ("host", "staged_pull", "staged_push"))  # staging, its JSON keys
 
 
 class _Pair:
-    """The producer's and the consumer's one-worker process pools (spawned, for CUDA): started on
-    first use, killed after a failed row (a hung transfer never returns)."""
+    """The two sides' one-worker process pools (spawned): started on first use, killed after a failure."""
 
     def __init__(self, plan: Plan, entries, log_dir: Path) -> None:
         self.plan, self.entries, self.log_dir, self.num_starts = plan, entries, log_dir, 0
@@ -105,11 +102,10 @@ class _Pair:
 
 def pull_row(pair: _Pair, size_mb: int, staging: str, deadline: float) -> dict:
     """Our pulls of ``size_mb`` MB and (unstaged) the raw READs of the same bytes, taking turns."""
-    plan = pair.plan
+    plan, tag = pair.plan, f"pull{size_mb}-{staging}"
     num_blocks = plan.blocks_for(size_mb)
     num_bytes = num_blocks * plan.layout.bytes_per_block
     count = (plan.num_repeats if staging == "none" else plan.num_staged_repeats) + 1
-    tag = f"pull{size_mb}-{staging}"
     handles, _ = pair.call(PRODUCER, "export", staging, tag, num_blocks, count, deadline=deadline)
     raw_peer = pair.call(PRODUCER, "raw_meta", deadline=deadline)
     num_pieces = 2 * plan.layout.num_layers  # our pull's descriptors: one run per layer and K/V
@@ -129,8 +125,7 @@ def pull_figures(result: BandwidthResult, num_blocks: int, num_bytes: int) -> di
 
 
 def push_row(pair: _Pair, staging: str, deadline: float) -> dict:
-    """Pushes of ``plan.push_blocks`` blocks, layer by layer: the last one's figures with each one's
-    median after one warm-up, which also checks the bytes that arrived."""
+    """Pushes of ``plan.push_blocks`` blocks: medians after a warm-up, which checks the bytes."""
     plan, figures = pair.plan, []
     for rep in range(plan.num_push_repeats + 1):
         dest = pair.call(CONSUMER, "destination", f"push-{staging}-{rep}", plan.push_blocks, staging, deadline=deadline)
@@ -145,8 +140,7 @@ def push_row(pair: _Pair, staging: str, deadline: float) -> dict:
 
 def push_figures(run: PushRun, notice_at: float) -> dict:
     """One push's figures in ms, from one clock (both processes' unix time on one machine)."""
-    times, ends = run.layer_times, run.compute_end
-    last_end = ends[-1]
+    times, ends, last_end = run.layer_times, run.compute_end, run.compute_end[-1]
     one_layer = max(statistics.median(t.done - t.posted for t in times), 1e-9)
     to_notice, to_last_write = notice_at - last_end, max(t.done for t in times) - last_end
 
@@ -158,25 +152,18 @@ def push_figures(run: PushRun, notice_at: float) -> dict:
          "posted_ms": ms(t.posted - last_end), "done_ms": ms(t.done - last_end)}
         for t, e in zip(times[-3:], ends[-3:])
     ]  # fmt: skip
-    return {
-        "layer_bytes": run.num_bytes // len(times),
-        "one_layer_ms": one_layer * 1e3,
-        "tail_to_notice_ms": to_notice * 1e3,
-        "tail_to_last_write_ms": to_last_write * 1e3,
-        "tail_in_layers": to_notice / one_layer,
-        "last_write_in_layers": to_last_write / one_layer,
-        "compute_per_layer_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
-        "posted_after_compute_ms": statistics.median(t.posted - e for t, e in zip(times, ends)) * 1e3,
-        "call_before_compute_end_ms": statistics.median(e - t.compute_end for t, e in zip(times, ends)) * 1e3,
-        "last_layers": last_layers,
-    }
+    return {"layer_bytes": run.num_bytes // len(times), "one_layer_ms": one_layer * 1e3,
+            "tail_to_notice_ms": to_notice * 1e3, "tail_to_last_write_ms": to_last_write * 1e3,
+            "tail_in_layers": to_notice / one_layer, "last_write_in_layers": to_last_write / one_layer,
+            "compute_per_layer_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
+            "posted_after_compute_ms": statistics.median(t.posted - e for t, e in zip(times, ends)) * 1e3,
+            "call_before_compute_end_ms": statistics.median(e - t.compute_end for t, e in zip(times, ends)) * 1e3,
+            "last_layers": last_layers}  # fmt: skip
 
 
 def ucx_transports(log_dir: Path) -> list[str]:
-    """``<operation>: <protocol> via <transport/device>`` for remote memory access (READ: ucp_get,
-    WRITE: ucp_put), GPU memory first, from the ``UCX_PROTO_INFO`` tables in the processes' logs:
-    a title line ``| remote memory read by ucp_get*(multi) into host memory from host |`` (after
-    the context's, or on one line with it), then rows ``| 0..inf | zero-copy | cma/memory |``."""
+    """``<operation>: <protocol> via <transport/device>`` of remote memory access, GPU memory first, from
+    the logs' ``UCX_PROTO_INFO`` tables: a ``| remote memory ... |`` title, then ``| range | protocol | via |`` rows."""
     found: list[str] = []
     for path in sorted(log_dir.glob("*.log")):
         operation = None
@@ -195,8 +182,7 @@ def ucx_transports(log_dir: Path) -> list[str]:
 
 
 def guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict]) -> dict:
-    """``measure(deadline)`` within the row's time, the pair started first if it is not; a failure, a
-    hung transfer included, is the row's result and kills the pair, so the next row starts fresh."""
+    """``measure(deadline)`` in the row's time; a failure (a hang too) is the row and kills the pair."""
     remaining = budget_deadline - time.monotonic()
     if remaining < 1:
         return {"error": "skipped: out of time"}
@@ -289,8 +275,7 @@ def main(argv: list[str] | None = None) -> None:
             result["ucx_transports"] = ucx_transports(Path(log_dir))
         print(*render(result), sep="\n")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -88,13 +88,12 @@ _WORKER: dict = {}  # this worker process's side and event loop (``side_call``'s
 
 
 def side_call(command: str, *args: object) -> object:
-    """Run one of the parent's commands on this worker's ``_Side``. ``start`` makes it, after sending
-    the worker's output (UCX's protocol tables among it) to the log file named last."""
+    """Run a parent's command on this worker's ``_Side``; ``start`` makes it, output to the log named last."""
     if command == "start":
         *args, log_path = args
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        for stream in (1, 2):
+            os.dup2(fd, stream)
         os.close(fd)
         return _WORKER.update(side=_Side(*args), loop=asyncio.new_event_loop())
     result = getattr(_WORKER["side"], command)(*args)
@@ -189,8 +188,7 @@ class _Side(KVSide):
         return PushRun(stats.layer_times, self.compute.ends(), stats.num_bytes)
 
     async def bandwidth(self, handles: list, raw_peer: tuple, num_bytes: int, num_pieces: int, staging: str):
-        """Our pull of each handle, a raw READ of the same bytes and one split into ``num_pieces``
-        descriptors, each round starting with the next kind; staged pulls alone."""
+        """Per handle our pull, a raw READ of the bytes and one in ``num_pieces`` (staged: pulls alone)."""
         local = self._tail_blocks(len(handles[0].block_ids))
         kinds = ["raw", "raw_split", "pull"] if staging == "none" else ["pull"]
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -218,8 +216,7 @@ class _Side(KVSide):
 
 
 class _LayerCompute:
-    """Forwards of known duration and when each ended: on CUDA a GPU sleep on a compute stream and an
-    event after it (read back as unix time from a reference event), on CPU a host sleep."""
+    """Forwards of known duration and their ends: on CUDA a GPU sleep and an event after it, else a sleep."""
 
     def __init__(self, plan: Plan) -> None:
         self.seconds, self.cuda, self._ends = plan.compute_ms / 1e3, plan.device == "cuda", []
@@ -259,8 +256,7 @@ class _LayerCompute:
 def _sleep_cycles_per_s() -> float:
     """``torch.cuda._sleep`` spins for a number of GPU cycles: how many make a second."""
     torch.cuda._sleep(100_000)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 20_000_000
+    start, end, cycles = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 20_000_000
     start.record()
     torch.cuda._sleep(cycles)
     end.record()
@@ -269,8 +265,7 @@ def _sleep_cycles_per_s() -> float:
 
 
 class RawAgent:
-    """A bare NIXL agent as ``NixlWorker``'s data agent (UCX, no progress thread) over named buffers of
-    one device: the raw READ. A thread of ours progresses UCX for the peers that read us."""
+    """A bare NIXL agent as ``NixlWorker``'s data agent (UCX, our own progress thread) for the raw READ."""
 
     def __init__(self, name: str, buffers: dict[str, torch.Tensor]) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -297,8 +292,8 @@ class RawAgent:
         return self.agent.get_agent_metadata(), {k: b.data_ptr() for k, b in self.buffers.items()}, self.device_id
 
     def read_s(self, peer: tuple, num_bytes: int, num_pieces: int = 1, buffer: str = "pool_pages", stride: int = 0):
-        """Seconds of one READ of ``num_bytes`` from the peer's ``buffer`` into ours, as ``num_pieces``
-        equal descriptors ``stride`` bytes apart (0: a gap after each), its completion polled in a tight loop."""
+        """Seconds of one READ of ``num_bytes`` from the peer's ``buffer`` as ``num_pieces`` descriptors
+        ``stride`` apart (0: a gap after each), polled in a tight loop."""
         metadata, addresses, device = peer
         piece = num_bytes // num_pieces
         offsets = [k * (stride or 2 * piece) for k in range(num_pieces)]

@@ -20,10 +20,8 @@ def machine() -> str:
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, {gpu}"
-    )
+    memory = f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
+    return f"{os.cpu_count()} cores, {memory}, Python {platform.python_version()}, torch {torch.__version__}, {gpu}"
 
 
 def cpu_model() -> str:
@@ -39,8 +37,7 @@ def cpu_ticks() -> tuple[int, int, int]:
 
 def tree_ticks(root: int | None = None) -> dict[int, int]:
     """utime + stime ticks of ``root`` (this process) and each live descendant, by pid."""
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
+    children, ticks = dict[int, list[int]](), dict[int, int]()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()

@@ -2,9 +2,8 @@
 
 One engine prefills prompts of random lengths one at a time (its resident memory every 50 prompts),
 then a decode-heavy mix, per cache setting in a fresh subprocess (both caches read their capacity
-at the first oneDNN call). ``default``: PyTorch's own capacities; a number: ``CACHES`` set to it.
-Figures in docs/reliability.md.
-"""
+at the first oneDNN call). ``default``: PyTorch's own capacities; a number: ``CACHES`` set to it
+(figures in docs/reliability.md)."""
 
 from __future__ import annotations
 

@@ -24,19 +24,14 @@ from bench.report import cells, command_line, figure, first_paragraph, publish, 
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
 
-SIZES_MB = (1, 16, 64, 256)
-REPEATS = 21
-PIPELINE_REPEATS = 5
+SIZES_MB, REPEATS, PIPELINE_REPEATS = (1, 16, 64, 256), 21, 5
 LAYOUT = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)  # the default model's
-BYTES_PER_BLOCK = LAYOUT.bytes_per_block
-POOL_BLOCKS = 420  # > 256 MB of blocks
-RAW_BYTES = 256 << 20  # each raw NIXL buffer
+BYTES_PER_BLOCK, POOL_BLOCKS, RAW_BYTES = LAYOUT.bytes_per_block, 420, 256 << 20  # > 256 MB of blocks; a raw buffer
 
 
 @ray.remote(num_cpus=0.5)
 class TransferActor(KVSide):
-    """A KV pool of the default model's layout with its transports, without a model; the raw NIXL
-    agent's buffers on 2 MB pages (as the pool's) and on 4 KB pages."""
+    """A KV pool of the default model's layout and its transports, no model; raw NIXL buffers on 2 MB, 4 KB pages."""
 
     def __init__(self, engine_id: str) -> None:
         torch.set_num_threads(1)
@@ -132,24 +127,19 @@ def pipelining(prompt_len: int = 2048) -> dict[str, float]:
         figures = []
         for rep in range(PIPELINE_REPEATS + 1):  # the first warms up
             request = greedy_request(f"{mode}-{rep}", prompt, 2, ignore_eos=False)
-            figures.append(_one_request(mode, producer, consumer, request))
+            if mode == "pull":
+                ray.get(consumer.decode_pull.remote(request, ray.get(producer.prefill_pull.remote(request))[1]))
+                figures.append({"pull_after_prefill_ms": ray.get(consumer.last_fetch_ms.remote())})
+                continue
+            decoding = consumer.decode_push.remote(request, dest := ray.get(consumer.reserve_push.remote(request)))
+            _, stats = ray.get(producer.prefill_push.remote(request, dest))
+            ray.get(decoding)
+            figures.append(push_figures(mode, stats.layer_times, mode == "pipelined"))
         result |= {key: statistics.median(f[key] for f in figures[1:]) for key in figures[0]}
         ray.kill(producer)
     ray.kill(consumer)
     result["pull_in_layers"] = result["pull_after_prefill_ms"] / result["pipelined_one_layer_ms"]
     return result
-
-
-def _one_request(mode: str, producer, consumer, request) -> dict[str, float]:
-    if mode == "pull":
-        _, handle = ray.get(producer.prefill_pull.remote(request))
-        ray.get(consumer.decode_pull.remote(request, handle))
-        return {"pull_after_prefill_ms": ray.get(consumer.last_fetch_ms.remote())}
-    dest = ray.get(consumer.reserve_push.remote(request))
-    decoding = consumer.decode_push.remote(request, dest)
-    _, stats = ray.get(producer.prefill_push.remote(request, dest))
-    ray.get(decoding)
-    return push_figures(mode, stats.layer_times, mode == "pipelined")
 
 
 def push_figures(mode: str, layers: list, pipelined: bool) -> dict[str, float]:
@@ -188,43 +178,25 @@ def render(summary: dict) -> list[str]:
     )
     return [
         f"Command: `{summary['command']}` (setup below). GB/s = bytes / median time of {REPEATS} repetitions after",
-        f"one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.",
-        "",
-        *table(BANDWIDTH[0], [cells(BANDWIDTH[1], r) for r in rows]),
-        "",
-        targets + ".",
-        "",
-        "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)",
-        "",
+        f"one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.", "",
+        *table(BANDWIDTH[0], [cells(BANDWIDTH[1], r) for r in rows]), "", targets + ".", "",
+        "## Layer-pipelined push, 2,048-token prompt (real prefill of the default model)", "",
         "Tail = (last layer's KV complete at decode) - (prefill compute end), from the per-layer",
         "timestamps; one layer = median (write done - write posted) of the pipelined run. Medians",
-        f"of {PIPELINE_REPEATS} requests after one warm-up.",
-        "",
-        *table(
-            "mode | tail (ms) | one layer (ms) | tail / one layer",
-            [[mode, f"{tail:.1f}", f"{one:.2f}", f"{n:.2f}"] for mode, tail, n in modes],
-        ),
-        "",
-        "Target: pipelined tail <= 2x one layer's transfer time.",
-        "",
-        "![bandwidth](kv_transfer.png)",
-    ]
+        f"of {PIPELINE_REPEATS} requests after one warm-up.", "",
+        *table("mode | tail (ms) | one layer (ms) | tail / one layer",
+               [[mode, f"{tail:.1f}", f"{one:.2f}", f"{n:.2f}"] for mode, tail, n in modes]),
+        "", "Target: pipelined tail <= 2x one layer's transfer time.", "", "![bandwidth](kv_transfer.png)",
+    ]  # fmt: skip
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    with figure(path, 1, 1, (6, 4), dpi=100) as (ax, _):
-        for key, label in (("nixl_pull", "our NIXL pull"), ("nixl_push", "our NIXL push"), ("raw_nixl", "raw NIXL"),
-                           ("object_store", "object store"), ("torch_copy", "torch copy, 1 process")):  # fmt: skip
-            ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s",
-               title="KV transfer between two processes (CPU, UCX)")  # fmt: skip
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+PLOTTED = {"nixl_pull": "our NIXL pull", "nixl_push": "our NIXL push", "raw_nixl": "raw NIXL",
+           "object_store": "object store", "torch_copy": "torch copy, 1 process"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench.kv_transfer", description=first_paragraph(__doc__))
-    parser.add_argument("--out", default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
+    parser.add_argument("--out", type=Path, default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
     parser.add_argument("--skip-pipelining", action="store_true")
     args = parser.parse_args(argv)
     start_local_ray(object_store_memory=1 << 30)
@@ -236,14 +208,19 @@ def main(argv: list[str] | None = None) -> None:
         pipe = {} if args.skip_pipelining else pipelining()
     finally:
         ray.shutdown()
-    out = Path(args.out)
     summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
     if pipe:
-        publish(out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
+        publish(args.out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
     else:
-        write_json(out / "kv_transfer.json", summary)
+        write_json(args.out / "kv_transfer.json", summary)
         print(json.dumps(rows, indent=2))
-    plot(rows, out / "kv_transfer.png")  # into the folder the JSON made
+    with figure(args.out / "kv_transfer.png", 1, 1, (6, 4), dpi=100) as (ax, _):  # into the folder the JSON made
+        for key, label in PLOTTED.items():
+            ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s",
+               title="KV transfer between two processes (CPU, UCX)")  # fmt: skip
+        ax.grid(True, alpha=0.3)
+        ax.legend()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,7 @@
 Each of ``bench.compare``'s systems checked serves one workload at shares of its goodput in
 docs/benchmarks/goodput.json, twice per rate with the same requests and arrivals; the simulator,
 calibrated on this machine (``bench.calibrate_planner``) with the serving stack probed on the app
-just before its runs, predicts TTFT and TPOT p50 / p90 for the same lengths and arrivals.
-"""
+just before its runs, predicts TTFT and TPOT p50 / p90 for the same lengths and arrivals."""
 
 from __future__ import annotations
 
@@ -46,20 +45,17 @@ def stack_kind(system: str) -> str:
 
 
 def system_spec(system: str, calibration: Path, stack: dict | None = None) -> SystemSpec:
-    """The simulated twin of one of ``bench.compare``'s systems (2 engine replicas, 1 core each),
-    with the calibration's serving stack or ``stack`` (a probed stack's fields)."""
+    """The simulated twin of a ``bench.compare`` system, with the file's serving stack or ``stack``."""
+    if system not in TWINS:
+        raise SystemExit(f"no simulated twin of {system!r} ({', '.join(TWINS)})")
     cost = load_calibration(calibration)
     served = ServingStack.of(stack) if stack else cost.stack(stack_kind(system))
     base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=served)
-    if system not in TWINS:
-        raise SystemExit(f"no simulated twin of {system!r} ({', '.join(TWINS)})")
     return replace(base, **TWINS[system])
 
 
 def measure(options: argparse.Namespace) -> dict:
-    """Per system, in one server session: its idle latency, its serving stack probed (unless
-    ``options.file_stack``; ``bench.calibrate_planner``), then ``options.runs`` runs per rate (the
-    fractions of its goodput in goodput.json); planner.json is kept after each system."""
+    """Per system in one server: idle latency, the stack probed, ``--runs`` runs per goodput share."""
     from bench.host import machine, tokenizer
 
     goodputs, started = read_json(GOODPUT)["results"][options.workload], time.time()
@@ -109,14 +105,13 @@ def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
 
 def simulator_speed(calibration: Path) -> dict:
     """Seconds for simulate() on 1,000 replicas of this machine's cost (400 prefill + 600 decode), chatbot traffic."""
-    cost = load_calibration(calibration)
-    requests = sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
+    cost, requests = load_calibration(calibration), sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
     start = time.perf_counter()
     result = simulate(SystemSpec("disaggregated", 400, 600, cost, cost), requests)
     seconds = time.perf_counter() - start
-    tokens, p90 = sum(r.output_tokens for r in requests), result.percentiles()["ttft_s"]["p90"]
-    return {"replicas": 1000, "requests": len(requests), "rate": 250.0, "output_tokens": tokens, "seconds": seconds,
-            "ttft_p90_s": p90}  # fmt: skip
+    return {"replicas": 1000, "requests": len(requests), "rate": 250.0,
+            "output_tokens": sum(r.output_tokens for r in requests), "seconds": seconds,
+            "ttft_p90_s": result.percentiles()["ttft_s"]["p90"]}  # fmt: skip
 
 
 def _five_runs(workload: str, rate: float) -> list:
@@ -126,9 +121,7 @@ def _five_runs(workload: str, rate: float) -> list:
 
 
 def simulated_goodputs(calibration: Path) -> dict:
-    """Per workload of goodput.json: each system's measured goodput and the simulator's, on SLOs set
-    as there (multiples of the idle colocated system's latency on the median prompt), here of the
-    calibration's own speed, so the two compare across days of a drifting machine."""
+    """Per workload, measured and simulated goodput on SLOs from the calibration's own speed (it drifts)."""
     measured, found = read_json(GOODPUT), {}
     for workload, systems in measured["results"].items():
         median, x = measured["calibration"][workload]["prompt_tokens"], measured["slo_multiples"]
@@ -143,8 +136,7 @@ def simulated_goodputs(calibration: Path) -> dict:
 
 
 def add_predictions(report: dict, calibration: Path) -> dict:
-    """Each point's prediction and comparison, with the serving stack probed on the app (when it
-    was) and, as ``predicted_file`` / ``rows_file``, with the calibration file's own stack."""
+    """Each point's prediction with the probed stack and (``*_file``) with the file's stack."""
     workload, num_requests, seed = report["workload"], report["num_requests"], report["seed"]
     for system, data in report["systems"].items():
         specs = {"": system_spec(system, calibration, data.get("stack"))}
@@ -192,8 +184,7 @@ def render(report: dict) -> list[str]:
 
 
 def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
-    """One system's section: its idle latency, its probed stack, a row per point and metric, and
-    measured over predicted per metric (median over the rates: a diagnostic, fed back into nothing)."""
+    """One system's section: idle latency, probed stack, a row per point and metric, measured / predicted."""
     lines = ["", f"### {system} (measured goodput {data['goodput']:.3g} req/s)", ""]
     if idle := data.get("uncontended"):
         lines += [f"Uncontended (median prompt, {idle['prompt_tokens']} tokens, one at a time): TTFT "
@@ -227,14 +218,9 @@ def _ordering_lines(ordering: dict | None) -> list[str]:
                 rows.append(f"{workload} | {slo['ttft']:.3g} s, {slo['tpot'] * 1e3:.0f} ms | {system} | {measured}"
                             f" | {row['simulated']:.3g} | {ratio if system == 'disagg-pull' else ''}")  # fmt: skip
     header = "workload | simulated SLOs | system | measured | simulated | disagg-pull / colocated: measured, simulated"
-    return [
-        "",
-        "Goodput (req/s), measured in goodput.md and simulated, each on SLOs of 5x TTFT and 2x TPOT",
-        "of its own idle colocated system (measured there; simulated here, the workload's median prompt);",
-        "5 x 80 requests a rate:",
-        "",
-        *table(header, rows),
-    ] if rows else []  # fmt: skip
+    return ["", "Goodput (req/s), measured in goodput.md and simulated, each on SLOs of 5x TTFT and 2x TPOT",
+            "of its own idle colocated system (measured there; simulated here, the workload's median prompt);",
+            "5 x 80 requests a rate:", "", *table(header, rows)] if rows else []  # fmt: skip
 
 
 def _calibration_lines(path: Path) -> list[str]:
@@ -254,20 +240,16 @@ def _calibration_lines(path: Path) -> list[str]:
         probes = len(raw["stack"]["kinds"][kind].get("probes", []))
         batches = f", {len(stack.batched_decode_factors)} batches" if stack.batched_decode_factors else ""
         rows.append([f"serving stack, {kind}", _stack_cell(stack), f"{probes} idle-app probes{batches}, 1 load run"])
-    return [
-        f"Calibration (`{raw['command']}`, {raw['machine']}, {raw['created']}):",
-        "",
-        *table("part | fit | points", rows),
-    ]
+    head = f"Calibration (`{raw['command']}`, {raw['machine']}, {raw['created']}):"
+    return [head, "", *table("part | fit | points", rows)]
 
 
 def _stack_cell(stack: ServingStack | dict) -> str:
     stack = ServingStack.of(stack) if isinstance(stack, dict) else stack
     batched = "".join(f", x {f:.2f} at batch {b}" for b, f in stack.batched_decode_factors)
-    return (
-        f"TTFT + {stack.ttft_s * 1e3:.0f} ms; prefill x {stack.prefill_factor:.2f}, decode x {stack.decode_factor:.2f}"
-        f"{batched}; {stack.cpu_s_per_token * 1e3:.1f} ms CPU per streamed token on {stack.cores} shared cores"
-    )
+    return (f"TTFT + {stack.ttft_s * 1e3:.0f} ms; prefill x {stack.prefill_factor:.2f}, decode x "
+            f"{stack.decode_factor:.2f}{batched}; {stack.cpu_s_per_token * 1e3:.1f} ms CPU per streamed token on "
+            f"{stack.cores} shared cores")  # fmt: skip
 
 
 def write_report(report: dict, out: Path) -> None:
@@ -296,17 +278,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=30)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
-    parser.add_argument("--out", default=str(DOC))
+    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
+    parser.add_argument("--out", type=Path, default=DOC)
     parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
     parser.add_argument("--file-stack", action="store_true", help="skip the stack probe (the calibration file's stack)")
     options = parser.parse_args(argv)
-    out, calibration = Path(options.out), Path(options.calibration)
-    report = read_json(out / "planner.json") if options.predict_only else measure(options)
-    report = add_predictions(report, calibration)
-    report["simulator_speed"] = simulator_speed(calibration)
-    report["goodput_ordering"] = simulated_goodputs(calibration)
-    write_report(report, out)
+    report = read_json(options.out / "planner.json") if options.predict_only else measure(options)
+    report = add_predictions(report, options.calibration)
+    report["simulator_speed"] = simulator_speed(options.calibration)
+    report["goodput_ordering"] = simulated_goodputs(options.calibration)
+    write_report(report, options.out)
 
 
 if __name__ == "__main__":

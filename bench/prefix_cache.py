@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import httpx
+from ray import serve
 
 from bench.host import cpu_model, machine, tokenizer
 from bench.ray_local import Server
 from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table, write_json
-from bench.serve import client
+from bench.serve import SAMPLE, client, stream
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
 
@@ -35,38 +36,15 @@ COUNTERS = ("tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds_count", "tan
             "tandem_prefix_cache_queries")  # fmt: skip
 TRANSFERS = "tandem_kv_transfer_seconds_count/decode"  # the decode pool's transfers, as ``parse_counters`` keys it
 METRICS_WAIT_S = 30.0  # for Ray's export to show every transfer of the loop
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 _POOL = re.compile(r'pool="([^"]*)"')
 
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, chat: ChatConversation, answers: list) -> dict:
-    """One turn of ``chat`` (its messages so far), streamed: the turn's row, times taken as chunks arrive."""
-    body = {"model": model, "messages": chat.messages(answers), "max_tokens": chat.max_tokens, "temperature": 0}
-    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    record, texts, usage = RequestRecord(0, chat.max_tokens, time.perf_counter()), [], {}
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-            else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk, now = json.loads(line[6:]), time.perf_counter()
-                    if "error" in chunk:
-                        record.error = str(chunk["error"].get("message"))
-                        continue
-                    record.last, usage = now, chunk.get("usage") or usage
-                    if chunk.get("usage"):
-                        record.usage_prompt_tokens = record.prompt_tokens = usage["prompt_tokens"]
-                        record.usage_output_tokens = usage["completion_tokens"]
-                    if text := "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", ())):
-                        record.chunks.append(now)
-                        texts.append(text)
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-    if record.error is None and not record.chunks:
-        record.error = "no tokens received"
+    """One turn of ``chat`` (its messages so far), streamed: the turn's row."""
+    body = {"model": model, "messages": chat.messages(answers), "max_tokens": chat.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    record, texts = RequestRecord(0, chat.max_tokens, time.perf_counter()), []
+    usage = await stream(client, url + "/v1/chat/completions", body, record, texts)
     times = (record.ttft, record.tpot, record.e2e) if record.ok else (None, None, None)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return {"conversation": chat.index, "turn": len(answers) + 1, "prompt_tokens": record.usage_prompt_tokens,
@@ -76,8 +54,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, model: str, chat: ChatC
 
 
 async def closed_loop(url: str, model: str, chats: list[ChatConversation], after_turn=None) -> tuple[list, float]:
-    """All conversations at once, each turn sent when the previous answer has ended (a failed turn
-    ends its conversation); every turn's row and the duration. ``after_turn()``: more of a row."""
+    """All conversations at once, turn after turn (a failed one ends it); ``after_turn()`` adds to a row."""
 
     async def conversation(chat: ChatConversation) -> list[dict]:
         rows: list[dict] = []
@@ -94,10 +71,9 @@ async def closed_loop(url: str, model: str, chats: list[ChatConversation], after
 
 
 def parse_counters(text: str) -> dict[str, float]:
-    """``COUNTERS`` in a Prometheus export, summed per pool and keyed ``name/pool`` (names
-    without Ray's ``ray_`` prefix and the ``_total`` suffix)."""
+    """``COUNTERS`` in a Prometheus export, summed per pool, keyed ``name/pool`` (no ``ray_``, no ``_total``)."""
     totals: dict[str, float] = {}
-    for match in map(_SAMPLE.match, text.splitlines()):
+    for match in map(SAMPLE.match, text.splitlines()):
         name = match and match.group(1).removeprefix("ray_").removesuffix("_total")
         pool = match and _POOL.search(match.group(2) or "")
         if name in COUNTERS and pool:
@@ -107,9 +83,8 @@ def parse_counters(text: str) -> dict[str, float]:
 
 
 def counter_delta(metrics_url: str, before: dict[str, float], transfers: int, query_tokens: int) -> dict[str, float]:
-    """The counters' change since ``before`` once Ray's export (a second or more behind) shows
-    ``transfers`` on the decode pool and ``query_tokens`` on the prefill pool, or after
-    ``METRICS_WAIT_S`` what it has (the report shows the counts it got)."""
+    """The counters' change since ``before`` once Ray's export (a second or more behind) shows ``transfers`` on
+    the decode pool and ``query_tokens`` on the prefill pool, or what it has after ``METRICS_WAIT_S``."""
     expected = {TRANSFERS: transfers, "tandem_prefix_cache_queries/prefill": query_tokens}
     deadline = time.monotonic() + METRICS_WAIT_S
     while True:
@@ -121,10 +96,7 @@ def counter_delta(metrics_url: str, before: dict[str, float], transfers: int, qu
 
 
 def run_setting(setting: str, index: int, chats: list, lone: ChatConversation, extra: dict) -> dict:
-    """Everything measured on one server (``extra``: app arguments on top of ``COMMON``): the
-    loop's turns, its counters and prefill stats, the lone conversation's turns."""
-    from ray import serve
-
+    """One server's loop turns, counters, prefill stats and lone conversation (``extra``: on top of ``COMMON``)."""
     with Server("disagg", {**COMMON, **extra, "engine.enable_prefix_caching": SETTINGS[setting]}, index) as server:
         url, model = server.url, server.model()
         prefill = serve.get_deployment_handle("PrefillServer", app_name="bench")
@@ -166,8 +138,7 @@ def summarize(raw: dict) -> dict:
     """One setting's figures from its raw rows (``run_setting``'s)."""
     ok = [row for row in raw["turns"] if row["error"] is None]
     counters, prefill = raw["counters"], raw["prefill_stats"]
-    transfers = int(counters.get(TRANSFERS, 0))
-    kv_bytes = counters.get("tandem_kv_transfer_bytes/decode", 0.0)
+    transfers, kv_bytes = int(counters.get(TRANSFERS, 0)), counters.get("tandem_kv_transfer_bytes/decode", 0.0)
     output_tokens = sum(row["output_tokens"] or 0 for row in ok)
     per_turn = []
     for turn in sorted({row["turn"] for row in ok}):
@@ -256,26 +227,17 @@ def render(s: dict) -> list[str]:
     turns = [cells(TURN[1], {"a": a, "b": b, "la": la, "lb": lb}) for a, b, la, lb in lone]
     return [
         f"Command: `{s['command']}` ({s['elapsed_s'] / 60:.1f} min in all; settings run in the order"
-        f" {', '.join(s['settings_order'])}, each in a fresh local Ray).",
-        "",
-        f"Machine: {s['machine']} (a 2-core VM: prefill and decode replica get one core each).",
-        "",
+        f" {', '.join(s['settings_order'])}, each in a fresh local Ray).", "",
+        f"Machine: {s['machine']} (a 2-core VM: prefill and decode replica get one core each).", "",
         *(["Also " + ", ".join(f"`{k}={v}`" for k, v in s["extra_args"].items()) + ".", ""] if s["extra_args"] else []),
-        *table("metric | caching on | caching off | off / on", rows),
-        "",
+        *table("metric | caching on | caching off | off / on", rows), "",
         f"Target (TTFT of turns 2-5, median, >= 2x lower with caching): {target:.2f}x,"
-        f" {'met' if target >= 2 else 'MISSED'}.",
-        "",
+        f" {'met' if target >= 2 else 'MISSED'}.", "",
         'Per turn (the loop\'s 8 requests of each turn; "lone": a ninth conversation run alone afterwards,'
-        " one turn at a time):",
-        "",
-        *table(TURN[0], turns),
-        "",
+        " one turn at a time):", "", *table(TURN[0], turns), "",
         f"Answers: {answers['identical']} of {answers['compared']} turns gave the same greedy text with"
-        " caching on and off.",
-        "",
-        "![TTFT per turn and KV bytes per turn](prefix_cache.png)",
-    ]
+        " caching on and off.", "", "![TTFT per turn and KV bytes per turn](prefix_cache.png)",
+    ]  # fmt: skip
 
 
 def write_report(summary: dict, out: Path) -> None:
@@ -293,13 +255,6 @@ def write_report(summary: dict, out: Path) -> None:
             ax.grid(alpha=0.3)
             ax.set_xticks(range(1, 1 + len(summary["settings"]["on"]["per_turn"])))
         left.legend(fontsize=8)
-
-
-def git_tree() -> dict:
-    """The checkout a run used: HEAD and the files changed from it (others may edit meanwhile)."""
-    git = (("rev-parse", "HEAD"), ("status", "--porcelain"))
-    head, changed = (subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip() for a in git)
-    return {"head": head, "changed": changed.splitlines()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -334,7 +289,11 @@ def run_all(args: argparse.Namespace, settings: list[str], raw_path: Path, comma
     """Each setting on its own server; the record (runs.json) rewritten after each."""
     extra = dict(item.split("=", 1) for item in args.set)
     chats = chat_conversations(tokenizer(), args.conversations + 1, args.turns, args.user_tokens, args.output_tokens)
-    started, saved = time.time(), {"command": command, "elapsed_s": 0.0, "extra": extra, "git": git_tree(), "runs": {}}
+    # the checkout a run used: HEAD and the files changed from it (others may edit meanwhile)
+    head, changed = (subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+                     for a in (("rev-parse", "HEAD"), ("status", "--porcelain")))  # fmt: skip
+    git = {"head": head, "changed": changed.splitlines()}
+    started, saved = time.time(), {"command": command, "elapsed_s": 0.0, "extra": extra, "git": git, "runs": {}}
     for index, setting in enumerate(settings):
         saved["runs"][setting] = run_setting(setting, index, chats[:-1], chats[-1], extra)
         saved["elapsed_s"] = time.time() - started

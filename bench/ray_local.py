@@ -3,6 +3,7 @@ application in one of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,7 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import ray
+from ray import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 HTTP_PORT = 18480
@@ -43,8 +46,6 @@ class Server:
         self.url, self.metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{METRICS_PORT + index}/metrics"
 
     def __enter__(self) -> Server:
-        from ray import serve
-
         from app.config import colocated_app, disagg_app
 
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C and SIGTERM end the run
@@ -63,28 +64,19 @@ class Server:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
+        while time.monotonic() <= deadline:
+            with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.url}/ready did not answer 200 within {timeout_s:.0f} s")
             time.sleep(0.5)
+        raise RuntimeError(f"{self.url}/ready did not answer 200 within {timeout_s:.0f} s")
 
     def model(self) -> str:
         """The model name the application serves."""
-        import httpx
-
         return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
     def __exit__(self, *exc) -> None:
-        from ray import serve
-
         try:
             serve.shutdown()
         finally:
@@ -93,6 +85,11 @@ class Server:
             shutil.rmtree(self.keep_logs, ignore_errors=True)
             shutil.copytree(self.log_dir, self.keep_logs, ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
         time.sleep(2)
+
+
+def serve_logs(log_dir: Path) -> list[Path]:
+    """A Ray session's Serve logs, then its workers' stderr."""
+    return sorted(log_dir.glob("serve/*.log")) + sorted(log_dir.glob("worker-*.err"))
 
 
 def _exit_on_signal(signum, frame) -> None:

@@ -1,10 +1,9 @@
 """Load and soak with faults, through the HTTP API: ``python -m bench.reliability``.
 
-Starts ``disagg_app`` (1 prefill + 1 decode replica, fixed pools) in its own local Ray with the faults
-of ``fault_specs`` configured, then a **burst** of concurrent streams (some cut by the client) and a
-**soak** of Poisson traffic meeting random transfer faults, stalled transfers and replica kills; after
-each, ``GET /admin/kv`` must show no block held. Writes ``<out>/benchmarks/reliability.json`` (one
-summary per mode) and the block of ``<out>/reliability.md`` rendered from it.
+``disagg_app`` (1 prefill + 1 decode replica, fixed pools) in its own local Ray with ``fault_specs``'s faults:
+a **burst** of concurrent streams (some cut by the client), then a **soak** of Poisson traffic meeting random
+transfer faults, stalled transfers and replica kills; after each, ``GET /admin/kv`` must show no block held.
+Writes ``<out>/benchmarks/reliability.json`` (a summary per mode) and the block of ``<out>/reliability.md``.
 """
 
 from __future__ import annotations
@@ -25,32 +24,30 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ray
 
-from bench.report import cells, command_line, first_paragraph, read_json, table, template, write_json, write_page
+from app.settings import AppConfig
+from bench.host import machine, tokenizer
+from bench.ray_local import Server, serve_logs
+from bench.report import cells, command_line, first_paragraph, read_json, secs, table, template, write_json, write_page
 from bench.serve import Target
+from kv_transport.faults import FaultPoints
 from workloads import BenchRequest, PromptBuilder
 
-NAME = "bench.reliability"
-HTTP_PORT = 18660
-MAX_MODEL_LEN = 512
-TIMEOUT_S = 20.0  # transport.kv_transfer_timeout_s
-PEER_CHECK_S = 5.0
+NAME, HTTP_PORT, MAX_MODEL_LEN = "bench.reliability", 18660, 512
+TIMEOUT_S, PEER_CHECK_S = 20.0, 5.0  # transport.kv_transfer_timeout_s, transport.peer_check_interval_s
 STREAM_IDLE_S = 60.0  # limits.stream_idle_timeout_s (the default)
 HANG_S, LONG_S = STREAM_IDLE_S + 15.0, TIMEOUT_S + 15.0  # no byte for this long: a hang, a long silence
 POOLS = ("PrefillServer", "DecodeServer")
-# what the client saw of one request (``Outcome.result``)
-COMPLETED = "completed"  # 200, every token asked for, [DONE]
-DISCONNECTED = "disconnected"  # the client closed the stream on purpose
-ERROR_EVENT = "error_event"  # 200, then data: {"error": ...} and [DONE]
+# ``Outcome.result``: 200 with every token and [DONE]; closed by the client on purpose; 200 then an error event;
+# [DONE] with fewer tokens than asked, or no [DONE] (silent cuts); no byte for HANG_S; connection refused, reset, ...
+COMPLETED, DISCONNECTED, ERROR_EVENT, SHORT, CUT, HANG, CLIENT_ERROR = (
+    "completed", "disconnected", "error_event", "short", "cut", "hang", "client_error"
+)  # fmt: skip
 HTTP_503, HTTP_504, HTTP_4XX, HTTP_5XX = "http_503", "http_504", "http_4xx", "http_5xx"
-SHORT = "short"  # 200 and [DONE] without an error, but fewer tokens than asked: a silent cut
-CUT = "cut"  # the stream ended without [DONE]: a silent cut
-HANG = "hang"  # no byte for longer than HANG_S (the client's read timeout)
-CLIENT_ERROR = "client_error"  # connection refused, reset, ...
 ANOMALIES = (HTTP_5XX, SHORT, CUT, HANG, CLIENT_ERROR)
 RESULT_ORDER = (COMPLETED, DISCONNECTED, ERROR_EVENT, HTTP_503, HTTP_504, HTTP_4XX, *ANOMALIES)
-MEMORY_GROWTH_LIMIT = 0.10
-MIN_MEMORY_WINDOW_S = 60.0  # a replica's growth is judged over at least this long
+MEMORY_GROWTH_LIMIT, MIN_MEMORY_WINDOW_S = 0.10, 60.0  # a replica's growth is judged over at least this long
 QUICK = {"concurrency": 20, "soak_s": 90.0, "kill_every_s": 30.0, "stall_every_s": 40.0, "warmup_s": 20.0}
 
 
@@ -73,10 +70,6 @@ class Outcome:
     first_token_s: float | None = None
     last_token_s: float | None = None
     max_silence_s: float = 0.0  # longest time without a byte, from the send on
-
-    @property
-    def e2e_s(self) -> float | None:
-        return None if self.end_s is None else self.end_s - self.sent_s
 
 
 @dataclass
@@ -113,8 +106,7 @@ class EngineMemory:
 
 @dataclass
 class LeakCheck:
-    """Blocks in use (pinned and reserved ones included) on the live replicas once traffic stopped
-    and the leases ran out; ``settled_s``: how long that took (None: never)."""
+    """Blocks in use on the live replicas once traffic stopped and the leases ran out (``settled_s``: after)."""
 
     held_blocks: int
     settled_s: float | None
@@ -124,36 +116,34 @@ class LeakCheck:
 
 @dataclass
 class FaultSpec:
-    """A named fault of the run: its rules (``faults:`` entries) and how requests meet it."""
+    """A named fault: its rules (``faults:`` entries), ``kind`` (random, or the request kind that triggers it)."""
 
     name: str
-    kind: str  # random (drawn per request id) or the request kind that triggers it (stall, kill-prefill, ...)
+    kind: str
     rules: list[dict[str, Any]]
     effect: str  # what it does, in words
 
 
 def fault_specs(mode: str) -> list[FaultSpec]:
-    """Probabilistic faults at 5% of requests each, and faults a request id prefix selects (the run
-    sends those requests when it wants the fault)."""
+    """Faults at 5% of requests each, drawn per request id, and faults a request id prefix selects."""
     transfer, slow = ("fetch", "fetch") if mode == "pull" else ("push_layer", "finish_push")
-    specs = [
-        FaultSpec("transfer failure", "random", [_rule(transfer, "fail", probability=0.05)], "the transfer raises"),
-        FaultSpec("slow transfer", "random", [_rule(slow, "delay", seconds=3.0, probability=0.05)],
-                  "the transfer waits 3 s"),
-    ]  # fmt: skip
-    if mode == "pull":
-        drop = _rule("release", "drop", probability=0.05)
-        specs.append(FaultSpec("dropped release notice", "random", [drop], "the producer frees at the lease's end"))
     stall = _rule(slow, "delay", seconds=TIMEOUT_S + 1, request_id_prefix="stall-")
-    specs.append(FaultSpec("stalled transfer (past the lease)", "stall", [stall], "the transfer outlives its lease"))
     if mode == "pull":  # crash 50 ms after the export; the fetch held 1 s: the crash lands mid-transfer
         kill = [_rule("after_export", "crash", request_id_prefix="kill-prefill-", max_times=None),
                 _rule("fetch", "delay", seconds=1.0, request_id_prefix="kill-prefill-")]  # fmt: skip
     else:
         kill = [_rule("push_layer", "crash", layer=15, request_id_prefix="kill-prefill-", max_times=None)]
-    specs.append(FaultSpec("prefill replica killed mid-transfer", "kill-prefill", kill, "SIGKILL"))
     decode = _rule("mid_decode", "crash", request_id_prefix="kill-decode-", after_tokens=4, max_times=None)
-    return [*specs, FaultSpec("decode replica killed mid-stream", "kill-decode", [decode], "SIGKILL after 4 tokens")]
+    specs = [
+        ("transfer failure", "random", [_rule(transfer, "fail", probability=0.05)], "the transfer raises"),
+        ("slow transfer", "random", [_rule(slow, "delay", seconds=3.0, probability=0.05)], "the transfer waits 3 s"),
+        ("dropped release notice", "random", [_rule("release", "drop", probability=0.05)],
+         "the producer frees at the lease's end"),
+        ("stalled transfer (past the lease)", "stall", [stall], "the transfer outlives its lease"),
+        ("prefill replica killed mid-transfer", "kill-prefill", kill, "SIGKILL"),
+        ("decode replica killed mid-stream", "kill-decode", [decode], "SIGKILL after 4 tokens"),
+    ]  # fmt: skip
+    return [FaultSpec(*spec) for spec in specs if mode == "pull" or spec[0] != "dropped release notice"]
 
 
 def _rule(point: str, action: str, **fields: Any) -> dict[str, Any]:
@@ -169,11 +159,9 @@ def app_args(mode: str, specs: list[FaultSpec]) -> dict[str, str]:
     }  # fmt: skip
 
 
-# ---- one request -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Planned:
-    """A request to send; a disconnect closes the stream after ``cut_after_chunks`` text chunks
-    (0: right after the headers) or after ``cut_after_s``, whichever comes first."""
+    """A request; a disconnect cuts it after ``cut_after_chunks`` text chunks (0: the headers) or ``cut_after_s``."""
 
     request_id: str
     phase: str
@@ -188,9 +176,6 @@ class Client:
     """Streams requests and records what it saw; the run's clock starts at construction."""
 
     def __init__(self, url: str, model: str, specs: list[FaultSpec]) -> None:
-        from app.settings import AppConfig
-        from kv_transport.faults import FaultPoints
-
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(connect=10.0, read=HANG_S, write=30.0, pool=None)
         self.http, self.target = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits), Target(url, model)
@@ -207,16 +192,31 @@ class Client:
         met = {i for rule in self._points.rules for i, _ in self._points.selected(rule.point, request_id, rule.layer)}
         return tuple(name for i, name in enumerate(self._names) if name is not None and i in met)
 
-    async def send(self, planned: Planned) -> Outcome:
-        p = planned
+    async def send(self, p: Planned) -> Outcome:
         out = Outcome(p.request_id, p.phase, p.kind, self.drawn(p.request_id), len(p.prompt), p.max_tokens, self.now())
-        arrivals = [out.sent_s]  # the send, then when the headers and each line came
+        arrivals, usage = [out.sent_s], []  # the send, then when the headers and each line came
+        body = self.target.body(BenchRequest(p.prompt, len(p.prompt), p.max_tokens))
         try:
-            async with asyncio.timeout(planned.cut_after_s):
-                await self._exchange(planned, out, arrivals)
+            async with (
+                asyncio.timeout(p.cut_after_s),
+                self.http.stream(
+                    "POST", "/v1/completions", json=body, headers={"X-Request-Id": p.request_id}
+                ) as response,
+            ):
+                arrivals.append(self.now())
+                out.status = response.status_code
+                if out.status != 200:
+                    out.result, out.cause = _http_result(out.status, await response.aread(), response.headers)
+                elif p.cut_after_chunks == 0:
+                    out.result, out.cause = DISCONNECTED, "after the headers"
+                else:
+                    out.result = CUT  # until [DONE]
+                    async for line in response.aiter_lines():
+                        arrivals.append(self.now())
+                        if _take(out, line, p, usage, arrivals[-1]):
+                            break
         except asyncio.CancelledError:  # still open when the run ended, past every bound
             out.result, out.cause = HANG, "still open at the end of the run"
-            self._finish(out, arrivals)
             raise
         except TimeoutError:
             out.result, out.cause = DISCONNECTED, "after a delay"
@@ -225,32 +225,11 @@ class Client:
             arrivals.append(self.now())
         except httpx.HTTPError as exc:
             out.result, out.cause = CUT if out.status == 200 else CLIENT_ERROR, type(exc).__name__
-        self._finish(out, arrivals)
+        finally:
+            out.end_s = self.now()
+            out.max_silence_s = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
+            self.outcomes.append(out)
         return out
-
-    def _finish(self, out: Outcome, arrivals: list[float]) -> None:
-        out.end_s = self.now()
-        out.max_silence_s = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
-        self.outcomes.append(out)
-
-    async def _exchange(self, planned: Planned, out: Outcome, arrivals: list[float]) -> None:
-        body = self.target.body(BenchRequest(planned.prompt, len(planned.prompt), planned.max_tokens))
-        headers = {"X-Request-Id": planned.request_id}
-        async with self.http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
-            arrivals.append(self.now())
-            out.status = response.status_code
-            if out.status != 200:
-                out.result, out.cause = _http_result(out.status, await response.aread(), response.headers)
-                return
-            out.result = CUT  # until [DONE]
-            if planned.cut_after_chunks == 0:
-                out.result, out.cause = DISCONNECTED, "after the headers"
-                return
-            usage: list[int] = []
-            async for line in response.aiter_lines():
-                arrivals.append(self.now())
-                if _take(out, line, planned, usage, arrivals[-1]):
-                    return
 
 
 def _take(out: Outcome, line: str, planned: Planned, usage: list[int], now: float) -> bool:
@@ -259,9 +238,8 @@ def _take(out: Outcome, line: str, planned: Planned, usage: list[int], now: floa
         return False
     if (data := line.removeprefix("data: ")) == "[DONE]":
         if out.result != ERROR_EVENT:
-            got = usage[-1] if usage else out.num_tokens
-            out.result = COMPLETED if got == planned.max_tokens else SHORT
-            out.cause = None if out.result == COMPLETED else f"{got} of {planned.max_tokens} tokens"
+            got, asked = usage[-1] if usage else out.num_tokens, planned.max_tokens
+            out.result, out.cause = (COMPLETED, None) if got == asked else (SHORT, f"{got} of {asked} tokens")
         return True
     event = json.loads(data)
     if error := event.get("error"):
@@ -271,8 +249,7 @@ def _take(out: Outcome, line: str, planned: Planned, usage: list[int], now: floa
         usage.append(event["usage"]["completion_tokens"])
     if any(choice.get("text") for choice in event.get("choices", ())):
         out.num_tokens += 1
-        out.first_token_s = out.first_token_s if out.first_token_s is not None else now
-        out.last_token_s = now
+        out.first_token_s, out.last_token_s = now if out.first_token_s is None else out.first_token_s, now
         if planned.cut_after_chunks is not None and out.num_tokens >= planned.cut_after_chunks:
             out.result, out.cause = DISCONNECTED, f"after {out.num_tokens} chunks"
             return True
@@ -284,12 +261,10 @@ def _http_result(status: int, body: bytes, headers: httpx.Headers) -> tuple[str,
         message = str(json.loads(body)["error"]["message"])[:100]
     except (ValueError, KeyError, TypeError):
         message = body[:100].decode(errors="replace")
-    if "retry-after" in headers:
-        message += f" (Retry-After: {headers['retry-after']})"
-    return {503: HTTP_503, 504: HTTP_504}.get(status, HTTP_4XX if status < 500 else HTTP_5XX), message
+    retry = f" (Retry-After: {headers['retry-after']})" if "retry-after" in headers else ""
+    return {503: HTTP_503, 504: HTTP_504}.get(status, HTTP_4XX if status < 500 else HTTP_5XX), message + retry
 
 
-# ---- the phases ------------------------------------------------------------------------------
 # (prompt, output) token ranges; the burst's requests come all at once on one prefill core: short ones
 RANGES = {"burst": ((16, 64), (8, 40)), "long": ((300, 440), (8, 32)), "plain": ((32, 160), (16, 64))}
 
@@ -298,8 +273,6 @@ class Prompts:
     """Exact-length prompts cut from the corpus (``workloads``), lengths drawn from a seeded RNG."""
 
     def __init__(self, seed: int) -> None:
-        from bench.host import tokenizer
-
         self.builder, self.rng = PromptBuilder(tokenizer()), random.Random(seed)
 
     def prompt(self, low: int, high: int) -> list[int]:
@@ -360,15 +333,11 @@ async def kill_replica(client: Client, prompts: Prompts, watch: KVWatch, event: 
 
 
 class KVWatch:
-    """Reads ``GET /admin/kv`` every second: the engine ids (a restart is a new one), each replica's
-    memory, invariant violations, and the blocks held (the leak check)."""
+    """Reads ``GET /admin/kv`` every second: engine ids (a restart is a new one), memory, violations, blocks held."""
 
     def __init__(self, client: Client, warmup_s: float) -> None:
-        self.client, self.warmup_s = client, warmup_s
-        self.engines: dict[str, EngineMemory] = {}
-        self.view: dict[str, Any] = {"ok": True, "replicas": []}
-        self.violations: list[dict[str, Any]] = []
-        self.failures = 0  # /admin/kv not answering 200
+        self.client, self.warmup_s, self.engines = client, warmup_s, dict[str, EngineMemory]()
+        self.view, self.violations, self.failures = {"ok": True, "replicas": []}, list[dict](), 0  # failures: not 200
         self.warm_from_s = float("inf")  # memory after warm-up: counted from the soak's start
 
     async def run(self) -> None:
@@ -378,16 +347,13 @@ class KVWatch:
 
     async def poll(self) -> None:
         try:
-            response = await self.client.http.get("/admin/kv", timeout=10)
+            response = (await self.client.http.get("/admin/kv", timeout=10)).raise_for_status()
         except httpx.HTTPError:
-            response = None
-        if response is None or response.status_code != 200:
             self.failures += 1
             return
         self.view = response.json()
-        for entry in self.view["replicas"]:
-            if entry["live"]:
-                self._record(entry)
+        for entry in (e for e in self.view["replicas"] if e["live"]):
+            self._record(entry)
 
     def _record(self, entry: dict[str, Any]) -> None:
         at, rss, engine_id = entry["published_at"] - self.client.wall0, entry.get("rss_bytes"), entry["engine_id"]
@@ -396,8 +362,7 @@ class KVWatch:
         if engine.warm_s is None and at >= max(engine.first_seen_s, self.warm_from_s) + self.warmup_s:
             engine.warm_s, engine.warm_rss = at, rss
         problems = list(entry.get("problems") or [])
-        seen = {(v["engine_id"], tuple(v["problems"])) for v in self.violations}
-        if not entry["ok"] and (engine_id, tuple(problems)) not in seen:
+        if not entry["ok"] and (engine_id, problems) not in [(v["engine_id"], v["problems"]) for v in self.violations]:
             row = {"t_s": round(at, 1), "engine_id": engine_id, "deployment": entry["deployment"]}
             self.violations.append({**row, "problems": problems})
 
@@ -423,8 +388,7 @@ class KVWatch:
         return LeakCheck(held, None, bool(self.view["ok"]), sorted({e["deployment"] for e in live}))
 
     async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> LeakCheck:
-        """The leak check once the live replicas of both pools hold no block (the leases run out in
-        ``TIMEOUT_S``); the check as it stood at the deadline otherwise."""
+        """The leak check once both pools' live replicas hold no block (leases end in ``TIMEOUT_S``), or at timeout."""
         start = self.client.now()
         while True:
             check = self.leak_check()
@@ -435,11 +399,8 @@ class KVWatch:
             await asyncio.sleep(1.0)
 
 
-# ---- the run ---------------------------------------------------------------------------------
-async def run_phases(url: str, opts: argparse.Namespace, specs: list[FaultSpec]) -> dict[str, Any]:
+async def run_phases(url: str, model: str, opts: argparse.Namespace, specs: list[FaultSpec]) -> dict[str, Any]:
     """Warm up, the burst and its leak check, the soak and its leak check."""
-    async with httpx.AsyncClient(base_url=url, timeout=30) as plain:
-        model = (await plain.get("/v1/models")).json()["data"][0]["id"]
     client = Client(url, model, specs)
     prompts, watch = Prompts(opts.seed), KVWatch(client, opts.warmup_s)
     watcher, phases = asyncio.ensure_future(watch.run()), {}
@@ -456,7 +417,7 @@ async def run_phases(url: str, opts: argparse.Namespace, specs: list[FaultSpec])
         print(f"leak checks: {phases}", file=sys.stderr)
         await watch.poll()
         for engine in watch.engines.values():
-            engine.live_at_end = engine.engine_id in {e["engine_id"] for e in watch.view["replicas"] if e["live"]}
+            engine.live_at_end = engine.engine_id in watch.live(engine.deployment)
     finally:
         watcher.cancel()
         await client.http.aclose()
@@ -464,10 +425,6 @@ async def run_phases(url: str, opts: argparse.Namespace, specs: list[FaultSpec])
 
 
 def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str, Any], logs: dict[str, Any]) -> dict:
-    import ray
-
-    from bench.host import machine
-
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "raw", "quick")}
     settings |= {"kv_transfer_timeout_s": TIMEOUT_S, "stream_idle_timeout_s": STREAM_IDLE_S}
     summary = {
@@ -477,13 +434,12 @@ def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str
     }  # fmt: skip
     for phase, (seconds, leak) in result["phases"].items():
         summary[phase] = phase_summary([o for o in result["outcomes"] if o.phase == phase], leak, specs, seconds)
-    soaked = [o for o in result["outcomes"] if o.phase == "soak"]
-    summary["kills"], watch = [kill_summary(k, soaked) for k in result["kills"]], result["watch"]
-    return summary | {"memory": memory_rows(list(watch.engines.values())), "invariant_violations": watch.violations,
+    soaked, watch = [o for o in result["outcomes"] if o.phase == "soak"], result["watch"]
+    return summary | {"kills": [kill_summary(k, soaked) for k in result["kills"]],
+                      "memory": memory_rows(list(watch.engines.values())), "invariant_violations": watch.violations,
                       "admin_kv_failures": watch.failures, "logs": logs}  # fmt: skip
 
 
-# ---- figures ---------------------------------------------------------------------------------
 def result_counts(outcomes: list[Outcome]) -> dict[str, int]:
     counts = Counter(o.result for o in outcomes)
     return {r: counts[r] for r in RESULT_ORDER if counts[r]}
@@ -501,25 +457,24 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def phase_summary(
-    outcomes: list[Outcome], leak: LeakCheck | None, faults: list[FaultSpec], duration_s: float
-) -> dict[str, Any]:
-    """One phase: counts by result and cause; per probabilistic fault the requests that met it (not
-    disconnected by design) beside those that met none; per planned kind; latencies; silences."""
-    done = [o for o in outcomes if o.result == COMPLETED]
-    e2e, plain = [o.e2e_s for o in done], _median([o.e2e_s for o in done if not o.faults and o.kind == "plain"])
-    names = [s.name for s in faults if s.kind == "random"]
-    met = {name: [o for o in outcomes if name in o.faults and o.kind != "disconnect"] for name in names}
+def _e2e(outcomes: list[Outcome]) -> list[float]:
+    return [o.end_s - o.sent_s for o in outcomes if o.result == COMPLETED]
+
+
+def phase_summary(outcomes: list[Outcome], leak: LeakCheck | None, faults: list[FaultSpec], duration_s: float) -> dict:
+    """One phase: counts by result and cause, per random fault (not disconnects) and per kind; latencies; silences."""
+    e2e, plain = _e2e(outcomes), _median(_e2e([o for o in outcomes if not o.faults and o.kind == "plain"]))
+    met = {s.name: [o for o in outcomes if s.name in o.faults and o.kind != "disconnect"] for s in faults
+           if s.kind == "random"}  # fmt: skip
     kinds = {kind: [o for o in outcomes if o.kind == kind] for kind in ("disconnect", "stall")}
+    ttfts = [o.first_token_s - o.sent_s for o in outcomes if o.result == COMPLETED and o.first_token_s is not None]
     return {
         "requests": len(outcomes), "duration_s": round(duration_s, 1), "results": result_counts(outcomes),
         "causes": cause_counts(outcomes),
         "faults": [_group(mine, fault=name) | {"plain_median_e2e_s": plain} for name, mine in met.items()],
         "kinds": [_group(mine, kind=kind) for kind, mine in kinds.items() if mine],
-        "median_e2e_s": _median(e2e),
-        "p90_e2e_s": round(statistics.quantiles(e2e, n=10)[-1], 3) if len(e2e) > 1 else None,
-        "median_ttft_s": _median([o.first_token_s - o.sent_s for o in done if o.first_token_s is not None]),
-        "hangs": sum(o.result == HANG for o in outcomes), "hang_bound_s": HANG_S,
+        "median_e2e_s": _median(e2e), "p90_e2e_s": round(statistics.quantiles(e2e, n=10)[-1], 3) if e2e[1:] else None,
+        "median_ttft_s": _median(ttfts), "hangs": sum(o.result == HANG for o in outcomes), "hang_bound_s": HANG_S,
         "long_silences": sum(o.max_silence_s > LONG_S for o in outcomes), "long_silence_s": LONG_S,
         "max_silence_s": round(max((o.max_silence_s for o in outcomes), default=0.0), 3),
         "anomalies": [asdict(o) for o in outcomes if o.result in ANOMALIES],
@@ -528,13 +483,12 @@ def phase_summary(
 
 
 def _group(outcomes: list[Outcome], **name: str) -> dict[str, Any]:
-    done = [o.e2e_s for o in outcomes if o.result == COMPLETED]
-    return name | {"requests": len(outcomes), "results": result_counts(outcomes), "median_e2e_s": _median(done)}
+    median = _median(_e2e(outcomes))
+    return name | {"requests": len(outcomes), "results": result_counts(outcomes), "median_e2e_s": median}
 
 
 def kill_summary(kill: KillEvent, outcomes: list[Outcome]) -> dict[str, Any]:
-    """One kill: what its own request saw; what the requests in flight at the crash or sent before the
-    restart saw; restart time; recovery: the first request sent after the restart that completed."""
+    """One kill: what its request and those in flight or sent before the restart saw; restart and recovery."""
     own = next((o for o in outcomes if o.request_id == kill.request_id), None)
     saw = own and {"result": own.result, "cause": own.cause, "tokens": own.num_tokens}
     row: dict[str, Any] = {**asdict(kill), "client_saw": saw, "affected": {}, "restart_s": None, "recover_s": None}
@@ -579,8 +533,6 @@ def verdict(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"check": c, "target": t, "measured": m, "met": ok} for c, t, m, ok in rows]
 
 
-# ---- the logs --------------------------------------------------------------------------------
-
 EXPECTED_LOG = {  # one line each, by design; a line counts under its first match, the ingress's first
     "ingress: retried before the first token": "retrying",
     "ingress: ended with an error after tokens": "ended with an error",
@@ -603,41 +555,34 @@ SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [
 
 
 def scan_logs(log_dir: Path) -> dict[str, Any]:
-    """The Ray session's ``serve/*.log`` and workers' ``*.err`` (a line in both counted once): the
-    expected events counted; tracebacks, errors and warnings not expected, counted by kind and by
-    text (ids and numbers left out), Ray Serve's own apart."""
+    """The Ray session's ``serve/*.log`` and workers' ``*.err`` (a line in both counted once): the expected
+    events counted; tracebacks, errors and warnings not expected counted by kind and text, Serve's own apart."""
     counts: dict[str, Counter] = {k: Counter() for k in ("expected", *LOG_KINDS)}
     controllers = {p.stem.split("_")[-1] for p in log_dir.glob("serve/controller_*.log")}
-    paths = sorted(log_dir.glob("serve/*.log"))
-    paths += [p for p in sorted(log_dir.glob("worker-*.err")) if p.stem.split("-")[-1] not in controllers]
     seen: set[str] = set()
-    for path in paths:
+    for path in (p for p in serve_logs(log_dir) if p.suffix == ".log" or p.stem.split("-")[-1] not in controllers):
         lines = path.read_text(errors="replace").splitlines()
         components = Counter(m.group(2) for m in map(SERVE_LINE.match, lines) if m)
         prefix = path.stem.split("_")[0]
         source = components.most_common(1)[0][0] if components else prefix if prefix in SERVE_COMPONENTS else path.name
         for i, line in enumerate(lines):
+            match = SERVE_LINE.match(line)
             if line.startswith("Traceback (most recent call last)"):  # as its exception line: the next unindented
                 tail = next((t for t in lines[i + 1 :] if t and not t[0].isspace()), "(end of file)")
                 _count(counts, source, "traceback: " + tail[:200])
-            elif (match := SERVE_LINE.match(line)) is None or line not in seen:
-                seen.add(line)
-                _classify(counts, line, match)
+            elif match is not None and line in seen:
+                continue
+            elif name := next((name for name, text in EXPECTED_LOG.items() if text in line), None):
+                counts["expected"][name] += 1
+            elif match is not None and match.group(1) in ("WARNING", "ERROR", "CRITICAL"):
+                _count(counts, match.group(2), line.split(" -- ", 1)[-1][:200], warning=match.group(1) == "WARNING")
+            seen.add(line)
     expected = {n: counts["expected"][n] for n in EXPECTED_LOG if counts["expected"][n]}
     summary: dict[str, Any] = {"dir": str(log_dir), "expected": expected}
     for key in LOG_KINDS:
         summary[f"{key}_count"] = sum(counts[key].values())
         summary[key] = [{"line": k, "count": v} for k, v in counts[key].most_common(30)]
     return summary
-
-
-def _classify(counts: dict[str, Counter], line: str, match: re.Match | None) -> None:
-    """Count one log line: an expected event, or (by level) an unexpected error or a warning."""
-    name = next((name for name, text in EXPECTED_LOG.items() if text in line), None)
-    if name is not None:
-        counts["expected"][name] += 1
-    elif match is not None and match.group(1) in ("WARNING", "ERROR", "CRITICAL"):
-        _count(counts, match.group(2), line.split(" -- ", 1)[-1][:200], warning=match.group(1) == "WARNING")
 
 
 def _count(counts: dict[str, Counter], source: str, text: str, warning: bool = False) -> None:
@@ -648,10 +593,8 @@ def _count(counts: dict[str, Counter], source: str, text: str, warning: bool = F
     counts[kind][message] += 1
 
 
-# ---- the page --------------------------------------------------------------------------------
 def save(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Merge this mode's summary into ``out/benchmarks/reliability.json`` (other modes kept) and
-    render the block of ``out/reliability.md`` from all of them; returns the merged summaries."""
+    """Merge this mode's summary into ``benchmarks/reliability.json``; render ``reliability.md`` from all modes."""
     path = out / "benchmarks" / "reliability.json"
     write_json(path, (read_json(path) if path.exists() else {}) | {summary["mode"]: summary}, sort_keys=True)
     merged = read_json(path)  # rendered as a re-render from the file will see it
@@ -664,46 +607,36 @@ def _counts(results: dict[str, int]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in results.items()) or "-"
 
 
-def _s(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f} s"
-
-
 def _span(values: list[float | None]) -> str:
     known = sorted(v for v in values if v is not None)
     return "-" if not known else f"{known[0]:.1f} s" if len(known) == 1 else f"{known[0]:.1f}-{known[-1]:.1f} s"
 
 
-def _rules(spec: dict[str, Any]) -> str:
-    order = ("point", "action", "probability", "seconds", "request_id_prefix")
-    keys = [sorted(rule, key=lambda k: (order.index(k) if k in order else len(order), k)) for rule in spec["rules"]]
-    texts = [", ".join(f"{k}={rule[k]}" for k in ks if rule[k] is not None) for rule, ks in zip(spec["rules"], keys)]
-    return "<br>".join(f"`{text}`" for text in texts) or "-"
+RULE_KEYS = {k: i for i, k in enumerate(("point", "action", "probability", "seconds", "request_id_prefix"))}
 
 
 def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
-    """One row of the per-fault table: fault, rules, how many met it, what the client saw, time to
-    recover, blocks leaked after."""
+    """A per-fault row: rules, requests met, what the client saw, time to recover, blocks leaked after."""
     killing = spec["kind"].startswith("kill-")
     phases = [p for p in (("soak",) if killing else ("burst", "soak")) if summary.get(p) and summary[p]["leak"]]
     leaks = ", ".join(f"{summary[p]['leak']['held_blocks']} ({p})" for p in phases) or "-"
-    head = [f"{spec['name']}: {spec['effect']}", _rules(spec)]
+    rules = [", ".join(f"{k}={r[k]}" for k in sorted(r, key=lambda k: (RULE_KEYS.get(k, 9), k)) if r[k] is not None)
+             for r in spec["rules"]]  # fmt: skip
+    head = [f"{spec['name']}: {spec['effect']}", "<br>".join(f"`{text}`" for text in rules) or "-"]
     if killing:
         kills = [k for k in summary["kills"] if k["kind"] == spec["kind"].removeprefix("kill-")]
-        saw = [k["client_saw"] or {} for k in kills]
-        own = Counter(f"{s.get('result')} ({s.get('cause') or 'ok'})" for s in saw)
+        own = Counter(f"{s.get('result')} ({s.get('cause') or 'ok'})" for s in (k["client_saw"] or {} for k in kills))
         affected = sum((Counter(k["affected"]) for k in kills), Counter())
         seen = f"its request: {', '.join(f'{k} x{v}' for k, v in own.items())}; others: {_counts(dict(affected))}"
-        recover = (
-            f"restart {_span([k['restart_s'] for k in kills])}, recovered {_span([k['recover_s'] for k in kills])}"
-        )
-        return [*head, f"{len(kills)} kills", seen, recover, leaks]
+        spans = [_span([k[key] for k in kills]) for key in ("restart_s", "recover_s")]
+        return [*head, f"{len(kills)} kills", seen, "restart {}, recovered {}".format(*spans), leaks]
     key, name = ("fault", spec["name"]) if spec["kind"] == "random" else ("kind", spec["kind"])
     found = [(p, r) for p in ("burst", "soak") for r in summary[p][key + "s"] if r[key] == name]
     results = sum((Counter(row["results"]) for _, row in found), Counter())
     if spec["kind"] == "disconnect":
         recover = "-"
     elif spec["kind"] == "random":
-        medians = [f"{p} {_s(r['median_e2e_s'])} (no fault {_s(r['plain_median_e2e_s'])})" for p, r in found]
+        medians = [f"{p} {secs(r['median_e2e_s'])} (no fault {secs(r['plain_median_e2e_s'])})" for p, r in found]
         recover = "in the request; median E2E " + ", ".join(medians)
     else:
         recover = f"in the request; median E2E {_span([r['median_e2e_s'] for _, r in found])}"
@@ -718,8 +651,8 @@ PHASE_LINE = (
 
 
 def _phase_lines(name: str, phase: dict[str, Any]) -> list[str]:
-    times = {k: _s(phase[k], 2) for k in ("median_e2e_s", "p90_e2e_s", "median_ttft_s")}
-    lines = [cells(PHASE_LINE, phase | times | {"name": name, "max_silence_s": _s(phase["max_silence_s"])}), ""]
+    times = {k: secs(phase[k], 2) for k in ("median_e2e_s", "p90_e2e_s", "median_ttft_s")}
+    lines = [cells(PHASE_LINE, phase | times | {"name": name, "max_silence_s": secs(phase["max_silence_s"])}), ""]
     rows = [[COMPLETED, "", "", str(phase["results"].get(COMPLETED, 0))]]
     rows += [[c["result"], f"`{c['cause']}`" if c["cause"] else "", c["when"], c["count"]] for c in phase["causes"]]
     lines += table("outcome | cause | when | requests", rows)
@@ -731,78 +664,60 @@ def _phase_lines(name: str, phase: dict[str, Any]) -> list[str]:
 
 
 TARGET_ROW, YES = "{check} | {target} | {measured} | {met}", {True: "yes", False: "**NO**"}
+DISCONNECT = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
 
 
 def render_mode(summary: dict[str, Any]) -> list[str]:
     """One mode's section."""
     s, checks = summary["settings"], verdict(summary)
     lines = [
-        f"## {summary['mode']} mode",
-        "",
-        f"Command: `{summary['command']}`  ",
+        f"## {summary['mode']} mode", "", f"Command: `{summary['command']}`  ",
         f"Run {summary['date']} on {summary['machine']}, Ray {summary['ray']}.  ",
         f"Setup: 1 prefill + 1 decode replica, `transport.kv_transfer_timeout_s={s['kv_transfer_timeout_s']:g}`, "
         f"burst of {s['concurrency']} concurrent streams ({s['burst_disconnect']:.0%} disconnected at random "
         f"points), then a {s['soak_s']:.0f} s soak at {s['rate']:g} req/s Poisson ({s['soak_disconnect']:.0%} "
         f"disconnected), a kill every {s['kill_every_s']:.0f} s (prefill and decode in turn), a stalled transfer "
-        f"every {s['stall_every_s']:.0f} s.",
-        "",
-        "### Targets",
-        "",
+        f"every {s['stall_every_s']:.0f} s.", "", "### Targets", "",
         *table("check | target | measured | met", [cells(TARGET_ROW, v | {"met": YES[v["met"]]}) for v in checks]),
-        "",
-        "### Per fault",
-        "",
+        "", "### Per fault", "",
+        *table("fault | rules (`faults:`) | met | what the client saw | time to recover | blocks leaked after",
+               [_fault_row(summary, spec) for spec in [*summary["faults"], DISCONNECT]]),
+        "", "### Requests by outcome", "", *_phase_lines("Burst", summary["burst"]), "",
+        *_phase_lines("Soak", summary["soak"]),
     ]  # fmt: skip
-    disconnect = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
-    rows = [_fault_row(summary, spec) for spec in [*summary["faults"], disconnect]]
-    header = "fault | rules (`faults:`) | met | what the client saw | time to recover | blocks leaked after"
-    lines += [*table(header, rows), "", "### Requests by outcome", ""]
-    lines += [*_phase_lines("Burst", summary["burst"]), "", *_phase_lines("Soak", summary["soak"])]
-    return lines + _kill_lines(summary) + _memory_lines(summary) + _log_lines(summary["logs"]) + _outside_lines(summary)
+    return lines + _tail_lines(summary)
 
 
-def _kill_lines(summary: dict[str, Any]) -> list[str]:
-    rows = []
+KILLS = ("# | replica | request | its client saw | others in flight or sent before the restart | restart | first OK "
+         "after crash | recovered")  # fmt: skip
+MEMORY = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
+
+
+def _tail_lines(summary: dict[str, Any]) -> list[str]:
+    """Kills, memory, logs; the requests outside the contract and the invariant violations, if any."""
+    kills, memory, logs = [], [], summary["logs"]
     for n, kill in enumerate(summary["kills"], 1):
         saw = kill["client_saw"] or {}
         cause = f" `{saw['cause']}`" if saw.get("cause") else ""
         own = f"{saw.get('result')}{cause} after {saw.get('tokens')} text chunks"
-        times = [_s(kill["restart_s"]), _s(kill.get("first_ok_after_crash_s")), _s(kill["recover_s"])]
-        rows.append([n, kill["kind"], f"`{kill['request_id']}`", own, _counts(kill["affected"]), *times])
-    header = "# | replica | request | its client saw | others in flight or sent before the restart | restart | "
-    return ["", "### Kills", "", *table(header + "first OK after crash | recovered", rows)]
-
-
-def _memory_lines(summary: dict[str, Any]) -> list[str]:
-    rows = []
+        times = [secs(kill["restart_s"]), secs(kill.get("first_ok_after_crash_s")), secs(kill["recover_s"])]
+        kills.append([n, kill["kind"], f"`{kill['request_id']}`", own, _counts(kill["affected"]), *times])
     for m in summary["memory"]:
         growth = "not judged (< 60 s)" if m["growth"] is None else f"{m['growth']:+.1%}"
         state = "live at the end" if m["live_at_end"] else f"gone at {m['last_seen_s']:.0f} s (killed)"
         rss = ["-" if v is None else f"{v / 2**20:.0f}" for v in (m["warm_rss"], m["last_rss"])]
-        first = f"{max(0.0, m['first_seen_s']):.0f} s"
-        rows.append([m["deployment"], f"`{m['engine_id'][:12]}`", first, state, *rss, growth])
-    header = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
-    return ["", "### Memory", "", *table(header, rows)]
-
-
-def _log_lines(logs: dict[str, Any]) -> list[str]:
-    lines = ["", "### Logs", ""]
-    lines += [f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):", ""]
-    expected = logs.get("expected", {})
-    lines += [f"- {name}: {expected[name]} lines" for name in EXPECTED_LOG if name in expected]
+        memory.append([m["deployment"], f"`{m['engine_id'][:12]}`", f"{max(0.0, m['first_seen_s']):.0f} s", state,
+                       *rss, growth])  # fmt: skip
+    lines = ["", "### Kills", "", *table(KILLS, kills), "", "### Memory", "", *table(MEMORY, memory), "", "### Logs",
+             "", f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):",
+             ""]  # fmt: skip
+    lines += [f"- {name}: {logs['expected'][name]} lines" for name in EXPECTED_LOG if name in logs.get("expected", {})]
     for key, title in LOG_KINDS.items():
         lines.append(f"- {title}: {logs.get(key + '_count', 0)}")
         lines += [f"  - {row['count']} x `{row['line']}`" for row in logs.get(key, [])[:10]]
-    return lines
-
-
-def _outside_lines(summary: dict[str, Any]) -> list[str]:
-    """The requests that ended outside the contract, and the invariant violations, if any."""
-    lines: list[str] = []
     if anomalies := [a for p in ("burst", "soak") for a in summary[p]["anomalies"]]:
         lines += ["", "Requests that ended outside the contract (hangs, silent cuts, 500s, client errors):", ""]
-        rows = [[f"`{a['request_id']}`", a["result"], a["cause"] or "", _s(a["sent_s"]), _s(a["end_s"]),
+        rows = [[f"`{a['request_id']}`", a["result"], a["cause"] or "", secs(a["sent_s"]), secs(a["end_s"]),
                  a["num_tokens"]] for a in anomalies]  # fmt: skip
         lines += table("request | result | cause | sent | ended | text chunks", rows)
     if violations := summary.get("invariant_violations", []):
@@ -820,7 +735,6 @@ def render(merged: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-# ---- the command line ------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
@@ -845,13 +759,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.ray_local import Server
-
     opts = parse_args(argv)
     specs, keep_logs = fault_specs(opts.mode), Path(f"/tmp/reliability_logs_{opts.mode}")
-    options = {"port": HTTP_PORT, "name": "reliability", "keep_logs": keep_logs}
-    with Server("disagg", app_args(opts.mode, specs), **options) as server:
-        result = asyncio.run(run_phases(server.url, opts, specs))
+    with Server("disagg", app_args(opts.mode, specs), port=HTTP_PORT, name="reliability", keep_logs=keep_logs) as srv:
+        result = asyncio.run(run_phases(srv.url, srv.model(), opts, specs))
     summary = summarize(opts, specs, result, scan_logs(keep_logs))
     write_json(opts.raw, [asdict(o) for o in result["outcomes"]], indent=0)
     save(opts.out, summary)

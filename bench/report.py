@@ -68,6 +68,10 @@ def cells(template: str, item: dict, missing: str = "n/a") -> str:
     return _Cells(missing).vformat(template, (), item)
 
 
+def secs(value: float | None, digits: int = 1, missing: str = "-") -> str:
+    return missing if value is None else f"{value:.{digits}f} s"
+
+
 def table(header: str | Sequence[str], rows: Iterable[str | Sequence[object]]) -> list[str]:
     """A markdown table; the header and each row as cells or one string "a | b" (a row may be short)."""
     header = header.split(" | ") if isinstance(header, str) else header

@@ -25,8 +25,8 @@ from pathlib import Path
 from bench.compare import COMMON, ELASTIC
 from bench.elastic import SystemRun, lent, mark_spans, parse_systems, save_raw
 from bench.host import cpu_model, cpu_ticks, machine, ticks_between, tokenizer, tree_ticks
-from bench.ray_local import Server
-from bench.report import cells, command_line, figure, first_paragraph, read_json, table, write_json, write_page
+from bench.ray_local import Server, serve_logs
+from bench.report import cells, command_line, figure, first_paragraph, read_json, secs, table, write_json, write_page
 from bench.serve import Target, client, polled, send, warm_up
 from bench.slo import RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder
@@ -50,16 +50,13 @@ LOG_LINE = re.compile(  # Serve log lines kept: decisions, replicas added / remo
     r"autoscaler (scale_up|scale_down|give_up|lend|reclaim|drained)|Adding \d+ replica|Removing \d+ replica"
     r"|taken more than|initializing replica|stopped: |stopping: |ERROR|Traceback|[Rr]esources required"
 )
-MAX_LOG_LINES = 400
-LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+MAX_LOG_LINES, LOG_TIME = 400, re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 EXCERPT = re.compile(  # the lines of the report: engine replicas added, not placed, removed, stopped; errors
     r"(Adding|Removing) \d+ replica.*(PrefillServer|DecodeServer)|(PrefillServer|DecodeServer).*taken more than"
     r"|(PrefillServer|DecodeServer) \w+ -- (stopped|stopping): |ERROR|Traceback"
 )
-BOILERPLATE = (
-    " This may be due to waiting for the cluster to auto-scale or for a runtime environment to be installed.",
-    " Use `ray status` for more details.",
-)
+BOILERPLATE = (" This may be due to waiting for the cluster to auto-scale or for a runtime environment to be "
+               "installed.", " Use `ray status` for more details.")  # fmt: skip
 COLOURS = {"scaling": "tab:purple", "lending": "tab:blue"}
 SECTION = """
 <!-- bench.scaling -->
@@ -72,8 +69,7 @@ SECTION = """
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingRun(SystemRun):
-    """One system on the stepped load (``rows``: ``client``, ``number``, ``step``, ``sent_s``,
-    ``record``), with its arguments, the steps and the kept Serve log lines."""
+    """One system on the stepped load (``rows``: ``client``, ``number``, ``step``, ``sent_s``, ``record``)."""
 
     args: dict[str, str]
     steps: tuple[Step, ...]
@@ -82,45 +78,31 @@ class ScalingRun(SystemRun):
     finished: float = 0.0  # time.time() when saved: the runs are reported in the order run
 
 
-# ---- the load ------------------------------------------------------------------------------
 def step_windows(steps: tuple[Step, ...]) -> list[tuple[float, float]]:
     """(start, end) of each step, seconds since the load's start."""
     ends = [sum(s.seconds for s in steps[: i + 1]) for i in range(len(steps))]
     return [(end - step.seconds, end) for step, end in zip(steps, ends)]
 
 
-def step_at(steps: tuple[Step, ...], t: float) -> int:
-    """The index of the step running at ``t`` (the last one after the load)."""
-    return next((i for i, (_, end) in enumerate(step_windows(steps)) if t < end), len(steps) - 1)
-
-
-def next_active(steps: tuple[Step, ...], t: float, client: int) -> float:
-    """When ``client`` (0-based) is next among a step's clients after ``t``; the load's end if never."""
-    windows = step_windows(steps)
-    found = (start for step, (start, _) in zip(steps, windows) if start > t and client < step.concurrency)
-    return next(found, windows[-1][1])
-
-
 def request(builder: PromptBuilder, client: int, number: int) -> BenchRequest:
-    """Client ``i``'s ``n``-th request, the same for every system. It opens with its own tag, so no
-    KV block is shared: every prompt is prefilled whole on any replica, cold cache or not."""
+    """Client ``i``'s ``n``-th request, the same for every system; its own tag first: no KV block is shared."""
     tag = builder.ids(f"# request {client}.{number}\n")
     prompt = tag + builder.code(PROMPT_TOKENS - len(tag), (7919 * client + 131 * number) % 10_000)
     return BenchRequest(prompt, PROMPT_TOKENS, OUTPUT_TOKENS)
 
 
 async def closed_loop(target: Target, steps: tuple[Step, ...], builder: PromptBuilder, t0: float) -> tuple[list, float]:
-    """Every client's requests, back to back while the running step counts the client in; the rows
-    and the seconds since ``t0``."""
-    total_s, rows = sum(s.seconds for s in steps), []
+    """Every client's requests, back to back while the step counts it in; the rows and the seconds since ``t0``."""
+    windows, rows = step_windows(steps), []
     async with client() as http:
 
         async def one_client(index: int) -> None:
-            number = 0
-            while (now := time.perf_counter() - t0) < total_s:
-                step = step_at(steps, now)
-                if index >= steps[step].concurrency:
-                    await asyncio.sleep(max(0.0, next_active(steps, now, index) - now))
+            number, end = 0, windows[-1][1]
+            while (now := time.perf_counter() - t0) < end:
+                step = next(i for i, (_, until) in enumerate(windows) if now < until)
+                if index >= steps[step].concurrency:  # asleep until a step counts it in (or the end)
+                    wake = (a for s, (a, _) in zip(steps, windows) if a > now and index < s.concurrency)
+                    await asyncio.sleep(max(0.0, next(wake, end) - now))
                     continue
                 record = await send(http, target, request(builder, index, number))
                 row = {"client": index, "number": number, "step": step, "sent_s": round(record.sent - t0, 4)}
@@ -132,8 +114,7 @@ async def closed_loop(target: Target, steps: tuple[Step, ...], builder: PromptBu
 
 
 class CpuMeter:
-    """Busy cores since the last reading: the machine's and this process tree's (driver, Ray, the
-    replicas), so the report shows what other processes took from the run."""
+    """Busy cores since the last reading, the machine's and this process tree's (what other processes took)."""
 
     def __init__(self) -> None:
         self.hz, self.last = os.sysconf("SC_CLK_TCK"), (cpu_ticks()[0], tree_ticks(), time.monotonic())
@@ -145,28 +126,23 @@ class CpuMeter:
         return {"cpu": {k: round(ticks / self.hz / elapsed, 2) for k, ticks in zip(("machine", "ours"), busy)}}
 
 
-def run_system(
-    system: str, index: int, options: argparse.Namespace, builder: PromptBuilder, command: str
-) -> ScalingRun:
-    """Start ``system``, warm it up, drive the steps with the autoscaler polled beside (until 2 s
-    after, for the last requests' end); keep its Serve logs."""
+def run_system(system: str, index: int, opts: argparse.Namespace, builder: PromptBuilder, command: str) -> ScalingRun:
+    """Start ``system``, warm it up, drive the steps with the autoscaler polled (until 2 s after); keep its logs."""
     started, args = time.time(), {**COMMON, **SYSTEMS[system]}
     with Server("disagg", args, index) as server:
         target = Target(server.url, server.model())
         warm_up(target, [request(builder, 0, 10_000)])
-        load, cpu = partial(closed_loop, target, options.steps, builder), CpuMeter().read
+        load, cpu = partial(closed_loop, target, opts.steps, builder), CpuMeter().read
         (rows, duration), timeline, decisions, (_, wall0) = polled(target.url, load, extra=cpu, linger_s=2.0)
         logs = server.log_dir
     kept = scaling_lines(logs) if logs is not None else []
     base = (system, command, time.time() - started, duration, rows, timeline, decisions)  # SystemRun's fields
-    return ScalingRun(*base, args=args, steps=options.steps, log_lines=kept, wall0=wall0)
+    return ScalingRun(*base, args=args, steps=opts.steps, log_lines=kept, wall0=wall0)
 
 
 def scaling_lines(logs: Path) -> list[str]:
-    """The Serve logs' lines about scaling (a stopping replica's own lines reach its worker's
-    stderr, not its Serve log)."""
-    paths = sorted(logs.glob("serve/*.log")) + sorted(logs.glob("worker-*.err"))
-    lines = [(p.name, line) for p in paths for line in p.read_text(errors="replace").splitlines()]
+    """The Serve logs' lines about scaling (a stopping replica's own lines reach its worker's stderr)."""
+    lines = [(p.name, line) for p in serve_logs(logs) for line in p.read_text(errors="replace").splitlines()]
     return [f"{name}: {line.strip()}" for name, line in lines if LOG_LINE.search(line)][:MAX_LOG_LINES]
 
 
@@ -181,16 +157,12 @@ def load_runs(raw: Path) -> list[ScalingRun]:
     return sorted(runs, key=lambda r: r.finished)
 
 
-# ---- the figures ------------------------------------------------------------------------------
 def lost_reason(record: RequestRecord) -> str | None:
     """Why a request counts as lost (an error, or fewer tokens than asked), or None."""
-    if record.error is not None:
-        return record.error
-    if record.usage_output_tokens is None:
-        return f"no usage chunk ({len(record.chunks)} text chunks)"
-    if record.usage_output_tokens < record.max_tokens:
-        return f"{record.usage_output_tokens} of {record.max_tokens} tokens"
-    return None
+    got = record.usage_output_tokens
+    if record.error is not None or got is None:
+        return record.error if record.error is not None else f"no usage chunk ({len(record.chunks)} text chunks)"
+    return f"{got} of {record.max_tokens} tokens" if got < record.max_tokens else None
 
 
 def lost(run: ScalingRun) -> list[dict]:
@@ -207,8 +179,7 @@ def _mean(values: list[float]) -> float:
 
 
 def step_stats(run: ScalingRun) -> list[dict]:
-    """Per step: its requests (by send) lost and their TTFT / TPOT, tokens/s arrived within it, and
-    from its polls the decode replicas reporting and target, the prefill lent share, busy cores."""
+    """Per step: requests sent and lost, TTFT / TPOT, tokens/s; decode replicas and target, lent share, busy cores."""
     records = [(row["step"], RequestRecord.from_json(row["record"])) for row in run.rows]
     chunks = [row["sent_s"] + c for row in run.rows for c in row["record"]["chunks"]]
     stats = []
@@ -235,10 +206,9 @@ def step_stats(run: ScalingRun) -> list[dict]:
 
 
 def scale_timings(run: ScalingRun) -> list[dict]:
-    """Per replica-count decision, seconds until (from the polls) the pool's reporting replicas
-    first change (``first_s``) and reach the target (``all_s``), a new replica first runs a request
-    (``load_s``), and ``log_timing``'s; None: not before the pool's next decision or the run's end."""
-    events, timings = [d for d in run.decisions if d.get("pool") in DEPLOYMENTS], []
+    """Per replica-count decision, seconds until (from the polls) the pool's reporting replicas first change
+    (``first_s``), reach the target (``all_s``), a new replica runs a request (``load_s``), and ``log_timing``'s."""
+    events, timings, logs = [d for d in run.decisions if d.get("pool") in DEPLOYMENTS], [], log_events(run)
     for index, d in enumerate(events):
         until = min((e["t"] for e in events[index + 1 :] if e["pool"] == d["pool"]), default=math.inf)
         (old, new), t = d["replicas"], d["t"]
@@ -250,8 +220,14 @@ def scale_timings(run: ScalingRun) -> list[dict]:
         reached = [s for s, n in polls if (n >= new if up else n <= new)]
         timing = {"t": t, "action": d["action"], "pool": d["pool"], "old": old, "new": new, "reason": d["reason"]}
         timing |= {"first_s": _after(moved, t), "all_s": _after(reached, t)}
-        timing["load_s"] = _after(_loaded(run, d, [s for s, _ in polls]), t) if up else None
-        timings.append(timing | log_timing(log_events(run), d, until))
+        if up:  # the polls where a replica of the pool that was not there before the decision had work
+            before, deployment = [s for s in run.timeline if s["t"] <= t], DEPLOYMENTS[d["pool"]]
+            known = {r["replica"] for r in (before[-1]["replicas"] if before else []) if r["deployment"] == deployment}
+            fresh = [[r for r in s["replicas"] if r["deployment"] == deployment and r["replica"] not in known]
+                     for s, _ in polls]  # fmt: skip
+            loaded = [s for (s, _), mine in zip(polls, fresh) if any(r["running"] > 0 for r in mine)]
+        timing["load_s"] = _after(loaded, t) if up else None
+        timings.append(timing | log_timing(logs, d, until))
     return timings
 
 
@@ -262,44 +238,32 @@ def log_events(run: ScalingRun) -> list[tuple[float, str]]:
     return sorted((parse(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - run.wall0, line) for m, line in stamps if m)
 
 
-def _first(events: list[tuple[float, str]], pattern: str, since: float, until: float) -> tuple[float, str] | None:
-    found = re.compile(pattern)
-    return next(((t, line) for t, line in events if since - 0.1 <= t < until and found.search(line)), None)
-
-
 def log_timing(events: list[tuple[float, str]], decision: dict, until: float) -> dict:
-    """From the Serve logs, seconds after ``decision``: Serve adds / removes a replica (``serve_s``);
-    up, its constructor starts and ends (``init_start_s`` / ``init_done_s``); down, the stopping
-    replica's drain ends (``stopped_s``, its line ``stopped``)."""
+    """From the Serve logs, seconds after ``decision`` until Serve adds / removes a replica (``serve_s``), its
+    constructor starts and ends (``init_start_s`` / ``init_done_s``), a stopped replica's drain ends (``stopped_s``)."""
     deployment, t0 = DEPLOYMENTS[decision["pool"]], decision["t"]
     name, up = f"bench_{deployment}", decision["replicas"][1] > decision["replicas"][0]
     out = dict.fromkeys(("serve_s", "init_start_s", "init_done_s", "stopped_s", "stopped"))
+
+    def first(pattern: str, since: float) -> tuple[float, str] | None:
+        found = re.compile(pattern)
+        return next(((t, line) for t, line in events if since - 0.1 <= t < until and found.search(line)), None)
+
     verb = "Adding" if up else "Removing"
-    serve = _first(events, rf"{verb} \d+ replicas? (to|from) Deployment\(name='{deployment}'", t0, until)
-    if serve is None:
+    if (serve := first(rf"{verb} \d+ replicas? (to|from) Deployment\(name='{deployment}'", t0)) is None:
         return out
     out["serve_s"] = round(serve[0] - t0, 1)
-    if up and (start := _first(events, rf"{name} (\w+) -- Started initializing replica", serve[0], until)):
+    if up and (start := first(rf"{name} (\w+) -- Started initializing replica", serve[0])):
         replica = re.search(rf"{name} (\w+) --", start[1]).group(1)
-        done = _first(events, rf"{name} {replica} -- Finished initializing", start[0], until)
-        out["init_start_s"] = round(start[0] - t0, 1)
-        out["init_done_s"] = None if done is None else round(done[0] - t0, 1)
-    elif not up and (stopped := _first(events, rf"{name} \w+ -- stopped: ", serve[0], until)):
+        done = first(rf"{name} {replica} -- Finished initializing", start[0])
+        out["init_start_s"], out["init_done_s"] = round(start[0] - t0, 1), done and round(done[0] - t0, 1)
+    elif not up and (stopped := first(rf"{name} \w+ -- stopped: ", serve[0])):
         out["stopped_s"], out["stopped"] = round(stopped[0] - t0, 1), stopped[1].split(" -- ", 1)[-1]
     return out
 
 
 def _after(samples: list[dict], t: float) -> float | None:
     return round(samples[0]["t"] - t, 1) if samples else None
-
-
-def _loaded(run: ScalingRun, decision: dict, polls: list[dict]) -> list[dict]:
-    """The polls after ``decision`` where a replica of its pool that was not there before it had work."""
-    deployment = DEPLOYMENTS[decision["pool"]]
-    before = [s for s in run.timeline if s["t"] <= decision["t"]]
-    known = {r["replica"] for r in (before[-1]["replicas"] if before else []) if r["deployment"] == deployment}
-    new = [[r for r in s["replicas"] if r["deployment"] == deployment and r["replica"] not in known] for s in polls]
-    return [s for s, mine in zip(polls, new) if any(r["running"] > 0 for r in mine)]
 
 
 def excerpt(run: ScalingRun) -> list[str]:
@@ -311,31 +275,20 @@ def excerpt(run: ScalingRun) -> list[str]:
     return list(chosen.values())
 
 
-# ---- the files -----------------------------------------------------------------------------------
 def write_report(runs: list[ScalingRun], out: Path) -> None:
     """scaling.json, scaling.png and elastic.md's section in ``out``."""
     if not runs:
-        print("no runs in the raw folder: nothing to report", file=sys.stderr)
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    summary = summary_json(runs, f"{cpu_model()}, {machine()}")
+        return print("no runs in the raw folder: nothing to report", file=sys.stderr)
+    systems = {run.system: {
+        "args": run.args, "elapsed_s": run.elapsed_s, "requests": len(run.rows), "lost": lost(run),
+        "per_step": step_stats(run), "scale_timings": scale_timings(run),
+        "decision_counts": dict(Counter(d["action"] for d in run.decisions)), "log_lines": excerpt(run),
+    } for run in runs}  # fmt: skip
+    summary = {"command": runs[0].command, "machine": f"{cpu_model()}, {machine()}", "order": [r.system for r in runs],
+               "steps": [asdict(s) for s in runs[0].steps], "systems": systems}  # fmt: skip
     write_json(out / "scaling.json", summary)
     plot_run(runs, summary, out / "scaling.png")
     write_page(out / "elastic.md", NAME, render(summary), SECTION)
-
-
-def summary_json(runs: list[ScalingRun], host: str) -> dict:
-    """scaling.json: what the page shows, without the per-request records."""
-    systems = {}
-    for run in runs:
-        counts = dict(Counter(d["action"] for d in run.decisions))
-        systems[run.system] = {
-            "args": run.args, "elapsed_s": run.elapsed_s, "requests": len(run.rows), "lost": lost(run),
-            "per_step": step_stats(run), "scale_timings": scale_timings(run), "decision_counts": counts,
-            "log_lines": excerpt(run),
-        }  # fmt: skip
-    head = {"command": runs[0].command, "machine": host, "order": [r.system for r in runs]}
-    return head | {"steps": [asdict(s) for s in runs[0].steps], "systems": systems}
 
 
 STEP_ROW = (
@@ -356,22 +309,18 @@ def render(summary: dict) -> list[str]:
     systems, order = summary["systems"], summary["order"]
     args = " ".join(f"{k}={v}" for k, v in systems[order[0]]["args"].items() if not k.startswith("autoscaling."))
     lines = [
-        "",
-        f"Command: `{summary['command']}`. Machine: {summary['machine']}.",
-        "",
+        "", f"Command: `{summary['command']}`. Machine: {summary['machine']}.", "",
         f"A closed loop of clients, each sending its next request when the last ended: {plan}. Every request "
         "has a 64-token code prompt and asks 128 tokens with `ignore_eos`, temperature 0, streamed. When the "
         "step lowers the clients, those above it finish their request and stop. Requests are counted in the "
-        "step they were sent in; tokens/s counts the text chunks that arrived within the step.",
-        "",
+        "step they were sent in; tokens/s counts the text chunks that arrived within the step.", "",
         f"Systems, one after another ({', then '.join(f'`{s}`' for s in order)}), each in its own local Ray with "
         f"2 CPUs, both starting at 1 prefill + 1 decode replica (`{args}`): `scaling` is disagg_app with the "
         "default policy (lending and replica counts), `lending` the same with `autoscaling.replica_scaling=false`. "
         "Ray CPUs: 0.5 per engine replica, 0.1 for the ingress, 0.05 for the controller, so a third engine "
         "replica fits (1.65 of 2) and a fourth cannot be placed (2.15): Serve leaves it pending and the "
-        "controller gives it up after `pending_timeout_s` (60 s).",
-        "",
-    ]
+        "controller gives it up after `pending_timeout_s` (60 s).", "",
+    ]  # fmt: skip
     for system in order:
         data = systems[system]
         rows = [cells(STEP_ROW, {k: None if v != v else v for k, v in s.items()}) for s in data["per_step"]]  # NaN: n/a
@@ -391,24 +340,19 @@ def render(summary: dict) -> list[str]:
     return [*lines, f"![{caption}](scaling.png)", ""]
 
 
-def _s(seconds: float | None) -> str:
-    return "never" if seconds is None else f"{seconds:.1f} s"
-
-
 def _timing_lines(summary: dict) -> list[str]:
     title = ["### Replica-count decisions and what followed", ""]
     found = [(s, t) for s in summary["order"] for t in summary["systems"][s]["scale_timings"]]
     if not found:
         return [*title, "No replica-count decision in this run.", ""]
-    rows = []
+    rows, s = [], partial(secs, missing="never")
     for system, t in found:
         up = t["new"] > t["old"]
-        constructor = f"{_s(t['init_start_s'])} / {_s(t['init_done_s'])}" if up else ""
-        polled = ["", ""] if t["action"] == "give_up" else [_s(t["first_s"]), _s(t["all_s"])]
-        moved = [system, f"{t['t']:.1f}", t["action"], t["pool"], f"{t['old']} -> {t['new']}", _s(t["serve_s"])]
-        rows.append([*moved, constructor, *polled, _s(t["load_s"]) if up else "", t["reason"]])
+        moved = [system, f"{t['t']:.1f}", t["action"], t["pool"], f"{t['old']} -> {t['new']}", s(t["serve_s"])]
+        moved.append(f"{s(t['init_start_s'])} / {s(t['init_done_s'])}" if up else "")
+        polled = ["", ""] if t["action"] == "give_up" else [s(t["first_s"]), s(t["all_s"])]
+        rows.append([*moved, *polled, s(t["load_s"]) if up else "", t["reason"]])
     header = "system | time (s) | decision | pool | replicas | Serve adds / removes | constructor starts / ends | "
-    header += "reporting changes | target reached | first request on it | reason"
     lines = [
         *title,
         "Seconds after each decision. From the Serve logs: Serve adds (or removes) the replica; the new "
@@ -416,16 +360,13 @@ def _timing_lines(summary: dict) -> list[str]:
         "(its `stopped:` line). From the polls (every 1 s, so up to ~1.3 s late): the pool's reporting "
         "replicas first change (up: the new replica reports to the controller; down: the stopped one left), "
         "reach the new target, and (up) a new replica first runs a request. `never`: not before the pool's "
-        "next decision or the end of the run.",
-        "",
-        *table(header, rows),
-    ]
-    stops = [(system, t) for system, t in found if t["stopped"]]
-    if stops:
+        "next decision or the end of the run.", "",
+        *table(header + "reporting changes | target reached | first request on it | reason", rows),
+    ]  # fmt: skip
+    if stops := [(system, t) for system, t in found if t["stopped"]]:
         lines += ["", "The stopped replicas' own lines (`EngineServer.__del__`, after Serve's graceful stop):", ""]
-        lines += [
-            f"- `{s}`, {t['action']} at {t['t']:.1f} s, {_s(t['stopped_s'])} later: `{t['stopped']}`" for s, t in stops
-        ]
+        lines += [f"- `{n}`, {t['action']} at {t['t']:.1f} s, {s(t['stopped_s'])} later: `{t['stopped']}`"
+                  for n, t in stops]  # fmt: skip
     return [*lines, ""]
 
 
@@ -438,8 +379,7 @@ def _short(line: str, width: int = 300) -> str:
 
 
 def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
-    """On one time axis: each system's decode replicas reporting (the scaling system's target and
-    decisions), TPOT p90 per step, tokens/s."""
+    """On one time axis: decode replicas reporting (target, decisions), TPOT p90 and tokens/s per step."""
     steps, top = runs[0].steps, max(s.concurrency for s in runs[0].steps)
     windows = step_windows(steps)
     spans = [(a, b, f"{s.concurrency} clients", 0.25 * s.concurrency / top) for s, (a, b) in zip(steps, windows)]
@@ -447,7 +387,18 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
         mark_spans([count_ax, tpot_ax, rate_ax], spans, fontsize=8)
         for number, run in enumerate(runs):
             colour, per = COLOURS.get(run.system), summary["systems"][run.system]["per_step"]
-            _plot_counts(count_ax, run, colour, lent_at=0.3 + 0.15 * number)
+            times, lent_at, ax = [s["t"] for s in run.timeline], 0.3 + 0.15 * number, count_ax
+            reporting, target = ([_pool(s, "decode", k) for s in run.timeline] for k in ("reporting", "target"))
+            ax.step(times, reporting, where="post", color=colour, label=f"{run.system}: decode replicas reporting")
+            if any(t is not None for t in target) and run.args.get("autoscaling.replica_scaling") == "true":
+                ax.step(times, target, where="post", color=colour, linestyle="--", label=f"{run.system}: decode target")
+            marks = [n + lent_at if lent(s) and n is not None else math.nan for s, n in zip(run.timeline, reporting)]
+            ax.plot(times, marks, color=colour, marker="|", linestyle="none", markersize=4,
+                    label=f"{run.system}: prefill lent")  # fmt: skip
+            for d in (d for d in run.decisions if d.get("pool") in DEPLOYMENTS):
+                ax.axvline(d["t"], color=colour, linewidth=0.8, alpha=0.6)
+                ax.text(d["t"], 0.02, f"{d['action']} {d['pool']}", transform=ax.get_xaxis_transform(), color=colour,
+                        fontsize=6, rotation=90, va="bottom", ha="right")  # fmt: skip
             edges = [s["start_s"] for s in per] + [per[-1]["end_s"]]
             for ax, values, label in ((tpot_ax, [s["tpot_p90_s"] * 1e3 for s in per], " TPOT p90"),
                                       (rate_ax, [s["tokens_per_s"] for s in per], "")):  # fmt: skip
@@ -460,25 +411,18 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
             ax.legend(fontsize=7, loc="upper left")
 
 
-def _plot_counts(ax, run: ScalingRun, colour: str | None, lent_at: float) -> None:
-    times = [s["t"] for s in run.timeline]
-    reporting, target = ([_pool(s, "decode", k) for s in run.timeline] for k in ("reporting", "target"))
-    ax.step(times, reporting, where="post", color=colour, label=f"{run.system}: decode replicas reporting")
-    if any(t is not None for t in target) and run.args.get("autoscaling.replica_scaling") == "true":
-        ax.step(times, target, where="post", color=colour, linestyle="--", label=f"{run.system}: decode target")
-    marks = [n + lent_at if lent(s) and n is not None else math.nan for s, n in zip(run.timeline, reporting)]
-    ax.plot(times, marks, color=colour, marker="|", linestyle="none", markersize=4, label=f"{run.system}: prefill lent")
-    style = {"color": colour, "fontsize": 6, "rotation": 90, "va": "bottom", "ha": "right"}
-    for d in (d for d in run.decisions if d.get("pool") in DEPLOYMENTS):
-        ax.axvline(d["t"], color=colour, linewidth=0.8, alpha=0.6)
-        ax.text(d["t"], 0.02, f"{d['action']} {d['pool']}", transform=ax.get_xaxis_transform(), **style)
-
-
-# ---- the command line ------------------------------------------------------------------------
-def parse_steps(text: str) -> tuple[Step, ...]:
-    """``2:60,8:75`` -> two steps (clients, seconds)."""
-    steps = []
-    for item in text.split(","):
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked: ``steps`` parsed, ``systems`` a tuple, ``out`` and ``raw`` paths."""
+    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    default_steps = ",".join(f"{s.concurrency}:{s.seconds:g}" for s in STEPS)
+    parser.add_argument("--steps", default=default_steps, help="CLIENTS:SECONDS,... closed-loop steps")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="in the order run: " + ", ".join(SYSTEMS))
+    parser.add_argument("--stage", choices=("all", "run", "report"), default="all")
+    parser.add_argument("--out", type=Path, default="docs/benchmarks", help="folder for scaling.json/png, elastic.md")
+    parser.add_argument("--raw", type=Path, default="/tmp/scaling_raw", help="folder for the raw records (not kept)")
+    options = parser.parse_args(argv)
+    options.systems, steps = parse_systems(options.systems, SYSTEMS), []
+    for item in options.steps.split(","):
         clients, _, seconds = item.partition(":")
         try:
             steps.append(Step(int(clients), float(seconds)))
@@ -486,33 +430,17 @@ def parse_steps(text: str) -> tuple[Step, ...]:
             sys.exit(f"--steps: {item!r} is not CLIENTS:SECONDS")
         if steps[-1].concurrency < 1 or steps[-1].seconds <= 0:
             sys.exit(f"--steps: {item!r}: at least 1 client for more than 0 s")
-    return tuple(steps)
-
-
-def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked: ``steps`` parsed, ``systems`` a tuple, ``out`` and ``raw`` paths."""
-    default_steps = ",".join(f"{s.concurrency}:{s.seconds:g}" for s in STEPS)
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
-    parser.add_argument("--steps", default=default_steps, help="CLIENTS:SECONDS,... closed-loop steps")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="in the order run: " + ", ".join(SYSTEMS))
-    parser.add_argument("--stage", choices=("all", "run", "report"), default="all")
-    parser.add_argument("--out", default="docs/benchmarks", help="folder for scaling.json/png and elastic.md")
-    parser.add_argument("--raw", default="/tmp/scaling_raw", help="folder for the raw records (not committed)")
-    options = parser.parse_args(argv)
-    options.systems, options.steps = parse_systems(options.systems, SYSTEMS), parse_steps(options.steps)
-    options.out, options.raw = Path(options.out), Path(options.raw)
+    options.steps = tuple(steps)
     return options
 
 
 def main(argv: list[str] | None = None) -> None:
-    options = parse_options(argv)
-    command = command_line(NAME, argv)
+    options, command = parse_options(argv), command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
     if options.stage in ("all", "run"):
         builder = PromptBuilder(tokenizer())
         for index, system in enumerate(options.systems):
-            result = run_system(system, index, options, builder, command)
-            save_run(options.raw, result)
+            save_run(options.raw, result := run_system(system, index, options, builder, command))
             text = f"{len(result.rows)} requests, {len(lost(result))} lost, {len(result.decisions)} decisions"
             print(f"{system}: {text}", file=sys.stderr)
     write_report(load_runs(options.raw), options.out)

@@ -23,16 +23,15 @@ from pathlib import Path
 
 import httpx
 
+from bench.host import tokenizer as load_tokenizer
 from bench.report import first_paragraph, plot_attainment, plot_cdfs, write_json
 from bench.slo import SLO, RequestRecord, goodput, summarize
 from workloads import WORKLOADS, BenchRequest, arrival_times, load_trace, make_requests, median_request
 
 POLL_S = 1.0  # GET /admin/autoscaler period of ``poll_autoscaler``
-
 # server-side TTFT parts (Prometheus histograms exported by the tandem replicas)
 SPLIT_METRICS = {"ingress_ttft": "ray_tandem_ttft_seconds", "kv_transfer": "ray_tandem_kv_transfer_seconds"} | {
-    part: f"ray_tandem_ttft_{part}_seconds"
-    for part in ("prefill_hop", "prefill_queue", "prefill_compute", "decode_queue")
+    p: f"ray_tandem_ttft_{p}_seconds" for p in ("prefill_hop", "prefill_queue", "prefill_compute", "decode_queue")
 }
 
 
@@ -58,40 +57,45 @@ def client() -> httpx.AsyncClient:
 
 
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
-    """Stream one completion; every chunk's arrival time is taken as it is read."""
+    """Stream one completion."""
     record = RequestRecord(request.prompt_tokens, request.max_tokens, time.perf_counter())
+    await stream(client, target.url + "/v1/completions", target.body(request), record)
+    return record
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord, texts: list | None = None):
+    """POST ``body`` (a completion or chat); its stream into ``record`` (times as read), ``texts``; the last usage."""
+    usage: dict = {}
     try:
-        async with client.stream("POST", target.url + "/v1/completions", json=target.body(request)) as response:
+        async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return record
+                return usage
             async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+                if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
+                now, chunk = time.perf_counter(), json.loads(line[6:])
                 if "error" in chunk:
                     record.error = str(chunk["error"].get("message"))
                     break
-                record.last = now
+                record.last, usage = now, chunk.get("usage") or usage
                 if chunk.get("usage"):
-                    record.usage_prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    record.usage_output_tokens = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices", ())):
+                    record.usage_prompt_tokens = usage["prompt_tokens"]
+                    record.usage_output_tokens = usage["completion_tokens"]
+                choices = chunk.get("choices", ())
+                if text := "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices):
                     record.chunks.append(now)
+                    if texts is not None:
+                        texts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     if record.error is None and not record.chunks:
         record.error = "no tokens received"
-    return record
+    return usage
 
 
-async def run(
-    target: Target, requests: list[BenchRequest], offsets: list[float], label: str = "", progress: bool = True
-) -> tuple[list[RequestRecord], float]:
+async def run(target: Target, requests: list[BenchRequest], offsets: list[float], label: str = "",
+              progress: bool = True) -> tuple[list[RequestRecord], float]:  # fmt: skip
     """Send each request at its offset; wait for all. Returns the records and the duration."""
     from tqdm.auto import tqdm
 
@@ -129,7 +133,7 @@ def uncontended(target: Target, request: BenchRequest, repeats: int = 3, max_tok
     return {"prompt_tokens": request.prompt_tokens, "ttft_s": ttft, "tpot_s": tpot}
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")  # name, labels, value
 
 
 def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:
@@ -137,10 +141,10 @@ def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:
     if not metrics_url:
         return {}
     totals: dict[str, list[float]] = {}
-    for match in map(_SAMPLE.match, httpx.get(metrics_url, timeout=10).text.splitlines()):
+    for match in map(SAMPLE.match, httpx.get(metrics_url, timeout=10).text.splitlines()):
         for key, metric in SPLIT_METRICS.items():
             if match and match.group(1) in (metric + "_sum", metric + "_count"):
-                totals.setdefault(key, [0.0, 0.0])[match.group(1).endswith("_count")] += float(match.group(2))
+                totals.setdefault(key, [0.0, 0.0])[match.group(1).endswith("_count")] += float(match.group(3))
     return {k: (v[0], v[1]) for k, v in totals.items()}
 
 
@@ -252,8 +256,6 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.max_model_len or info.get("max_model_len")
     if max_model_len is None:
         sys.exit("--max-model-len is needed: the server does not report its context")
-    from bench.host import tokenizer as load_tokenizer
-
     tokenizer = load_tokenizer(args.tokenizer)
     target = Target(args.url, args.model or info["id"], args.prompt_format, tokenizer)
     out = Path(args.out)

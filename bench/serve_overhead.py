@@ -2,8 +2,7 @@
 
 What the Serve path adds per token (ITL through the ingress against the engine's own step) and to
 the first token (TTFT through disagg_app minus colocated_app minus the KV transfer), one request at
-a time; every figure is paired within one repetition, since the machine's speed drifts.
-"""
+a time; every figure is paired within one repetition, since the machine's speed drifts."""
 
 from __future__ import annotations
 
@@ -71,16 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         serve.shutdown()
         ray.shutdown()
     rows = [row for row, _ in repetitions]
-    result = {"command": command_line(NAME)}
-    result |= {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    result = {"command": command_line(NAME)} | {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     result["itl_p50_ms"] = statistics.median(gap for _, gaps in repetitions for gap in gaps) * 1e3
     data = result | {"repetitions": rows}
     publish(Path("docs/benchmarks"), "serve_overhead", NAME, data, render(result), "# Serve overhead benchmark")
 
 
 def repetition(base: str, decode, local) -> tuple[dict[str, float], list[float]]:
-    """A streamed disagg request, the decode replica's step time over it, the same request through
-    colocated_app, then on the engine in this process: the figures (ms) and the request's gaps (s)."""
+    """One request through disagg_app, colocated_app and the engine here: the figures (ms), its gaps (s)."""
     t_d, gaps = stream_once(base)
     # the replica's last 64 model steps: this request's 47 and the end of the one before
     replica_step_ms = decode.stats.remote().result().median_step_ms

@@ -56,11 +56,9 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         """The JSON row of the reports' raw records: times relative to the send."""
-        return asdict(self) | {
-            "sent": round(self.sent, 6),
-            "chunks": [round(t - self.sent, 6) for t in self.chunks],
-            "last": None if self.last is None else round(self.last - self.sent, 6),
-        }
+        last = None if self.last is None else round(self.last - self.sent, 6)
+        chunks = [round(t - self.sent, 6) for t in self.chunks]
+        return asdict(self) | {"sent": round(self.sent, 6), "chunks": chunks, "last": last}
 
     @classmethod
     def from_json(cls, row: dict) -> RequestRecord:
@@ -94,17 +92,12 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     done = [r for r in records if r.ok]
     per_s = lambda n: n / duration_s if duration_s > 0 else 0.0  # noqa: E731
     summary = {
-        "requests": len(records),
-        "completed": len(done),
-        "failed": len(records) - len(done),
-        "duration_s": duration_s,
-        "request_throughput": per_s(len(done)),
-        "output_throughput": per_s(sum(r.output_tokens for r in done)),
+        "requests": len(records), "completed": len(done), "failed": len(records) - len(done), "duration_s": duration_s,
+        "request_throughput": per_s(len(done)), "output_throughput": per_s(sum(r.output_tokens for r in done)),
         "ttft_s": distribution([r.ttft for r in done]),
         "tpot_s": distribution([t for r in done if (t := r.tpot) is not None]),
-        "itl_s": distribution([gap for r in done for gap in r.itls]),
-        "e2e_s": distribution([r.e2e for r in done]),
-    }
+        "itl_s": distribution([gap for r in done for gap in r.itls]), "e2e_s": distribution([r.e2e for r in done]),
+    }  # fmt: skip
     if slo is not None:
         summary |= {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "attainment": attainment(records, slo)}
     return summary

@@ -1,24 +1,17 @@
 """The Azure conversation trace through the served app on this machine, beside the simulator's
 prediction of the same replay: ``python -m bench.trace_replay``.
 
-A window of ``workloads/traces/azure_llm_2023_conv.csv`` (``--start-s``, ``--window-s``) with its
-lengths scaled to the default model (``scaled``: prompt / 8 clipped to 16..384 tokens, output / 4
-clipped to 8..96: the trace's median request, 1,020 + 129 tokens, becomes 128 + 32, within the
-benchmark's 512-token context), thinned to one request in ``m`` at the trace's own times, ``m``
-the smallest keeping the mean load under ``--load`` of what 1 prefill + 1 decode replica serve:
-their measured goodput in ``docs/benchmarks/planner.json`` (bench.planner_check's chatbot
-workload, median prompt 118 tokens, about 31 output: these lengths). The simulator's throughput
-for 1 + 1 offered the window 4x compressed is recorded beside it: it is not the capacity, as the
-calibration was checked up to 90% of that goodput, not in overload (a first run sized from it
-offered 1.7 req/s and the static system completed about 0.9). Thinning rather than stretching
-keeps the window's length and the shape of its bursts in a run this machine finishes in minutes
-per system.
+A window of ``workloads/traces/azure_llm_2023_conv.csv`` (``--start-s``, ``--window-s``), lengths scaled to
+the default model (``scaled``: prompt / 8 within 16..384 tokens, output / 4 within 8..96: the median request,
+1,020 + 129 tokens, becomes 128 + 32), thinned to one request in ``m`` at the trace's own times (keeping the
+window's length and the shape of its bursts), ``m`` the smallest keeping the mean load under ``--load`` of 1
+prefill + 1 decode replica's measured goodput (``docs/benchmarks/planner.json``: bench.planner_check's chatbot
+workload, these lengths). The simulated 1 + 1's throughput on the window 4x compressed is recorded beside it, not
+used: the calibration was checked up to 90% of that goodput, not in overload.
 
-Three systems, each in its own local Ray, in one run: ``static`` (1 prefill + 1 decode),
-``colocated`` (2 replicas), ``elastic`` (the default policy's lending and prompt placement, counts
-fixed); SLOs as bench.compare's (multiples of the idle colocated system's median request). Beside
-each, the simulator's prediction from the calibration, and bench.drift's shapes timed before and
-after the systems, so a prediction that misses can be set against the machine's own drift.
+Systems ``static`` (1 + 1), ``colocated`` (2) and ``elastic`` (lending and prompt placement, counts fixed), each
+in its own local Ray; SLOs as bench.compare's. Beside each, the simulator's prediction from the calibration, and
+bench.drift's shapes timed before and after the systems, to set a miss against the machine's own drift.
 """
 
 from __future__ import annotations
@@ -32,10 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autoscaling.policy import Scaling, load_policy
+from bench.calibrate_planner import Prompts, core
+from bench.drift import sample
 from bench.elastic import SYSTEMS, binned, each_system, parse_systems
 from bench.host import machine, tokenizer
-from bench.report import command_line, first_paragraph, table, template, write_json, write_page
-from bench.serve import Target, run, warm_up
+from bench.report import cells, command_line, first_paragraph, publish, read_json, table
+from bench.serve import run, warm_up
 from bench.slo import SLO, distribution
 from planner import replay
 from planner.sim_types import SimRequest
@@ -64,18 +60,16 @@ def scaled(requests: list[SimRequest]) -> list[SimRequest]:
                        _clip(r.output_tokens / OUTPUT_DIV, OUTPUT_RANGE)) for r in requests]  # fmt: skip
 
 
-def _sim_args(system: str, slo: SLO, **extra: Any) -> argparse.Namespace:
-    from autoscaling.policy import Scaling, load_policy
-
+def _sim_args(system: str, slo: SLO) -> argparse.Namespace:
     sim: dict[str, Any] = {"colocated": 2} if system == "colocated" else {"prefill": 1, "decode": 1}  # as served
     if system == "elastic":
         sim["policy"] = load_policy("default").model_copy(update={"scaling": Scaling(enabled=False)})
-    return replay.with_defaults(calibration=CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim, **extra)
+    return replay.with_defaults(calibration=CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim)
 
 
 def served_capacity() -> float:
     """1 prefill + 1 decode replica's measured goodput (req/s), from bench.planner_check's report."""
-    return json.loads(GOODPUT.read_text())["systems"]["disagg-pull"]["goodput"]
+    return read_json(GOODPUT)["systems"]["disagg-pull"]["goodput"]
 
 
 def simulated_throughput(requests: list[SimRequest]) -> float:
@@ -113,30 +107,8 @@ def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minu
                          for a, t, p in rows]}  # fmt: skip
 
 
-def predict(system: str, requests: list[SimRequest], slo: SLO, minutes: int) -> dict[str, Any]:
-    result = simulate(replay.setup(_sim_args(system, slo)).system, requests)
-    rows = sorted((r.arrival_s, r.ttft_s, r.tpot_s) for r in result.records)
-    return outcome(rows, slo, minutes) | {"routes": result.routes}
-
-
-def served(target: Target, system: str, slo: SLO, requests: list, offsets: list[float], minutes: int) -> dict[str, Any]:
-    warm_up(target, requests[:2])
-    records, duration = asyncio.run(run(target, requests, offsets, system))
-    rows = [(offset, r.ttft if r.ok else None, r.tpot if r.ok else None) for offset, r in zip(offsets, records)]
-    return outcome(rows, slo, minutes) | {"errors": sum(not r.ok for r in records), "duration_s": duration}
-
-
-def drift_reference() -> dict[str, Any]:
-    """bench.drift's shapes (medians) as measured the day the calibration was taken."""
-    data = json.loads(DRIFT.read_text())
-    return {"started": data["started"], "median_s": {k: v["median_s"] for k, v in data["summary"].items()}}
-
-
 def drift_sample() -> dict[str, float]:
     """bench.drift's shapes, timed once on an engine in this process."""
-    from bench.calibrate_planner import Prompts, core
-    from bench.drift import sample
-
     engine = core()
     prompts = Prompts(engine.tokenizer)
     sample(engine, prompts)  # warm-up
@@ -159,26 +131,41 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
                             "simulated_throughput_rps": simulated_throughput(chosen),
                             "mean_prompt_tokens": sum(r.prompt_tokens for r in requests) / len(requests),
                             "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
-                            "drift_reference": drift_reference(), "drift_before": drift_sample(),
+                            "drift_reference": {"started": (drift := read_json(DRIFT))["started"],
+                                                "median_s": {k: v["median_s"] for k, v in drift["summary"].items()}},
+                            "drift_before": drift_sample(),
                             "systems": {}}  # fmt: skip
     # SLOs from the idle colocated system's median request (one class: bench.elastic's summarized prompts)
     for system, target, calibration in each_system(options.systems, None, {"prompt": bench}):
         slo = calibration.slo("prompt")
         data["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "uncontended": calibration.classes["prompt"]}
-        data["systems"][system] = {"measured": served(target, system, slo, bench, offsets, minutes),
-                                   "predicted": predict(system, requests, slo, minutes)}  # fmt: skip
+        warm_up(target, bench[:2])
+        records, duration = asyncio.run(run(target, bench, offsets, system))
+        errors = sum(not r.ok for r in records)
+        measured = [(offset, r.ttft if r.ok else None, r.tpot if r.ok else None) for offset, r in zip(offsets, records)]
+        sim = simulate(replay.setup(_sim_args(system, slo)).system, requests)
+        predicted = sorted((r.arrival_s, r.ttft_s, r.tpot_s) for r in sim.records)
+        data["systems"][system] = {
+            "measured": outcome(measured, slo, minutes) | {"errors": errors, "duration_s": duration},
+            "predicted": outcome(predicted, slo, minutes) | {"routes": sim.routes}}  # fmt: skip
         print(f"{system}: {json.dumps({k: v['attainment'] for k, v in data['systems'][system].items()})}",
               file=sys.stderr)  # fmt: skip
     data["drift_after"] = drift_sample()
     return data
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.0f}%"
+ROW = (  # one system: measured / predicted, and their difference
+    "{name} | {m[attainment]:.0%} / {p[attainment]:.0%} | {diff:+.0f} | {m[ttft_attainment]:.0%} / "
+    "{p[ttft_attainment]:.0%} | {m[tpot_attainment]:.0%} / {p[tpot_attainment]:.0%} | {m[ttft_p90_s]:ms.0f} / "
+    "{p[ttft_p90_s]:ms.0f} | {m[tpot_p90_s]:ms.0f} / {p[tpot_p90_s]:ms.0f} | {m[errors]}"
+)
+SHAPE = "{k} | {r:ms.1f} | {b:ms.1f} | {a:ms.1f} | {br:.2f} | {ar:.2f}"
+HEADER = ("system (measured / predicted) | attainment | predicted - measured (points) | TTFT met | TPOT met | "
+          "TTFT p90 (ms) | TPOT p90 (ms) | errors")  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    slo = data["slo"]
+    slo, systems = data["slo"], data["systems"]
     lines = ["", f"Command: `{data['command']}`; {data['machine']}.",
              f"Trace window {data['start_s']:g}-{data['start_s'] + data['window_s']:g} s, 1 request in "
              f"{data['thinning']} kept ({data['requests']} requests, mean {data['mean_prompt_tokens']:.0f} prompt + "
@@ -186,37 +173,21 @@ def render(data: dict[str, Any]) -> list[str]:
              f"{data['capacity_rps']:.2f} req/s measured goodput (the simulated 1 + 1 completes "
              f"{data['simulated_throughput_rps']:.2f} req/s in overload).",
              f"SLOs: TTFT {slo['ttft_s'] * 1e3:.0f} ms, TPOT {slo['tpot_s'] * 1e3:.0f} ms.", ""]  # fmt: skip
-
-    def both(s: dict[str, Any], key: str, fmt: Any) -> str:
-        return f"{fmt(s['measured'][key])} / {fmt(s['predicted'][key])}"
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1e3:.0f}"
-
-    rows = [[name, both(s, "attainment", _pct),
-             f"{100 * (s['predicted']['attainment'] - s['measured']['attainment']):+.0f}",
-             both(s, "ttft_attainment", _pct), both(s, "tpot_attainment", _pct), both(s, "ttft_p90_s", ms),
-             both(s, "tpot_p90_s", ms), s["measured"]["errors"]] for name, s in data["systems"].items()]  # fmt: skip
-    lines += table(["system (measured / predicted)", "attainment", "predicted - measured (points)", "TTFT met",
-                    "TPOT met", "TTFT p90 (ms)", "TPOT p90 (ms)", "errors"], rows)  # fmt: skip
+    both = [{"name": n, "m": s["measured"], "p": s["predicted"]} for n, s in systems.items()]
+    lines += table(HEADER, [cells(ROW, b | {"diff": 100 * (b["p"]["attainment"] - b["m"]["attainment"])}, "-")
+                            for b in both])  # fmt: skip
     lines += ["", "Per minute (measured / predicted):", ""]
-    minutes = len(next(iter(data["systems"].values()))["measured"]["per_minute"])
-    lines += table(["system", *(str(m) for m in range(minutes))],
-                   [[name, *(f"{_pct(a)} / {_pct(b)}" for a, b in zip(s["measured"]["per_minute"],
-                                                                  s["predicted"]["per_minute"]))]
-                    for name, s in data["systems"].items()])  # fmt: skip
-    before, after, ref = data["drift_before"], data["drift_after"], data["drift_reference"]
-    lines += [
-        "",
-        f"The machine's speed over the run: bench.drift's shapes before and after the systems, against "
-        f"their medians in `drift.json` ({ref['started']}, beside the calibration the predictions use):",
-        "",
-    ]
-    lines += table(["shape", "at calibration (ms)", "before (ms)", "after (ms)", "before / at calibration",
-                    "after / at calibration"],
-                   [[k, f"{ref['median_s'][k] * 1e3:.1f}", f"{before[k] * 1e3:.1f}", f"{after[k] * 1e3:.1f}",
-                     f"{before[k] / ref['median_s'][k]:.2f}", f"{after[k] / ref['median_s'][k]:.2f}"]
-                    for k in before])  # fmt: skip
+    minutes = [[b["name"], *(cells("{m:.0%} / {p:.0%}", {"m": m, "p": p}, "-")
+                             for m, p in zip(b["m"]["per_minute"], b["p"]["per_minute"]))] for b in both]  # fmt: skip
+    lines += table(["system", *map(str, range(len(both[0]["m"]["per_minute"])))], minutes)
+    ref, after = data["drift_reference"], data["drift_after"]
+    lines += ["", "The machine's speed over the run: bench.drift's shapes before and after the systems, against "
+              f"their medians in `drift.json` ({ref['started']}, beside the calibration the predictions use):",
+              ""]  # fmt: skip
+    shapes = [{"k": k, "r": (r := ref["median_s"][k]), "b": b, "a": after[k], "br": b / r, "ar": after[k] / r}
+              for k, b in data["drift_before"].items()]  # fmt: skip
+    header = "shape | at calibration (ms) | before (ms) | after (ms) | before / at calibration | after / at calibration"
+    lines += table(header, [cells(SHAPE, row) for row in shapes])
     return lines + [""]
 
 
@@ -231,10 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     options.systems = list(parse_systems(options.systems, SYSTEMS))
     data = run_all(options, argv)
-    write_json(options.out / "trace_replay.json", data)
-    page = options.out / "trace_replay.md"
-    lines = render(data)
-    write_page(page, NAME, lines, template(NAME, "# The production trace on this machine, served and simulated"))
+    title = "# The production trace on this machine, served and simulated"
+    publish(options.out, "trace_replay", NAME, data, lines := render(data), title)
     print("\n".join(lines))
 
 
