@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from app.auth_settings import AuthConfig
 from app.tool_calls import REASONING_PARSERS, TOOL_PARSERS
 from autoscaling.config import AutoscalingSettings
-from engine.config import EngineSettings, check_token_budget
+from engine.config import EngineSettings, SpeculativeConfig, check_token_budget
 from engine.params import Role
 from kv_transport.config import TransportConfig
 from kv_transport.faults import TRANSPORT_POINTS, FaultRule
@@ -140,6 +140,9 @@ class ApiConfig(_Section):
 class AppConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="what to serve")
     engine: EngineSection = Field(default_factory=EngineSection, description="per-replica engine settings")
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig, description="speculative decoding where requests decode (off by default)"
+    )
     prefill: DeploymentConfig = Field(default_factory=DeploymentConfig, description="the prefill deployment")
     decode: DeploymentConfig = Field(default_factory=DeploymentConfig, description="the decode deployment")
     colocated: DeploymentConfig = Field(

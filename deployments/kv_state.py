@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from engine.params import KVReport
+from engine.params import EngineStats, KVReport
 
 NAMESPACE = "tandem_kv_state"
 PUBLISH_PERIOD_S = 1.0
@@ -29,6 +29,18 @@ def entry(report: KVReport, replica: dict[str, Any]) -> dict[str, Any]:
     fields["role"] = report.role.value
     fields["problems"] = list(report.problems)
     return {**replica, **fields, "ok": report.ok, "published_at": time.time()}
+
+
+def speculative(stats: EngineStats) -> dict[str, Any]:
+    """The replica's speculative decoding since start (vLLM's meaning: ``docs/metrics.md``)."""
+    drafts, proposed, accepted = stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens
+    return {
+        "drafts": drafts,
+        "draft_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+        "tokens_per_verify_step": round(1 + accepted / drafts, 4) if drafts else None,
+    }
 
 
 def publish(engine_id: str, data: dict[str, Any]) -> None:

@@ -70,6 +70,16 @@ def _latency(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> His
     return Histogram(name, description, boundaries=LATENCY_BOUNDARIES_S, tag_keys=tag_keys)
 
 
+ENGINE_TOTALS = (  # (EngineStats field, counter, its description)
+    ("prefix_query_tokens", "tandem_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_hit_tokens", "tandem_prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache held"),
+    ("num_evictions", "tandem_prefix_cache_evictions_total", "Cached KV blocks evicted to make room"),
+    ("spec_drafts", "tandem_spec_decode_drafts_total", "Decode steps that verified speculative proposals"),
+    ("spec_draft_tokens", "tandem_spec_decode_draft_tokens_total", "Speculative tokens proposed"),
+    ("spec_accepted_tokens", "tandem_spec_decode_accepted_tokens_total", "Speculative tokens accepted"),
+)
+
+
 class EngineMetrics:
     def __init__(self, section: str) -> None:
         """``section``: the replica's deployment section, the value of the ``pool`` label."""
@@ -98,16 +108,9 @@ class EngineMetrics:
         self.cached_blocks = Gauge(
             "tandem_kv_cached_blocks", "Free KV blocks that keep a cached prefix (evictable)", tag_keys=tags
         )
-        self.prefix_queries = Counter(
-            "tandem_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", tag_keys=tags
-        )
-        self.prefix_hits = Counter(
-            "tandem_prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache held", tag_keys=tags
-        )
-        self.evictions = Counter(
-            "tandem_prefix_cache_evictions_total", "Cached KV blocks evicted to make room", tag_keys=tags
-        )
-        self._totals = (0, 0, 0)  # the engine's cumulative figures last seen (the counters add the change)
+        # counters of the engine's cumulative figures, by ``EngineStats`` field: each report adds the change
+        self._counters = {field: Counter(name, text, tag_keys=tags) for field, name, text in ENGINE_TOTALS}
+        self._totals = dict.fromkeys(self._counters, 0)
 
     def prefill_call(self, seconds: float) -> None:
         self.prefill.observe(seconds, self.tags)
@@ -132,11 +135,11 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting, self.tags)
         self.role.set(ROLE_CODES[stats.role], self.tags)
         self.cached_blocks.set(stats.num_cached_blocks, self.tags)
-        totals = (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.num_evictions)
-        for counter, now, before in zip((self.prefix_queries, self.prefix_hits, self.evictions), totals, self._totals):
-            if now > before:
-                counter.inc(now - before, self.tags)
-        self._totals = totals
+        for field, counter in self._counters.items():
+            now = getattr(stats, field)
+            if now > self._totals[field]:  # Ray refuses inc(0)
+                counter.inc(now - self._totals[field], self.tags)
+                self._totals[field] = now
 
 
 class AutoscalerMetrics:

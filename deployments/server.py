@@ -40,7 +40,8 @@ def _load_core(config: AppConfig, role: Role) -> EngineCore:
     spec = config.model
     loaded = load_model(ModelSpec(source=spec.source, dtype=spec.dtype, device=spec.device))
     settings = config.engine.model_dump()
-    return EngineCore(loaded, EngineConfig(role=role, max_model_len=spec.max_model_len, **settings))
+    limits = {"role": role, "max_model_len": spec.max_model_len, "speculative": config.speculative}
+    return EngineCore(loaded, EngineConfig(**limits, **settings))
 
 
 REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler's controller
@@ -156,7 +157,8 @@ class EngineServer:
         while True:
             try:
                 report = await self.engine.kv_report()
-                data = kv_state.entry(report, {**replica, "rss_bytes": process.memory_info().rss})
+                spec = kv_state.speculative(self.engine.latest_stats())
+                data = kv_state.entry(report, {**replica, "rss_bytes": process.memory_info().rss, "speculative": spec})
                 await asyncio.to_thread(kv_state.publish, self.engine_id, data)
             except Exception as exc:  # the GCS briefly away: the entry ages meanwhile
                 logger.warning("KV state not published: %s", exc)

@@ -8,9 +8,9 @@ The model's own attention modules compute q/k/v and RoPE; this function then
 
 Token layout of one step (one packed row, no padding)::
 
-    [ d0 d1 ... d(n-1) | p0 p0 p0 p0 | p1 p1 | ... ]
-      decode tokens,     prefill segments (whole prompts or chunks)
-      one per sequence
+    [ d0 d1 ... d(n-1) | v0 v0 v0 | v1 v1 | ... | p0 p0 p0 p0 | p1 p1 | ... ]
+      decode tokens,     verify rows: a last      prefill segments (whole prompts or chunks)
+      one per sequence   token + its proposals
 
 Decode tokens run as one batched SDPA over their block tables: each sequence's blocks
 are gathered whole (``[num_decode, max_blocks]`` rows of ``block_size`` tokens, masked past
@@ -20,6 +20,8 @@ gathered per token nor repeated per query head: fewer, larger copies make a batc
 step cheaper (the figures: ``docs/benchmarks/cpu_kernels.md``). A prefill segment whose whole
 context is in this step (a fresh prompt) attends causally over its own new K/V; a chunk that
 continues a prompt gathers its earlier context from the pool with an offset causal mask.
+Verify rows (speculative decoding: a few queries per sequence) run as one batched SDPA like
+decode, each row's queries padded to the longest and masked causally (``VerifyBatch``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,23 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class VerifyBatch:
+    """Verify rows: ``num_rows`` sequences of at most ``num_queries`` queries each.
+
+    ``query_index`` ``[num_rows * num_queries]``: each padded query's token in the packed row
+    (a short row repeats its last); ``mask`` ``[num_rows, 1, group * num_queries, context]``:
+    query ``(g, q)`` of a row sees the context up to its own position; ``valid`` (None: all are)
+    picks the real queries of the padded ``[num_rows * num_queries]``, written to ``out_index``."""
+
+    num_queries: int
+    query_index: torch.Tensor
+    blocks: torch.Tensor  # [num_rows, max_blocks], padded with block 0
+    mask: torch.Tensor
+    valid: torch.Tensor | None
+    out_index: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PagedAttentionMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor  # [num_tokens]
@@ -55,6 +74,7 @@ class PagedAttentionMetadata:
     decode_blocks: torch.Tensor | None  # [num_decode, max_blocks] block ids, padded with block 0
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool, None if all full
     prefill_segments: tuple[PrefillSegment, ...]
+    verify: VerifyBatch | None = None
 
 
 def paged_attention_forward(
@@ -81,17 +101,16 @@ def paged_attention_forward(
     num_tokens = query.shape[2]
     out = query.new_empty(num_tokens, query.shape[1], query.shape[3])
     nd = meta.num_decode
+    num_heads, (num_kv_heads, head_dim) = query.shape[1], k_slots.shape[1:]
+    group = num_heads // num_kv_heads
     if nd:
-        num_heads, (num_kv_heads, head_dim) = query.shape[1], k_slots.shape[1:]
         # query heads grouped by the KV head they read: head h reads KV head h // group
-        q = query[0, :, :nd].transpose(0, 1).reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        # index_select of whole blocks: one contiguous block_size-token row each
-        blocks = meta.decode_blocks.view(-1)
-        ctx = meta.decode_blocks.shape[1] * meta.pool.layout.block_size
-        k = meta.pool.key_blocks(layer).index_select(0, blocks).view(nd, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        v = meta.pool.value_blocks(layer).index_select(0, blocks).view(nd, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        q = query[0, :, :nd].transpose(0, 1).reshape(nd, num_kv_heads, group, head_dim)
+        k, v = _gather_blocks(meta.pool, layer, meta.decode_blocks)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)  # [nd, KVH, G, D]
         out[:nd] = o.reshape(nd, num_heads, head_dim)
+    if meta.verify is not None:
+        _verify_attention(query, meta.pool, layer, meta.verify, out, scaling)
     for seg in meta.prefill_segments:
         q = query[:, :, seg.q_start : seg.q_end]
         if seg.context_slots is None:
@@ -103,6 +122,32 @@ def paged_attention_forward(
         o, _ = sdpa_attention_forward(module, q, k, v, seg.mask, scaling=scaling)
         out[seg.q_start : seg.q_end] = o[0]
     return out.unsqueeze(0), None
+
+
+def _gather_blocks(pool: KVPool, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[rows, KVH, blocks * block_size, D]`` of each row's block table: an
+    ``index_select`` of whole blocks, one contiguous block_size-token run each."""
+    rows, ctx = tables.shape[0], tables.shape[1] * pool.layout.block_size
+    blocks = tables.view(-1)
+    k = pool.key_blocks(layer).index_select(0, blocks)
+    v = pool.value_blocks(layer).index_select(0, blocks)
+    shape = (rows, ctx, *k.shape[-2:])
+    return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+
+def _verify_attention(
+    query: torch.Tensor, pool: KVPool, layer: int, verify: VerifyBatch, out: torch.Tensor, scaling: float | None
+) -> None:
+    """Verify rows as one SDPA: queries ``[rows, KVH, G * Q, D]`` (grouped by KV head as decode)."""
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    rows, nq = verify.blocks.shape[0], verify.num_queries
+    k, v = _gather_blocks(pool, layer, verify.blocks)
+    num_kv_heads, group = k.shape[1], num_heads // k.shape[1]
+    q = query[0].transpose(0, 1).index_select(0, verify.query_index)  # [rows * Q, H, D]
+    q = q.view(rows, nq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(rows, num_kv_heads, -1, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=verify.mask, scale=scaling)  # [rows, KVH, G * Q, D]
+    o = o.view(rows, num_kv_heads, group, nq, head_dim).permute(0, 3, 1, 2, 4).reshape(rows * nq, num_heads, head_dim)
+    out.index_copy_(0, verify.out_index, o if verify.valid is None else o.index_select(0, verify.valid))
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -5,9 +5,9 @@ application's ``engine`` section is this class with the app's own default pool s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.params import Role
 
@@ -52,6 +52,39 @@ class EngineSettings(BaseModel):
         return tuple(sorted(set(self.cuda_graph_batch_sizes))) if self.cuda_graphs else None
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's names): ``ngram`` proposes the tokens that followed the latest
+    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens
+    (prompt and output), and one forward verifies them (``engine.speculative``).
+
+    ``disable_by_batch_size``: a step with more decoding requests than this proposes nothing
+    (verifying costs more than it saves in a full batch; the measurement:
+    ``docs/benchmarks/speculative.md``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["none", "ngram"] = Field("none", description="'none' (off) or 'ngram' (prompt lookup)")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per step (k)")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram matched")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram matched (tried first)")
+    disable_by_batch_size: int = Field(
+        16, ge=1, description="no proposals in a step with more decoding requests than this"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 class EngineConfig(EngineSettings):
     """``EngineSettings`` plus the engine-only values: ``num_blocks`` fixes the pool size
     (otherwise ``kv_cache_bytes`` / bytes per block), ``max_model_len`` defaults to the
@@ -60,6 +93,7 @@ class EngineConfig(EngineSettings):
     num_blocks: int | None = Field(None, ge=1, description="pool size in blocks (overrides kv_cache_bytes)")
     max_model_len: int | None = Field(None, ge=1, description="context length served (default: the model's)")
     role: Role = Field(Role.BOTH, description="initial role (it can change while the engine runs)")
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig, description="speculative decoding")
 
 
 def check_token_budget(budget: int | None, chunked: bool, max_model_len: int, section: str = "") -> None:

@@ -14,6 +14,7 @@ recomputed here unless ``EngineConfig.recompute_remote_kv``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import random
@@ -44,7 +45,8 @@ from engine.params import (
     check_fits,
 )
 from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties, sample_batch, token_logprobs
-from engine.scheduler import Scheduler, SequenceState
+from engine.scheduler import ScheduledChunk, Scheduler, SequenceState
+from engine.speculative import SpecCounters, SpecState, propose_ngram
 from engine.structured import GrammarCache, GrammarMatcher, apply_grammar_masks
 from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
 
@@ -65,6 +67,7 @@ class _Request:
     # sampling state rebuilt from the request and its tokens (so a decode replica rebuilds it)
     history: TokenHistory | None = None  # token counts, for penalties
     grammar: GrammarMatcher | None = None  # response_format's position, advanced by each token
+    spec: SpecState | None = None  # speculative decoding's recent acceptance (None: it never proposes)
 
 
 class EngineCore:
@@ -101,6 +104,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._step_times: deque[float] = deque(maxlen=64)  # seconds of recent steps that ran the model
         self.num_model_steps = 0  # steps that ran the model (a step may run none: all waiting for blocks)
+        self.spec_counters = SpecCounters()
 
     @classmethod
     def from_spec(cls, spec: ModelSpec | None = None, config: EngineConfig | None = None) -> EngineCore:
@@ -233,8 +237,10 @@ class EngineCore:
             generator = self._default_generator
         stream = TextStream(self.tokenizer, prompt, sp.stop)
         history = TokenHistory.build(sp, prompt, self.device)
+        spec = SpecState() if self.config.speculative.enabled and not prefill_only else None
+        admitted = time.perf_counter()
         self._requests[rid] = _Request(
-            request, seq, stream, generator, prefill_only, time.perf_counter(), history=history, grammar=grammar
+            request, seq, stream, generator, prefill_only, admitted, history=history, grammar=grammar, spec=spec
         )
         self.scheduler.add(seq)
 
@@ -263,6 +269,7 @@ class EngineCore:
             outputs, self._pending = self._pending, []
             return outputs
         outputs = []
+        self._propose()
         plan = self.scheduler.schedule()
         for seq, message in plan.failed:
             outputs.append(self._finish(self._requests[seq.request_id], FinishReason.ERROR, "", (), message))
@@ -271,22 +278,80 @@ class EngineCore:
         start = time.perf_counter()
         logits = self.runner.execute(plan.chunks)
         for seq, chunk in zip(plan.scheduled, plan.chunks):
-            seq.num_computed_tokens += len(chunk.token_ids)
-            self.scheduler.cache_computed(seq)
+            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft  # proposals: once accepted
+            if not chunk.num_draft:
+                self.scheduler.cache_computed(seq)
             state = self._requests[chunk.request_id]
             if state.scheduled_at is None:
                 state.scheduled_at = start
-        sampled = [self._requests[c.request_id] for c in plan.chunks if c.sample]
-        params = [s.request.sampling for s in sampled]
-        processed = self._processed_logits(logits, sampled)  # logits stay raw: logprobs report them
-        tokens = sample_batch(processed, params, [s.generator for s in sampled])
-        for row, (state, token) in enumerate(zip(sampled, tokens)):
-            num_top = state.request.sampling.logprobs
-            logprobs = token_logprobs(logits[row], token, num_top) if num_top is not None else None
-            outputs.append(self._append_token(state, token, logprobs))
+        outputs += self._sample(logits, [c for c in plan.chunks if c.sample])
         self._step_times.append(time.perf_counter() - start)
         self.num_model_steps += 1
         return outputs
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Sample each chunk's next token; a chunk with proposals goes on position by position
+        while the token sampled equals the proposal there (``engine.speculative``), each position
+        sampled with the sampling state its accepted tokens left (penalties, grammar, stops)."""
+        first, rows = 0, []  # (state, chunk, its first logits row)
+        for chunk in chunks:
+            rows.append((self._requests[chunk.request_id], chunk, first))
+            first += chunk.num_sampled
+        produced: dict[str, list[RequestOutput]] = {}
+        position = 0
+        while rows:
+            states = [state for state, _, _ in rows]
+            drafts = [c.token_ids[-c.num_draft + position] if position < c.num_draft else None for _, c, _ in rows]
+            raw = logits if position == 0 and len(rows) == len(logits) else logits[[r + position for *_, r in rows]]
+            processed = self._processed_logits(raw, states)  # raw logits stay: logprobs report them
+            params, generators = [s.request.sampling for s in states], [s.generator for s in states]
+            tokens = sample_batch(processed, params, generators, drafts)
+            going = []
+            for i, ((state, chunk, first_row), token) in enumerate(zip(rows, tokens)):
+                num_top = state.request.sampling.logprobs
+                logprobs = token_logprobs(raw[i], token, num_top) if num_top is not None else None
+                output = self._append_token(state, token, logprobs)
+                produced.setdefault(chunk.request_id, []).append(output)
+                if drafts[i] is not None and token == drafts[i] and not output.finished:
+                    going.append((state, chunk, first_row))
+                elif chunk.num_draft and not output.finished:
+                    self._settle(state, chunk, accepted=position)
+                elif chunk.num_draft:  # ended inside its proposals: nothing to give back
+                    self.spec_counters.add(chunk.num_draft, position + (token == drafts[i]))
+            rows, position = going, position + 1
+        return [_merged(outs) for outs in produced.values()]
+
+    def _settle(self, state: _Request, chunk: ScheduledChunk, accepted: int) -> None:
+        """After verifying ``chunk``'s proposals: the accepted ones' KV counts as computed, the
+        blocks past it go back, and the request's acceptance is recorded."""
+        seq = state.seq
+        seq.num_computed_tokens += accepted
+        self.scheduler.rewind(seq)
+        self.scheduler.cache_computed(seq)
+        self.spec_counters.add(chunk.num_draft, accepted)
+        if state.spec is not None:
+            state.spec.record(chunk.num_draft, accepted, self.num_model_steps)
+
+    def _propose(self) -> None:
+        """Speculative proposals for this step's decoding requests (``engine.speculative``): none
+        in a batch above ``disable_by_batch_size``, none for a paused request, none past
+        ``max_tokens`` (the step also samples one token of its own) or the context."""
+        spec = self.config.speculative
+        running = self.scheduler.running
+        if not spec.enabled or not running or len(running) > spec.disable_by_batch_size:
+            return
+        for seq in running:
+            state = self._requests[seq.request_id]
+            if state.spec is None or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            if seq.num_computed_tokens < seq.num_prompt_tokens or not state.spec.may_propose(self.num_model_steps):
+                continue
+            room = min(
+                spec.num_speculative_tokens,
+                state.request.sampling.max_tokens - seq.num_output_tokens - 1,
+                self.limits.max_model_len - seq.num_tokens,
+            )
+            seq.draft_tokens = propose_ngram(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
 
     def _processed_logits(self, logits: torch.Tensor, sampled: list[_Request]) -> torch.Tensor:
         """What to sample from: a copy of ``logits`` with each row's ``logit_bias``, penalties,
@@ -452,4 +517,21 @@ class EngineCore:
             prefix_query_tokens=self.scheduler.prefix_query_tokens,
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
             num_evictions=self.allocator.num_evictions,
+            spec_drafts=self.spec_counters.num_drafts,
+            spec_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_accepted_tokens=self.spec_counters.num_accepted_tokens,
         )
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of one step as one (several tokens after accepted proposals)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return dataclasses.replace(
+        last,
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        text="".join(o.text for o in outputs),
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        prefill_timing=outputs[0].prefill_timing,
+    )

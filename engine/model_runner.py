@@ -17,7 +17,7 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import PagedAttentionMetadata, PrefillSegment, register_paged_attention
+from engine.attention import PagedAttentionMetadata, PrefillSegment, VerifyBatch, register_paged_attention
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, BaseGraph, DecodeGraphs, StaticDecode
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledChunk
@@ -53,6 +53,7 @@ class ModelRunner:
                     packed_bytes(model) / 2**20,
                 )
         self._decoder = getattr(model, model.base_model_prefix)
+        self._group = model.config.num_attention_heads // pool.layout.num_kv_heads  # query heads per KV head
         self._lm_head = model.get_output_embeddings()
         self._layer_hooks: list[LayerHook] = []
         self._chunks: Sequence[ScheduledChunk] = ()  # the step being executed, for the layer hooks
@@ -102,7 +103,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[num_sampled, vocab]`` in ``chunks`` order.
+        """Run one step; returns float32 logits ``[sum of num_sampled, vocab]``: each sampled
+        chunk's rows (``ScheduledChunk.num_sampled``) in ``chunks`` order.
 
         Every index tensor is built from Python lists and copied to the device before the
         forward is queued: on CUDA each such copy waits for the stream, which is idle then
@@ -111,11 +113,12 @@ class ModelRunner:
             logits = self.graphs.run(chunks)
             if logits is not None:
                 return logits
-        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
+        order = sorted(range(len(chunks)), key=lambda i: _row_kind(chunks[i]))
         ordered = [chunks[i] for i in order]
-        meta, input_ids, positions, last_index = self._build(ordered)
-        sampled_rows = {order[i]: last_index[i] for i in range(len(ordered)) if ordered[i].sample}
-        rows = [sampled_rows[i] for i in range(len(chunks)) if i in sampled_rows]
+        meta, input_ids, positions, first_row = self._build(ordered)
+        sampled_rows = {order[i]: first_row[i] for i in range(len(ordered))}
+        # each sampled chunk's rows in ``chunks`` order: its last token's, then one per proposal
+        rows = [r for i, c in enumerate(chunks) for r in range(sampled_rows[i], sampled_rows[i] + c.num_sampled)]
         index = torch.tensor(rows, device=self.device) if rows else None
         self._chunks = chunks
         try:
@@ -153,12 +156,15 @@ class ModelRunner:
     def _build(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[PagedAttentionMetadata, torch.Tensor, torch.Tensor, list[int]]:
+        """Packed inputs of chunks ordered decode, verify, prefill; and each chunk's first
+        sampled row in the packed row."""
         decode = [c for c in chunks if c.is_decode]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_index: list[int] = []
+        first_row: list[int] = []
         segments: list[PrefillSegment] = []
+        verify: list[tuple[int, ScheduledChunk]] = []
         for c in chunks:
             n = len(c.token_ids)
             q_start = len(token_ids)
@@ -166,8 +172,10 @@ class ModelRunner:
             token_ids.extend(c.token_ids)
             positions.extend(span)
             slots.extend(_slots(c.block_ids, span, self.block_size))
-            last_index.append(q_start + n - 1)
-            if not c.is_decode:
+            first_row.append(q_start + n - c.num_sampled)
+            if c.num_draft:
+                verify.append((q_start, c))
+            elif not c.is_decode:
                 segments.append(self._segment(q_start, c))
         # one host-to-device copy for the three per-token rows
         input_ids, position_ids, slot_mapping = torch.tensor([token_ids, positions, slots], device=self.device)
@@ -179,8 +187,9 @@ class ModelRunner:
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefill_segments=tuple(segments),
+            verify=self._verify_batch(verify) if verify else None,
         )
-        return meta, input_ids, position_ids, last_index
+        return meta, input_ids, position_ids, first_row
 
     def _segment(self, q_start: int, chunk: ScheduledChunk) -> PrefillSegment:
         n = len(chunk.token_ids)
@@ -199,19 +208,52 @@ class ModelRunner:
         length (None when every sequence fills all of its gathered blocks)."""
         if not decode:
             return None, None
-        bs = self.block_size
         lengths = [c.start_pos + 1 for c in decode]
-        max_blocks = -(-max(lengths) // bs)
-        tables = torch.tensor(
-            [list(c.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(c.block_ids), max_blocks)) for c in decode],
-            device=self.device,
-        )
-        if min(lengths) == max_blocks * bs:
+        tables, max_blocks = self._tables(decode, lengths)
+        if min(lengths) == max_blocks * self.block_size:
             return tables, None
-        pos = torch.arange(max_blocks * bs, device=self.device)
+        pos = torch.arange(max_blocks * self.block_size, device=self.device)
         length = torch.tensor(lengths, device=self.device)
-        mask = (pos[None, :] < length[:, None]).view(len(decode), 1, 1, max_blocks * bs)
+        mask = (pos[None, :] < length[:, None]).view(len(decode), 1, 1, max_blocks * self.block_size)
         return tables, mask
+
+    def _tables(self, chunks: Sequence[ScheduledChunk], lengths: list[int]) -> tuple[torch.Tensor, int]:
+        """The chunks' block tables cut or padded (block 0) to the blocks of the longest length."""
+        max_blocks = -(-max(lengths) // self.block_size)
+        rows = [list(c.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(c.block_ids), max_blocks)) for c in chunks]
+        return torch.tensor(rows, device=self.device), max_blocks
+
+    def _verify_batch(self, rows: list[tuple[int, ScheduledChunk]]) -> VerifyBatch:
+        """Verify rows (``attention.VerifyBatch``) from each row's first token in the packed row."""
+        nq = max(len(c.token_ids) for _, c in rows)
+        lengths = [c.start_pos + len(c.token_ids) for _, c in rows]
+        tables, max_blocks = self._tables([c for _, c in rows], lengths)
+        query_index, valid, out_index, limits = [], [], [], []
+        for r, (q_start, c) in enumerate(rows):
+            n = len(c.token_ids)
+            for q in range(nq):
+                query_index.append(q_start + min(q, n - 1))
+                limits.append(c.start_pos + min(q, n - 1))
+                if q < n:
+                    valid.append(r * nq + q)
+                    out_index.append(q_start + q)
+        ctx = torch.arange(max_blocks * self.block_size, device=self.device)
+        limit = torch.tensor(limits, device=self.device).view(len(rows), 1, 1, nq, 1)
+        mask = (ctx <= limit).expand(-1, -1, self._group, -1, -1).reshape(len(rows), 1, -1, ctx.numel())
+        every = len(valid) == len(query_index)
+        return VerifyBatch(
+            num_queries=nq,
+            query_index=torch.tensor(query_index, device=self.device),
+            blocks=tables,
+            mask=mask,
+            valid=None if every else torch.tensor(valid, device=self.device),
+            out_index=torch.tensor(out_index, device=self.device),
+        )
+
+
+def _row_kind(chunk: ScheduledChunk) -> int:
+    """Packed-row order: decode tokens, verify rows, prefill segments."""
+    return 0 if chunk.is_decode else 1 if chunk.num_draft else 2
 
 
 def _slots(block_ids: Sequence[int], positions: range, block_size: int) -> list[int]:

@@ -426,3 +426,6 @@ class EngineStats:
     prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # since start: ... whose KV was found there
     num_evictions: int = 0  # since start: cached blocks evicted to make room
+    spec_drafts: int = 0  # since start: verified steps that carried speculative proposals
+    spec_draft_tokens: int = 0  # since start: tokens proposed
+    spec_accepted_tokens: int = 0  # since start: proposed tokens accepted

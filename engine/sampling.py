@@ -39,28 +39,62 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, top-k, top-p, softmax."""
+    logits = logits / params.temperature
+    if params.top_k is not None:
+        logits = apply_top_k(logits, params.top_k)
+    logits = apply_top_p(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token from a 1-D float32 logits row: a 0-d tensor on the row's device, not read
     back (``generator``, when given, lives on that device)."""
     if params.greedy:
         return torch.argmax(logits)
-    logits = logits / params.temperature
-    if params.top_k is not None:
-        logits = apply_top_k(logits, params.top_k)
-    logits = apply_top_p(logits, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[0]
+
+
+def verify_token(
+    probs: torch.Tensor, draft: int, generator: torch.Generator | None, draft_probs: torch.Tensor | None = None
+) -> int:
+    """Speculative sampling's accept/resample step: the proposal ``draft`` (drawn from
+    ``draft_probs``; None: proposed for sure, as prompt lookup does) is kept with probability
+    min(1, p(draft) / q(draft)); otherwise a token is drawn from max(p - q, 0), normalized. The
+    token returned is distributed exactly as ``probs`` (Leviathan et al., 2023)."""
+    q_draft = 1.0 if draft_probs is None else float(draft_probs[draft])
+    u = torch.rand((), device=probs.device, generator=generator)
+    if float(u) * q_draft < float(probs[draft]):
+        return draft
+    if draft_probs is None:
+        residual = probs.clone()
+        residual[draft] = 0.0
+    else:
+        residual = (probs - draft_probs).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:  # p == q: never reached with probability > 0
+        return draft
+    return int(torch.multinomial(residual, 1, generator=generator)[0])
 
 
 def sample_batch(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    drafts: Sequence[int | None] = (),
 ) -> list[int]:
     """One token per row; greedy rows in one argmax, the others row by row with their generator.
+    A row with a proposal (``drafts[i]`` not None) that samples goes through ``verify_token``.
     The ids are read back from the logits' device once, at the end (one sync on CUDA)."""
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
-        if not p.greedy:
+        if p.greedy:
+            continue
+        draft = drafts[i] if drafts else None
+        if draft is None:
             tokens[i] = sample_row(logits[i], p, generators[i])
+        else:
+            tokens[i] = verify_token(sampling_probs(logits[i], p), draft, generators[i])
     return tokens.tolist()
 
 

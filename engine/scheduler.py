@@ -15,6 +15,10 @@ Preemption (blocks ran out while a running sequence needs one more):
     grow *stalls* (keeps its blocks, skips the step) until others finish;
   * if a step would schedule nothing while sequences are stalled, the newest stalled
     sequence fails with an error (its blocks are freed), so the engine never deadlocks.
+
+Speculative proposals (``SequenceState.draft_tokens``, set by the engine before a step) ride
+after a decoding sequence's last token in its chunk when the budget and free blocks allow
+them without preempting anyone; otherwise the sequence decodes one token as usual.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class SequenceState:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
+    draft_tokens: tuple[int, ...] = ()  # speculative proposals for the next step (engine.speculative)
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +80,12 @@ class ScheduledChunk:
     block_ids: tuple[int, ...]
     sample: bool
     in_prompt: bool = False  # it computes prompt tokens (a one-token chunk after a cached prefix too)
+    num_draft: int = 0  # the last ``num_draft`` tokens are proposals: logits at each of them and before
+
+    @property
+    def num_sampled(self) -> int:
+        """Logits rows this chunk needs: its last token's, and one per proposal."""
+        return self.num_draft + 1 if self.sample else 0
 
     @property
     def is_decode(self) -> bool:
@@ -145,9 +156,10 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._grow(seq, seq.num_computed_tokens + n, scheduled, preempted):
-                chunks.append(self._chunk(seq, n))
+                drafts = self._fit_drafts(seq, n, budget - n)
+                chunks.append(self._chunk(seq, n, drafts))
                 scheduled.append(seq)
-                budget -= n
+                budget -= n + len(drafts)
             elif seq.status is SeqStatus.RUNNING:
                 stalled.append(seq)
             else:
@@ -248,6 +260,25 @@ class Scheduler:
         seq.block_ids.extend(self.allocator.allocate(needed))
         return True
 
+    def _fit_drafts(self, seq: SequenceState, n: int, budget: int) -> tuple[int, ...]:
+        """The proposals that fit the budget and the free blocks (taken now), for a sequence that
+        decodes one token this step; () otherwise."""
+        drafts, seq.draft_tokens = seq.draft_tokens[: max(budget, 0)], ()
+        if not drafts or n != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return ()
+        needed = self.allocator.blocks_needed(seq.num_tokens + len(drafts)) - len(seq.block_ids)
+        if not self.allocator.can_allocate(needed):
+            return ()
+        seq.block_ids.extend(self.allocator.allocate(needed))
+        return drafts
+
+    def rewind(self, seq: SequenceState) -> None:
+        """Give back the blocks past what ``seq``'s computed tokens need (after rejected proposals)."""
+        keep = self.allocator.blocks_needed(seq.num_computed_tokens)
+        if len(seq.block_ids) > keep:
+            self.allocator.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
+
     def _preemptible(self, seq: SequenceState) -> bool:
         return not seq.remote_kv or self.recompute_remote_kv
 
@@ -262,20 +293,22 @@ class Scheduler:
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = seq.num_registered_blocks = 0
+        seq.draft_tokens = ()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _chunk(self, seq: SequenceState, n: int) -> ScheduledChunk:
+    def _chunk(self, seq: SequenceState, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
             request_id=seq.request_id,
-            token_ids=tuple(seq.token_ids[start : start + n]),
+            token_ids=tuple(seq.token_ids[start : start + n]) + drafts,
             start_pos=start,
             block_ids=tuple(seq.block_ids),
             sample=start + n == seq.num_tokens,
             in_prompt=start < seq.num_prompt_tokens,
+            num_draft=len(drafts),
         )
 
     def _exhausted_message(self, seq: SequenceState) -> str:

@@ -1,8 +1,9 @@
 """The Serve applications through real HTTP on a local Ray cluster.
 
-Three applications on the session's Serve: ``disagg_app`` with pull (at /serve),
-``disagg_app`` with push (at /serve/push), and ``colocated_app`` with one replica (at
-/serve/colo).
+Three applications on the session's Serve: ``disagg_app`` with pull (at /serve) and with push
+(at /serve/push), both with speculative decoding, and ``colocated_app`` with one replica and
+without it (at /serve/colo). Every greedy test that compares paths so also checks that
+speculation changes no token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.waiting import wait_until
 ROOT = "/serve"
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SPECULATIVE = {"speculative.method": "ngram", "speculative.num_speculative_tokens": "4"}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def served(shared_serve) -> Iterator[ServedApps]:
         "autoscaling.enabled": "false",  # fixed pools: these tests are not about autoscaling
     }
     apps = [
-        ServeApp("disagg", disagg_app, common, route_prefix=ROOT),
-        ServeApp("push", disagg_app, {**common, "transport.mode": "push"}, route_prefix=f"{ROOT}/push"),
+        ServeApp("disagg", disagg_app, {**common, **SPECULATIVE}, route_prefix=ROOT),
+        ServeApp("push", disagg_app, {**common, **SPECULATIVE, "transport.mode": "push"}, route_prefix=f"{ROOT}/push"),
         ServeApp("colo", colocated_app, common, route_prefix=f"{ROOT}/colo"),
     ]
     with shared_serve.apps(apps) as served:
@@ -347,6 +349,26 @@ def test_client_disconnect_frees_blocks_on_both_replicas(served):
     )
     assert (decode.num_running, decode.num_free_blocks) == (0, decode.num_total_blocks)
     assert (prefill.num_pinned_blocks, prefill.num_free_blocks) == (0, prefill.num_total_blocks)
+
+
+@pytest.mark.parametrize("path", ["", "/push"], ids=["pull", "push"])
+def test_speculation_on_the_decode_side_gives_the_same_tokens_and_is_counted(base_url, path):
+    """A completion that copies its prompt, through a disaggregated app (speculation on) and the
+    colocated one (off): the same tokens; the decode replica's acceptance in ``/admin/kv``."""
+    code = "def area(width, height):\n    return width * height\n\n"
+    body = {"model": MODEL, "prompt": code * 3, "max_tokens": 40, "temperature": 0, "logprobs": 0}
+    spec, plain = (_post(base_url + p, COMPLETIONS, body) for p in (path, "/colo"))
+    assert spec.status_code == plain.status_code == 200, (spec.text, plain.text)
+    assert spec.json()["choices"][0]["logprobs"]["tokens"] == plain.json()["choices"][0]["logprobs"]["tokens"]
+
+    def decode_entry() -> dict | None:
+        entries = httpx.get(base_url + path + "/admin/kv", timeout=30).json()["replicas"]
+        return next((e for e in entries if e["deployment"] == "DecodeServer" and e["live"]), None)
+
+    what = "the decode replica to publish its acceptance"
+    entry = wait_until(decode_entry, 30, what, until=lambda e: e is not None and e["speculative"]["drafts"] > 0)
+    counts = entry["speculative"]
+    assert 0 < counts["accepted_tokens"] <= counts["draft_tokens"] and counts["acceptance_rate"] > 0
 
 
 # ---- tool calls through the official openai client ----------------------------------------------

@@ -1,0 +1,209 @@
+"""Speculative decoding (prompt lookup) on against off: ``python -m bench.speculative``.
+
+The engine in this process (default model, one torch thread), on ``workloads.documents``'s
+texts that do not repeat themselves (edit-and-return, summarization, chatbot): decode TPOT at
+batch 1 and 16, on and off in alternating rounds, up to the model's own end of text and with
+``ignore_eos``; acceptance rate and tokens per verify step; then a batch-size sweep on edit with
+speculation at every size, whose crossover sets ``speculative.disable_by_batch_size``.
+``--stage served``: goodput through ``disagg_app`` (pull, fixed 1 + 1 pools, ``bench.serve``'s
+harness) on edit prompts, off then on, SLOs from the idle system without speculation (TTFT 5x,
+TPOT 2x, as ``bench.compare``). Writes ``<out>/speculative.json`` and the block of
+``<out>/speculative.md`` (a stage keeps the other's results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench.host import engine_core, machine
+from bench.report import cells, command_line, first_paragraph, publish, read_json, table
+from workloads.documents import WORKLOADS, messages
+
+NAME = "bench.speculative"
+ROUNDS = 2
+BATCHES = (1, 16)
+SWEEP = (1, 2, 4, 8, 16)
+MAX_TOKENS = 256  # up to the end of text (the edit answers copy whole functions)
+IGNORE_EOS_TOKENS = 128
+ON = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def engines() -> dict[str, object]:
+    """The two engines compared (speculation forced at every batch size on the ``on`` one)."""
+    common = {"max_model_len": 2048, "kv_cache_bytes": 512 << 20, "max_num_seqs": 64}
+    return {
+        "on": engine_core(**common, speculative={**ON, "disable_by_batch_size": 64}),
+        "off": engine_core(**common),
+    }
+
+
+def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
+    """The first ``count`` prompts of ``workload`` through the chat template, as token ids."""
+    ids = [tokenizer.apply_chat_template(messages(workload, i), add_generation_prompt=True) for i in range(count)]
+    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in ids]
+
+
+def run_batch(core, batch: list[list[int]], ignore_eos: bool) -> dict:
+    """All of ``batch`` at once to the end: mean decode TPOT over requests, tokens, acceptance."""
+    from engine.params import GenerationRequest, SamplingParams
+
+    before = (
+        core.spec_counters.num_drafts,
+        core.spec_counters.num_draft_tokens,
+        core.spec_counters.num_accepted_tokens,
+    )
+    max_tokens = IGNORE_EOS_TOKENS if ignore_eos else MAX_TOKENS
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+    first, last, tokens = {}, {}, {}
+    for i, prompt in enumerate(batch):
+        core.add_request(GenerationRequest(f"r{i}", tuple(prompt), sampling))
+    while core.has_work():
+        outputs = core.step()
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.token_ids)
+    tpots = [(last[r] - first[r]) / (tokens[r] - 1) for r in tokens if tokens[r] > 1]
+    c = core.spec_counters
+    drafts, proposed, accepted = (
+        a - b for a, b in zip((c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens), before)
+    )
+    return {"tpot_s": statistics.mean(tpots), "tokens": sum(tokens.values()), "drafts": drafts,
+            "draft_tokens": proposed, "accepted_tokens": accepted}  # fmt: skip
+
+
+def compare(cores: dict, batch: list[list[int]], ignore_eos: bool, rounds: int) -> dict:
+    """On and off in alternating rounds (a warm-up first); per system the median TPOT."""
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    run_batch(cores["off"], batch[:1], ignore_eos)  # warm-up
+    for rep in range(rounds):
+        for system in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            runs[system].append(run_batch(cores[system], batch, ignore_eos))
+    on, off = runs["on"], runs["off"]
+    draft_tokens, accepted, drafts = (sum(r[k] for r in on) for k in ("draft_tokens", "accepted_tokens", "drafts"))
+    return {
+        "tpot_on_s": statistics.median(r["tpot_s"] for r in on),
+        "tpot_off_s": statistics.median(r["tpot_s"] for r in off),
+        "tokens_on": on[-1]["tokens"],
+        "tokens_off": off[-1]["tokens"],
+        "acceptance": accepted / draft_tokens if draft_tokens else None,
+        "tokens_per_verify": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def measure(options: argparse.Namespace) -> dict:
+    cores = engines()
+    rows = []
+    for workload in options.workloads:
+        pool = prompts(cores["on"].tokenizer, workload, 16)
+        for batch in BATCHES:
+            for ignore_eos in (False, True):
+                batch_prompts = [pool[i % len(pool)] for i in range(batch)]
+                row = compare(cores, batch_prompts, ignore_eos, options.rounds)
+                rows.append({"workload": workload, "batch": batch, "ignore_eos": ignore_eos, **row})
+                print(rows[-1], flush=True)
+    pool = prompts(cores["on"].tokenizer, "edit", 16)
+    sweep = []
+    for batch in options.sweep:
+        row = compare(cores, [pool[i % len(pool)] for i in range(batch)], True, options.rounds)
+        sweep.append({"batch": batch, **row})
+        print(sweep[-1], flush=True)
+    return {"command": command_line(NAME), "machine": machine(), "speculative": ON, "rows": rows, "sweep": sweep}
+
+
+SERVED_TOKENS = 128
+SERVED_RATES = (2.0, 3.0, 4.0, 5.0, 6.0)  # multiples of 1 / (uncontended E2E of the median request)
+WARM_UP = 8  # short requests at once, twice, before a sweep: the first batched steps build kernels
+
+
+def served(options: argparse.Namespace) -> dict:
+    """Goodput without and with speculation through ``disagg_app`` (see the module docstring)."""
+    from bench.compare import COMMON, FIXED, workload_slo
+    from bench.host import tokenizer
+    from bench.ray_local import Server
+    from bench.serve import Target, run_checked, sweep, uncontended
+    from workloads import BenchRequest, median_request
+
+    requests = [BenchRequest(p, len(p), SERVED_TOKENS) for p in prompts(tokenizer(), "edit", options.num_requests)]
+    on = {f"speculative.{k}": str(v) for k, v in ON.items()}
+    results, calibration = {}, {}
+    for index, (system, extra) in enumerate((("off", {}), ("on", on))):
+        args = {**COMMON, **FIXED, "transport.mode": "pull", "model.max_model_len": "1024", **extra}
+        with Server("disagg", args, index) as server:
+            target = Target(server.url, server.model())
+            if not calibration:
+                calibration = uncontended(target, median_request(requests), max_tokens=64)
+                e2e = calibration["ttft_s"] + (SERVED_TOKENS - 1) * calibration["tpot_s"]
+                calibration["rates"] = [round(m / e2e, 4) for m in SERVED_RATES]
+            for _ in range(2):
+                run_checked(
+                    target, [BenchRequest(r.prompt, r.prompt_tokens, 16) for r in requests[:WARM_UP]], "warm-up"
+                )
+            sweep_result = sweep(target, requests, calibration["rates"], workload_slo(calibration), label=system)
+            results[system] = {"goodput": sweep_result["goodput"], "points": [
+                {k: v for k, v in point.items() if k != "records"} for point in sweep_result["points"]]}  # fmt: skip
+    return {"command": command_line(NAME), "calibration": calibration, "results": results}
+
+
+def _speedup(row: dict) -> float:
+    return row["tpot_off_s"] / row["tpot_on_s"]
+
+
+def render(data: dict) -> list[str]:
+    lines = [f"`{data['command']}` on {data['machine']}; speculative settings {data['speculative']}.", ""]
+    template = "{workload} | {batch} | {eos} | {tpot_off_s:ms.1f} | {tpot_on_s:ms.1f} | {x:.2f}x | {acceptance:.2f} | {tokens_per_verify:.2f}"  # noqa: E501
+    head = "workload | batch | stops at | TPOT off (ms) | TPOT on (ms) | speed-up | acceptance | tokens per verify"
+    items = [{**r, "eos": "ignore_eos" if r["ignore_eos"] else "end of text", "x": _speedup(r)} for r in data["rows"]]
+    lines += table(head, (cells(template, r) for r in items))
+    lines += ["", "Batch-size sweep (edit, `ignore_eos`, speculation at every size):", ""]
+    sweep_head = "batch | TPOT off (ms) | TPOT on (ms) | speed-up | acceptance"
+    sweep_rows = ({**r, "x": _speedup(r)} for r in data["sweep"])
+    lines += table(
+        sweep_head,
+        (
+            cells("{batch} | {tpot_off_s:ms.1f} | {tpot_on_s:ms.1f} | {x:.2f}x | {acceptance:.2f}", r)
+            for r in sweep_rows
+        ),
+    )
+    return lines + render_served(data.get("served"))
+
+
+def render_served(served_data: dict | None) -> list[str]:
+    if not served_data:
+        return []
+    calibration, results = served_data["calibration"], served_data["results"]
+    points = len(next(iter(results.values()))["points"])
+    lines = ["", f"Served (`{served_data['command']}`): disagg_app, pull, 1 + 1 replicas, edit prompts, "
+             f"{SERVED_TOKENS} tokens each with `ignore_eos`, {points} rate points; "
+             f"SLO TTFT {5 * calibration['ttft_s']:.2f} s, TPOT {2e3 * calibration['tpot_s']:.0f} ms (5x and 2x the "
+             "idle system's without speculation).", ""]  # fmt: skip
+    head = ["speculation", *(f"{r:.3g} req/s" for r in calibration["rates"]), "goodput"]
+    rows = ([system, *(f"{p['attainment']:.0%} ({1e3 * p['tpot_s']['p90']:.0f} ms)" for p in result["points"]),
+             result["goodput"]["text"]] for system, result in results.items())  # fmt: skip
+    return lines + table(head, rows) + ["", "(attainment, and TPOT p90 in brackets)"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=first_paragraph(__doc__))
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder of speculative.{json,md}")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternating rounds per comparison")
+    parser.add_argument("--sweep", type=int, nargs="*", default=list(SWEEP), help="batch sizes of the sweep")
+    parser.add_argument("--stage", choices=("engine", "served", "all", "report"), default="all")
+    parser.add_argument("--num-requests", type=int, default=24, help="served: requests per rate point")
+    options = parser.parse_args(argv)
+    path = options.out / "speculative.json"
+    data = read_json(path) if path.exists() else {}
+    if options.stage in ("engine", "all"):
+        data = {**measure(options), "served": data.get("served")}
+    if options.stage in ("served", "all"):
+        data["served"] = served(options)
+    publish(options.out, "speculative", NAME, data, render(data), "# Speculative decoding (prompt lookup)")
+
+
+if __name__ == "__main__":
+    main()
