@@ -26,6 +26,7 @@ REPORTS = [
     (DOC / "elastic_at_scale.md", "planner.study", DOC / "elastic_at_scale.json"),
     (DOC / "trace_replay.md", "bench.trace_replay", DOC / "trace_replay.json"),
     (ROOT / "docs" / "reliability.md", "bench.reliability", DOC / "reliability.json"),
+    (DOC / "speculative.md", "bench.speculative", DOC / "speculative.json"),
 ]
 
 
