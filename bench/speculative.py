@@ -7,8 +7,8 @@ batch 1 and 16, on and off in alternating rounds, up to the model's own end of t
 speculation at every size, whose crossover sets ``speculative.disable_by_batch_size``.
 ``--stage served``: goodput through ``disagg_app`` (pull, fixed 1 + 1 pools, ``bench.serve``'s
 harness) on edit prompts, off then on, SLOs from the idle system without speculation (TTFT 5x,
-TPOT 2x, as ``bench.compare``). Writes ``<out>/speculative.json`` and the block of
-``<out>/speculative.md`` (a stage keeps the other's results).
+TPOT 2x, as ``bench.compare``). Writes ``<out>/speculative.{json,png}`` and the block of
+``<out>/speculative.md`` (a stage keeps the other's results; ``report`` only re-renders them).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench.host import engine_core, machine
-from bench.report import cells, command_line, first_paragraph, publish, read_json, table
+from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table
 from workloads.documents import WORKLOADS, messages
 
 NAME = "bench.speculative"
@@ -187,6 +187,22 @@ def render_served(served_data: dict | None) -> list[str]:
     return lines + table(head, rows) + ["", "(attainment, and TPOT p90 in brackets)"]
 
 
+def plot(data: dict, path: Path) -> None:
+    """TPOT off and on per workload, batch and stop (left); the batch-size sweep's speed-up (right)."""
+    rows = data["rows"]
+    with figure(path, 1, 2, (11, 3.8)) as (bars, sweep_ax, _):
+        xs = range(len(rows))
+        bars.bar([x - 0.2 for x in xs], [1e3 * r["tpot_off_s"] for r in rows], 0.4, label="off")
+        bars.bar([x + 0.2 for x in xs], [1e3 * r["tpot_on_s"] for r in rows], 0.4, label="on")
+        labels = [f"{r['workload'][:5]} b{r['batch']}{' ie' if r['ignore_eos'] else ''}" for r in rows]
+        bars.set_xticks(list(xs), labels, rotation=60, fontsize=7)
+        bars.set(ylabel="decode TPOT (ms)", title="speculation off / on (ie: ignore_eos)")
+        bars.legend(fontsize=8)
+        sweep_ax.plot([r["batch"] for r in data["sweep"]], [_speedup(r) for r in data["sweep"]], marker="o")
+        sweep_ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        sweep_ax.set(xscale="log", xlabel="batch (edit, ignore_eos)", ylabel="TPOT speed-up", ylim=(0, None))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=first_paragraph(__doc__))
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder of speculative.{json,md}")
@@ -203,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.stage in ("served", "all"):
         data["served"] = served(options)
     publish(options.out, "speculative", NAME, data, render(data), "# Speculative decoding (prompt lookup)")
+    plot(data, options.out / "speculative.png")
 
 
 if __name__ == "__main__":
