@@ -14,6 +14,7 @@ TPOT 2x, as ``bench.compare``). Writes ``<out>/speculative.{json,png}`` and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -42,19 +43,16 @@ def engines() -> dict[str, object]:
 
 def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
     """The first ``count`` prompts of ``workload`` through the chat template, as token ids."""
-    ids = [tokenizer.apply_chat_template(messages(workload, i), add_generation_prompt=True) for i in range(count)]
-    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in ids]
+    from engine.tokenization import encode_prompt
+
+    return [encode_prompt(tokenizer, messages(workload, i)) for i in range(count)]
 
 
 def run_batch(core, batch: list[list[int]], ignore_eos: bool) -> dict:
     """All of ``batch`` at once to the end: mean decode TPOT over requests, tokens, acceptance."""
     from engine.params import GenerationRequest, SamplingParams
 
-    before = (
-        core.spec_counters.num_drafts,
-        core.spec_counters.num_draft_tokens,
-        core.spec_counters.num_accepted_tokens,
-    )
+    before = dataclasses.astuple(core.spec_counters)
     max_tokens = IGNORE_EOS_TOKENS if ignore_eos else MAX_TOKENS
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     first, last, tokens = {}, {}, {}
@@ -68,10 +66,7 @@ def run_batch(core, batch: list[list[int]], ignore_eos: bool) -> dict:
             last[out.request_id] = now
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.token_ids)
     tpots = [(last[r] - first[r]) / (tokens[r] - 1) for r in tokens if tokens[r] > 1]
-    c = core.spec_counters
-    drafts, proposed, accepted = (
-        a - b for a, b in zip((c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens), before)
-    )
+    drafts, proposed, accepted = (a - b for a, b in zip(dataclasses.astuple(core.spec_counters), before))
     return {"tpot_s": statistics.mean(tpots), "tokens": sum(tokens.values()), "drafts": drafts,
             "draft_tokens": proposed, "accepted_tokens": accepted}  # fmt: skip
 

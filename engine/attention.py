@@ -101,11 +101,10 @@ def paged_attention_forward(
     num_tokens = query.shape[2]
     out = query.new_empty(num_tokens, query.shape[1], query.shape[3])
     nd = meta.num_decode
-    num_heads, (num_kv_heads, head_dim) = query.shape[1], k_slots.shape[1:]
-    group = num_heads // num_kv_heads
     if nd:
+        num_heads, (num_kv_heads, head_dim) = query.shape[1], k_slots.shape[1:]
         # query heads grouped by the KV head they read: head h reads KV head h // group
-        q = query[0, :, :nd].transpose(0, 1).reshape(nd, num_kv_heads, group, head_dim)
+        q = query[0, :, :nd].transpose(0, 1).reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         k, v = _gather_blocks(meta.pool, layer, meta.decode_blocks)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)  # [nd, KVH, G, D]
         out[:nd] = o.reshape(nd, num_heads, head_dim)

@@ -57,7 +57,7 @@ class SpeculativeConfig(BaseModel):
     earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens
     (prompt and output), and one forward verifies them (``engine.speculative``).
 
-    ``disable_by_batch_size``: a step with more decoding requests than this proposes nothing
+    ``disable_by_batch_size``: a step with more running requests than this proposes nothing
     (verifying costs more than it saves in a full batch; the measurement:
     ``docs/benchmarks/speculative.md``)."""
 
@@ -68,7 +68,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram matched")
     prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram matched (tried first)")
     disable_by_batch_size: int = Field(
-        16, ge=1, description="no proposals in a step with more decoding requests than this"
+        16, ge=1, description="no proposals in a step with more running requests than this"
     )
 
     @model_validator(mode="after")

@@ -264,7 +264,7 @@ class Scheduler:
         """The proposals that fit the budget and the free blocks (taken now), for a sequence that
         decodes one token this step; () otherwise."""
         drafts, seq.draft_tokens = seq.draft_tokens[: max(budget, 0)], ()
-        if not drafts or n != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+        if not drafts or n != 1:
             return ()
         needed = self.allocator.blocks_needed(seq.num_tokens + len(drafts)) - len(seq.block_ids)
         if not self.allocator.can_allocate(needed):

@@ -12,7 +12,7 @@ rejected proposals is given back (the sequence keeps the blocks its accepted tok
 Adaptive (``SpecState``): a request whose last ``WINDOW`` verified steps accepted under
 ``MIN_ACCEPTED_RATE`` of what they proposed pauses for ``PAUSE_STEPS`` steps, doubling each time
 it pauses again (text that does not copy its context stops paying for verification), and a step
-with more decoding requests than ``disable_by_batch_size`` proposes nothing.
+with more running requests than ``disable_by_batch_size`` proposes nothing.
 """
 
 from __future__ import annotations
