@@ -150,6 +150,9 @@ class AsyncEngine:
             return None  # not started yet: the first call starts it
         if not self._thread.is_alive():
             return "the engine thread is not running"
+        problem = self.core.health_problem()
+        if problem is not None:
+            return problem
         started = self._round_started
         if started is not None and time.monotonic() - started > stall_s:
             return f"an engine step has run for {time.monotonic() - started:.0f} s (wedged)"
@@ -233,7 +236,8 @@ class AsyncEngine:
         while not self._stopping:
             self._wakeup.clear()  # cleared before the check: a command queued after it sets it again
             if not self._commands and not self.core.has_work():
-                self._wakeup.wait()
+                if not self._wakeup.wait(self.core.idle_interval_s):
+                    self.core.idle()
                 continue
             if not self._round():
                 return

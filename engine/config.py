@@ -94,6 +94,7 @@ class EngineConfig(EngineSettings):
     max_model_len: int | None = Field(None, ge=1, description="context length served (default: the model's)")
     role: Role = Field(Role.BOTH, description="initial role (it can change while the engine runs)")
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig, description="speculative decoding")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over (engine.tensor_parallel)")
 
 
 def check_token_budget(budget: int | None, chunked: bool, max_model_len: int, section: str = "") -> None:

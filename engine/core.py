@@ -29,9 +29,8 @@ import torch
 from engine.block_allocator import BlockAllocator, BlockAllocatorError, hash_blocks
 from engine.config import EngineConfig, resolve_limits
 from engine.detokenizer import TextStream
-from engine.kv_pool import KVPool, layout_for
+from engine.kv_pool import layout_for
 from engine.loader import LoadedModel, ModelSpec, load_model
-from engine.model_runner import ModelRunner
 from engine.params import (
     ContextLimits,
     EngineStats,
@@ -48,7 +47,9 @@ from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties, sam
 from engine.scheduler import ScheduledChunk, Scheduler, SequenceState
 from engine.speculative import SpecCounters, SpecState, propose_ngram
 from engine.structured import GrammarCache, GrammarMatcher, apply_grammar_masks
+from engine.tensor_parallel import HEARTBEAT_S, check_degree, shard_for
 from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
+from engine.tp_worker import Launcher, Leader, build_rank, local_launcher
 
 
 class RoleError(RuntimeError):
@@ -71,17 +72,23 @@ class _Request:
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, launch: Launcher | None = None) -> None:
+        """``launch`` starts ranks 1.. of a tensor-parallel engine (``engine.tp_worker``)."""
         config = config or EngineConfig()
         self.config = config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         model = loaded.model
         self.device = model.device
-        self.layout = layout_for(model.config, config.block_size, model.dtype)
+        degree = config.tensor_parallel_size
+        if degree > 1:
+            check_degree(model.config, degree)
+            if launch is None:
+                raise ValueError("tensor_parallel_size > 1 needs a launcher for its other ranks (EngineCore.from_spec)")
+        shard = shard_for(model.config, 0, degree) if degree > 1 else None
+        self.layout = layout_for(model.config, config.block_size, model.dtype, shard)  # this rank's KV heads
         self.vocab_size = model.get_input_embeddings().num_embeddings  # ids at or above: refused
         self.limits = resolve_limits(config, model.config.max_position_embeddings, self.layout.bytes_per_block)
-        self.pool = KVPool(self.layout, self.limits.num_blocks, self.device)
         self.allocator = BlockAllocator(self.limits.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator,
@@ -90,8 +97,18 @@ class EngineCore:
             config.enable_chunked_prefill,
             config.recompute_remote_kv,
         )
-        packed, graphs = config.cpu_packed_weights, config.graph_batch_sizes()
-        self.runner = ModelRunner(model, self.pool, packed_weights=packed, cuda_graph_batch_sizes=graphs)
+        # every rank builds from these settings, its pool as many blocks as this one
+        rank_config = config.model_copy(update={"num_blocks": self.limits.num_blocks})
+        self.tp = Leader(self.device, degree, rank_config, launch) if degree > 1 else None
+        try:
+            self.runner = build_rank(model, rank_config, 0, None if self.tp is None else self.tp.group)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.ready(False)
+            raise
+        if self.tp is not None:
+            self.tp.ready(True)
+        self.pool = self.runner.pool
         self.role = config.role
         self._eos_ids = eos_token_ids(model, self.tokenizer)
         self._requests: dict[str, _Request] = {}
@@ -108,7 +125,28 @@ class EngineCore:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec | None = None, config: EngineConfig | None = None) -> EngineCore:
-        return cls(load_model(spec or ModelSpec()), config)
+        """A tensor-parallel engine's other ranks load ``spec`` in local processes."""
+        spec = spec or ModelSpec()
+        return cls(load_model(spec), config, local_launcher(spec))
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (nothing to do otherwise)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def health_problem(self) -> str | None:
+        """Why this engine cannot step (a tensor-parallel rank is gone); None when it can."""
+        return None if self.tp is None else self.tp.problem()
+
+    @property
+    def idle_interval_s(self) -> float | None:
+        """How often ``idle`` wants calling while nothing runs (None: never)."""
+        return None if self.tp is None else HEARTBEAT_S
+
+    def idle(self) -> None:
+        """Called every ``tensor_parallel.HEARTBEAT_S`` while nothing runs: keeps the ranks waiting."""
+        if self.tp is not None:
+            self.tp.heartbeat()
 
     # ---- requests -------------------------------------------------------------------
 
@@ -276,6 +314,8 @@ class EngineCore:
         if not plan.chunks:
             return outputs
         start = time.perf_counter()
+        if self.tp is not None:
+            self.tp.send(plan.chunks)
         logits = self.runner.execute(plan.chunks)
         for seq, chunk in zip(plan.scheduled, plan.chunks):
             seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft  # proposals: once accepted

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_memory import host_tensor
+from engine.tensor_parallel import Shard
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,14 @@ class KVLayout:
         return self.bytes_per_token * self.block_size
 
 
-def layout_for(config: object, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """KV layout of a transformers decoder config."""
+def layout_for(config: object, block_size: int, dtype: torch.dtype, shard: Shard | None = None) -> KVLayout:
+    """KV layout of a transformers decoder config; with ``shard``, of that tensor-parallel rank's
+    KV heads."""
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return KVLayout(
         num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=shard.num_kv_heads if shard else getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         block_size=block_size,
         dtype=str(dtype).removeprefix("torch."),

@@ -36,9 +36,11 @@ class ModelRunner:
         pool: KVPool,
         packed_weights: bool = False,
         cuda_graph_batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
+        logits: bool = True,
     ) -> None:
         """``cuda_graph_batch_sizes``: on CUDA, decode steps replay from graphs captured at these
-        batch sizes (None or empty: always eager); ignored on CPU."""
+        batch sizes (None or empty: always eager); ignored on CPU. ``logits``: False on a
+        tensor-parallel rank other than 0, which runs no LM head (``execute`` returns None)."""
         self.model = model
         self.pool = pool
         self.device = pool.tensor.device
@@ -53,8 +55,9 @@ class ModelRunner:
                     packed_bytes(model) / 2**20,
                 )
         self._decoder = getattr(model, model.base_model_prefix)
-        self._group = model.config.num_attention_heads // pool.layout.num_kv_heads  # query heads per KV head
-        self._lm_head = model.get_output_embeddings()
+        # query heads per KV head (``engine.tensor_parallel`` sets it on a rank's shard)
+        self._group = self._decoder.layers[0].self_attn.num_key_value_groups
+        self._lm_head = model.get_output_embeddings() if logits else None
         self._layer_hooks: list[LayerHook] = []
         self._chunks: Sequence[ScheduledChunk] = ()  # the step being executed, for the layer hooks
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -102,7 +105,7 @@ class ModelRunner:
             hook(idx, self._chunks)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """Run one step; returns float32 logits ``[sum of num_sampled, vocab]``: each sampled
         chunk's rows (``ScheduledChunk.num_sampled``) in ``chunks`` order.
 
@@ -130,6 +133,8 @@ class ModelRunner:
             ).last_hidden_state[0]
         finally:
             self._chunks = ()
+        if self._lm_head is None:
+            return None
         if index is None:
             return hidden.new_empty(0, self._lm_head.out_features, dtype=torch.float32)
         return self._lm_head(hidden.index_select(0, index)).float()

@@ -21,3 +21,12 @@ def tiny_config(family: str) -> PretrainedConfig:
     )
     config.eos_token_id = None
     return config
+
+
+def tiny_tp_config(family: str, kv_heads: int = 4) -> PretrainedConfig:
+    """``tiny_config`` with 8 query heads (head_dim 8) and ``kv_heads`` KV heads: splits over 2 and 4
+    tensor-parallel ranks (and, with 2 KV heads, replicates each over 2 of 4 ranks)."""
+    config = tiny_config(family)
+    config.num_attention_heads, config.num_key_value_heads = 8, kv_heads
+    config.head_dim = config.hidden_size // 8
+    return config

@@ -1,0 +1,158 @@
+"""The ranks of a tensor-parallel engine other than rank 0, and rank 0's side of the group.
+
+``run_worker`` is one rank: it loads the model, keeps its shard (``engine.tensor_parallel``),
+builds its own KV pool (its KV heads only, as many blocks as rank 0) and runs each plan rank 0
+sends until rank 0 sends none. Where the ranks run is the launcher's business: ``LocalWorkers``
+spawns local processes (engines outside Serve: tests, benchmarks); a Serve replica starts them
+as Ray actors in its placement group (``deployments.tp_workers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_pool import KVPool, layout_for
+from engine.loader import ModelSpec, load_model
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledChunk
+from engine.tensor_parallel import RankGroup, Rendezvous, leader, shard_for, shard_model
+
+logger = logging.getLogger(__name__)
+
+
+class Workers(Protocol):
+    """Ranks 1 .. degree - 1 of one engine, wherever they run."""
+
+    def problem(self) -> str | None:
+        """Why a rank is gone (None: all alive)."""
+
+    def stop(self) -> None:
+        """Wait a little for the ranks to end after rank 0's stop, then end what is left."""
+
+
+# (rank 0's rendezvous, the settings every rank builds from) -> the started workers
+Launcher = Callable[[Rendezvous, EngineConfig], Workers]
+
+
+def build_rank(model: torch.nn.Module, config: EngineConfig, rank: int, group: RankGroup | None) -> ModelRunner:
+    """One rank's runner: its shard of ``model`` (all of it without a group) over its own pool.
+    ``config.num_blocks`` must be set (rank 0 resolves it and passes it on)."""
+    degree = 1 if group is None else group.degree
+    shard = None
+    if rank:
+        model.set_output_embeddings(None)  # the LM head runs on rank 0 only
+    if group is not None:
+        shard = shard_for(model.config, rank, degree)
+        shard_model(model, shard, group.all_reduce)
+    layout = layout_for(model.config, config.block_size, model.dtype, shard)
+    pool = KVPool(layout, config.num_blocks, model.device)
+    graphs = config.graph_batch_sizes() if degree == 1 else None  # graphs capture one rank's work only
+    return ModelRunner(model, pool, config.cpu_packed_weights, graphs, logits=rank == 0)
+
+
+def run_worker(spec: ModelSpec, config: EngineConfig, rank: int, rendezvous: Rendezvous, threads: int = 1) -> None:
+    """Rank ``rank`` of an engine: join the group, load, then run rank 0's plans until it stops."""
+    torch.set_num_threads(threads)
+    group = RankGroup(rank, rendezvous, torch.device(spec.device))
+    runner = None
+    try:
+        runner = build_rank(load_model(spec).model, config, rank, group)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed to start", rank)
+    if group.agree(runner is not None) or runner is None:
+        return
+    while (plan := group.receive()) is not None:
+        if plan:
+            runner.execute(plan)
+
+
+class LocalWorkers:
+    """Ranks 1 .. degree - 1 as processes of this machine (spawned: no state shared with rank 0)."""
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig, rendezvous: Rendezvous, threads: int = 1) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._processes = [
+            context.Process(
+                target=run_worker, args=(spec, config, rank, rendezvous, threads), name=f"tp-rank{rank}", daemon=True
+            )
+            for rank in range(1, rendezvous.degree)
+        ]
+        for process in self._processes:
+            process.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    def problem(self) -> str | None:
+        for rank, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                return f"tensor-parallel rank {rank} exited (code {process.exitcode})"
+        return None
+
+    def stop(self) -> None:
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def local_launcher(spec: ModelSpec, threads: int = 1) -> Launcher:
+    return lambda rendezvous, config: LocalWorkers(spec, config, rendezvous, threads)
+
+
+class Leader:
+    """Rank 0's side: sends each plan, keeps the workers waiting while idle, notices a lost rank."""
+
+    def __init__(self, device: torch.device, degree: int, config: EngineConfig, launch: Launcher) -> None:
+        rendezvous, join = leader(degree, device)
+        self.workers = launch(rendezvous, config)
+        self.group = join()  # waits for every rank to connect
+        self.failure: str | None = None
+
+    def ready(self, ok: bool) -> None:
+        """After rank 0 built its own shard: every rank agrees, or this raises naming the others."""
+        failed = self.group.agree(ok)
+        if failed:
+            self.close()
+            raise RuntimeError(f"tensor-parallel ranks {failed} failed to start (their logs say why)")
+
+    def send(self, plan: Sequence[ScheduledChunk]) -> None:
+        self._check()
+        try:
+            self.group.send(tuple(plan))
+        except Exception as exc:
+            self.failure = f"a tensor-parallel rank is gone: {exc}"
+            raise RuntimeError(self.failure) from exc
+
+    def heartbeat(self) -> None:
+        """An empty plan (the engine is idle): the workers' wait starts over."""
+        if self.failure is None:
+            try:
+                self.send(())
+            except RuntimeError:
+                logger.error("%s", self.failure)
+
+    def problem(self) -> str | None:
+        return self.failure or self.workers.problem()
+
+    def _check(self) -> None:
+        problem = self.problem()
+        if problem is not None:
+            self.failure = problem
+            raise RuntimeError(problem)
+
+    def close(self) -> None:
+        if self.problem() is None:
+            try:
+                self.group.send(None)
+            except Exception:  # a rank went away meanwhile; stop() ends the rest
+                logger.warning("a tensor-parallel rank did not take the stop")
+        self.workers.stop()

@@ -1,0 +1,154 @@
+"""Tensor parallelism: ranks as separate local processes (gloo), compared with one rank.
+
+A sum reduced over ranks adds the same products in another order than one rank's product, so
+float32 results differ in the last bits: tokens follow ``tests/same_output.py``'s batched rule,
+and logprobs agree within 1e-4 up to the first divergence (what float32 rounding of a
+64-wide sum of O(1) terms allows, with room; a wrong shard is off by far more).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.core import EngineCore
+from engine.loader import ModelSpec
+from engine.params import GenerationRequest, SamplingParams
+from engine.tensor_parallel import check_degree
+from tests import same_output
+from tests.engine.conftest import assert_pool_idle, greedy, run_to_completion
+from tests.tiny_models import tiny_tp_config
+from tests.waiting import wait_until
+
+LOGPROB_TOLERANCE = 1e-4
+PROMPT_LENGTHS = (5, 40, 77, 130)
+
+
+def _spec(tmp_path: Path, family: str, kv_heads: int = 4) -> ModelSpec:
+    folder = tmp_path / f"{family}-{kv_heads}"
+    tiny_tp_config(family, kv_heads).save_pretrained(folder)
+    return ModelSpec(source=str(folder), dummy_weights=True)
+
+
+def _engine(spec: ModelSpec, degree: int, **settings: object) -> EngineCore:
+    settings = {"max_model_len": 256, "kv_cache_bytes": 4 << 20, "block_size": 8, **settings}
+    return EngineCore.from_spec(spec, EngineConfig(tensor_parallel_size=degree, **settings))
+
+
+def _batch(shared_prefix: int = 16) -> dict[int, list[GenerationRequest]]:
+    """Prompts of different lengths arriving over three steps; the last two share a prefix."""
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+    prompts[3][:shared_prefix] = prompts[2][:shared_prefix]
+    requests = [GenerationRequest(f"r{i}", tuple(p), greedy()) for i, p in enumerate(prompts)]
+    return {0: requests[:2], 1: requests[2:3], 3: requests[3:]}
+
+
+def _run(core: EngineCore, arrivals: dict[int, list[GenerationRequest]]) -> dict[str, same_output.GreedyTrace]:
+    try:
+        outputs = run_to_completion(core, arrivals)
+        assert_pool_idle(core)
+    finally:
+        core.close()
+    return {rid: same_output.trace_from_outputs(outs) for rid, outs in outputs.items()}, outputs
+
+
+def _assert_same(reference: dict, actual: dict, label: str) -> None:
+    (ref_traces, ref_outputs), (traces, outputs) = reference, actual
+    assert sorted(traces) == sorted(ref_traces)
+    for rid in ref_traces:
+        same_output.assert_same_output(ref_traces[rid], traces[rid], exact=False, label=f"{label} {rid}")
+        upto = same_output.first_divergence(ref_traces[rid], traces[rid]) or len(ref_traces[rid].tokens)
+        ref_lp = [lp.logprob for o in ref_outputs[rid] for lp in o.logprobs][:upto]
+        lp = [lp.logprob for o in outputs[rid] for lp in o.logprobs][:upto]
+        assert max(abs(a - b) for a, b in zip(ref_lp, lp)) < LOGPROB_TOLERANCE, f"{label} {rid}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp_2_and_4_give_tp_1_s_tokens_with_chunked_prefill_and_prefix_caching(tmp_path, family):
+    spec = _spec(tmp_path, family)
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 48}
+    reference = _run(_engine(spec, 1, **chunked), _batch())
+    for degree in (2, 4):
+        core = _engine(spec, degree, **chunked)
+        assert core.layout.num_kv_heads == 4 // degree  # this rank's KV heads only
+        assert core.limits.num_blocks == degree * (4 << 20) // (core.layout.bytes_per_block * degree)
+        hits_before = core.scheduler.prefix_hit_tokens
+        result = _run(core, _batch())
+        assert core.scheduler.prefix_hit_tokens - hits_before == 16  # the shared prefix's two blocks
+        _assert_same(reference, result, f"{family} TP {degree}")
+
+
+def test_replicated_kv_heads_tp_4_over_2_kv_heads(tmp_path):
+    spec = _spec(tmp_path, "llama", kv_heads=2)
+    reference = _run(_engine(spec, 1), _batch())
+    core = _engine(spec, 4)
+    assert core.layout.num_kv_heads == 1  # each KV head on two ranks
+    _assert_same(reference, _run(core, _batch()), "llama 2 KV heads TP 4")
+
+
+def test_default_model_tp_3_gives_tp_1_s_tokens(smol_prompts):
+    arrivals = {0: [GenerationRequest(f"p{i}", tuple(p), greedy()) for i, p in enumerate(smol_prompts[:4])]}
+    reference = _run(_engine(ModelSpec(), 1, max_model_len=512, kv_cache_bytes=32 << 20), arrivals)
+    core = _engine(ModelSpec(), 3, max_model_len=512, kv_cache_bytes=32 << 20)
+    assert core.layout.num_kv_heads == 1
+    _assert_same(reference, _run(core, arrivals), "default model TP 3")
+
+
+def test_the_plan_carries_speculation_to_every_rank(tmp_path):
+    """Verify rows and the blocks given back after rejected proposals reach the other ranks in
+    the plan: the same tokens as one rank with speculation, proposals both accepted and rejected."""
+    spec = _spec(tmp_path, "llama")
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    repeating = [GenerationRequest(f"s{i}", tuple([11, 12, 13, 14, 15] * 6 + [i + 1]), greedy()) for i in range(3)]
+    reference = _run(_engine(spec, 1, speculative=speculative), {0: repeating})
+    core = _engine(spec, 2, speculative=speculative)
+    result = _run(core, {0: repeating})
+    counters = core.spec_counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    _assert_same(reference, result, "TP 2 speculating")
+
+
+@pytest.mark.parametrize(
+    ("degree", "named"),
+    [
+        (3, r"num_attention_heads=8, intermediate_size=128, num_key_value_heads=4 \(must be"),
+        (16, "num_attention_heads=8$"),  # 16 ranks would replicate each KV head 4 times, but 8 heads
+    ],
+)
+def test_a_degree_the_model_cannot_split_is_refused_naming_the_sizes(degree, named):
+    with pytest.raises(ValueError, match=f"decode.tensor_parallel_size={degree} does not divide the model's {named}"):
+        check_degree(tiny_tp_config("llama"), degree, "decode.tensor_parallel_size")
+    check_degree(tiny_tp_config("llama"), 8, "decode.tensor_parallel_size")  # 8 ranks: each KV head on two
+
+
+def test_the_default_model_takes_degree_1_or_3(smol):
+    for degree in (1, 3, 9):
+        if degree == 9:
+            with pytest.raises(ValueError, match="intermediate_size=1536"):
+                check_degree(smol.model.config, degree)
+        else:
+            check_degree(smol.model.config, degree)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's num_attention_heads=9"):
+        check_degree(smol.model.config, 2)
+
+
+def test_a_lost_rank_fails_the_step_and_the_health_check_and_frees_every_block(tmp_path):
+    core = _engine(_spec(tmp_path, "llama"), 2)
+    try:
+        (pid,) = core.tp.workers.pids
+        assert core.health_problem() is None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(core.health_problem, 60, "the lost rank noticed")
+        core.add_request(GenerationRequest("lost", tuple(range(1, 20)), SamplingParams(max_tokens=4)))
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            while core.has_work():
+                core.step()
+        assert "tensor-parallel rank 1 exited (code -9)" in core.health_problem()
+        core.abort_all()
+        assert_pool_idle(core)
+    finally:
+        core.close()
