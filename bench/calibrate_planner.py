@@ -14,14 +14,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
 from bench.engine import greedy_request
 from bench.host import engine_core, machine, medians, seconds, ticks_between, tokenizer, tree_ticks, worker_json
-from bench.report import command_line, first_paragraph, read_json
+from bench.report import arguments, command_line, read_json
 from bench.serve import Target, run, run_checked, uncontended
 from planner.costs import DEFAULT_CALIBRATION, load_calibration, save_calibration
 from workloads import BenchRequest, PromptBuilder
@@ -44,7 +43,6 @@ NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
 
 
 def core():
-    """The engine as calibrated: every measured prompt computed in full (no prefix cache)."""
     return engine_core(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES, block_size=BLOCK_SIZE,
                        enable_prefix_caching=False)  # fmt: skip
 
@@ -241,8 +239,7 @@ def calibrate(command: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
-    parser.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION)
+    parser = arguments(NAME, __doc__, DEFAULT_CALIBRATION, "the calibration file")
     parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--interference-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stack", action="store_true", help="measure only the serving stack, into --out's file")

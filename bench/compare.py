@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.host import machine
 from bench.ray_local import Server
-from bench.report import command_line, plot_attainment, plot_cdfs, publish, read_json, table, write_json
+from bench.report import arguments, command_line, plot_attainment, plot_cdfs, publish, read_json, table, write_json
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
@@ -84,13 +84,12 @@ def _multipliers(text: str) -> dict[str, tuple[float, ...]]:
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n\n")[0])
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for goodput.md/json/png")
     parser.add_argument("--workloads", type=_names, default="summarization,code,chatbot")
     parser.add_argument("--systems", type=_names, default=",".join(SYSTEMS))
     parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point (>= 40 for reports)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--multipliers", type=_multipliers, default="", help="rate points, e.g. 'code=0.5,1 chatbot=1'")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder for goodput.md/json/png")
     parser.add_argument("--raw", type=Path, default=Path("bench-results"), help="folder for per-request records")
     parser.add_argument("--merge", action="store_true", help="keep the other workloads of the report in --out")
     options = parser.parse_args(argv)
@@ -101,7 +100,6 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchRequest]]:
-    """The same requests for every system: per workload, in the order given."""
     from bench.host import tokenizer
 
     words = tokenizer()
@@ -140,9 +138,14 @@ def load_previous(out: Path, raw: Path, skip: list[str]) -> dict:
 
 
 def write_report(report: dict, out: Path, raw: Path) -> None:
-    """goodput.json, goodput.md and the PNGs in ``out``; every request's record in ``raw``."""
     write_json(raw / "goodput_full.json", report["results"], indent=None)
-    summary = summary_json(report, machine())
+    slos = {w: workload_slo(c) for w, c in report["calibration"].items()}
+    results = {w: {s: without_records(sw) for s, sw in by.items()} for w, by in report["results"].items()}
+    summary = {"command": report["command"], "machine": machine(), "model": report["model"],
+               "elapsed_s": report["elapsed_s"], "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
+               "calibration": report["calibration"],
+               "slo_s": {w: {"ttft": slo.ttft_s, "tpot": slo.tpot_s} for w, slo in slos.items()},
+               "crosscheck": report["crosscheck"], "results": results}  # fmt: skip
     publish(out, "goodput", NAME, summary, render(summary), "# Goodput: disaggregated against colocated")
     plot_attainment(report["results"], out / "goodput.png")
     for workload, systems in report["results"].items():
@@ -151,18 +154,7 @@ def write_report(report: dict, out: Path, raw: Path) -> None:
             plot_cdfs(points, out / f"goodput_cdf_{workload}.png", workload)
 
 
-def summary_json(report: dict, host: str) -> dict:
-    """goodput.json: the report without the per-request records."""
-    slos = {w: workload_slo(c) for w, c in report["calibration"].items()}
-    results = {w: {s: _without_records(sw) for s, sw in by.items()} for w, by in report["results"].items()}
-    return {"command": report["command"], "machine": host, "model": report["model"],
-            "elapsed_s": report["elapsed_s"], "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
-            "calibration": report["calibration"],
-            "slo_s": {w: {"ttft": slo.ttft_s, "tpot": slo.tpot_s} for w, slo in slos.items()},
-            "crosscheck": report["crosscheck"], "results": results}  # fmt: skip
-
-
-def _without_records(sweep: dict) -> dict:
+def without_records(sweep: dict) -> dict:
     points = [{k: v for k, v in point.items() if k != "records"} for point in sweep["points"]]
     return {"goodput": sweep["goodput"], "points": points}
 
@@ -172,7 +164,6 @@ def _middle_point(sweep: dict) -> dict:
 
 
 def render(summary: dict) -> list[str]:
-    """goodput.md's block: the SLOs, a row per system (at the middle rate of its sweep), the cross-check."""
     head = f"Command: `{summary['command']}` ({summary['elapsed_s'] / 60:.0f} min). Machine: {summary['machine']}."
     lines = ["", head, "", "SLOs (TTFT 5x, TPOT 2x the uncontended latency on the idle colocated system):", ""]
     slos = []
@@ -185,7 +176,15 @@ def render(summary: dict) -> list[str]:
     header = "system | goodput (req/s) | vs colocated | attainment per rate | TTFT p90 (s) | TPOT p90 (ms)"
     for workload, systems in summary["results"].items():
         if systems:
-            rows = [_system_row(s, sweep, systems.get("colocated")) for s, sweep in systems.items()]
+            rows = []
+            for system, sweep in systems.items():
+                mid, ratio = _middle_point(sweep), ratio_text(sweep, systems.get("colocated"))
+                attained = " / ".join(f"{p['attainment']:.0%}" for p in sweep["points"])
+                split = ", ".join(f"{k} {v:.3f}" for k, v in mid["server_ttft_split_s"].items())
+                figures = [f"{mid['ttft_s']['p90']:.2f}", f"{mid['tpot_s']['p90'] * 1e3:.0f}"]
+                rows.append(
+                    [system, sweep["goodput"]["text"], ratio, attained, *figures, f"{split} (at {mid['rate']:.3g}/s)"]
+                )
             lines += [f"### {workload}", "", *table(f"{header} | server TTFT split, mean (s)", rows), ""]
             lines += [f"![TTFT and TPOT CDFs, {workload}](goodput_cdf_{workload}.png)", ""]
     if summary["crosscheck"]:
@@ -195,14 +194,6 @@ def render(summary: dict) -> list[str]:
         rows = [[c["prompt_tokens"], c["max_tokens"], *(f"{c[k]:.3f}" for k in times)] for c in summary["crosscheck"]]
         lines += [*table(header, rows), ""]
     return lines
-
-
-def _system_row(system: str, sweep: dict, colocated: dict | None) -> list:
-    mid = _middle_point(sweep)
-    attained = " / ".join(f"{p['attainment']:.0%}" for p in sweep["points"])
-    split = ", ".join(f"{k} {v:.3f}" for k, v in mid["server_ttft_split_s"].items())
-    figures = [f"{mid['ttft_s']['p90']:.2f}", f"{mid['tpot_s']['p90'] * 1e3:.0f}", f"{split} (at {mid['rate']:.3g}/s)"]
-    return [system, sweep["goodput"]["text"], ratio_text(sweep, colocated), attained, *figures]
 
 
 def ratio_text(sweep: dict, reference: dict | None) -> str:
@@ -230,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     command, started, calibration, sweeps = command_line(NAME, argv), time.time(), {}, {}  # system -> workload -> sweep
     checks = previous["crosscheck"] if previous else []
     order = ["colocated"] + [s for s in options.systems if s != "colocated"]
-    for index, (system, names) in enumerate(_servers(order, tuple(requests))):
+    workloads = tuple(requests)  # (system, the workloads its server runs): an SLO-aware one, one workload each
+    servers = [p for s in order for p in ([(s, (w,)) for w in workloads] if s in SLO_AWARE else [(s, workloads)])]
+    for index, (system, names) in enumerate(servers):
         slo = workload_slo(calibration[names[0]]) if system in SLO_AWARE else None  # the server's one workload's
         slo_args = {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"} if slo else {}
         with system_server(system, index, slo_args) as server:
@@ -248,11 +241,6 @@ def main(argv: list[str] | None = None) -> None:
                 report = {"command": command, "elapsed_s": time.time() - started, "model": target.model,
                           "calibration": calibration, "crosscheck": checks, "results": results}  # fmt: skip
                 write_report(merged(report, previous), options.out, options.raw)
-
-
-def _servers(order: list[str], workloads: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
-    """(system, the workloads its server runs): an SLO-aware system gets a server per workload."""
-    return [pair for s in order for pair in ([(s, (w,)) for w in workloads] if s in SLO_AWARE else [(s, workloads)])]
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ within ``WINDOW_S``: the drift a calibration taken minutes before a measurement 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 
 from bench.host import cpu_ticks, machine
-from bench.report import command_line, first_paragraph, write_json
+from bench.report import arguments, command_line, write_json
 
 WINDOW_S = 300.0
 SHAPES = ("decode batch 1", "decode batch 8", "prefill 256 tokens")
@@ -41,10 +40,9 @@ def summarize(samples: list[dict], window_s: float = WINDOW_S) -> dict[str, dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.drift", description=first_paragraph(__doc__))
+    parser = arguments("bench.drift", __doc__, "docs/benchmarks/drift.json", "the JSON written")
     parser.add_argument("--minutes", type=float, default=12.0)
     parser.add_argument("--every", type=float, default=15.0, help="seconds between samples")
-    parser.add_argument("--out", default="docs/benchmarks/drift.json")
     options = parser.parse_args(argv)
     from bench.calibrate_planner import Prompts, core
 

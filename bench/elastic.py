@@ -26,7 +26,7 @@ from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.engine import greedy_request
 from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
 from bench.ray_local import Server
-from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, read_json, table, write_json
 from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
 from bench.slo import SLO, RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder, median_request
@@ -102,18 +102,6 @@ class SystemRun:
     decisions: list[dict] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class ElasticReport:
-    """What the report is made from, each part None or empty until its stage ran."""
-
-    phases: tuple[Phase, ...]
-    seed: int
-    command: str
-    calibration: Calibration | None
-    runs: dict[str, SystemRun]
-    floor: dict | None
-
-
 def make_phases(phase_s: float) -> tuple[Phase, ...]:
     return tuple(Phase(*p, i * phase_s, (i + 1) * phase_s) for i, p in enumerate(PHASES))
 
@@ -136,7 +124,6 @@ def make_trace(words, phases: tuple[Phase, ...], seed: int) -> list[tuple[int, f
 
 
 def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequest]]:
-    """Each request class's requests, in the trace's order."""
     classes: dict[str, list[BenchRequest]] = {}
     for index, _, request in trace:
         classes.setdefault(phases[index].kind, []).append(request)
@@ -196,7 +183,7 @@ def stage_run(options: argparse.Namespace, command: str) -> None:
     phases = make_phases(options.phase_s)
     trace = make_trace(tokenizer(), phases, options.seed)
     save_raw(options.raw, "trace", {"seed": options.seed, "command": command, "phases": [asdict(p) for p in phases]})
-    known = None if "colocated" in options.systems else load_raw(options.raw).calibration
+    known = None if "colocated" in options.systems else load_raw(options.raw)["calibration"]
     order = sorted((s for s in SYSTEMS if s in options.systems), key=lambda s: s != "colocated")
     classes = by_class(trace, phases)
     for system, target, calibration in each_system(order, known, classes, options.raw / "trace.jsonl"):
@@ -338,27 +325,19 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
     return {"streams": FLOOR_STREAMS, **idle, **loaded}
 
 
-def stage_floor(options: argparse.Namespace, command: str) -> None:
-    """The engine's part in a subprocess (no Ray in it), then through the static app."""
-    floor = {"command": command, **worker_json(NAME, "--floor-worker", str(options.floor_steps))}
-    floor |= serve_floor(index=len(SYSTEMS) + 1)
-    print(f"floor: {floor}", file=sys.stderr)
-    save_raw(options.raw, "floor", floor)
-
-
 def save_raw(raw: Path, name: str, data) -> None:
-    """``name``.json in the raw folder, on one line (a dataclass as its fields)."""
     write_json(raw / f"{name}.json", asdict(data) if is_dataclass(data) else data, indent=None)
 
 
-def load_raw(raw: Path) -> ElasticReport:
-    """The report's input, as the stages left it in ``raw``."""
+def load_raw(raw: Path) -> dict:
+    """The report's input, as the stages left it in ``raw`` (each part None or empty until its stage ran)."""
     found, ranges = {path.stem: read_json(path) for path in raw.glob("*.json")}, ("prompt_tokens", "output_tokens")
     trace, calibration = found.get("trace", {}), found.get("calibration")
     phases = tuple(Phase(**p | {k: tuple(p[k]) for k in ranges}) for p in trace.get("phases", []))
     runs = {s: SystemRun(**found[f"system_{s}"]) for s in SYSTEMS if f"system_{s}" in found}
     calibration = calibration and Calibration(**calibration)
-    return ElasticReport(phases, trace.get("seed", 0), trace.get("command", ""), calibration, runs, found.get("floor"))
+    return {"phases": phases, "seed": trace.get("seed", 0), "command": trace.get("command", ""),
+            "calibration": calibration, "runs": runs, "floor": found.get("floor")}  # fmt: skip
 
 
 def score(judged: list[tuple[dict, RequestRecord, SLO]]) -> dict:
@@ -372,13 +351,11 @@ def score(judged: list[tuple[dict, RequestRecord, SLO]]) -> dict:
 
 
 def _judged(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> list:
-    """Each request's row, record and SLO (its class's)."""
     slos = [calibration.slo(phases[row["phase"]].kind) for row in run.rows]
     return [(row, RequestRecord.from_json(row["record"]), slo) for row, slo in zip(run.rows, slos)]
 
 
 def phase_scores(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibration) -> dict[str, dict]:
-    """Per phase (by name, in order), then ``overall``."""
     judged = _judged(run, phases, calibration)
     scores = {phase.name: score([j for j in judged if j[0]["phase"] == i]) for i, phase in enumerate(phases)}
     return scores | {"overall": score(judged)}
@@ -426,56 +403,45 @@ def targets(scores: dict[str, dict[str, dict]], burst: str) -> list[tuple[str, f
     ]
 
 
-def write_report(report: ElasticReport, out: Path) -> None:
-    """elastic.json, elastic.md's block and elastic.png in ``out``."""
+def write_report(report: dict, out: Path) -> None:
+    """elastic.json (what the page shows, without the per-request records), elastic.md's block, elastic.png."""
     out.mkdir(parents=True, exist_ok=True)
-    scores = {}
-    if report.calibration is not None:
-        scores = {s: phase_scores(run, report.phases, report.calibration) for s, run in report.runs.items()}
-        if report.runs:
+    calibration, phases, runs, scores, slo_s = report["calibration"], report["phases"], report["runs"], {}, None
+    if calibration is not None:
+        scores = {s: phase_scores(run, phases, calibration) for s, run in runs.items()}
+        slo_s = {k: {"ttft": calibration.slo(k).ttft_s, "tpot": calibration.slo(k).tpot_s} for k in calibration.classes}
+        slo_s["controller"] = {"ttft": calibration.controller_ttft_s, "tpot": calibration.tpot_slo_s}
+        if runs:
             plot_timeline(report, out / "elastic.png")
-    summary = summary_json(report, scores, machine())
+    burst = next((p.name for p in phases if p.kind == "burst"), "burst")
+    summary = {
+        "command": report["command"], "machine": machine(), "seed": report["seed"],
+        "phases": [asdict(p) for p in phases], "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
+        "calibration": None if calibration is None else calibration.classes, "slo_s": slo_s, "results": scores,
+        "elapsed_s": {s: run.elapsed_s for s, run in runs.items()},
+        "decisions": runs["elastic"].decisions if "elastic" in runs else [],
+        "targets": [{"target": t, "value": v, "bar": b} for t, v, b in targets(scores, burst)],
+        "floor": report["floor"],
+    }  # fmt: skip
     publish(out, "elastic", NAME, summary, render(summary), "# Elastic prefill/decode: a phase-changing trace")
 
 
-def summary_json(report: ElasticReport, scores: dict[str, dict[str, dict]], host: str) -> dict:
-    """elastic.json: what the page shows, without the per-request records."""
-    calibration, slo_s = report.calibration, None
-    if calibration is not None:
-        slo_s = {k: {"ttft": calibration.slo(k).ttft_s, "tpot": calibration.slo(k).tpot_s} for k in calibration.classes}
-        slo_s["controller"] = {"ttft": calibration.controller_ttft_s, "tpot": calibration.tpot_slo_s}
-    burst = next((p.name for p in report.phases if p.kind == "burst"), "burst")
-    return {
-        "command": report.command, "machine": host, "seed": report.seed, "phases": [asdict(p) for p in report.phases],
-        "slo_multiples": {"ttft": TTFT_SLO_X, "tpot": TPOT_SLO_X},
-        "calibration": None if calibration is None else calibration.classes,
-        "slo_s": slo_s, "results": scores,
-        "elapsed_s": {s: run.elapsed_s for s, run in report.runs.items()},
-        "decisions": report.runs["elastic"].decisions if "elastic" in report.runs else [],
-        "targets": [{"target": t, "value": v, "bar": b} for t, v, b in targets(scores, burst)],
-        "floor": report.floor,
-    }  # fmt: skip
-
-
 def render(summary: dict) -> list[str]:
-    """The generated block of elastic.md, from elastic.json."""
     lines = [""]
     if summary["command"]:
         lines += [f"Command: `{summary['command']}`. Machine: {summary['machine']}.", ""]
     lines += _trace_lines(summary) + _result_lines(summary)
     if "elastic" in summary["elapsed_s"]:
         phases, row = summary["phases"], "{t:.1f} | {phase} | {action} | {replica} | {role} | {reason}"
-        rows = [cells(row, d | {"phase": _phase_at(phases, d["t"])}) for d in summary["decisions"]]
+        at = [
+            next((p["name"] for p in phases if p["start_s"] <= d["t"] < p["end_s"]), "after the trace")
+            for d in summary["decisions"]
+        ]
+        rows = [cells(row, d | {"phase": phase}) for d, phase in zip(summary["decisions"], at)]
         header = "time (s) | phase | action | replica | role | reason"
-        lines += ["### The elastic run's decisions", "", *(table(header, rows) if rows else [NO_DECISION]), ""]
+        none = ["No lend or reclaim in this run."]
+        lines += ["### The elastic run's decisions", "", *(table(header, rows) if rows else none), ""]
     return lines + floor_lines(summary["floor"])
-
-
-NO_DECISION = "No lend or reclaim in this run."
-
-
-def _phase_at(phases: list[dict], t: float) -> str:
-    return next((p["name"] for p in phases if p["start_s"] <= t < p["end_s"]), "after the trace")
 
 
 PHASE_ROW = "{name} | {start_s:.0f}-{end_s:.0f} | {requests} | {prompt_tokens[0]}-{prompt_tokens[1]} | "
@@ -486,7 +452,6 @@ CLASS_ROW = (
 
 
 def _trace_lines(summary: dict) -> list[str]:
-    """The phases with their SLOs, and the calibration they come from."""
     if not summary["phases"]:
         return []
     slo_s, first = summary["slo_s"] or {}, next(iter(summary["results"].values()), {})
@@ -530,7 +495,6 @@ TARGET_ROW = "{target} | {value:.0%} | {bar:.0%} | {result}"
 
 
 def _result_lines(summary: dict) -> list[str]:
-    """Attainment and p90 latencies per system and phase, the targets, the timeline plot."""
     results = summary["results"]
     if not results:
         return []
@@ -571,7 +535,6 @@ FLOOR_ROWS = (
 
 
 def floor_lines(floor: dict | None) -> list[str]:
-    """The interference floor table, and what it means for the policy."""
     if floor is None:
         return []
     f = floor | {"slowdown": floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1}
@@ -621,14 +584,14 @@ def lent(sample: dict) -> bool:
     return any(r["role"] == "both" for r in sample.get("replicas", []) if r["deployment"] == "PrefillServer")
 
 
-def plot_timeline(report: ElasticReport, path: Path) -> None:
+def plot_timeline(report: dict, path: Path) -> None:
     """The elastic prefill replica's role and decisions, attainment per bin, requests in flight."""
     with figure(path, 3, 1, (11, 8), sharex=True) as (role_ax, bin_ax, flight_ax, _):
-        spans = [(p.start_s, p.end_s, p.name, 0.12 if p.kind == "burst" else 0.0) for p in report.phases]
+        spans = [(p.start_s, p.end_s, p.name, 0.12 if p.kind == "burst" else 0.0) for p in report["phases"]]
         mark_spans([role_ax, bin_ax, flight_ax], spans)
-        _plot_roles(role_ax, report.runs.get("elastic"))
-        for system, run in report.runs.items():
-            if bins := attainment_bins(run, report.phases, report.calibration):
+        _plot_roles(role_ax, report["runs"].get("elastic"))
+        for system, run in report["runs"].items():
+            if bins := attainment_bins(run, report["phases"], report["calibration"]):
                 starts, values = zip(*bins)
                 ends = [*starts, starts[-1] + BIN_S]
                 bin_ax.step(ends, [*values, values[-1]], where="post", label=system, color=COLOURS.get(system))
@@ -654,21 +617,18 @@ def _plot_roles(ax, run: SystemRun | None) -> None:
 
 
 def parse_systems(text: str, known) -> tuple[str, ...]:
-    """``a,b`` -> the systems named, each one of ``known``."""
     if unknown := [s for s in text.split(",") if s and s not in known]:
         sys.exit(f"unknown system {unknown[0]!r}: choose from {', '.join(known)}")
     return tuple(s for s in text.split(",") if s)
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked; ``--floor-worker``: the floor's subprocess (internal)."""
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for elastic.md/json/png")
     parser.add_argument("--phase-s", type=float, default=PHASE_S, help="length of each of the 3 phases (s)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
     parser.add_argument("--stage", choices=("all", "floor", "run", "report"), default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor-steps", type=int, default=100, help="decode steps timed per floor condition")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder for elastic.md/json/png")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/elastic_raw"), help="folder for the raw records")
     parser.add_argument("--floor-worker", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -684,8 +644,9 @@ def main(argv: list[str] | None = None) -> None:
         return print(json.dumps(engine_floor(options.floor_worker)))
     command = command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
-    if options.stage in ("all", "floor"):
-        stage_floor(options, command)
+    if options.stage in ("all", "floor"):  # the engine's part in a subprocess (no Ray in it), then the static app
+        floor = {"command": command, **worker_json(NAME, "--floor-worker", str(options.floor_steps))}
+        save_raw(options.raw, "floor", floor | serve_floor(index=len(SYSTEMS) + 1))
     if options.stage in ("all", "run"):
         stage_run(options, command)
     write_report(load_raw(options.raw), options.out)

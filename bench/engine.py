@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.host import engine_core, seconds, worker_json
-from bench.report import cells, command_line, first_paragraph, publish, table
+from bench.report import arguments, cells, command_line, publish, table
 from workloads.corpus import CORPUS
 
 NUM_STEPS = 60
@@ -52,7 +52,6 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def drain(core) -> None:
-    """Step ``core`` until every request in it has finished."""
     while core.has_work():
         core.step()
 
@@ -182,7 +181,6 @@ ROWS = (  # the figures' table: label, a run's figure (``report.cells``)
 
 
 def render(summary: dict) -> list[str]:
-    """The generated block of engine.md, from engine.json: the figures, and the ratios against their targets."""
     runs = summary["runs"]
     threads = [f"{r['threads']} thread(s)" for r in runs]
     rows = []
@@ -200,10 +198,9 @@ def render(summary: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.engine", description=first_paragraph(__doc__))
+    parser = arguments("bench.engine", __doc__, "docs/benchmarks", "folder for engine.json and engine.md")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="docs/benchmarks", help="folder for engine.json and engine.md")
     args = parser.parse_args(argv)
     if args.worker:
         return print(json.dumps(worker(args.worker)))

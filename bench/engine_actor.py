@@ -13,26 +13,33 @@ class EngineActor:
     """One engine in its own process and, after ``start``, its KV link; the methods run the link's steps."""
 
     def __init__(self, engine_id: str, role: str, transport: str = "nixl", timeout_s: float = 60.0,
-                 push_pipelined: bool = True, **engine_config) -> None:  # fmt: skip
+                 push_pipelined: bool = True, spec=None, **engine_config) -> None:  # fmt: skip
+        """``spec``: the model (default: the default model); ``tensor_parallel_size`` > 1 in
+        ``engine_config``: the other ranks run as actors beside this one, each with its own agent."""
         from engine.params import Role
+        from kv_transport.config import TransportConfig
 
         engine_config.setdefault("max_model_len", 2048)
         engine_config.setdefault("kv_cache_bytes", 128 << 20)
-        self.core = engine_core(1, role=Role(role), **engine_config)
-        self.engine_id, self.transport_kind, self.timeout_s = engine_id, transport, timeout_s
-        self.push_pipelined, self.link = push_pipelined, None
+        self.config = TransportConfig(kind=transport, kv_transfer_timeout_s=timeout_s)
+        if spec is None and engine_config.get("tensor_parallel_size", 1) == 1:
+            self.core = engine_core(1, role=Role(role), **engine_config)
+        else:
+            self.core = _tp_core(spec, engine_id, self.config, role=Role(role), **engine_config)
+        self.engine_id, self.push_pipelined, self.link = engine_id, push_pipelined, None
 
     async def start(self) -> str:
         from engine.async_engine import AsyncEngine
-        from kv_transport.config import TransportConfig
         from kv_transport.engine_link import KVEngineLink
         from kv_transport.factory import make_transport
+        from kv_transport.sharded import ShardedTransport
 
         engine = AsyncEngine(self.core)
-        config = TransportConfig(kind=self.transport_kind, kv_transfer_timeout_s=self.timeout_s)
-        transport = make_transport(config, self.engine_id, engine.pool_view().layout)
+        transport = make_transport(self.config, self.engine_id, engine.pool_view().layout)
+        if self.core.tp is not None:
+            transport = ShardedTransport(transport, engine, self.core.tp, self.core.model_config)
         self.link = KVEngineLink(engine, transport, push_pipelined=self.push_pipelined)
-        return transport.incarnation
+        return transport.inner.incarnation if self.core.tp is not None else transport.incarnation
 
     async def prefill_pull(self, request):
         return await self.link.prefill_pull(request)
@@ -81,5 +88,26 @@ class EngineActor:
     def num_handshakes(self) -> int:
         return self.link.transport.num_handshakes
 
-    def close(self) -> None:
+    def last_fetch_rank_bytes(self) -> tuple[int, ...]:
+        return self.link.last_fetch.rank_bytes
+
+    async def close(self) -> None:
         self.link.close()
+        await self.link.engine.stop()
+        self.core.close()
+
+
+def _tp_core(spec, engine_id: str, transport, **engine_config):
+    """An engine of ``spec`` whose other ranks are actors on this node, with their own agents."""
+    import torch
+
+    from deployments.tp_workers import ray_launcher
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.loader import ModelSpec
+    from kv_transport.sharded import RankKV
+
+    torch.set_num_threads(1)
+    spec = spec or ModelSpec()
+    launch = ray_launcher(spec, {"CPU": 0.01}, 1, RankKV(transport, engine_id))
+    return EngineCore.from_spec(spec, EngineConfig(**engine_config), launch)

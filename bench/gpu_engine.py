@@ -7,7 +7,6 @@ the FLOP floor. A failed row says so and the rest go on; ``--tiny``: tiny sizes 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import random
@@ -16,14 +15,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 
 from bench.engine import decode_weight_bytes, drain, greedy_request
 from bench.host import seconds
-from bench.report import cells, table, write_json
+from bench.report import arguments, cells, table, write_json
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
@@ -239,8 +237,7 @@ def run(sizes: Sizes) -> Iterator[Row]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.gpu_engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    parser = arguments("bench.gpu_engine", __doc__.splitlines()[0], help="also write the rows as JSON here")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: a dry run of the code path")
     args = parser.parse_args(argv)
     sizes = TINY_SIZES if args.tiny else GPU_SIZES

@@ -7,7 +7,6 @@ next row starts a fresh pair. ``--cpu``: the same code on CPU pools and small si
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dataclasses
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_kv_side import CONSUMER, PRODUCER, BandwidthResult, Plan, PushRun, side_call
-from bench.report import cells, table, write_json
+from bench.report import arguments, cells, table, write_json
 from engine.kv_pool import KVLayout
 
 _UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
@@ -227,14 +226,12 @@ LAYER = "{layer} | {compute_end_ms:.3f} | {push_layer_called_ms:.3f} | {posted_m
 
 
 def _cells(template: str, row: dict) -> str:
-    """One row's cells (a figure it lacks left empty), or its failure."""
     if "error" in row:
         return " | ".join(str(row[k]) for k in ("staging", "requested_mb", "error") if k in row)
     return cells(template, collections.defaultdict(lambda: None, row, ok="yes" if row["bytes_ok"] else "NO"), "")
 
 
 def render(result: dict) -> list[str]:
-    """The tables of one run, from its JSON (``--out``)."""
     plan, layers = result["plan"], result["plan"]["layout"]["num_layers"]
     pulls = [{"staging": staging} | row for staging, key, _ in SECTIONS for row in result.get(key, [])]
     pushes = [{"staging": staging} | result[key] for staging, _, key in SECTIONS if key in result]
@@ -255,8 +252,7 @@ def render(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.gpu_kv", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser = arguments("bench.gpu_kv", __doc__.splitlines()[0], help="write the figures as JSON here")
     parser.add_argument("--cpu", action="store_true", help="CPU pools (DRAM) and small sizes: a dry run")
     args = parser.parse_args(argv)
     plan = CPU_PLAN if args.cpu else GPU_PLAN

@@ -15,7 +15,6 @@ from pathlib import Path
 
 
 def machine() -> str:
-    """Cores, memory, Python, torch and GPU of this machine, for the report."""
     import psutil
     import torch
 
@@ -60,7 +59,6 @@ def ticks_between(before: dict[int, int], after: dict[int, int]) -> int:
 
 
 def seconds(fn: Callable[[], object]) -> float:
-    """Wall seconds of one ``fn()``."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

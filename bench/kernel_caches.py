@@ -15,7 +15,7 @@ import time
 
 from bench.engine import drain, greedy_request
 from bench.host import engine_core, worker_json
-from bench.report import first_paragraph
+from bench.report import arguments
 
 CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -51,7 +51,7 @@ def worker(prompts: int, batches: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.kernel_caches", description=first_paragraph(__doc__))
+    parser = arguments("bench.kernel_caches", __doc__)
     parser.add_argument("--caches", default="default,8,64", help="settings to compare, comma-separated")
     parser.add_argument("--prompts", type=int, default=250)
     parser.add_argument("--batches", type=int, default=40)

@@ -6,13 +6,11 @@ of the default model's KV layout; then the tail of a layer-pipelined push on a r
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import ray
 import torch
@@ -20,7 +18,7 @@ import torch
 from bench.gpu_kv_side import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
 from bench.ray_local import start_local_ray
-from bench.report import cells, command_line, figure, first_paragraph, publish, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, table, write_json
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
 
@@ -166,7 +164,6 @@ TARGETS = (  # the pull against its targets: text, numerator, denominator, suffi
 
 
 def render(summary: dict) -> list[str]:
-    """The generated block of kv_transfer.md, from kv_transfer.json."""
     rows, pipe = summary["bandwidth_gb_per_s"], summary["push_pipelining"]
     large, one = [r for r in rows if r["size_mb"] >= 15], pipe["pipelined_one_layer_ms"]
     targets = "".join(text + ", ".join(f"{r['size_mb']:.0f} MB {r[num] / r[den]:.2f}{suffix}" for r in large)
@@ -195,8 +192,7 @@ PLOTTED = {"nixl_pull": "our NIXL pull", "nixl_push": "our NIXL push", "raw_nixl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.kv_transfer", description=first_paragraph(__doc__))
-    parser.add_argument("--out", type=Path, default="docs/benchmarks", help="folder for kv_transfer.json/.md/.png")
+    parser = arguments("bench.kv_transfer", __doc__, "docs/benchmarks", "folder for kv_transfer.json/.md/.png")
     parser.add_argument("--skip-pipelining", action="store_true")
     args = parser.parse_args(argv)
     start_local_ray(object_store_memory=1 << 30)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.calibrate_planner import NO_PREFIX_CACHE, probe_stack
 from bench.compare import MAX_MODEL_LEN, system_server
-from bench.report import command_line, figure, first_paragraph, publish, read_json, table, write_json
+from bench.report import arguments, command_line, figure, publish, read_json, table, write_json
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
@@ -79,7 +79,6 @@ def measure(options: argparse.Namespace) -> dict:
 
 
 def _point(target: Target, requests: list, rate: float, options: argparse.Namespace, system: str) -> dict:
-    """``options.runs`` runs at ``rate``, each with the same requests and arrivals."""
     runs, offsets = [], arrival_times(len(requests), rate, seed=options.seed)
     for label in (f"{system} {rate:.3g}/s #{n + 1}" for n in range(options.runs)):
         summary = summarize(*asyncio.run(run(target, requests, offsets, label)))
@@ -115,7 +114,6 @@ def simulator_speed(calibration: Path) -> dict:
 
 
 def _five_runs(workload: str, rate: float) -> list:
-    """5 x 80 simulated requests of ``workload`` at ``rate``, one run after the other."""
     runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
     return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
 
@@ -153,13 +151,11 @@ def add_predictions(report: dict, calibration: Path) -> dict:
 
 
 def _count(report: dict, key: str = "rows") -> tuple[int, int]:
-    """(within their bound, predictions) over every point's ``key`` rows."""
     rows = [r for s in report["systems"].values() for p in s["points"] for r in p.get(key, [])]
     return sum(r["within"] for r in rows), len(rows)
 
 
 def render(report: dict) -> list[str]:
-    """The generated block of planner.md, from planner.json (and the calibration it names)."""
     r = report
     (within, total), (file_within, file_total) = _count(report), _count(report, "rows_file")
     headline = f"**{within} of {total} predictions within their bound**" + (
@@ -253,7 +249,6 @@ def _stack_cell(stack: ServingStack | dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """planner.json, planner.md's block and planner.png (measured against predicted) in ``out``."""
     publish(out, "planner", NAME, report, render(report), "# Planner: the simulator against the served app")
     with figure(out / "planner.png", 1, 4, (14, 3.6), dpi=90) as (*axes, _):
         for ax, (metric, pct) in zip(axes, METRICS):
@@ -271,7 +266,7 @@ def write_report(report: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser = arguments(NAME, __doc__, DOC, "folder for planner.md/json/png")
     parser.add_argument("--workload", default="chatbot")
     parser.add_argument("--systems", default="colocated,disagg-pull")
     parser.add_argument("--fractions", default="0.3,0.6,0.9", help="shares of each system's measured goodput")
@@ -279,7 +274,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
-    parser.add_argument("--out", type=Path, default=DOC)
     parser.add_argument("--predict-only", action="store_true", help="rewrite the report from --out's planner.json")
     parser.add_argument("--file-stack", action="store_true", help="skip the stack probe (the calibration file's stack)")
     options = parser.parse_args(argv)

@@ -21,7 +21,7 @@ from ray import serve
 
 from bench.host import cpu_model, machine, tokenizer
 from bench.ray_local import Server
-from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, read_json, table, write_json
 from bench.serve import SAMPLE, client, stream
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
@@ -124,7 +124,6 @@ def run_setting(setting: str, index: int, chats: list, lone: ChatConversation, e
 
 
 def _checked(what: str, rows: list[dict]) -> list[dict]:
-    """``rows``, none failed (raises otherwise: what follows needs every turn)."""
     if failed := [row for row in rows if row["error"] is not None]:
         raise RuntimeError(f"{what}, turn {failed[0]['turn']}: {failed[0]['error']}")
     return rows
@@ -181,7 +180,6 @@ def same_answers(on: dict, off: dict) -> dict[str, int]:
 
 
 def report(saved: dict) -> dict:
-    """The summary (``prefix_cache.json``) of a run's record (``main``'s runs.json)."""
     raws, extra = saved["runs"], saved["extra"]
     summary = {"command": saved["command"], "elapsed_s": saved["elapsed_s"], "machine": f"{cpu_model()}; {machine()}",
                "settings_order": list(raws), "config": {**COMMON, **extra}, "extra_args": extra,
@@ -218,7 +216,6 @@ TURN = (  # the per-turn table: a, b: the turn with caching on, off; la, lb: the
 
 
 def render(s: dict) -> list[str]:
-    """The generated block of prefix_cache.md, from prefix_cache.json."""
     on, off, r = s["settings"]["on"], s["settings"]["off"], s["ratios"]
     target, answers = r["ttft_turns2_5_p50_off_on"], s["answers"]
     specs = ([cell.strip() for cell in line.split("|")] for line in TABLE.splitlines())
@@ -258,13 +255,12 @@ def write_report(summary: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for prefix_cache.md/json/png")
     parser.add_argument("--settings", default="on,off", help="prefix caching settings, in run order (on, off)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--user-tokens", type=int, default=200, help="new user tokens per turn")
     parser.add_argument("--output-tokens", type=int, default=100, help="output tokens per turn")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder for prefix_cache.md/json/png")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/tandem-prefix-cache"), help="per-request records")
     kv = {"action": "append", "default": [], "metavar": "KEY=VALUE"}
     parser.add_argument("--set", **kv, help="a disagg_app argument for every setting (repeatable)")
@@ -286,7 +282,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_all(args: argparse.Namespace, settings: list[str], raw_path: Path, command: str) -> dict:
-    """Each setting on its own server; the record (runs.json) rewritten after each."""
     extra = dict(item.split("=", 1) for item in args.set)
     chats = chat_conversations(tokenizer(), args.conversations + 1, args.turns, args.user_tokens, args.output_tokens)
     # the checkout a run used: HEAD and the files changed from it (others may edit meanwhile)

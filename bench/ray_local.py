@@ -73,7 +73,6 @@ class Server:
         raise RuntimeError(f"{self.url}/ready did not answer 200 within {timeout_s:.0f} s")
 
     def model(self) -> str:
-        """The model name the application serves."""
         return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import ray
 from app.settings import AppConfig
 from bench.host import machine, tokenizer
 from bench.ray_local import Server, serve_logs
-from bench.report import cells, command_line, first_paragraph, read_json, secs, table, template, write_json, write_page
+from bench.report import arguments, cells, command_line, read_json, secs, table, template, write_json, write_page
 from bench.serve import Target
 from kv_transport.faults import FaultPoints
 from workloads import BenchRequest, PromptBuilder
@@ -104,28 +104,9 @@ class EngineMemory:
         return self.last_rss / self.warm_rss - 1
 
 
-@dataclass
-class LeakCheck:
-    """Blocks in use on the live replicas once traffic stopped and the leases ran out (``settled_s``: after)."""
-
-    held_blocks: int
-    settled_s: float | None
-    ok: bool  # every live replica's invariants held
-    live: list[str] = field(default_factory=list)  # deployments live at the end
-
-
-@dataclass
-class FaultSpec:
-    """A named fault: its rules (``faults:`` entries), ``kind`` (random, or the request kind that triggers it)."""
-
-    name: str
-    kind: str
-    rules: list[dict[str, Any]]
-    effect: str  # what it does, in words
-
-
-def fault_specs(mode: str) -> list[FaultSpec]:
-    """Faults at 5% of requests each, drawn per request id, and faults a request id prefix selects."""
+def fault_specs(mode: str) -> list[dict[str, Any]]:
+    """Named faults: ``kind`` random (5% of requests each, drawn per request id) or the request kind whose
+    id prefix selects them, their ``rules`` (``faults:`` entries), their ``effect`` in words."""
     transfer, slow = ("fetch", "fetch") if mode == "pull" else ("push_layer", "finish_push")
     stall = _rule(slow, "delay", seconds=TIMEOUT_S + 1, request_id_prefix="stall-")
     if mode == "pull":  # crash 50 ms after the export; the fetch held 1 s: the crash lands mid-transfer
@@ -143,19 +124,20 @@ def fault_specs(mode: str) -> list[FaultSpec]:
         ("prefill replica killed mid-transfer", "kill-prefill", kill, "SIGKILL"),
         ("decode replica killed mid-stream", "kill-decode", [decode], "SIGKILL after 4 tokens"),
     ]  # fmt: skip
-    return [FaultSpec(*spec) for spec in specs if mode == "pull" or spec[0] != "dropped release notice"]
+    keys = ("name", "kind", "rules", "effect")
+    return [dict(zip(keys, spec)) for spec in specs if mode == "pull" or spec[0] != "dropped release notice"]
 
 
 def _rule(point: str, action: str, **fields: Any) -> dict[str, Any]:
     return {"point": point, "action": action, **fields}
 
 
-def app_args(mode: str, specs: list[FaultSpec]) -> dict[str, str]:
+def app_args(mode: str, specs: list[dict]) -> dict[str, str]:
     return {
         "model.max_model_len": str(MAX_MODEL_LEN), "prefill.num_cpus": "0.25", "decode.num_cpus": "0.25",
         "autoscaling.enabled": "false", "transport.mode": mode, "transport.kv_transfer_timeout_s": str(TIMEOUT_S),
         "transport.peer_check_interval_s": str(PEER_CHECK_S), "limits.stream_idle_timeout_s": str(STREAM_IDLE_S),
-        "faults": json.dumps([rule for spec in specs for rule in spec.rules]),
+        "faults": json.dumps([rule for spec in specs for rule in spec["rules"]]),
     }  # fmt: skip
 
 
@@ -175,13 +157,13 @@ class Planned:
 class Client:
     """Streams requests and records what it saw; the run's clock starts at construction."""
 
-    def __init__(self, url: str, model: str, specs: list[FaultSpec]) -> None:
+    def __init__(self, url: str, model: str, specs: list[dict]) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(connect=10.0, read=HANG_S, write=30.0, pool=None)
         self.http, self.target = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits), Target(url, model)
-        rules = [rule for spec in specs for rule in spec.rules]
+        rules = [rule for spec in specs for rule in spec["rules"]]
         self._points = FaultPoints(AppConfig.model_validate({"faults": rules}).faults)
-        self._names = [spec.name if spec.kind == "random" else None for spec in specs for _ in spec.rules]
+        self._names = [s["name"] if s["kind"] == "random" else None for s in specs for _ in s["rules"]]
         self.t0, self.wall0, self.outcomes = time.monotonic(), time.time(), list[Outcome]()
 
     def now(self) -> float:
@@ -382,25 +364,25 @@ class KVWatch:
             await asyncio.sleep(0.5)
         return None
 
-    def leak_check(self) -> LeakCheck:
+    def leak_check(self) -> dict[str, Any]:
         live = [e for e in self.view["replicas"] if e["live"]]
-        held = sum(e["num_in_use_blocks"] for e in live)  # pinned and reserved blocks are in use too
-        return LeakCheck(held, None, bool(self.view["ok"]), sorted({e["deployment"] for e in live}))
+        held = sum(e["num_in_use_blocks"] for e in live)
+        return {"held_blocks": held, "settled_s": None, "ok": bool(self.view["ok"]),
+                "live": sorted({e["deployment"] for e in live})}  # fmt: skip
 
-    async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> LeakCheck:
+    async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> dict[str, Any]:
         """The leak check once both pools' live replicas hold no block (leases end in ``TIMEOUT_S``), or at timeout."""
         start = self.client.now()
         while True:
             check = self.leak_check()
-            if check.held_blocks == 0 and check.ok and sorted(check.live) == sorted(POOLS):
-                return replace(check, settled_s=round(self.client.now() - start, 1))
+            if check["held_blocks"] == 0 and check["ok"] and check["live"] == sorted(POOLS):
+                return check | {"settled_s": round(self.client.now() - start, 1)}
             if self.client.now() - start > timeout_s:
                 return check
             await asyncio.sleep(1.0)
 
 
-async def run_phases(url: str, model: str, opts: argparse.Namespace, specs: list[FaultSpec]) -> dict[str, Any]:
-    """Warm up, the burst and its leak check, the soak and its leak check."""
+async def run_phases(url: str, model: str, opts: argparse.Namespace, specs: list[dict]) -> dict[str, Any]:
     client = Client(url, model, specs)
     prompts, watch = Prompts(opts.seed), KVWatch(client, opts.warmup_s)
     watcher, phases = asyncio.ensure_future(watch.run()), {}
@@ -424,13 +406,13 @@ async def run_phases(url: str, model: str, opts: argparse.Namespace, specs: list
     return {"outcomes": client.outcomes, "phases": phases, "kills": kills, "watch": watch}
 
 
-def summarize(opts: argparse.Namespace, specs: list[FaultSpec], result: dict[str, Any], logs: dict[str, Any]) -> dict:
+def summarize(opts: argparse.Namespace, specs: list[dict], result: dict[str, Any], logs: dict[str, Any]) -> dict:
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "raw", "quick")}
     settings |= {"kv_transfer_timeout_s": TIMEOUT_S, "stream_idle_timeout_s": STREAM_IDLE_S}
     summary = {
         "mode": opts.mode, "command": command_line(NAME), "machine": machine(),
         "ray": ray.__version__, "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "settings": settings | {"app_args": app_args(opts.mode, specs)}, "faults": [asdict(spec) for spec in specs],
+        "settings": settings | {"app_args": app_args(opts.mode, specs)}, "faults": specs,
     }  # fmt: skip
     for phase, (seconds, leak) in result["phases"].items():
         summary[phase] = phase_summary([o for o in result["outcomes"] if o.phase == phase], leak, specs, seconds)
@@ -461,11 +443,11 @@ def _e2e(outcomes: list[Outcome]) -> list[float]:
     return [o.end_s - o.sent_s for o in outcomes if o.result == COMPLETED]
 
 
-def phase_summary(outcomes: list[Outcome], leak: LeakCheck | None, faults: list[FaultSpec], duration_s: float) -> dict:
+def phase_summary(outcomes: list[Outcome], leak: dict | None, faults: list[dict], duration_s: float) -> dict:
     """One phase: counts by result and cause, per random fault (not disconnects) and per kind; latencies; silences."""
     e2e, plain = _e2e(outcomes), _median(_e2e([o for o in outcomes if not o.faults and o.kind == "plain"]))
-    met = {s.name: [o for o in outcomes if s.name in o.faults and o.kind != "disconnect"] for s in faults
-           if s.kind == "random"}  # fmt: skip
+    met = {s["name"]: [o for o in outcomes if s["name"] in o.faults and o.kind != "disconnect"] for s in faults
+           if s["kind"] == "random"}  # fmt: skip
     kinds = {kind: [o for o in outcomes if o.kind == kind] for kind in ("disconnect", "stall")}
     ttfts = [o.first_token_s - o.sent_s for o in outcomes if o.result == COMPLETED and o.first_token_s is not None]
     return {
@@ -478,7 +460,7 @@ def phase_summary(outcomes: list[Outcome], leak: LeakCheck | None, faults: list[
         "long_silences": sum(o.max_silence_s > LONG_S for o in outcomes), "long_silence_s": LONG_S,
         "max_silence_s": round(max((o.max_silence_s for o in outcomes), default=0.0), 3),
         "anomalies": [asdict(o) for o in outcomes if o.result in ANOMALIES],
-        "leak": None if leak is None else asdict(leak),
+        "leak": leak,
     }  # fmt: skip
 
 
@@ -668,7 +650,6 @@ DISCONNECT = {"name": "client disconnect", "kind": "disconnect", "rules": [], "e
 
 
 def render_mode(summary: dict[str, Any]) -> list[str]:
-    """One mode's section."""
     s, checks = summary["settings"], verdict(summary)
     lines = [
         f"## {summary['mode']} mode", "", f"Command: `{summary['command']}`  ",
@@ -727,7 +708,6 @@ def _tail_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def render(merged: dict[str, dict[str, Any]]) -> list[str]:
-    """The generated block of ``docs/reliability.md``, from every mode's summary (pull first)."""
     lines = ["", "Generated by `python -m bench.reliability` (`bench/reliability.py`); the numbers are in "
              "`docs/benchmarks/reliability.json`."]  # fmt: skip
     for mode in sorted(merged, key=lambda m: (m != "pull", m)):
@@ -736,7 +716,7 @@ def render(merged: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser = arguments(NAME, __doc__)
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--concurrency", type=int, default=200, help="streams of the burst")
     parser.add_argument("--burst-disconnect", type=float, default=0.3, help="share of the burst the client cuts")

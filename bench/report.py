@@ -4,6 +4,7 @@ from its summary JSON alone (its ``render``), keeping the hand-written text arou
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import string
@@ -104,6 +105,14 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
 def first_paragraph(doc: str | None) -> str:
     """A module docstring's first paragraph: its ``--help`` description."""
     return (doc or "").split("\n\n")[0]
+
+
+def arguments(module: str, doc: str | None, out: str | Path | None = None, help: str = "") -> argparse.ArgumentParser:
+    """``module``'s parser: its docstring's first paragraph, and ``--out`` (default ``out``) when ``help``."""
+    parser = argparse.ArgumentParser(prog=module, description=first_paragraph(doc))
+    if help:
+        parser.add_argument("--out", type=Path, default=None if out is None else Path(out), help=help)
+    return parser
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from bench.compare import COMMON, ELASTIC
 from bench.elastic import SystemRun, lent, mark_spans, parse_systems, save_raw
 from bench.host import cpu_model, cpu_ticks, machine, ticks_between, tokenizer, tree_ticks
 from bench.ray_local import Server, serve_logs
-from bench.report import cells, command_line, figure, first_paragraph, read_json, secs, table, write_json, write_page
+from bench.report import arguments, cells, command_line, figure, read_json, secs, table, write_json, write_page
 from bench.serve import Target, client, polled, send, warm_up
 from bench.slo import RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder
@@ -79,7 +79,6 @@ class ScalingRun(SystemRun):
 
 
 def step_windows(steps: tuple[Step, ...]) -> list[tuple[float, float]]:
-    """(start, end) of each step, seconds since the load's start."""
     ends = [sum(s.seconds for s in steps[: i + 1]) for i in range(len(steps))]
     return [(end - step.seconds, end) for step, end in zip(steps, ends)]
 
@@ -151,7 +150,6 @@ def save_run(raw: Path, run: ScalingRun) -> None:
 
 
 def load_runs(raw: Path) -> list[ScalingRun]:
-    """The saved runs, in the order they were run."""
     runs = [read_json(path) for path in raw.glob("system_*.json")]
     runs = [ScalingRun(**data | {"steps": tuple(Step(**s) for s in data["steps"])}) for data in runs]
     return sorted(runs, key=lambda r: r.finished)
@@ -276,7 +274,6 @@ def excerpt(run: ScalingRun) -> list[str]:
 
 
 def write_report(runs: list[ScalingRun], out: Path) -> None:
-    """scaling.json, scaling.png and elastic.md's section in ``out``."""
     if not runs:
         return print("no runs in the raw folder: nothing to report", file=sys.stderr)
     systems = {run.system: {
@@ -303,7 +300,6 @@ STEP_HEADER = (
 
 
 def render(summary: dict) -> list[str]:
-    """The generated block of elastic.md's scaling section, from scaling.json."""
     steps = tuple(Step(**s) for s in summary["steps"])
     plan = " -> ".join(f"{s.concurrency} ({a:.0f}-{b:.0f} s)" for s, (a, b) in zip(steps, step_windows(steps)))
     systems, order = summary["systems"], summary["order"]
@@ -412,13 +408,11 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked: ``steps`` parsed, ``systems`` a tuple, ``out`` and ``raw`` paths."""
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for scaling.json/png, elastic.md")
     default_steps = ",".join(f"{s.concurrency}:{s.seconds:g}" for s in STEPS)
     parser.add_argument("--steps", default=default_steps, help="CLIENTS:SECONDS,... closed-loop steps")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="in the order run: " + ", ".join(SYSTEMS))
     parser.add_argument("--stage", choices=("all", "run", "report"), default="all")
-    parser.add_argument("--out", type=Path, default="docs/benchmarks", help="folder for scaling.json/png, elastic.md")
     parser.add_argument("--raw", type=Path, default="/tmp/scaling_raw", help="folder for the raw records (not kept)")
     options = parser.parse_args(argv)
     options.systems, steps = parse_systems(options.systems, SYSTEMS), []

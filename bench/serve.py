@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.host import tokenizer as load_tokenizer
-from bench.report import first_paragraph, plot_attainment, plot_cdfs, write_json
+from bench.report import arguments, plot_attainment, plot_cdfs, write_json
 from bench.slo import SLO, RequestRecord, goodput, summarize
 from workloads import WORKLOADS, BenchRequest, arrival_times, load_trace, make_requests, median_request
 
@@ -57,7 +57,6 @@ def client() -> httpx.AsyncClient:
 
 
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
-    """Stream one completion."""
     record = RequestRecord(request.prompt_tokens, request.max_tokens, time.perf_counter())
     await stream(client, target.url + "/v1/completions", target.body(request), record)
     return record
@@ -118,7 +117,6 @@ async def run(target: Target, requests: list[BenchRequest], offsets: list[float]
 
 
 def run_checked(target: Target, requests: list[BenchRequest], what: str) -> list[RequestRecord]:
-    """``requests`` sent at once, no progress bar; raises when one fails."""
     records, _ = asyncio.run(run(target, requests, [0.0] * len(requests), progress=False))
     if bad := [r.error for r in records if not r.ok]:
         raise RuntimeError(f"{what} failed: {bad[0]}")
@@ -149,7 +147,6 @@ def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:
 
 
 def split_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean seconds of each TTFT part over the requests between two scrapes."""
     means = {}
     for key, (total, count) in after.items():
         total0, count0 = before.get(key, (0.0, 0.0))
@@ -229,7 +226,7 @@ def polled(url: str, load, poll: bool = True, extra=None, linger_s: float = 0.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.serve", description=first_paragraph(__doc__))
+    parser = arguments("bench.serve", __doc__, "bench-results", "folder for results.json and the plots")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     parser.add_argument("--tokenizer", default="default", help="tokenizer source: 'default', HF dir or .gguf")
@@ -246,7 +243,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-tpot-ms", type=float)
     parser.add_argument("--slo-scale", default="5,2", help="TTFT,TPOT multiples of the uncontended latency")
     parser.add_argument("--metrics-url", help="Prometheus endpoint for the server-side TTFT split")
-    parser.add_argument("--out", default="bench-results", help="folder for results.json and the plots")
     return parser.parse_args(argv)
 
 

@@ -6,7 +6,6 @@ a time; every figure is paired within one repetition, since the machine's speed 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import httpx
 
 from bench.host import engine_core, seconds
 from bench.ray_local import start_local_ray
-from bench.report import command_line, first_paragraph, publish, table
+from bench.report import arguments, command_line, publish, table
 
 NAME = "bench.serve_overhead"
 PORT = 18433
@@ -49,7 +48,7 @@ def stream_once(url: str) -> tuple[float, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__)).parse_args(argv)
+    arguments(NAME, __doc__).parse_args(argv)
     import ray
     from ray import serve
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.host import engine_core, machine
-from bench.report import cells, command_line, figure, first_paragraph, publish, read_json, table
+from bench.report import arguments, cells, command_line, figure, publish, read_json, table
 from workloads.documents import WORKLOADS, messages
 
 NAME = "bench.speculative"
@@ -42,7 +42,6 @@ def engines() -> dict[str, object]:
 
 
 def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
-    """The first ``count`` prompts of ``workload`` through the chat template, as token ids."""
     from engine.tokenization import encode_prompt
 
     return [encode_prompt(tokenizer, messages(workload, i)) for i in range(count)]
@@ -91,22 +90,18 @@ def compare(cores: dict, batch: list[list[int]], ignore_eos: bool, rounds: int) 
 
 
 def measure(options: argparse.Namespace) -> dict:
+    """Each workload at ``BATCHES``, stopping at the end of text and with ``ignore_eos``; the sweep on edit."""
     cores = engines()
-    rows = []
-    for workload in options.workloads:
-        pool = prompts(cores["on"].tokenizer, workload, 16)
-        for batch in BATCHES:
-            for ignore_eos in (False, True):
-                batch_prompts = [pool[i % len(pool)] for i in range(batch)]
-                row = compare(cores, batch_prompts, ignore_eos, options.rounds)
-                rows.append({"workload": workload, "batch": batch, "ignore_eos": ignore_eos, **row})
-                print(rows[-1], flush=True)
-    pool = prompts(cores["on"].tokenizer, "edit", 16)
-    sweep = []
-    for batch in options.sweep:
-        row = compare(cores, [pool[i % len(pool)] for i in range(batch)], True, options.rounds)
-        sweep.append({"batch": batch, **row})
-        print(sweep[-1], flush=True)
+    pools = {w: prompts(cores["on"].tokenizer, w, 16) for w in {*options.workloads, "edit"}}
+    shapes = [(w, b, eos) for w in options.workloads for b in BATCHES for eos in (False, True)]
+    shapes += [(None, b, True) for b in options.sweep]
+    rows, sweep = [], []
+    for workload, batch, ignore_eos in shapes:
+        pool = pools[workload or "edit"]
+        row = compare(cores, [pool[i % len(pool)] for i in range(batch)], ignore_eos, options.rounds)
+        head = {"workload": workload, "batch": batch, "ignore_eos": ignore_eos} if workload else {"batch": batch}
+        (rows if workload else sweep).append(head | row)
+        print(head | row, flush=True)
     return {"command": command_line(NAME), "machine": machine(), "speculative": ON, "rows": rows, "sweep": sweep}
 
 
@@ -117,7 +112,7 @@ WARM_UP = 8  # short requests at once, twice, before a sweep: the first batched 
 
 def served(options: argparse.Namespace) -> dict:
     """Goodput without and with speculation through ``disagg_app`` (see the module docstring)."""
-    from bench.compare import COMMON, FIXED, workload_slo
+    from bench.compare import COMMON, FIXED, without_records, workload_slo
     from bench.host import tokenizer
     from bench.ray_local import Server
     from bench.serve import Target, run_checked, sweep, uncontended
@@ -125,7 +120,7 @@ def served(options: argparse.Namespace) -> dict:
 
     requests = [BenchRequest(p, len(p), SERVED_TOKENS) for p in prompts(tokenizer(), "edit", options.num_requests)]
     on = {f"speculative.{k}": str(v) for k, v in ON.items()}
-    results, calibration = {}, {}
+    warm, results, calibration = [BenchRequest(r.prompt, r.prompt_tokens, 16) for r in requests[:WARM_UP]], {}, {}
     for index, (system, extra) in enumerate((("off", {}), ("on", on))):
         args = {**COMMON, **FIXED, "transport.mode": "pull", "model.max_model_len": "1024", **extra}
         with Server("disagg", args, index) as server:
@@ -135,12 +130,9 @@ def served(options: argparse.Namespace) -> dict:
                 e2e = calibration["ttft_s"] + (SERVED_TOKENS - 1) * calibration["tpot_s"]
                 calibration["rates"] = [round(m / e2e, 4) for m in SERVED_RATES]
             for _ in range(2):
-                run_checked(
-                    target, [BenchRequest(r.prompt, r.prompt_tokens, 16) for r in requests[:WARM_UP]], "warm-up"
-                )
-            sweep_result = sweep(target, requests, calibration["rates"], workload_slo(calibration), label=system)
-            results[system] = {"goodput": sweep_result["goodput"], "points": [
-                {k: v for k, v in point.items() if k != "records"} for point in sweep_result["points"]]}  # fmt: skip
+                run_checked(target, warm, "warm-up")
+            done = sweep(target, requests, calibration["rates"], workload_slo(calibration), label=system)
+            results[system] = without_records(done)
     return {"command": command_line(NAME), "calibration": calibration, "results": results}
 
 
@@ -150,20 +142,13 @@ def _speedup(row: dict) -> float:
 
 def render(data: dict) -> list[str]:
     lines = [f"`{data['command']}` on {data['machine']}; speculative settings {data['speculative']}.", ""]
-    template = "{workload} | {batch} | {eos} | {tpot_off_s:ms.1f} | {tpot_on_s:ms.1f} | {x:.2f}x | {acceptance:.2f} | {tokens_per_verify:.2f}"  # noqa: E501
-    head = "workload | batch | stops at | TPOT off (ms) | TPOT on (ms) | speed-up | acceptance | tokens per verify"
+    row = "{tpot_off_s:ms.1f} | {tpot_on_s:ms.1f} | {x:.2f}x | {acceptance:.2f}"
+    head = "TPOT off (ms) | TPOT on (ms) | speed-up | acceptance"
     items = [{**r, "eos": "ignore_eos" if r["ignore_eos"] else "end of text", "x": _speedup(r)} for r in data["rows"]]
-    lines += table(head, (cells(template, r) for r in items))
+    template = f"{{workload}} | {{batch}} | {{eos}} | {row} | {{tokens_per_verify:.2f}}"
+    lines += table(f"workload | batch | stops at | {head} | tokens per verify", [cells(template, r) for r in items])
     lines += ["", "Batch-size sweep (edit, `ignore_eos`, speculation at every size):", ""]
-    sweep_head = "batch | TPOT off (ms) | TPOT on (ms) | speed-up | acceptance"
-    sweep_rows = ({**r, "x": _speedup(r)} for r in data["sweep"])
-    lines += table(
-        sweep_head,
-        (
-            cells("{batch} | {tpot_off_s:ms.1f} | {tpot_on_s:ms.1f} | {x:.2f}x | {acceptance:.2f}", r)
-            for r in sweep_rows
-        ),
-    )
+    lines += table(f"batch | {head}", [cells(f"{{batch}} | {row}", {**r, "x": _speedup(r)}) for r in data["sweep"]])
     return lines + render_served(data.get("served"))
 
 
@@ -199,8 +184,7 @@ def plot(data: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=first_paragraph(__doc__))
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="folder of speculative.{json,md}")
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder of speculative.{json,md,png}")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternating rounds per comparison")
     parser.add_argument("--sweep", type=int, nargs="*", default=list(SWEEP), help="batch sizes of the sweep")

@@ -30,7 +30,7 @@ from bench.calibrate_planner import Prompts, core
 from bench.drift import sample
 from bench.elastic import SYSTEMS, binned, each_system, parse_systems
 from bench.host import machine, tokenizer
-from bench.report import cells, command_line, first_paragraph, publish, read_json, table
+from bench.report import arguments, cells, command_line, publish, read_json, table
 from bench.serve import run, warm_up
 from bench.slo import SLO, distribution
 from planner import replay
@@ -55,7 +55,6 @@ def _clip(value: float, bounds: tuple[int, int]) -> int:
 
 
 def scaled(requests: list[SimRequest]) -> list[SimRequest]:
-    """The trace's lengths scaled to the default model (module docstring)."""
     return [SimRequest(r.arrival_s, _clip(r.prompt_tokens / PROMPT_DIV, PROMPT_RANGE),
                        _clip(r.output_tokens / OUTPUT_DIV, OUTPUT_RANGE)) for r in requests]  # fmt: skip
 
@@ -108,7 +107,6 @@ def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minu
 
 
 def drift_sample() -> dict[str, float]:
-    """bench.drift's shapes, timed once on an engine in this process."""
     engine = core()
     prompts = Prompts(engine.tokenizer)
     sample(engine, prompts)  # warm-up
@@ -192,13 +190,12 @@ def render(data: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=NAME, description=first_paragraph(__doc__))
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for trace_replay.md/json")
     parser.add_argument("--start-s", type=float, default=1800.0, help="the window's start in the trace (s)")
     parser.add_argument("--window-s", type=float, default=600.0)
     parser.add_argument("--load", type=float, default=0.6, help="mean load as a share of 1 + 1's capacity")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     options = parser.parse_args(argv)
     options.systems = list(parse_systems(options.systems, SYSTEMS))
     data = run_all(options, argv)

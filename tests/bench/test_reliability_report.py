@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 from collections import Counter
-from dataclasses import asdict
 
 import httpx
 import pytest
@@ -24,10 +23,8 @@ from bench.reliability import (
     SHORT,
     Client,
     EngineMemory,
-    FaultSpec,
     KillEvent,
     KVWatch,
-    LeakCheck,
     Outcome,
     Planned,
     Prompts,
@@ -50,10 +47,17 @@ from bench.report import block, markers
 from kv_transport.faults import FaultPoints
 
 SPECS = [
-    FaultSpec("transfer failure", "random", [{"point": "fetch", "action": "fail", "probability": 0.05}], "raises"),
-    FaultSpec("stalled transfer", "stall", [{"point": "fetch", "action": "delay", "seconds": 21.0}], "outlives"),
-    FaultSpec("decode killed", "kill-decode", [{"point": "mid_decode", "action": "crash"}], "SIGKILL"),
-]
+    dict(name="transfer failure", kind="random", rules=[{"point": "fetch", "action": "fail", "probability": 0.05}],
+         effect="raises"),
+    dict(name="stalled transfer", kind="stall", rules=[{"point": "fetch", "action": "delay", "seconds": 21.0}],
+         effect="outlives"),
+    dict(name="decode killed", kind="kill-decode", rules=[{"point": "mid_decode", "action": "crash"}],
+         effect="SIGKILL"),
+]  # fmt: skip
+
+
+def _leak(held: int, settled_s: float | None, ok: bool, live: list[str]) -> dict:
+    return {"held_blocks": held, "settled_s": settled_s, "ok": ok, "live": live}
 
 
 def _out(rid: str, sent: float, end: float, result: str = COMPLETED, **fields) -> Outcome:
@@ -78,7 +82,7 @@ KILL = KillEvent("decode", "kill-decode-4", "decode-1", "decode-2", crash_s=10.8
 
 
 def _summary(mode: str = "pull") -> dict:
-    leak = LeakCheck(0, 21.0, True, ["DecodeServer", "PrefillServer"])
+    leak = _leak(0, 21.0, True, ["DecodeServer", "PrefillServer"])
     engines = [
         EngineMemory("prefill-1", "PrefillServer", 0.0, 300.0, 60.0, 1000 << 20, 1050 << 20, True),
         EngineMemory("decode-1", "DecodeServer", 0.0, 10.8, None, None, 900 << 20, False),
@@ -101,7 +105,7 @@ def _summary(mode: str = "pull") -> dict:
             "stall_every_s": 30.0,
             "kv_transfer_timeout_s": 20.0,
         },  # fmt: skip
-        "faults": [asdict(spec) for spec in SPECS],
+        "faults": SPECS,
         "burst": phase_summary(burst, leak, SPECS, 3.0),
         "soak": phase_summary(OUTCOMES, leak, SPECS, 120.0),
         "kills": [kill_summary(KILL, OUTCOMES)],
@@ -187,7 +191,7 @@ def test_render_and_merge(tmp_path):
 
 def test_a_leak_misses_its_target_and_shows_in_the_phase_and_the_fault_rows():
     summary = _summary()
-    summary["burst"]["leak"] = asdict(LeakCheck(14, None, False, ["PrefillServer"]))
+    summary["burst"]["leak"] = _leak(14, None, False, ["PrefillServer"])
     text = "\n".join(render({"pull": summary}))
     assert "| blocks leaked (each phase, after the leases) | 0 | 14/0 | **NO** |" in text
     assert (
@@ -231,12 +235,12 @@ def test_client_reads_the_stream():
 def test_fault_rules_are_valid_and_drawn_as_the_server_draws(mode):
     specs = fault_specs(mode)
     config = AppConfig.model_validate({"faults": json.loads(app_args(mode, specs)["faults"])})
-    assert len(config.faults) == sum(len(s.rules) for s in specs)
+    assert len(config.faults) == sum(len(s["rules"]) for s in specs)
     points = FaultPoints(config.faults)
     ids = [f"{mode}-s-{i}" for i in range(2000)]
     failing = [rid for rid in ids if any(r.action == "fail" for _, r in points.selected(config.faults[0].point, rid))]
     assert 50 <= len(failing) <= 150  # 5% of 2,000
-    assert {s.kind for s in specs} >= {"random", "stall", "kill-prefill", "kill-decode"}
+    assert {s["kind"] for s in specs} >= {"random", "stall", "kill-prefill", "kill-decode"}
 
 
 def test_quick_options():
@@ -367,5 +371,5 @@ def test_kv_watch_records_memory_violations_and_leaks():
         {"t_s": 81.0, "engine_id": "d-1", "deployment": "DecodeServer", "problems": ["free list"]}
     ]
     watch.view = {"ok": True, "replicas": [entry, entry | {"deployment": "PrefillServer", "live": False}]}
-    assert watch.leak_check() == LeakCheck(3, None, True, ["DecodeServer"])
+    assert watch.leak_check() == _leak(3, None, True, ["DecodeServer"])
     assert watch.live("DecodeServer") == {"d-1"} and watch.seen("d-1", "first_seen_s") == 0.0
