@@ -58,7 +58,10 @@ class DeploymentConfig(_Section):
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources that pin replicas to a node group, e.g. prefill_node"
     )
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per replica (per rank)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks each replica's model is split over, one placement-group bundle (GPU) each"
+    )
     max_ongoing_requests: int = Field(64, ge=1, description="Serve's bound on requests in flight per replica")
     env_vars: dict[str, str] = Field(
         default_factory=dict,
@@ -72,6 +75,13 @@ class DeploymentConfig(_Section):
         if self.resources:
             options["resources"] = dict(self.resources)
         return options
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle: its CPUs, GPUs and custom resources."""
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        return bundle
 
 
 class SLOConfig(_Section):
@@ -180,11 +190,23 @@ class AppConfig(_Section):
         check_token_budget(
             engine.max_num_batched_tokens, engine.enable_chunked_prefill, self.model.max_model_len, "engine."
         )
+        self._check_tensor_parallel()
         if self.disagg_min_prompt_tokens >= self.model.max_model_len:
             raise ValueError("disagg_min_prompt_tokens must be below model.max_model_len")
         if self.replica_scaling:
             self._check_scaling_bounds()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """Tensor-parallel replicas move KV with NIXL, by pull (each rank reads its own heads)."""
+        for home, name in POOL_SECTIONS.items():
+            if self.pool(home).tensor_parallel_size == 1:
+                continue
+            if self.transport.kind != "nixl" or self.transport.mode != "pull":
+                raise ValueError(
+                    f"{name}.tensor_parallel_size > 1 needs transport.kind=nixl and transport.mode=pull "
+                    f"(got {self.transport.kind}, {self.transport.mode})"
+                )
 
     def pool(self, home: Role) -> DeploymentConfig:
         """The deployment section of the engine pool whose replicas start in ``home``:

@@ -39,6 +39,7 @@ def _engine_deployment(
         name=name,
         **options,
         ray_actor_options=_actor_options(deployment),
+        **_tensor_parallel_options(deployment),
         max_ongoing_requests=deployment.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
@@ -53,6 +54,17 @@ def _actor_options(deployment: DeploymentConfig) -> dict[str, Any]:
     if deployment.env_vars:
         options["runtime_env"] = {"env_vars": dict(deployment.env_vars)}
     return options
+
+
+def _tensor_parallel_options(deployment: DeploymentConfig) -> dict[str, Any]:
+    """A tensor-parallel replica: one bundle per rank (the replica itself is bundle 0), all on
+    one node (the ranks meet on the loopback; NCCL wants one host)."""
+    if deployment.tensor_parallel_size == 1:
+        return {}
+    return {
+        "placement_group_bundles": [deployment.bundle()] * deployment.tensor_parallel_size,
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def _ingress(config: AppConfig):

@@ -17,6 +17,7 @@ from app.openai_protocol import error_body
 from deployments import logs
 from engine.core import RoleError
 from engine.params import FieldError
+from engine.tp_worker import RankLostError
 from kv_transport.base import KVTransferError
 from kv_transport.engine_link import KVCapacityError
 
@@ -78,7 +79,7 @@ def http_error(exc: BaseException, side: str = "decode") -> HTTPError:
     if isinstance(cause, KVTransferError):
         message = f"KV transfer failed ({name}): {cause.message}"
         return ReplicaFailure("prefill", message, error_body(message, None, "server_error", "kv_transfer_failed"))
-    if _replica_died(exc) or _replica_died(cause):
+    if _replica_died(exc) or _replica_died(cause) or isinstance(cause, RankLostError):
         message = f"the {side} replica serving this request is gone ({name})"
         return ReplicaFailure(side, message, error_body(message, None, "server_error", "replica_unavailable"))
     logger.error("request failed", exc_info=cause)

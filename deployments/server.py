@@ -32,16 +32,26 @@ if TYPE_CHECKING:
     from kv_transport.engine_link import KVEngineLink
 
 
-def _load_core(config: AppConfig, role: Role) -> EngineCore:
+def _load_core(config: AppConfig, role: Role, engine_id: str) -> EngineCore:
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.loader import ModelSpec, load_model
+    from engine.tensor_parallel import check_degree
 
-    spec = config.model
-    loaded = load_model(ModelSpec(source=spec.source, dtype=spec.dtype, device=spec.device))
+    model = config.model
+    spec = ModelSpec(source=model.source, dtype=model.dtype, device=model.device)
+    loaded = load_model(spec)
+    pool = config.pool(role)
+    degree, launch = pool.tensor_parallel_size, None
+    if degree > 1:
+        from deployments.tp_workers import ray_launcher
+        from kv_transport.sharded import RankKV
+
+        check_degree(loaded.model.config, degree, f"{POOL_SECTIONS[role]}.tensor_parallel_size")
+        launch = ray_launcher(spec, pool.bundle(), pool.torch_threads, RankKV(config.transport, engine_id))
     settings = config.engine.model_dump()
-    limits = {"role": role, "max_model_len": spec.max_model_len, "speculative": config.speculative}
-    return EngineCore(loaded, EngineConfig(**limits, **settings))
+    limits = {"role": role, "max_model_len": model.max_model_len, "speculative": config.speculative}
+    return EngineCore(loaded, EngineConfig(**limits, **settings, tensor_parallel_size=degree), launch)
 
 
 REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler's controller
@@ -97,9 +107,9 @@ class EngineServer:
         section = POOL_SECTIONS[self.home]
         torch_threads = config.pool(self.home).torch_threads
         torch.set_num_threads(torch_threads)
-        self.core = _load_core(config, self.home)
-        self.engine = AsyncEngine(self.core, torch_threads)
         self.engine_id = f"{section}-{os.getpid()}-{id(self):x}"
+        self.core = _load_core(config, self.home, self.engine_id)
+        self.engine = AsyncEngine(self.core, torch_threads)
         self.metrics = EngineMetrics(section)
         self._link: KVEngineLink | None = None
         self._start_lock = asyncio.Lock()
@@ -154,11 +164,13 @@ class EngineServer:
             "pid": os.getpid(),
         }
         await self._started()
+        ranks = await asyncio.to_thread(self.core.ranks)  # fixed for the replica's life
         while True:
             try:
                 report = await self.engine.kv_report()
                 spec = kv_state.speculative(self.engine.latest_stats())
-                data = kv_state.entry(report, {**replica, "rss_bytes": process.memory_info().rss, "speculative": spec})
+                extra = {"rss_bytes": process.memory_info().rss, "speculative": spec, "ranks": ranks}
+                data = kv_state.entry(report, {**replica, **extra})
                 await asyncio.to_thread(kv_state.publish, self.engine_id, data)
             except Exception as exc:  # the GCS briefly away: the entry ages meanwhile
                 logger.warning("KV state not published: %s", exc)
@@ -213,8 +225,14 @@ class EngineServer:
         for task in (self._reporter, self._kv_publisher):
             if task is not None:
                 task.cancel()
-        if self._link is None:
-            return
+        try:
+            if self._link is not None:
+                await self._drain()
+        finally:
+            await self.engine.stop()
+            await asyncio.to_thread(self.core.close)  # a tensor-parallel replica's other ranks
+
+    async def _drain(self) -> None:
         await self._report_stopping()
         if self.engine.latest_stats().role is not self.home:
             await self.engine.set_role(self.home)
@@ -260,6 +278,10 @@ class EngineServer:
 
         layout = self.engine.pool_view().layout
         transport = make_transport(self.config.transport, self.engine_id, layout, faults=self.faults)
+        if self.core.tp is not None:  # the other ranks read their own heads (kv_transport.sharded)
+            from kv_transport.sharded import ShardedTransport
+
+            transport = ShardedTransport(transport, self.engine, self.core.tp, self.core.model_config)
         return KVEngineLink(self.engine, transport)
 
     # ---- the calls the ingress makes ----------------------------------------------------

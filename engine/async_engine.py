@@ -34,6 +34,7 @@ from engine.params import (
     Role,
     TokenLogprobs,
 )
+from engine.tp_worker import RankLostError
 
 _Result = tuple[asyncio.Future, Any, BaseException | None]
 IDLE_RECHECK_S = 0.05  # a stuck step is retried this often even without a command
@@ -134,6 +135,10 @@ class AsyncEngine:
 
     async def set_role(self, role: Role) -> None:
         await self._call(lambda: self.core.set_role(role))
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the engine thread, between steps (a tensor-parallel engine's commands)."""
+        return await self._call(fn)
 
     async def stats(self) -> EngineStats:
         """Exact stats, taken on the engine thread between steps."""
@@ -289,6 +294,7 @@ class AsyncEngine:
             self._fail_all(error)
 
     def _fail_all(self, exc: Exception) -> None:
-        error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
+        lost = isinstance(exc, RankLostError)  # callers tell a lost rank (a replica failure) from a bug
+        error = exc if lost else EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
         for queue in self._streams.values():
             queue.put_nowait(error)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 import random
 import statistics
 import time
@@ -80,6 +81,7 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         model = loaded.model
         self.device = model.device
+        self.model_config = model.config
         degree = config.tensor_parallel_size
         if degree > 1:
             check_degree(model.config, degree)
@@ -124,10 +126,12 @@ class EngineCore:
         self.spec_counters = SpecCounters()
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec | None = None, config: EngineConfig | None = None) -> EngineCore:
-        """A tensor-parallel engine's other ranks load ``spec`` in local processes."""
+    def from_spec(
+        cls, spec: ModelSpec | None = None, config: EngineConfig | None = None, launch: Launcher | None = None
+    ) -> EngineCore:
+        """A tensor-parallel engine's other ranks load ``spec`` (default: in local processes)."""
         spec = spec or ModelSpec()
-        return cls(load_model(spec), config, local_launcher(spec))
+        return cls(load_model(spec), config, launch or local_launcher(spec))
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's other ranks (nothing to do otherwise)."""
@@ -137,6 +141,19 @@ class EngineCore:
     def health_problem(self) -> str | None:
         """Why this engine cannot step (a tensor-parallel rank is gone); None when it can."""
         return None if self.tp is None else self.tp.problem()
+
+    def ranks(self) -> list[dict[str, object]]:
+        """Each rank of this engine (one without tensor parallelism): its pid, the model's KV heads
+        its pool holds, and the pool's bytes (every rank's pool has the same blocks)."""
+        degree = self.config.tensor_parallel_size
+        pids = [os.getpid(), *([] if self.tp is None else self.tp.pids)]
+        pool_bytes = self.limits.num_blocks * self.layout.bytes_per_block
+        ranks = []
+        for rank, pid in enumerate(pids):
+            shard = shard_for(self.model_config, rank, degree)
+            heads = [shard.kv_head_start, shard.num_kv_heads] if degree > 1 else [0, self.layout.num_kv_heads]
+            ranks.append({"rank": rank, "pid": pid, "kv_heads": heads, "pool_bytes": pool_bytes})
+        return ranks
 
     @property
     def idle_interval_s(self) -> float | None:
@@ -314,9 +331,7 @@ class EngineCore:
         if not plan.chunks:
             return outputs
         start = time.perf_counter()
-        if self.tp is not None:
-            self.tp.send(plan.chunks)
-        logits = self.runner.execute(plan.chunks)
+        logits = self._execute(plan.chunks)
         for seq, chunk in zip(plan.scheduled, plan.chunks):
             seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft  # proposals: once accepted
             if not chunk.num_draft:
@@ -328,6 +343,15 @@ class EngineCore:
         self._step_times.append(time.perf_counter() - start)
         self.num_model_steps += 1
         return outputs
+
+    def _execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        if self.tp is None:
+            return self.runner.execute(chunks)
+        self.tp.send(chunks)
+        try:
+            return self.runner.execute(chunks)
+        except Exception as exc:  # a collective failed: the ranks are out of step for good
+            raise self.tp.lost(exc) from exc
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """Sample each chunk's next token; a chunk with proposals goes on position by position

@@ -197,10 +197,21 @@ class RankGroup:
 
     def agree(self, ok: bool) -> list[int]:
         """Every rank says whether it is ready; returns the ranks that are not."""
-        flags = torch.zeros(self.degree, dtype=torch.int64)
-        flags[self.rank] = 0 if ok else 1
-        self._plan.allreduce([flags]).wait()
-        return [r for r, bad in enumerate(flags.tolist()) if bad]
+        return [r for r, value in enumerate(self.gather(0 if ok else -1)) if value < 0]
+
+    def gather(self, value: int) -> list[int]:
+        """Every rank's ``value``, by rank (on every rank)."""
+        values = torch.zeros(self.degree, dtype=torch.int64)
+        values[self.rank] = value
+        self._plan.allreduce([values]).wait()
+        return values.tolist()
+
+    def publish(self, key: str, value: str) -> None:
+        """Put ``value`` in the group's store (read by ``read`` on any rank)."""
+        self._store.set(key, value)
+
+    def read(self, key: str) -> str:
+        return self._store.get(key).decode()
 
 
 def leader(degree: int, device: torch.device) -> tuple[Rendezvous, Callable[[], RankGroup]]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,6 +26,29 @@ from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import RankGroup, Rendezvous, leader, shard_for, shard_model
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What rank 0 sends each time: a forward's plan, and commands every rank runs before it
+    (a KV transfer into its own pool: ``RankExtension``), each answering an int (-1: failed)."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    commands: tuple[object, ...] = ()
+
+
+class RankExtension(Protocol):
+    """Work of a rank besides the forward (the KV transport's side of it), set up once the
+    rank's runner exists; picklable, so it reaches ranks in other processes."""
+
+    def start(self, runner: ModelRunner, group: RankGroup) -> Callable[[object], int]:
+        """Set up; returns what runs each command (an int back to rank 0, e.g. bytes moved),
+        closed (``close()``, where it has one) when the rank stops."""
+
+
+class RankLostError(RuntimeError):
+    """A rank of a tensor-parallel engine is gone: the group cannot step again (its replica is
+    replaced: ``EngineCore.health_problem``)."""
 
 
 class Workers(Protocol):
@@ -56,39 +81,70 @@ def build_rank(model: torch.nn.Module, config: EngineConfig, rank: int, group: R
     return ModelRunner(model, pool, config.cpu_packed_weights, graphs, logits=rank == 0)
 
 
-def run_worker(spec: ModelSpec, config: EngineConfig, rank: int, rendezvous: Rendezvous, threads: int = 1) -> None:
-    """Rank ``rank`` of an engine: join the group, load, then run rank 0's plans until it stops."""
+def run_worker(
+    spec: ModelSpec,
+    config: EngineConfig,
+    rank: int,
+    rendezvous: Rendezvous,
+    threads: int = 1,
+    extension: RankExtension | None = None,
+) -> None:
+    """Rank ``rank`` of an engine: join the group, load, then run rank 0's steps until it stops."""
     torch.set_num_threads(threads)
     group = RankGroup(rank, rendezvous, torch.device(spec.device))
-    runner = None
+    group.publish(f"pid/{rank}", str(os.getpid()))
+    runner = run_command = None
     try:
         runner = build_rank(load_model(spec).model, config, rank, group)
+        if extension is not None:
+            run_command = extension.start(runner, group)
     except Exception:
         logger.exception("tensor-parallel rank %d failed to start", rank)
+        runner = None
     if group.agree(runner is not None) or runner is None:
         return
-    while (plan := group.receive()) is not None:
-        if plan:
-            runner.execute(plan)
+    try:
+        while (step := group.receive()) is not None:
+            for command in step.commands:
+                group.gather(_run(run_command, command, rank))
+            if step.chunks:
+                runner.execute(step.chunks)
+    finally:
+        if hasattr(run_command, "close"):
+            run_command.close()
+
+
+def _run(run_command: Callable[[object], int] | None, command: object, rank: int) -> int:
+    try:
+        return run_command(command)
+    except Exception:
+        logger.exception("tensor-parallel rank %d: command %s failed", rank, type(command).__name__)
+        return -1
 
 
 class LocalWorkers:
     """Ranks 1 .. degree - 1 as processes of this machine (spawned: no state shared with rank 0)."""
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig, rendezvous: Rendezvous, threads: int = 1) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: EngineConfig,
+        rendezvous: Rendezvous,
+        threads: int = 1,
+        extension: RankExtension | None = None,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._processes = [
             context.Process(
-                target=run_worker, args=(spec, config, rank, rendezvous, threads), name=f"tp-rank{rank}", daemon=True
+                target=run_worker,
+                args=(spec, config, rank, rendezvous, threads, extension),
+                name=f"tp-rank{rank}",
+                daemon=True,
             )
             for rank in range(1, rendezvous.degree)
         ]
         for process in self._processes:
             process.start()
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
 
     def problem(self) -> str | None:
         for rank, process in enumerate(self._processes, start=1):
@@ -104,8 +160,8 @@ class LocalWorkers:
                 process.join()
 
 
-def local_launcher(spec: ModelSpec, threads: int = 1) -> Launcher:
-    return lambda rendezvous, config: LocalWorkers(spec, config, rendezvous, threads)
+def local_launcher(spec: ModelSpec, threads: int = 1, extension: RankExtension | None = None) -> Launcher:
+    return lambda rendezvous, config: LocalWorkers(spec, config, rendezvous, threads, extension)
 
 
 class Leader:
@@ -125,29 +181,54 @@ class Leader:
             raise RuntimeError(f"tensor-parallel ranks {failed} failed to start (their logs say why)")
 
     def send(self, plan: Sequence[ScheduledChunk]) -> None:
+        self._send(Step(chunks=tuple(plan)))
+
+    def command(self, command: object, own: Callable[[], int]) -> list[int]:
+        """Every rank runs ``command`` (rank 0: ``own``); each rank's answer, by rank (-1: failed)."""
+        self._send(Step(commands=(command,)))
+        try:
+            mine = own()
+        except Exception:
+            logger.exception("tensor-parallel rank 0: command %s failed", type(command).__name__)
+            mine = -1
+        try:
+            return self.group.gather(mine)
+        except Exception as exc:
+            raise self.lost(exc) from exc
+
+    def _send(self, step: Step) -> None:
         self._check()
         try:
-            self.group.send(tuple(plan))
+            self.group.send(step)
         except Exception as exc:
-            self.failure = f"a tensor-parallel rank is gone: {exc}"
-            raise RuntimeError(self.failure) from exc
+            raise self.lost(exc) from exc
+
+    def lost(self, exc: BaseException) -> RankLostError:
+        """A collective failed: a rank is gone (or the group is out of step, which is as bad)."""
+        self.failure = self.failure or self.workers.problem() or f"a tensor-parallel rank is gone: {exc}"
+        return RankLostError(self.failure)
 
     def heartbeat(self) -> None:
-        """An empty plan (the engine is idle): the workers' wait starts over."""
+        """An empty step (the engine is idle): the workers' wait starts over."""
         if self.failure is None:
             try:
-                self.send(())
-            except RuntimeError:
+                self._send(Step())
+            except RankLostError:
                 logger.error("%s", self.failure)
 
     def problem(self) -> str | None:
         return self.failure or self.workers.problem()
 
+    @property
+    def pids(self) -> list[int]:
+        """Ranks 1.. 's process ids, by rank."""
+        return [int(self.group.read(f"pid/{rank}")) for rank in range(1, self.group.degree)]
+
     def _check(self) -> None:
         problem = self.problem()
         if problem is not None:
             self.failure = problem
-            raise RuntimeError(problem)
+            raise RankLostError(problem)
 
     def close(self) -> None:
         if self.problem() is None:

@@ -75,6 +75,7 @@ class TransferStats:
     seconds: float
     num_descriptors: int
     layer_times: tuple[LayerTiming, ...] = ()
+    rank_bytes: tuple[int, ...] = ()  # a tensor-parallel consumer: what each rank read, by rank
 
 
 @dataclass(frozen=True)

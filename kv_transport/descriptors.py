@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kv_transport.handle import to_ranges
 
 Descs = list[tuple[int, int, int]]  # NIXL (address, length, device id) rows
@@ -84,3 +86,33 @@ class PoolGeometry:
             return [(base + offset, length, device) for base in bases]
         pieces = [(start * size, count * size) for start, count in runs]
         return [(base + offset, length, device) for base in bases for offset, length in pieces]
+
+
+def head_rows(
+    base_address: int,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    pool_heads: int,
+    head_bytes: int,
+    device_id: int,
+    blocks: Sequence[int],
+    first_head: int | None = None,
+    num_heads: int | None = None,
+) -> np.ndarray:
+    """NIXL rows (``[n, 3]``: address, length, device) of KV heads ``[first_head, first_head +
+    num_heads)`` of ``blocks`` in a pool holding ``pool_heads``, every layer K then V, block by
+    block: one row per token (a head range of a block is ``block_size`` strided pieces in this
+    layout); ``first_head=None``: one row per whole block. Two sides built with the same
+    blocks count and head count pair row for row."""
+    block_bytes = block_size * pool_heads * head_bytes
+    layer_kv = np.arange(2 * num_layers, dtype=np.int64)[:, None] * (num_blocks * block_bytes)
+    starts = base_address + layer_kv + np.asarray(blocks, dtype=np.int64)[None, :] * block_bytes
+    if first_head is None:
+        addresses, length = starts.reshape(-1), block_bytes
+    else:
+        tokens = np.arange(block_size, dtype=np.int64) * (pool_heads * head_bytes) + first_head * head_bytes
+        addresses, length = (starts[:, :, None] + tokens).reshape(-1), num_heads * head_bytes
+    rows = np.empty((addresses.size, 3), dtype=np.int64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = addresses, length, device_id
+    return rows

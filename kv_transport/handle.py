@@ -86,10 +86,25 @@ class _BlocksOf(BaseModel):
         return self.expires_at - time.time()
 
 
+class RankPeer(BaseModel):
+    """One tensor-parallel rank of a producer: its NIXL agent's entry in the peer registry and
+    the KV heads its pool holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    engine_id: str
+    incarnation: str
+    kv_head_start: int = Field(ge=0)
+    num_kv_heads: int = Field(ge=1)
+
+
 class KVHandle(_BlocksOf):
-    """Pull: prefill's pinned blocks, readable by the consumer until ``expires_at``."""
+    """Pull: prefill's pinned blocks, readable by the consumer until ``expires_at``. A
+    tensor-parallel producer names each rank (``ranks``; its ``layout`` is one rank's): every
+    rank holds the same block ids, each with its own KV heads."""
 
     first_token: int = Field(description="token sampled by prefill")
+    ranks: tuple[RankPeer, ...] = Field((), description="a tensor-parallel producer's ranks, by rank; () for one")
 
 
 class KVDestination(_BlocksOf):

@@ -30,7 +30,7 @@ import torch
 
 from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
-from kv_transport import notices
+from kv_transport import notices, sharded
 from kv_transport import staging as staging_mod
 from kv_transport.base import (
     BaseKVTransport,
@@ -222,6 +222,8 @@ class NixlTransport(BaseKVTransport):
         return slots
 
     async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
+        if handle.ranks or handle.layout.num_kv_heads != self.layout.num_kv_heads:
+            return await self._fetch_resharded(handle, local_block_ids, skip_blocks)
         # the copy runs in this thread once posted: every step before the post adds to the pull
         rid, peer_id = handle.request_id, handle.engine_id
         peer = self._peer(peer_id, handle.incarnation, rid)
@@ -271,6 +273,42 @@ class NixlTransport(BaseKVTransport):
                 await self._await_xfer(done, timeout, rid, peer_id, "READ")
             _check_lease(handle, "during the READ")  # the producer may have reused the blocks
         return runs, len(local), start
+
+    async def _fetch_resharded(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int) -> TransferStats:
+        """A pull from a producer of another tensor-parallel degree (this engine has one rank)."""
+        start = time.perf_counter()
+        heads = range(self.layout.num_kv_heads)
+        num_bytes, rows = await asyncio.to_thread(self.fetch_heads, handle, local_block_ids, skip_blocks, heads)
+        self.give_back(handle)
+        return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=rows)
+
+    def fetch_heads(
+        self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int, heads: range, rank: int = 0
+    ) -> tuple[int, int]:
+        """Blocking: READ the model's KV heads ``heads`` (this pool's, in order) of the handle's
+        blocks after ``skip_blocks`` from the producer ranks that hold them (``sharded.head_sources``;
+        ``rank`` spreads replicated heads over their holders), sends no notice; (bytes, rows)."""
+        rid = handle.request_id
+        src_blocks, dst_blocks = handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:]
+        _check_lease(handle, "before the READ")
+        num_bytes = num_rows = 0
+        for source, first, count in sharded.head_sources(handle, heads, self.layout, rank):
+            peer = self._peer(source.engine_id, source.incarnation, rid)
+            theirs, ours = peer.info.layout, self.layout
+            whole = count == theirs.num_kv_heads == ours.num_kv_heads
+            remote = sharded.rows(peer.info, src_blocks, None if whole else first - source.kv_head_start, count)
+            local = sharded.rows(self._own_info(), dst_blocks, None if whole else first - heads.start, count)
+            if not len(local):
+                continue
+            done = self._worker.read_inline(local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid)
+            if not isinstance(done, tuple):
+                _wait_read(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
+            num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
+        _check_lease(handle, "during the READ")
+        return num_bytes, num_rows
+
+    def _own_info(self) -> sharded.PoolInfo:
+        return sharded.PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
 
     def give_back(self, handle: KVHandle) -> None:
         rid = handle.request_id
@@ -573,6 +611,16 @@ class NixlTransport(BaseKVTransport):
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)
+
+
+def _wait_read(done: concurrent.futures.Future, timeout: float, request_id: str, peer: str) -> None:
+    """Blocking: a READ the progress thread completes."""
+    try:
+        state, _ = done.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise KVTransferTimeout(f"NIXL READ not complete after {timeout:.1f} s", request_id, peer) from None
+    if state != "DONE":
+        raise KVTransferError(f"NIXL READ ended in state {state}", request_id, peer)
 
 
 def _pull_runs(handle: KVHandle, targets: list[int], skip_blocks: int) -> list[tuple[int, int, int]]:

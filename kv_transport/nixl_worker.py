@@ -236,7 +236,7 @@ class NixlWorker:
             if state == "PROC":  # posted but not finished in the post: poll it a little
                 budget = INLINE_POLL_S
                 if self.local_mem_type == "DRAM" and remote_mem_type == "DRAM":
-                    budget += INLINE_CPU_POLL_S_PER_BYTE * sum(length for _, length, _ in local)
+                    budget += INLINE_CPU_POLL_S_PER_BYTE * _total_bytes(local)
                 deadline = time.perf_counter() + budget
                 while state == "PROC" and time.perf_counter() < deadline:
                     state = self._state(handle)
@@ -427,3 +427,10 @@ class NixlWorker:
             return state, handle
         self._release(handle)
         return state, None
+
+
+def _total_bytes(descs: Descs) -> int:
+    """Bytes a descriptor list moves: a list of rows, or a ``[n, 3]`` array."""
+    if isinstance(descs, list):
+        return sum(length for _, length, _ in descs)
+    return int(descs[:, 1].sum())

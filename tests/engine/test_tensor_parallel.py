@@ -19,6 +19,7 @@ from engine.core import EngineCore
 from engine.loader import ModelSpec
 from engine.params import GenerationRequest, SamplingParams
 from engine.tensor_parallel import check_degree
+from engine.tp_worker import RankLostError
 from tests import same_output
 from tests.engine.conftest import assert_pool_idle, greedy, run_to_completion
 from tests.tiny_models import tiny_tp_config
@@ -139,12 +140,12 @@ def test_the_default_model_takes_degree_1_or_3(smol):
 def test_a_lost_rank_fails_the_step_and_the_health_check_and_frees_every_block(tmp_path):
     core = _engine(_spec(tmp_path, "llama"), 2)
     try:
-        (pid,) = core.tp.workers.pids
+        (pid,) = core.tp.pids
         assert core.health_problem() is None
         os.kill(pid, signal.SIGKILL)
         wait_until(core.health_problem, 60, "the lost rank noticed")
         core.add_request(GenerationRequest("lost", tuple(range(1, 20)), SamplingParams(max_tokens=4)))
-        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+        with pytest.raises(RankLostError, match="tensor-parallel rank 1 exited"):
             while core.has_work():
                 core.step()
         assert "tensor-parallel rank 1 exited (code -9)" in core.health_problem()

@@ -1,0 +1,231 @@
+"""KV between tensor-parallel engines of any degrees (pull): each rank reads its own KV heads.
+
+Every rank of an engine has its own NIXL agent over its own pool, which holds that rank's KV
+heads for the same block ids (rank 0 allocates for all). A producer's handle names each rank
+(``KVHandle.ranks``: about 60 bytes per rank over a plain handle). A consumer rank reads the
+model's KV heads it holds from the producer ranks that hold them (``head_sources``) and nothing
+else; a head held by several producer ranks (replicated) is read from one of them, chosen by
+the consumer's rank so that replicas share the load; a head the consumer replicates is read by
+each of its ranks. Rank 0 of a consumer sends every rank the command (``FetchHeads``, in the
+engine's step channel), reads its own share, gathers the byte counts and only then tells the
+producer to release its blocks.
+
+Where a rank's heads are all of a producer rank's heads and all of its own (the same degree), a
+block of a layer's K or V is one contiguous run; otherwise the pool layout ``[layers, 2, blocks,
+block_size, heads, head_dim]`` makes a head range of a block ``block_size`` strided pieces, one
+descriptor each (``descriptors.head_rows``; the choice against a heads-major layout and its
+cost: ``docs/benchmarks/tensor_parallel.md``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine.kv_pool import KVLayout
+from engine.params import TokenLogprobs
+from kv_transport.base import (
+    BaseKVTransport,
+    KVTransferError,
+    LayoutMismatchError,
+    PushCompletion,
+    ReleaseBlocks,
+    TransferStats,
+)
+from kv_transport.config import TransportConfig
+from kv_transport.descriptors import head_rows
+from kv_transport.handle import KVDestination, KVHandle, RankPeer
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.model_runner import ModelRunner
+    from engine.tensor_parallel import RankGroup
+    from engine.tp_worker import Leader
+    from kv_transport.nixl_transport import NixlTransport
+
+PEER_KEY = "kv-peer/{rank}"
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """Where a pool is (the fields of ``registry.PeerInfo`` that ``rows`` reads)."""
+
+    layout: KVLayout
+    pool_address: int
+    num_blocks: int
+    device_id: int
+
+
+def rows(info: Any, blocks: Sequence[int], first_head: int | None, num_heads: int) -> np.ndarray:
+    """``descriptors.head_rows`` for the pool ``info`` describes (a ``PeerInfo`` or ``PoolInfo``)."""
+    layout = info.layout
+    head_bytes = layout.head_dim * torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
+    return head_rows(
+        info.pool_address,
+        layout.num_layers,
+        info.num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        head_bytes,
+        info.device_id,
+        blocks,
+        first_head,
+        num_heads,
+    )
+
+
+def head_sources(handle: KVHandle, heads: range, layout: KVLayout, rank: int) -> list[tuple[RankPeer, int, int]]:
+    """``(producer rank, first head, count)`` runs covering the model's KV heads ``heads``."""
+    theirs = handle.layout
+    if (theirs.num_layers, theirs.head_dim, theirs.block_size, theirs.dtype) != (
+        layout.num_layers,
+        layout.head_dim,
+        layout.block_size,
+        layout.dtype,
+    ):
+        raise LayoutMismatchError(f"KV layout mismatch: theirs {theirs} != ours {layout}", handle.request_id, "?")
+    one = RankPeer(
+        engine_id=handle.engine_id, incarnation=handle.incarnation, kv_head_start=0, num_kv_heads=theirs.num_kv_heads
+    )
+    sources = handle.ranks or (one,)
+    runs: list[list] = []
+    for head in heads:
+        holders = [s for s in sources if s.kv_head_start <= head < s.kv_head_start + s.num_kv_heads]
+        if not holders:
+            raise LayoutMismatchError(f"no producer rank holds KV head {head}", handle.request_id, handle.engine_id)
+        source = holders[rank % len(holders)]
+        if runs and runs[-1][0] is source and runs[-1][1] + runs[-1][2] == head:
+            runs[-1][2] += 1
+        else:
+            runs.append([source, head, 1])
+    return [(s, first, count) for s, first, count in runs]
+
+
+def rank_engine_id(engine_id: str, rank: int) -> str:
+    return f"{engine_id}#r{rank}"
+
+
+def kv_heads(config: object, rank: int, degree: int) -> range:
+    from engine.tensor_parallel import shard_for
+
+    shard = shard_for(config, rank, degree)
+    return range(shard.kv_head_start, shard.kv_head_start + shard.num_kv_heads)
+
+
+@dataclass(frozen=True)
+class FetchHeads:
+    """Rank 0 to every rank: read your KV heads of ``handle``'s blocks into ``block_ids``."""
+
+    handle: KVHandle
+    block_ids: tuple[int, ...]
+    skip_blocks: int
+
+
+class _RankTransport:
+    """A rank's transport and what runs rank 0's ``FetchHeads`` there."""
+
+    def __init__(self, transport: NixlTransport, heads: range, rank: int) -> None:
+        self.transport, self.heads, self.rank = transport, heads, rank
+
+    def __call__(self, command: FetchHeads) -> int:
+        args = (command.handle, list(command.block_ids), command.skip_blocks, self.heads, self.rank)
+        return self.transport.fetch_heads(*args)[0]
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@dataclass(frozen=True)
+class RankKV:
+    """``engine.tp_worker.RankExtension``: a rank's own NIXL agent over its own pool."""
+
+    config: TransportConfig
+    engine_id: str
+
+    def start(self, runner: ModelRunner, group: RankGroup) -> _RankTransport:
+        from kv_transport.factory import make_transport
+
+        pool = runner.pool
+        transport = make_transport(self.config, rank_engine_id(self.engine_id, group.rank), pool.layout)
+        transport.register_pool(pool.tensor, lambda request_id: None)  # rank 0's allocator owns the blocks
+        group.publish(PEER_KEY.format(rank=group.rank), f"{transport.engine_id} {transport.incarnation}")
+        return _RankTransport(transport, kv_heads(runner.model.config, group.rank, group.degree), group.rank)
+
+
+class ShardedTransport(BaseKVTransport):
+    """Rank 0's transport in a tensor-parallel engine: its own agent (``inner``) for rank 0's
+    heads, the other ranks' reads run by command. Pull only."""
+
+    supports_push = False
+
+    def __init__(self, inner: NixlTransport, engine: AsyncEngine, leader: Leader, model_config: object) -> None:
+        self.inner, self.engine, self.leader = inner, engine, leader
+        self.engine_id, self.layout = inner.engine_id, inner.layout
+        self.degree = leader.group.degree
+        self._model_config = model_config
+        self.heads = kv_heads(model_config, 0, self.degree)
+        self.ranks: tuple[RankPeer, ...] = ()
+
+    def register_pool(self, pool: torch.Tensor, release_blocks: ReleaseBlocks) -> None:
+        self.inner.register_pool(pool, release_blocks)
+        peers = [(self.inner.engine_id, self.inner.incarnation)]
+        peers += [tuple(self.leader.group.read(PEER_KEY.format(rank=r)).split()) for r in range(1, self.degree)]
+        self.ranks = tuple(
+            RankPeer(engine_id=e, incarnation=i, kv_head_start=h.start, num_kv_heads=len(h))
+            for r, (e, i) in enumerate(peers)
+            for h in [kv_heads(self._model_config, r, self.degree)]
+        )
+
+    def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVHandle:
+        handle = self.inner.export(request_id, block_ids, num_tokens, first_token)
+        return handle.model_copy(update={"ranks": self.ranks})
+
+    async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
+        start = time.perf_counter()
+        command = FetchHeads(handle, tuple(local_block_ids), skip_blocks)
+        own: Callable[[], int] = lambda: self.inner.fetch_heads(handle, local_block_ids, skip_blocks, self.heads)[0]  # noqa: E731
+        counts = await self.engine.run(lambda: self.leader.command(command, own))
+        failed = [rank for rank, count in enumerate(counts) if count < 0]
+        if failed:
+            raise KVTransferError(f"tensor-parallel ranks {failed} could not read their KV", handle.request_id, "?")
+        self.inner.give_back(handle)  # every rank has its heads: the producer may free the blocks
+        return TransferStats(sum(counts), time.perf_counter() - start, 0, rank_bytes=tuple(counts))
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+    def give_back(self, handle: KVHandle) -> None:
+        self.inner.give_back(handle)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # push between tensor-parallel engines is refused where the settings are validated
+    def destination(self, request_id: str, block_ids: list[int], num_tokens: int, skip_blocks: int = 0):
+        raise _no_push(request_id)
+
+    def begin_push(self, destination: KVDestination) -> None:
+        raise _no_push(destination.request_id)
+
+    def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
+        raise _no_push(request_id)
+
+    async def finish_push(
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+    ) -> TransferStats:
+        raise _no_push(request_id)
+
+    async def wait_push(self, destination: KVDestination) -> PushCompletion:
+        raise _no_push(destination.request_id)
+
+    def abort_push(self, request_id: str) -> None:
+        return None
+
+
+def _no_push(request_id: str) -> KVTransferError:
+    return KVTransferError("push between tensor-parallel engines is not built: use transport.mode=pull", request_id, "")
