@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -177,10 +178,12 @@ class RankGroup:
             self._reduce_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, self.degree)
         else:
             self._reduce_group = self._plan
-        self.closed = False
+        self.reduce_s = 0.0  # time spent in all-reduces since start (bench.tensor_parallel reads it)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
+        start = time.perf_counter()
         self._reduce_group.allreduce([tensor]).wait()
+        self.reduce_s += time.perf_counter() - start  # communication and the wait for the other ranks
 
     def send(self, plan: Sequence[object] | None) -> None:
         """Rank 0: broadcast the next step's plan (None: the workers stop)."""

@@ -27,6 +27,7 @@ REPORTS = [
     (DOC / "trace_replay.md", "bench.trace_replay", DOC / "trace_replay.json"),
     (ROOT / "docs" / "reliability.md", "bench.reliability", DOC / "reliability.json"),
     (DOC / "speculative.md", "bench.speculative", DOC / "speculative.json"),
+    (DOC / "tensor_parallel.md", "bench.tensor_parallel", DOC / "tensor_parallel.json"),
 ]
 
 

@@ -1,0 +1,231 @@
+"""Tensor parallelism on this CPU: ``python -m bench.tensor_parallel``.
+
+``--stage decode``: a decode step of the default model at TP 1 and TP 3 (ranks as local
+processes, one torch thread each), batch 1 and 16, with the share of rank 0's step spent in
+all-reduces (the sums themselves and the wait for the other ranks: three ranks share two cores).
+``--stage transfer``: one request's KV (16 and 64 MB, an 8B-class layout: 32 layers, 8 KV heads
+of 128, float32, 16-token blocks) read over NIXL between two agents of this process: the same
+degree (whole blocks, coalesced), re-sharded 1 -> 2 in today's layout (a rank reads 4 of 8 heads:
+one descriptor per token), and what a heads-major layout would give (one descriptor per block
+of the same bytes). Writes ``<out>/tensor_parallel.{json,png}`` and the block of
+``<out>/tensor_parallel.md`` (a stage keeps the other's results; ``report`` re-renders them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from bench.host import machine
+from bench.report import arguments, cells, command_line, figure, publish, read_json, table
+
+NAME = "bench.tensor_parallel"
+BATCHES = (1, 16)
+STEPS = 40
+SIZES_MB = (16, 64)
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+REPEATS = 5
+
+
+def decode_steps(degree: int, batch: int) -> dict:
+    """Median decode step (s) of ``batch`` sequences, and rank 0's share of it in all-reduces."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.loader import ModelSpec
+    from engine.params import GenerationRequest, SamplingParams
+
+    torch.set_num_threads(1)
+    config = EngineConfig(tensor_parallel_size=degree, max_model_len=512, kv_cache_bytes=64 << 20)
+    core = EngineCore.from_spec(ModelSpec(), config)
+    try:
+        sampling = SamplingParams(max_tokens=STEPS + 8, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            core.add_request(GenerationRequest(f"r{i}", tuple(range(100 + i, 132 + i)), sampling))
+        for _ in range(4):  # the prompts, then warm decode steps
+            core.step()
+        times, reduce = [], []
+        for _ in range(STEPS):
+            before = core.tp.group.reduce_s if core.tp else 0.0
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+            reduce.append((core.tp.group.reduce_s if core.tp else 0.0) - before)
+        core.abort_all()
+    finally:
+        core.close()
+    return {"degree": degree, "batch": batch, "step_s": statistics.median(times),
+            "reduce_s": statistics.median(reduce)}  # fmt: skip
+
+
+def _probe_rank(rank: int, rendezvous, width: int, rounds: int, results) -> None:
+    """One rank of the all-reduce probe: ``rounds`` sums of a ``[width]`` float32 tensor."""
+    import torch
+
+    from engine.tensor_parallel import RankGroup
+
+    torch.set_num_threads(1)
+    group = RankGroup(rank, rendezvous, torch.device("cpu"))
+    tensor = torch.ones(width)
+    for _ in range(rounds):
+        group.all_reduce(tensor)
+    results.put((rank, group.reduce_s / rounds))
+
+
+def all_reduce_alone(batch: int, degree: int = 3, rounds: int = 300) -> float:
+    """Seconds per all-reduce of a decode step's ``[batch, hidden]`` among ``degree`` processes doing
+    nothing else: the sum and its messages without the wait for another rank's compute."""
+    import multiprocessing
+
+    import torch
+
+    from engine.tensor_parallel import leader
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rendezvous, join = leader(degree, torch.device("cpu"))
+    width = batch * 576  # the default model's hidden size
+    args = [(r, rendezvous, width, rounds, results) for r in range(1, degree)]
+    procs = [context.Process(target=_probe_rank, args=a) for a in args]
+    for proc in procs:
+        proc.start()
+    group, tensor = join(), torch.ones(width)
+    for _ in range(rounds):
+        group.all_reduce(tensor)
+    for proc in procs:
+        proc.join()
+    return group.reduce_s / rounds
+
+
+def stage_decode() -> list[dict]:
+    rows = [decode_steps(degree, batch) for batch in BATCHES for degree in (1, 3)]
+    for row in rows:
+        row["all_reduce_alone_s"] = all_reduce_alone(row["batch"]) if row["degree"] == 3 else None
+        row["all_reduce_two_ranks_s"] = all_reduce_alone(row["batch"], degree=2) if row["degree"] == 3 else None
+    return rows
+
+
+def _rows(base: int, blocks: int, pool_blocks: int, heads: int, first: int | None, count: int, per_block: bool):
+    """Rows for ``blocks`` consecutive blocks from block 0: coalesced (one per layer and K/V),
+    one per block, or one per token (``first`` heads of ``heads``)."""
+    import numpy as np
+
+    from kv_transport.descriptors import head_rows
+
+    head_bytes = HEAD_DIM * 4
+    if first is not None or per_block:
+        return head_rows(base, LAYERS, pool_blocks, BLOCK, heads, head_bytes, 0, range(blocks), first, count)
+    block_bytes = BLOCK * heads * head_bytes
+    starts = base + np.arange(2 * LAYERS, dtype=np.int64) * pool_blocks * block_bytes
+    return np.stack([starts, np.full_like(starts, blocks * block_bytes), np.zeros_like(starts)], axis=1)
+
+
+def _read_time(consumer, peer, local, remote) -> float:
+    start = time.perf_counter()
+    done = consumer._worker.read_inline(local, remote, peer.agent_name, "bench", "DRAM", "bench")
+    if not isinstance(done, tuple):
+        done.result(60)
+    return time.perf_counter() - start
+
+
+def transfer_case(size_mb: int) -> list[dict]:
+    """Each way of moving one request's KV of ``size_mb`` (or a rank's half of it), median of reads."""
+    import torch
+
+    from engine.kv_pool import KVLayout
+    from kv_transport.nixl_transport import NixlTransport
+    from kv_transport.registry import LocalPeerRegistry
+
+    blocks = size_mb * 2**20 // (LAYERS * 2 * KV_HEADS * HEAD_DIM * 4 * BLOCK)
+    results = []
+    for name, heads, first, per_block in (
+        ("same degree (whole blocks)", KV_HEADS, None, False),
+        ("re-sharded 1 -> 2, token rows", KV_HEADS, 0, False),
+        ("heads-major 1 -> 2, block rows", KV_HEADS // 2, None, True),
+    ):
+        registry, pool_blocks = LocalPeerRegistry(), blocks + 1
+        layout = KVLayout(LAYERS, heads, HEAD_DIM, BLOCK, "float32")
+        pools = [torch.ones(LAYERS, 2, pool_blocks, BLOCK, heads, HEAD_DIM) for _ in range(2)]
+        sides = [NixlTransport(f"tp-bench-{i}", layout, registry) for i in range(2)]
+        for side, pool in zip(sides, pools):
+            side.register_pool(pool, lambda rid: None)
+        try:
+            producer, consumer = sides
+            peer = consumer._peer(producer.engine_id, producer.incarnation, "bench")
+            count = KV_HEADS // 2 if first is not None else heads
+            remote = _rows(pools[0].data_ptr(), blocks, pool_blocks, heads, first, count, per_block)
+            local = _rows(pools[1].data_ptr(), blocks, pool_blocks, heads, first, count, per_block)
+            times = sorted(_read_time(consumer, peer, local, remote) for _ in range(REPEATS))
+        finally:
+            for side in sides:
+                side.close()
+        num_bytes = int(local[:, 1].sum())
+        seconds = statistics.median(times)
+        results.append({"size_mb": size_mb, "case": name, "descriptors": len(local), "bytes": num_bytes,
+                        "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9})  # fmt: skip
+    return results
+
+
+def stage_transfer() -> list[dict]:
+    return [row for size in SIZES_MB for row in transfer_case(size)]
+
+
+def render(data: dict) -> list[str]:
+    lines = [f"Measured with `{data['command']}` on {data['machine']}.", ""]
+    decode = {(r["degree"], r["batch"]): r for r in data.get("decode", [])}
+    if decode:
+        rows = []
+        for batch in BATCHES:
+            one, three = decode[(1, batch)], decode[(3, batch)]
+            share = three["reduce_s"] / three["step_s"]
+            item = {"b": batch, "o": one["step_s"], "t": three["step_s"], "a": three["reduce_s"], "s": share}
+            item["r"], item["alone"] = three["step_s"] / one["step_s"], three["all_reduce_alone_s"]
+            item["two"] = three["all_reduce_two_ranks_s"]
+            template = "{b} | {o:ms.1f} ms | {t:ms.1f} ms | {r:.2f}x | {a:ms.1f} ms ({s:.0%})"
+            template += " | {alone:ms.2f} ms | {two:ms.2f} ms"
+            rows.append(cells(template, item))
+        header = (
+            "batch | TP 1 step | TP 3 step | TP 3 / TP 1 | TP 3 rank 0 in its 60 all-reduces | one all-reduce alone, "
+            "3 ranks | one all-reduce alone, 2 ranks"
+        )
+        lines += ["### Decode step, default model", "", *table(header, rows), ""]
+    if data.get("transfer"):
+        row = "{size_mb} MB | {case} | {descriptors} | {bytes:MB.1f} MB | {seconds:ms.2f} ms | {gb_per_s:.2f}"
+        rows = [cells(row, r) for r in data["transfer"]]
+        header = "request KV | read | descriptors | bytes read | time | GB/s"
+        lines += ["### KV read, one consumer rank", "", *table(header, rows)]
+    return lines
+
+
+def plot(data: dict, path: Path) -> None:
+    with figure(path, 1, 2, (10, 3.6)) as (step_ax, read_ax, _):
+        for degree in (1, 3):
+            points = [r for r in data.get("decode", []) if r["degree"] == degree]
+            step_ax.bar([f"b{r['batch']} TP{degree}" for r in points], [1e3 * r["step_s"] for r in points])
+        step_ax.set(ylabel="decode step (ms)", title="decode step, default model")
+        for row in data.get("transfer", []):
+            read_ax.bar(f"{row['size_mb']}MB\n{row['case'].split(',')[0].split(' (')[0]}", row["gb_per_s"])
+        read_ax.set(ylabel="GB/s", title="KV read into one rank")
+        read_ax.tick_params(axis="x", labelsize=6)
+
+
+def main() -> None:
+    parser = arguments(NAME, __doc__, "docs/benchmarks", help="folder of the JSON, PNG and page")
+    parser.add_argument("--stage", choices=("decode", "transfer", "all", "report"), default="all")
+    args = parser.parse_args()
+    path = args.out / "tensor_parallel.json"
+    data = read_json(path) if path.exists() else {}
+    if args.stage != "report":
+        data.update(command=command_line(NAME), machine=machine())
+    if args.stage in ("decode", "all"):
+        data["decode"] = stage_decode()
+    if args.stage in ("transfer", "all"):
+        data["transfer"] = stage_transfer()
+    plot(data, args.out / "tensor_parallel.png")
+    publish(args.out, "tensor_parallel", NAME, data, render(data), "# Tensor parallelism on one CPU machine")
+
+
+if __name__ == "__main__":
+    main()
