@@ -91,6 +91,8 @@ def run_worker(
 ) -> None:
     """Rank ``rank`` of an engine: join the group, load, then run rank 0's steps until it stops."""
     torch.set_num_threads(threads)
+    if spec.device.startswith("cuda") and torch.cuda.device_count() >= rendezvous.degree:
+        torch.cuda.set_device(rank)  # local ranks see every GPU: one each (Ray gives an actor its own)
     group = RankGroup(rank, rendezvous, torch.device(spec.device))
     group.publish(f"pid/{rank}", str(os.getpid()))
     runner = run_command = None

@@ -92,6 +92,12 @@ section env 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version 
 section tests_gpu 90 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
 section engine 70 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
 section kv 75 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
+GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+if [ "$GPUS" -ge 2 ]; then  # NCCL refuses two ranks on one GPU
+  section tensor_parallel 60 python3 -m pytest tests/gpu/test_cuda_tensor_parallel.py -q -p no:cacheprovider
+else
+  echo "| tensor_parallel | needs 2 GPUs (this machine has $GPUS) | 0 |" >> "$SUMMARY"
+fi
 
 echo
 cat "$SUMMARY"
