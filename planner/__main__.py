@@ -7,7 +7,8 @@
 
 Prints the best configurations (predicted SLO attainment at the rate, TTFT / TPOT p90, GPUs,
 goodput per GPU) and, with ``--out``, writes ``appconfig.yaml`` and ``rayservice-snippet.yaml``
-for the best configuration the engine can serve today (no tensor parallelism). See docs/planner.md.
+for the best configuration the engine can serve (each pool's TP degree one the model splits by,
+``prefill.tensor_parallel_size`` / ``decode.tensor_parallel_size`` written). See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def table(result: Plan, top: int) -> str:
     head += f" {'TTFT p90':>9} {'TPOT p90':>9}  servable"
     lines = [head]
     for i, c in enumerate(result.ranked[:top], 1):
-        servable = "yes" if c.servable else "not servable yet (TP>1)"
+        servable = "yes" if c.servable else f"no: {c.unservable}"
         servable = "reference (vLLM 0.2 steps)" if c.prefill_first else servable
         lines.append(
             f"{i:>2} {c.label:<34} {c.num_gpus:>5} {c.goodput_per_gpu:>11.3f} {_fmt(c.simulated_rate, '8.2f')}"
@@ -129,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"planned in {elapsed:.1f}s ({len(result.ranked)} configurations, {len(result.phases)} per-replica goodputs)")
     best = result.best_servable()
     if best is None:
-        print("no servable configuration: every one needs tensor parallelism (not servable yet)")
+        refused = next((c.unservable for c in result.ranked if c.unservable), None)
+        print("no servable configuration" + (f": {refused}" if refused else ""))
     else:
         print(f"best servable: {best.label} ({best.num_gpus} GPUs)")
     if args.out is not None and best is not None:

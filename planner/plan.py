@@ -16,9 +16,11 @@ The search, in three steps, so that 1,000 GPUs cost no more to plan than 8:
    as whole systems at the asked rate with ``verify_requests`` requests; a phase that misses its
    SLO gets more replicas (up to ``max_bumps`` times) and the ranking is redone on the results.
 
-A TP degree whose weights and one full-context request do not fit in its GPUs is skipped; any TP
-above 1 is "not servable yet" (the engine has no tensor parallelism), so the AppConfig / RayService
-files are written for the best configuration with TP 1 in every pool.
+A TP degree whose weights and one full-context request do not fit in its GPUs is skipped. A
+configuration is servable when the engine can split the model by each of its pools' degrees
+(``engine.tensor_parallel.check_degree``: the degree divides the attention heads and the MLP's
+width, and the KV heads are divisible by it or divide it; gated MLPs only); the others are ranked
+with the reason. The AppConfig / RayService files are written for the best servable one.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Literal
 
 import yaml
 
+from engine.tensor_parallel import check_degree
 from planner.costs import CostModel
 from planner.roofline import Hardware, ModelShape, RooflineCost
 from planner.simulator import SimRequest, SystemSpec, goodput, sim_requests, simulate
@@ -121,6 +125,7 @@ class Candidate:
     decode_replicas: int = 0
     chunked_prefill: bool = False
     prefill_first: bool = False  # colocated with vLLM 0.2's scheduler (a reference, not servable)
+    unservable: str | None = None  # why the engine cannot split the model by these degrees (None: it can)
     prefill_goodput: float = 0.0  # req/s of one replica (colocated: of one colocated replica)
     decode_goodput: float = 0.0
     attainment: float | None = None
@@ -145,8 +150,15 @@ class Candidate:
 
     @property
     def servable(self) -> bool:
-        """The engine runs it today: no tensor parallelism in any pool, this engine's scheduler."""
-        return self.prefill_tp == 1 and self.decode_tp in (0, 1) and not self.prefill_first
+        """The engine runs it: every pool's TP degree splits the model, this engine's scheduler."""
+        return self.unservable is None and not self.prefill_first
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Each pool's TP degree, by its AppConfig section."""
+        if self.kind == "colocated":
+            return {"colocated": self.prefill_tp}
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp}
 
     @property
     def label(self) -> str:
@@ -275,15 +287,39 @@ def _colocated(request: PlanRequest, c: PhaseGoodput) -> Candidate | None:
     return Candidate("colocated", c.tp, n, chunked_prefill=chunked, prefill_first=first, prefill_goodput=c.goodput)
 
 
+def split_refusal(shape: ModelShape, degrees: dict[str, int]) -> str | None:
+    """Why the engine cannot split ``shape`` by each pool's TP degree (``check_degree``'s message,
+    naming the setting and the model's sizes), or None. ``check_degree`` reads transformers'
+    names of the sizes; ``ModelShape`` has them from the same config.json (OPT's too)."""
+    sizes = SimpleNamespace(
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+    )
+    reasons = []
+    for section, degree in degrees.items():
+        field = f"{section}.tensor_parallel_size"
+        if degree > 1 and not shape.gated_mlp:
+            reasons.append(f"{field}={degree}: the engine splits only gated MLPs (gate, up, down projections)")
+            continue
+        try:
+            check_degree(sizes, degree, field)
+        except ValueError as refused:
+            reasons.append(str(refused))
+    return "; ".join(reasons) or None
+
+
 def combine(request: PlanRequest, phases: Sequence[PhaseGoodput]) -> list[Candidate]:
-    """Every configuration the per-replica goodputs allow, within ``max_gpus``, best first."""
+    """Every configuration the per-replica goodputs allow, within ``max_gpus``, best first; each
+    marked with why the engine cannot serve it, if it cannot."""
     live = [g for g in phases if g.goodput > 0]
     prefills = [g for g in live if g.phase == "prefill"]
     decodes = [g for g in live if g.phase == "decode"]
     found = [_disaggregated(request, p, d) for p in prefills for d in decodes]
     found += [_colocated(request, c) for c in live if c.phase.startswith("colocated")]
     fits = [c for c in found if c is not None and (request.max_gpus is None or c.num_gpus <= request.max_gpus)]
-    return sorted(fits, key=lambda c: _analytic_rank(request, c))
+    marked = [replace(c, unservable=split_refusal(request.shape, c.degrees)) for c in fits]
+    return sorted(marked, key=lambda c: _analytic_rank(request, c))
 
 
 def _analytic_rank(request: PlanRequest, c: Candidate) -> tuple:
@@ -368,16 +404,24 @@ def plan(request: PlanRequest, finalists: int = 5) -> Plan:
 
 
 # -- what to deploy -------------------------------------------------------------------------
+def _kv_cache_bytes(request: PlanRequest, degrees: Sequence[int]) -> int:
+    """``engine.kv_cache_bytes``, whole MiB: each rank's pool (a TP engine's ranks hold as many
+    blocks as rank 0's pool), one setting for every pool. The roofline's room on one GPU after
+    its share of the weights, at the plan's smallest degree (the least room per GPU)."""
+    per_rank = min(RooflineCost(request.shape, request.hardware, tp).kv_pool_bytes / tp for tp in degrees)
+    return int(per_rank) >> 20 << 20
+
+
 def app_config(plan_: Plan, candidate: Candidate, model_source: str) -> dict:
     """The ``AppConfig`` (``app/settings.py``) fields for a servable candidate, as plain data:
-    the pools' replica counts, one GPU each, pinned by ``prefill_node`` / ``decode_node``; the
-    KV pool the roofline leaves after the weights; the SLOs; fixed pools (the plan sized them)."""
+    the pools' replica counts and TP degrees (one GPU per rank), pinned by ``prefill_node`` /
+    ``decode_node``; KV by pull when a degree is above 1 (push otherwise); each rank's KV pool
+    the roofline leaves after its weights; the SLOs; fixed pools (the plan sized them)."""
     if candidate.prefill_first:
         raise ValueError(f"{candidate.label} steps as vLLM 0.2 did, a reference only: this engine mixes its steps")
     if not candidate.servable:
-        raise ValueError(f"{candidate.label} needs tensor parallelism, which the engine lacks: not servable yet")
-    request = plan_.request
-    cost = RooflineCost(request.shape, request.hardware, 1)
+        raise ValueError(f"{candidate.label} is not servable: {candidate.unservable}")
+    request, degrees = plan_.request, candidate.degrees
     config: dict = {
         "model": {
             "source": model_source,
@@ -386,31 +430,40 @@ def app_config(plan_: Plan, candidate: Candidate, model_source: str) -> dict:
             "max_model_len": request.max_model_len,
         },
         "engine": {
-            "kv_cache_bytes": int(cost.kv_pool_bytes) >> 20 << 20,  # whole MiB
+            "kv_cache_bytes": _kv_cache_bytes(request, list(degrees.values())),
             "max_num_seqs": request.max_num_seqs,
             "max_num_batched_tokens": request.batched_tokens,
             "enable_chunked_prefill": candidate.chunked_prefill,
         },
         "slo": {"ttft_ms": request.ttft_slo_s * 1000, "tpot_ms": request.tpot_slo_s * 1000},
     }
-    pool = {"num_cpus": 4, "num_gpus": 1, "torch_threads": 4}
+    pool = {"num_cpus": 4, "num_gpus": 1, "torch_threads": 4}  # per rank
+    pull = max(degrees.values()) > 1  # tensor-parallel replicas take KV by pull only
     if candidate.kind == "colocated":
-        config["colocated"] = {**pool, "num_replicas": candidate.prefill_replicas}
+        replicas = candidate.prefill_replicas
+        config["colocated"] = {**pool, "tensor_parallel_size": degrees["colocated"], "num_replicas": replicas}
+        if pull:
+            config["transport"] = {"kind": "nixl", "mode": "pull"}
         config["autoscaling"] = {"enabled": False}
         return config
-    config["prefill"] = {**pool, "num_replicas": candidate.prefill_replicas, "resources": {"prefill_node": 1}}
-    config["decode"] = {**pool, "num_replicas": candidate.decode_replicas, "resources": {"decode_node": 1}}
-    config["transport"] = {"kind": "nixl", "mode": "push"}
+    for section, replicas in (("prefill", candidate.prefill_replicas), ("decode", candidate.decode_replicas)):
+        config[section] = {**pool, "tensor_parallel_size": degrees[section], "num_replicas": replicas}
+        config[section]["resources"] = {f"{section}_node": 1}
+    config["transport"] = {"kind": "nixl", "mode": "pull" if pull else "push"}
     config["autoscaling"] = {"enabled": True, "policy": "default", "replica_scaling": False}
     return config
 
 
-def _worker_group(name: str, resource: str | None, replicas: int, gpus_per_node: int) -> dict:
-    per_pod = min(gpus_per_node, replicas)
-    pods = math.ceil(replicas / per_pod)
-    limits = {"cpu": str(4 * per_pod), "memory": f"{64 * per_pod}Gi", "nvidia.com/gpu": str(per_pod)}
+def _worker_group(name: str, resource: str | None, replicas: int, tp: int, gpus_per_node: int) -> dict:
+    """Pods of whole replicas: a replica's ``tp`` ranks (one GPU each) share a pod, as its
+    placement group's STRICT_PACK bundles need one node."""
+    per_pod = min(gpus_per_node // tp, replicas)
+    pods, gpus = math.ceil(replicas / per_pod), per_pod * tp
+    limits = {"cpu": str(4 * gpus), "memory": f"{64 * gpus}Gi", "nvidia.com/gpu": str(gpus)}
     group: dict = {"groupName": name, "replicas": pods, "minReplicas": pods, "maxReplicas": pods}
-    group["rayStartParams"] = {"resources": f'"{{\\"{resource}\\": {per_pod}}}"'} if resource else {}
+    group["rayStartParams"] = {"num-gpus": str(gpus)}
+    if resource:
+        group["rayStartParams"]["resources"] = f'"{{\\"{resource}\\": {gpus}}}"'
     group["template"] = {"spec": {"containers": [{"name": "ray-worker", "resources": {"limits": limits}}]}}
     return group
 
@@ -418,7 +471,8 @@ def _worker_group(name: str, resource: str | None, replicas: int, gpus_per_node:
 def rayservice_snippet(plan_: Plan, candidate: Candidate, model_source: str) -> dict:
     """The parts of ``deploy/kuberay/rayservice.yaml`` the plan decides: ``serveConfigV2``'s
     application (its ``args`` are ``app_config``) and one worker group per pool, its pods
-    holding ``gpus_per_node`` replicas (one GPU each) and offering the pool's pinning resource."""
+    holding as many whole replicas as ``gpus_per_node`` GPUs allow (one GPU per rank) and
+    offering the pool's pinning resource, one per GPU."""
     args = app_config(plan_, candidate, model_source)
     gpus_per_node = plan_.request.hardware.gpus_per_node
     colocated = candidate.kind == "colocated"
@@ -429,11 +483,11 @@ def rayservice_snippet(plan_: Plan, candidate: Candidate, model_source: str) -> 
         "args": args,
     }
     if colocated:
-        groups = [_worker_group("colocated", None, candidate.prefill_replicas, gpus_per_node)]
+        groups = [_worker_group("colocated", None, candidate.prefill_replicas, candidate.prefill_tp, gpus_per_node)]
     else:
         groups = [
-            _worker_group("prefill", "prefill_node", candidate.prefill_replicas, gpus_per_node),
-            _worker_group("decode", "decode_node", candidate.decode_replicas, gpus_per_node),
+            _worker_group("prefill", "prefill_node", candidate.prefill_replicas, candidate.prefill_tp, gpus_per_node),
+            _worker_group("decode", "decode_node", candidate.decode_replicas, candidate.decode_tp, gpus_per_node),
         ]
     serve_config = yaml.safe_dump({"applications": [application]}, sort_keys=False)
     return {"spec": {"serveConfigV2": serve_config, "rayClusterConfig": {"workerGroupSpecs": groups}}}
