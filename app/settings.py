@@ -48,7 +48,9 @@ class EngineSection(EngineSettings):
     """``engine.config.EngineSettings`` with the served app's default pool: 256 MiB per replica
     (the engine's own default is 1 GiB), and at least 1 MiB."""
 
-    kv_cache_bytes: int = Field(256 << 20, ge=1 << 20, description="KV pool size per replica, in bytes")
+    kv_cache_bytes: int = Field(
+        256 << 20, ge=1 << 20, description="KV pool size per replica (per rank under tensor parallelism), in bytes"
+    )
 
 
 class DeploymentConfig(_Section):

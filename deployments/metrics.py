@@ -77,6 +77,7 @@ ENGINE_TOTALS = (  # (EngineStats field, counter, its description)
     ("spec_drafts", "tandem_spec_decode_drafts_total", "Decode steps that verified speculative proposals"),
     ("spec_draft_tokens", "tandem_spec_decode_draft_tokens_total", "Speculative tokens proposed"),
     ("spec_accepted_tokens", "tandem_spec_decode_accepted_tokens_total", "Speculative tokens accepted"),
+    ("tp_all_reduce_s", "tandem_tp_all_reduce_seconds_total", "Rank 0's seconds in tensor-parallel all-reduces"),
 )
 
 
@@ -105,6 +106,7 @@ class EngineMetrics:
         self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
         self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
         self.role = Gauge("tandem_role", "Replica role: 0 prefill, 1 decode, 2 both", tag_keys=tags)
+        self.ranks = Gauge("tandem_tensor_parallel_ranks", "Ranks each replica's model is split over", tag_keys=tags)
         self.cached_blocks = Gauge(
             "tandem_kv_cached_blocks", "Free KV blocks that keep a cached prefix (evictable)", tag_keys=tags
         )
@@ -135,6 +137,7 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting, self.tags)
         self.role.set(ROLE_CODES[stats.role], self.tags)
         self.cached_blocks.set(stats.num_cached_blocks, self.tags)
+        self.ranks.set(stats.tensor_parallel_size, self.tags)
         for field, counter in self._counters.items():
             now = getattr(stats, field)
             if now > self._totals[field]:  # Ray refuses inc(0)

@@ -27,7 +27,7 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     block_size: int = Field(16, ge=1, description="tokens per KV block")
-    kv_cache_bytes: int = Field(DEFAULT_KV_CACHE_BYTES, ge=1, description="KV pool size per replica, in bytes")
+    kv_cache_bytes: int = Field(DEFAULT_KV_CACHE_BYTES, ge=1, description="KV pool size per engine rank, in bytes")
     max_num_seqs: int = Field(64, ge=1, description="most requests running at once per replica")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of one engine step")
     enable_chunked_prefill: bool = Field(False, description="split long prompts across steps")

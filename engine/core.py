@@ -584,6 +584,8 @@ class EngineCore:
             spec_drafts=self.spec_counters.num_drafts,
             spec_draft_tokens=self.spec_counters.num_draft_tokens,
             spec_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            tp_all_reduce_s=0.0 if self.tp is None else self.tp.group.reduce_s,
         )
 
 

@@ -429,3 +429,5 @@ class EngineStats:
     spec_drafts: int = 0  # since start: verified steps that carried speculative proposals
     spec_draft_tokens: int = 0  # since start: tokens proposed
     spec_accepted_tokens: int = 0  # since start: proposed tokens accepted
+    tensor_parallel_size: int = 1  # ranks the model is split over
+    tp_all_reduce_s: float = 0.0  # since start: rank 0's seconds in all-reduces (and waiting for the others)

@@ -30,7 +30,7 @@ import torch
 
 from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
-from kv_transport import notices, sharded
+from kv_transport import notices
 from kv_transport import staging as staging_mod
 from kv_transport.base import (
     BaseKVTransport,
@@ -47,6 +47,7 @@ from kv_transport.config import DEFAULT_STAGING_BYTES, check_staging
 from kv_transport.descriptors import Descs, PoolGeometry, coalesce, id_ranges, pair_ranges
 from kv_transport.faults import NO_FAULTS, FaultPoints
 from kv_transport.handle import KVDestination, KVHandle, to_ranges
+from kv_transport.heads import PoolInfo, head_sources, rows
 from kv_transport.nixl_worker import WAIT_POLL_S, LayerEvent, NixlWorker, Post, PostedAt
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
@@ -278,26 +279,26 @@ class NixlTransport(BaseKVTransport):
         """A pull from a producer of another tensor-parallel degree (this engine has one rank)."""
         start = time.perf_counter()
         heads = range(self.layout.num_kv_heads)
-        num_bytes, rows = await asyncio.to_thread(self.fetch_heads, handle, local_block_ids, skip_blocks, heads)
+        num_bytes, num_rows = await asyncio.to_thread(self.fetch_heads, handle, local_block_ids, skip_blocks, heads)
         self.give_back(handle)
-        return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=rows)
+        return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=num_rows)
 
     def fetch_heads(
         self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int, heads: range, rank: int = 0
     ) -> tuple[int, int]:
         """Blocking: READ the model's KV heads ``heads`` (this pool's, in order) of the handle's
-        blocks after ``skip_blocks`` from the producer ranks that hold them (``sharded.head_sources``;
+        blocks after ``skip_blocks`` from the producer ranks that hold them (``kv_transport.heads.head_sources``;
         ``rank`` spreads replicated heads over their holders), sends no notice; (bytes, rows)."""
         rid = handle.request_id
         src_blocks, dst_blocks = handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:]
         _check_lease(handle, "before the READ")
         num_bytes = num_rows = 0
-        for source, first, count in sharded.head_sources(handle, heads, self.layout, rank):
+        for source, first, count in head_sources(handle, heads, self.layout, rank):
             peer = self._peer(source.engine_id, source.incarnation, rid)
             theirs, ours = peer.info.layout, self.layout
             whole = count == theirs.num_kv_heads == ours.num_kv_heads
-            remote = sharded.rows(peer.info, src_blocks, None if whole else first - source.kv_head_start, count)
-            local = sharded.rows(self._own_info(), dst_blocks, None if whole else first - heads.start, count)
+            remote = rows(peer.info, src_blocks, None if whole else first - source.kv_head_start, count)
+            local = rows(self._own_info(), dst_blocks, None if whole else first - heads.start, count)
             if not len(local):
                 continue
             done = self._worker.read_inline(local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid)
@@ -307,8 +308,8 @@ class NixlTransport(BaseKVTransport):
         _check_lease(handle, "during the READ")
         return num_bytes, num_rows
 
-    def _own_info(self) -> sharded.PoolInfo:
-        return sharded.PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
+    def _own_info(self) -> PoolInfo:
+        return PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
 
     def give_back(self, handle: KVHandle) -> None:
         rid = handle.request_id

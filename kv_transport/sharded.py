@@ -3,7 +3,7 @@
 Every rank of an engine has its own NIXL agent over its own pool, which holds that rank's KV
 heads for the same block ids (rank 0 allocates for all). A producer's handle names each rank
 (``KVHandle.ranks``: about 60 bytes per rank over a plain handle). A consumer rank reads the
-model's KV heads it holds from the producer ranks that hold them (``head_sources``) and nothing
+model's KV heads it holds from the producer ranks that hold them (``heads.head_sources``) and nothing
 else; a head held by several producer ranks (replicated) is read from one of them, chosen by
 the consumer's rank so that replicas share the load; a head the consumer replicates is read by
 each of its ranks. Rank 0 of a consumer sends every rank the command (``FetchHeads``, in the
@@ -14,7 +14,7 @@ Where a rank's heads are all of a producer rank's heads and all of its own (the 
 block of a layer's K or V is one contiguous run; otherwise the pool layout ``[layers, 2, blocks,
 block_size, heads, head_dim]`` makes a head range of a block ``block_size`` strided pieces, one
 descriptor each (``descriptors.head_rows``; the choice against a heads-major layout and its
-cost: ``docs/benchmarks/tensor_parallel.md``).
+cost: ``docs/benchmarks/tensor_parallel.md``); the descriptors: ``kv_transport.heads``.
 """
 
 from __future__ import annotations
@@ -22,23 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
-from kv_transport.base import (
-    BaseKVTransport,
-    KVTransferError,
-    LayoutMismatchError,
-    PushCompletion,
-    ReleaseBlocks,
-    TransferStats,
-)
+from kv_transport.base import BaseKVTransport, KVTransferError, PushCompletion, ReleaseBlocks, TransferStats
 from kv_transport.config import TransportConfig
-from kv_transport.descriptors import head_rows
 from kv_transport.handle import KVDestination, KVHandle, RankPeer
 
 if TYPE_CHECKING:
@@ -49,61 +39,6 @@ if TYPE_CHECKING:
     from kv_transport.nixl_transport import NixlTransport
 
 PEER_KEY = "kv-peer/{rank}"
-
-
-@dataclass(frozen=True)
-class PoolInfo:
-    """Where a pool is (the fields of ``registry.PeerInfo`` that ``rows`` reads)."""
-
-    layout: KVLayout
-    pool_address: int
-    num_blocks: int
-    device_id: int
-
-
-def rows(info: Any, blocks: Sequence[int], first_head: int | None, num_heads: int) -> np.ndarray:
-    """``descriptors.head_rows`` for the pool ``info`` describes (a ``PeerInfo`` or ``PoolInfo``)."""
-    layout = info.layout
-    head_bytes = layout.head_dim * torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    return head_rows(
-        info.pool_address,
-        layout.num_layers,
-        info.num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        head_bytes,
-        info.device_id,
-        blocks,
-        first_head,
-        num_heads,
-    )
-
-
-def head_sources(handle: KVHandle, heads: range, layout: KVLayout, rank: int) -> list[tuple[RankPeer, int, int]]:
-    """``(producer rank, first head, count)`` runs covering the model's KV heads ``heads``."""
-    theirs = handle.layout
-    if (theirs.num_layers, theirs.head_dim, theirs.block_size, theirs.dtype) != (
-        layout.num_layers,
-        layout.head_dim,
-        layout.block_size,
-        layout.dtype,
-    ):
-        raise LayoutMismatchError(f"KV layout mismatch: theirs {theirs} != ours {layout}", handle.request_id, "?")
-    one = RankPeer(
-        engine_id=handle.engine_id, incarnation=handle.incarnation, kv_head_start=0, num_kv_heads=theirs.num_kv_heads
-    )
-    sources = handle.ranks or (one,)
-    runs: list[list] = []
-    for head in heads:
-        holders = [s for s in sources if s.kv_head_start <= head < s.kv_head_start + s.num_kv_heads]
-        if not holders:
-            raise LayoutMismatchError(f"no producer rank holds KV head {head}", handle.request_id, handle.engine_id)
-        source = holders[rank % len(holders)]
-        if runs and runs[-1][0] is source and runs[-1][1] + runs[-1][2] == head:
-            runs[-1][2] += 1
-        else:
-            runs.append([source, head, 1])
-    return [(s, first, count) for s, first, count in runs]
 
 
 def rank_engine_id(engine_id: str, rank: int) -> str:
