@@ -50,6 +50,8 @@ class AutoscalerController:
     def __init__(self, config: AppConfig) -> None:
         """``config``: the application's settings, validated once by the builder."""
         self.settings = config.autoscaling
+        # each pool's GPUs per replica (ranks x GPUs per rank): scaling counts replicas, the view their GPUs
+        self._gpus = {pool: config.pool(pool).tensor_parallel_size * config.pool(pool).num_gpus for pool in POOLS}
         self.policy = config.autoscaling.load(config.slo.ttft_ms, config.slo.tpot_ms)
         self.state = ControllerState()
         self.scaling = self.settings.replica_scaling and self.policy.scaling.enabled
@@ -137,6 +139,8 @@ class AutoscalerController:
                 "reporting": reporting,
                 "pending": max((target or 0) - reporting, 0),
                 "backoff_s": round(until - snapshot.time, 1) if until and until > snapshot.time else 0,
+                "gpus_per_replica": self._gpus[pool],
+                "target_gpus": None if target is None else target * self._gpus[pool],
             }
         return {"enabled": self.scaling, "pools": pools}
 

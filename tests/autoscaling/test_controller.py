@@ -80,8 +80,10 @@ def test_report_tick_sync_and_view():
 
 def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_leaves_at_once():
     """Both pools' targets come from the tick's one decision and go back in each replica's
-    report answer (the replica relays its own pool's to Serve), with the decision's time."""
-    controller = AutoscalerController(AppConfig.load({}, environ={}))
+    report answer (the replica relays its own pool's to Serve), with the decision's time. The
+    view counts a tensor-parallel pool's GPUs: replicas x ranks x GPUs per rank."""
+    tp_decode = {"decode.tensor_parallel_size": "2", "decode.num_gpus": "1"}
+    controller = AutoscalerController(AppConfig.load(tp_decode, environ={}))
     delay = controller.policy.scaling.scale_up_delay_s
 
     async def report(replica: str, home: Role, decoding: int = 0, stopping: bool = False) -> ReportAnswer:
@@ -105,7 +107,9 @@ def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_lea
         assert controller.scale_state.decided_at == later
         assert (await report("p0", Role.PREFILL)).target == PoolTarget(1, answer.target.seq)  # from the same decision
         view = (await controller.view())["scaling"]
-        assert view["pools"]["decode"] == {"target": 3, "reporting": 1, "pending": 2, "backoff_s": 0}
+        assert view["pools"]["decode"] == {
+            "target": 3, "reporting": 1, "pending": 2, "backoff_s": 0, "gpus_per_replica": 2, "target_gpus": 6
+        }  # fmt: skip
         (event,) = [d for d in (await controller.view())["decisions"] if d["action"] == "scale_up"]
         assert (event["pool"], event["replicas"]) == ("decode", [1, 3])
         assert "decoding requests 14 (target 6 per replica)" in event["reason"]
