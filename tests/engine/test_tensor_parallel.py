@@ -17,7 +17,7 @@ import pytest
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.loader import ModelSpec
-from engine.params import GenerationRequest, SamplingParams
+from engine.params import GenerationRequest, Role, SamplingParams
 from engine.tensor_parallel import check_degree
 from engine.tp_worker import RankLostError
 from tests import same_output
@@ -91,13 +91,16 @@ def test_tp_2_and_4_give_tp_1_s_tokens_with_chunked_prefill_prefix_caching_and_s
         _assert_same(reference, result, f"{family} TP {degree}")
 
 
-def test_replicated_kv_heads_then_a_lost_rank(tmp_path):
-    """TP 4 over 2 KV heads (each on two ranks) gives TP 1's tokens; then a rank is killed: the
-    next step fails with ``RankLostError``, the health check names the rank, every block is free."""
+def test_replicated_kv_heads_in_a_lent_prefill_engine_then_a_lost_rank(tmp_path):
+    """TP 4 over 2 KV heads (each on two ranks), started as a prefill replica and lent (role
+    ``both``, as the autoscaler's lend sets it), decodes with its four ranks and gives TP 1's
+    tokens; then a rank is killed: the next step fails with ``RankLostError``, the health check
+    names the rank, every block is free."""
     spec = _spec(tmp_path, "llama", kv_heads=2)
     reference = _run(_engine(spec, 1), _batch())
-    core = _engine(spec, 4)
+    core = _engine(spec, 4, role=Role.PREFILL)
     try:
+        core.set_role(Role.BOTH)
         assert core.layout.num_kv_heads == 1
         _assert_same(reference, _run(core, _batch(), close=False), "llama 2 KV heads TP 4")
         assert [r["kv_heads"] for r in core.ranks()] == [[0, 1], [0, 1], [1, 1], [1, 1]]
