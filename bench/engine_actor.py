@@ -39,7 +39,7 @@ class EngineActor:
         if self.core.tp is not None:
             transport = ShardedTransport(transport, engine, self.core.tp, self.core.model_config)
         self.link = KVEngineLink(engine, transport, push_pipelined=self.push_pipelined)
-        return transport.inner.incarnation if self.core.tp is not None else transport.incarnation
+        return transport.incarnation
 
     async def prefill_pull(self, request):
         return await self.link.prefill_pull(request)

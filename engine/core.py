@@ -150,9 +150,8 @@ class EngineCore:
         pool_bytes = self.limits.num_blocks * self.layout.bytes_per_block
         ranks = []
         for rank, pid in enumerate(pids):
-            shard = shard_for(self.model_config, rank, degree)
-            heads = [shard.kv_head_start, shard.num_kv_heads] if degree > 1 else [0, self.layout.num_kv_heads]
-            ranks.append({"rank": rank, "pid": pid, "kv_heads": heads, "pool_bytes": pool_bytes})
+            heads = shard_for(self.model_config, rank, degree).kv_head_range
+            ranks.append({"rank": rank, "pid": pid, "kv_heads": [heads.start, len(heads)], "pool_bytes": pool_bytes})
         return ranks
 
     @property

@@ -28,7 +28,7 @@ import datetime
 import logging
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,11 @@ class Shard:
         if self.kv_heads % self.degree == 0:
             return self.rank * self.num_kv_heads
         return self.rank // (self.degree // self.kv_heads)  # replicated: degree / kv_heads ranks per KV head
+
+    @property
+    def kv_head_range(self) -> range:
+        """The model's KV heads this rank's pool holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
 
     @property
     def columns(self) -> int:
@@ -185,13 +190,13 @@ class RankGroup:
         self._reduce_group.allreduce([tensor]).wait()
         self.reduce_s += time.perf_counter() - start  # communication and the wait for the other ranks
 
-    def send(self, plan: Sequence[object] | None) -> None:
-        """Rank 0: broadcast the next step's plan (None: the workers stop)."""
+    def send(self, plan: object) -> None:
+        """Rank 0: broadcast the next step (None: the workers stop)."""
         data = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
         self._plan.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0).wait()
         self._plan.broadcast(data, 0).wait()
 
-    def receive(self) -> Sequence[object] | None:
+    def receive(self) -> object:
         size = torch.zeros(1, dtype=torch.int64)
         self._plan.broadcast(size, 0).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8)

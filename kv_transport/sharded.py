@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.params import TokenLogprobs
+from engine.tensor_parallel import shard_for
 from kv_transport.base import BaseKVTransport, KVTransferError, PushCompletion, ReleaseBlocks, TransferStats
 from kv_transport.config import TransportConfig
 from kv_transport.handle import KVDestination, KVHandle, RankPeer
@@ -43,13 +44,6 @@ PEER_KEY = "kv-peer/{rank}"
 
 def rank_engine_id(engine_id: str, rank: int) -> str:
     return f"{engine_id}#r{rank}"
-
-
-def kv_heads(config: object, rank: int, degree: int) -> range:
-    from engine.tensor_parallel import shard_for
-
-    shard = shard_for(config, rank, degree)
-    return range(shard.kv_head_start, shard.kv_head_start + shard.num_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,8 @@ class RankKV:
         transport = make_transport(self.config, rank_engine_id(self.engine_id, group.rank), pool.layout)
         transport.register_pool(pool.tensor, lambda request_id: None)  # rank 0's allocator owns the blocks
         group.publish(PEER_KEY.format(rank=group.rank), f"{transport.engine_id} {transport.incarnation}")
-        return _RankTransport(transport, kv_heads(runner.model.config, group.rank, group.degree), group.rank)
+        heads = shard_for(runner.model.config, group.rank, group.degree).kv_head_range
+        return _RankTransport(transport, heads, group.rank)
 
 
 class ShardedTransport(BaseKVTransport):
@@ -100,21 +95,25 @@ class ShardedTransport(BaseKVTransport):
 
     def __init__(self, inner: NixlTransport, engine: AsyncEngine, leader: Leader, model_config: object) -> None:
         self.inner, self.engine, self.leader = inner, engine, leader
-        self.engine_id, self.layout = inner.engine_id, inner.layout
+        self.engine_id, self.incarnation, self.layout = inner.engine_id, inner.incarnation, inner.layout
         self.degree = leader.group.degree
         self._model_config = model_config
-        self.heads = kv_heads(model_config, 0, self.degree)
+        self.heads = shard_for(model_config, 0, self.degree).kv_head_range
         self.ranks: tuple[RankPeer, ...] = ()
 
     def register_pool(self, pool: torch.Tensor, release_blocks: ReleaseBlocks) -> None:
         self.inner.register_pool(pool, release_blocks)
         peers = [(self.inner.engine_id, self.inner.incarnation)]
         peers += [tuple(self.leader.group.read(PEER_KEY.format(rank=r)).split()) for r in range(1, self.degree)]
-        self.ranks = tuple(
-            RankPeer(engine_id=e, incarnation=i, kv_head_start=h.start, num_kv_heads=len(h))
-            for r, (e, i) in enumerate(peers)
-            for h in [kv_heads(self._model_config, r, self.degree)]
-        )
+        ranks = []
+        for rank, (engine_id, incarnation) in enumerate(peers):
+            heads = shard_for(self._model_config, rank, self.degree).kv_head_range
+            ranks.append(
+                RankPeer(
+                    engine_id=engine_id, incarnation=incarnation, kv_head_start=heads.start, num_kv_heads=len(heads)
+                )
+            )
+        self.ranks = tuple(ranks)
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVHandle:
         handle = self.inner.export(request_id, block_ids, num_tokens, first_token)

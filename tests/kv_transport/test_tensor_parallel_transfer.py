@@ -81,7 +81,7 @@ def test_a_pull_between_degrees_gives_one_rank_s_tokens_and_each_rank_reads_its_
         same_output.assert_same_output(expected, trace, exact=False, label=f"{producer} -> {consumer} #{i}")
         blocks = -(-len(request.prompt_token_ids) // BLOCK_SIZE)
         per_rank = LAYERS * 2 * blocks * BLOCK_SIZE * (KV_HEADS // consumer) * HEAD_DIM * 4
-        moved = ray.get(decode.last_fetch_rank_bytes.remote()) if consumer > 1 else ()
+        moved = ray.get(decode.last_fetch_rank_bytes.remote())  # by rank; () from a one-rank consumer
         assert moved == ((per_rank,) * consumer if consumer > 1 else ())
         assert ray.get(decode.last_fetch_bytes.remote()) == per_rank * consumer
     for actor in (prefill, decode):
