@@ -200,14 +200,14 @@ class AppConfig(_Section):
         return self
 
     def _check_tensor_parallel(self) -> None:
-        """Tensor-parallel replicas move KV with NIXL, by pull (each rank reads its own heads)."""
+        """Tensor-parallel replicas move KV with NIXL between their pools (each rank its own heads)."""
         for home, name in POOL_SECTIONS.items():
             if self.pool(home).tensor_parallel_size == 1:
                 continue
-            if self.transport.kind != "nixl" or self.transport.mode != "pull":
+            if self.transport.kind != "nixl" or self.transport.staging != "none":
                 raise ValueError(
-                    f"{name}.tensor_parallel_size > 1 needs transport.kind=nixl and transport.mode=pull "
-                    f"(got {self.transport.kind}, {self.transport.mode})"
+                    f"{name}.tensor_parallel_size > 1 needs transport.kind=nixl and transport.staging=none "
+                    f"(got {self.transport.kind}, {self.transport.staging})"
                 )
 
     def pool(self, home: Role) -> DeploymentConfig:

@@ -91,6 +91,10 @@ class EngineActor:
     def last_fetch_rank_bytes(self) -> tuple[int, ...]:
         return self.link.last_fetch.rank_bytes
 
+    def ranks(self) -> int:
+        """How many ranks a handle or destination of this engine names (0: one rank)."""
+        return len(getattr(self.link.transport, "ranks", ()))
+
     async def close(self) -> None:
         self.link.close()
         await self.link.engine.stop()

@@ -44,6 +44,18 @@ def from_ranges(ranges: Sequence[tuple[int, int]]) -> list[int]:
     return [start + i for start, count in ranges for i in range(count)]
 
 
+class RankPeer(BaseModel):
+    """One tensor-parallel rank of an engine: its NIXL agent's entry in the peer registry and
+    the KV heads its pool holds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    engine_id: str
+    incarnation: str
+    kv_head_start: int = Field(ge=0)
+    num_kv_heads: int = Field(ge=1)
+
+
 class _BlocksOf(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -55,6 +67,7 @@ class _BlocksOf(BaseModel):
     num_tokens: int = Field(description="tokens of KV the blocks hold (the prompt)")
     layout: KVLayout = Field(description="layout of the owner's pool (must equal the peer's)")
     expires_at: float = Field(description="unix time after which the owner frees the blocks")
+    ranks: tuple[RankPeer, ...] = Field((), description="a tensor-parallel owner's ranks, by rank; () for one")
 
     @classmethod
     def of_blocks(
@@ -85,17 +98,15 @@ class _BlocksOf(BaseModel):
     def seconds_left(self) -> float:
         return self.expires_at - time.time()
 
-
-class RankPeer(BaseModel):
-    """One tensor-parallel rank of a producer: its NIXL agent's entry in the peer registry and
-    the KV heads its pool holds."""
-
-    model_config = ConfigDict(frozen=True)
-
-    engine_id: str
-    incarnation: str
-    kv_head_start: int = Field(ge=0)
-    num_kv_heads: int = Field(ge=1)
+    def peers(self) -> tuple[RankPeer, ...]:
+        """The owner's ranks; one that holds every KV head when the owner has one rank."""
+        whole = RankPeer(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            kv_head_start=0,
+            num_kv_heads=self.layout.num_kv_heads,
+        )
+        return self.ranks or (whole,)
 
 
 class KVHandle(_BlocksOf):
@@ -104,11 +115,11 @@ class KVHandle(_BlocksOf):
     rank holds the same block ids, each with its own KV heads."""
 
     first_token: int = Field(description="token sampled by prefill")
-    ranks: tuple[RankPeer, ...] = Field((), description="a tensor-parallel producer's ranks, by rank; () for one")
 
 
 class KVDestination(_BlocksOf):
     """Push: blocks the consumer reserved; the producer writes the KV into them, except the
-    first ``skip_blocks``, which the consumer's prefix cache already holds."""
+    first ``skip_blocks``, which the consumer's prefix cache already holds. A tensor-parallel
+    consumer names each rank (``ranks``), as a handle does."""
 
     skip_blocks: int = Field(0, ge=0, description="leading blocks that hold their KV already (not written)")

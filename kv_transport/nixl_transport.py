@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,8 +46,8 @@ from kv_transport.base import (
 from kv_transport.config import DEFAULT_STAGING_BYTES, check_staging
 from kv_transport.descriptors import Descs, PoolGeometry, coalesce, id_ranges, pair_ranges
 from kv_transport.faults import NO_FAULTS, FaultPoints
-from kv_transport.handle import KVDestination, KVHandle, to_ranges
-from kv_transport.heads import PoolInfo, head_sources, rows
+from kv_transport.handle import KVDestination, KVHandle, RankPeer, to_ranges
+from kv_transport.heads import HeadPush, PoolInfo, head_sources, head_targets, rows
 from kv_transport.nixl_worker import WAIT_POLL_S, LayerEvent, NixlWorker, Post, PostedAt
 from kv_transport.registry import BasePeerRegistry, PeerInfo
 
@@ -134,6 +134,7 @@ class NixlTransport(BaseKVTransport):
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._exports: dict[str, float] = {}  # request id -> expiry (unix time)
         self._push_out: dict[str, _PushOut] = {}
+        self._head_push: dict[str, HeadPush] = {}  # to a consumer that splits the KV heads otherwise
         self._push_in: dict[str, concurrent.futures.Future] = {}
         self._export_slots: dict[str, list[int]] = {}  # staging producer, pull: request id -> slots
         self._staged_in: dict[str, _StagedIn] = {}  # staging consumer, push
@@ -290,6 +291,7 @@ class NixlTransport(BaseKVTransport):
         blocks after ``skip_blocks`` from the producer ranks that hold them (``kv_transport.heads.head_sources``;
         ``rank`` spreads replicated heads over their holders), sends no notice; (bytes, rows)."""
         rid = handle.request_id
+        self._check_unstaged(handle)
         src_blocks, dst_blocks = handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:]
         _check_lease(handle, "before the READ")
         num_bytes = num_rows = 0
@@ -303,7 +305,7 @@ class NixlTransport(BaseKVTransport):
                 continue
             done = self._worker.read_inline(local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid)
             if not isinstance(done, tuple):
-                _wait_read(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
+                _wait_done(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
             num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
         _check_lease(handle, "during the READ")
         return num_bytes, num_rows
@@ -355,6 +357,9 @@ class NixlTransport(BaseKVTransport):
     def begin_push(self, destination: KVDestination) -> None:
         rid = destination.request_id
         peer = self._peer(destination.engine_id, destination.incarnation, rid)
+        if destination.ranks or destination.layout.num_kv_heads != self.layout.num_kv_heads:
+            self._head_push[rid] = HeadPush(destination)  # written head by head by finish_push
+            return
         self._check_layout(destination.layout, rid, destination.engine_id)
         slots = []
         if self.staging is not None:
@@ -365,6 +370,9 @@ class NixlTransport(BaseKVTransport):
     def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
         push = self._push_out.get(request_id)
         if push is None:
+            head_push = self._head_push.get(request_id)
+            if head_push is not None:
+                head_push.record(local_block_ids, start_index)
             return
         skip = push.destination.skip_blocks - start_index  # blocks the consumer holds already
         if skip > 0:
@@ -405,6 +413,16 @@ class NixlTransport(BaseKVTransport):
     async def finish_push(
         self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
     ) -> TransferStats:
+        head_push = self._head_push.pop(request_id, None)
+        if head_push is not None:
+            me = (RankPeer(engine_id=self.engine_id, incarnation=self.incarnation, kv_head_start=0,
+                           num_kv_heads=self.layout.num_kv_heads),)  # fmt: skip
+            heads = range(self.layout.num_kv_heads)
+
+            async def write(block_ids: list[int]) -> list[int]:
+                return [(await asyncio.to_thread(self.push_heads, head_push.destination, block_ids, heads, 0, me))[0]]
+
+            return await self.finish_heads(head_push, first_token, first_logprobs, write)
         push = self._push_out.pop(request_id)
         try:
             return await self._complete_push(push, request_id, first_token, first_logprobs)
@@ -440,6 +458,69 @@ class NixlTransport(BaseKVTransport):
             layer_times=layer_times,
         )
 
+    async def finish_heads(
+        self,
+        push: HeadPush,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None,
+        write: Callable[[list[int]], Awaitable[list[int]]],
+    ) -> TransferStats:
+        """Finish a push written head by head: ``write`` (the producer's blocks, one per
+        destination block) writes every rank's heads and answers each rank's bytes (-1: failed);
+        then the consumer's rank 0 gets the completion notice (or the failure notice)."""
+        destination, start = push.destination, time.perf_counter()
+        rid, peer_id = destination.request_id, destination.engine_id
+        peer = self._peer(peer_id, destination.incarnation, rid)
+        try:
+            if self.faults:
+                await self.faults.hit_async("finish_push", rid, peer_id)
+            counts = await write(push.block_ids())
+            failed = [rank for rank, count in enumerate(counts) if count < 0]
+            if failed:
+                raise KVTransferError(f"tensor-parallel ranks {failed} could not write their KV", rid, peer_id)
+        except BaseException:
+            self._notify(peer, notices.PushFailedNotice(request_id=rid))
+            raise
+        self._notify(
+            peer, notices.PushDoneNotice(request_id=rid, first_token=first_token, first_logprobs=first_logprobs)
+        )
+        rank_bytes = tuple(counts) if len(counts) > 1 else ()
+        return TransferStats(sum(counts), time.perf_counter() - start, 0, rank_bytes=rank_bytes)
+
+    def push_heads(
+        self, destination: KVDestination, block_ids: list[int], heads: range, rank: int, producers: Sequence[RankPeer]
+    ) -> tuple[int, int]:
+        """Blocking: WRITE this pool's KV heads ``heads`` (the model's) of ``block_ids`` (the
+        producer's, one per destination block) into the consumer ranks that take them from
+        ``rank`` of ``producers`` (``kv_transport.heads.head_targets``) and wait for every WRITE;
+        sends no notice; (bytes, rows)."""
+        rid, skip = destination.request_id, destination.skip_blocks
+        self._check_unstaged(destination)
+        src_blocks, dst_blocks = block_ids[skip:], destination.block_ids[skip:]
+        posted, num_bytes, num_rows = [], 0, 0
+        for target, first, count in head_targets(destination, producers, rank, self.layout):
+            peer = self._peer(target.engine_id, target.incarnation, rid)
+            whole = count == peer.info.layout.num_kv_heads == self.layout.num_kv_heads
+            local = rows(self._own_info(), src_blocks, None if whole else first - heads.start, count)
+            remote = rows(peer.info, dst_blocks, None if whole else first - target.kv_head_start, count)
+            if not len(local):
+                continue
+            posted.append((self._post("WRITE", local, remote, peer, rid), target.engine_id))
+            num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
+        timeout = max(0.0, min(self.timeout_s, destination.seconds_left()))
+        for done, peer_id in posted:
+            _wait_done(done, timeout, rid, peer_id, "WRITE")
+        return num_bytes, num_rows
+
+    def _check_unstaged(self, described: KVHandle | KVDestination) -> None:
+        """KV split by heads moves between pools NIXL sees (not through staging buffers)."""
+        if self.staging is not None or isinstance(described, (staging_mod.StagedHandle, staging_mod.StagedDestination)):
+            raise KVTransferError(
+                "KV between engines that split the KV heads differently needs transport.staging=none",
+                described.request_id,
+                described.engine_id,
+            )
+
     async def wait_push(self, destination: KVDestination) -> PushCompletion:
         rid = destination.request_id
         future = self._push_in[rid]
@@ -472,6 +553,7 @@ class NixlTransport(BaseKVTransport):
         self.staging.slots.free(staged.slots)
 
     def abort_push(self, request_id: str) -> None:
+        self.abort_head_push(self._head_push.pop(request_id, None))
         push = self._push_out.pop(request_id, None)
         if push is not None:
             self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
@@ -482,6 +564,17 @@ class NixlTransport(BaseKVTransport):
         staged = self._staged_in.pop(request_id, None)
         if staged is not None:  # the producer may still be writing into them
             self._free_slots_later(staged.slots)
+
+    def abort_head_push(self, push: HeadPush | None) -> None:
+        """A push written head by head that will not finish: its consumer hears so now."""
+        if push is None:
+            return
+        destination = push.destination
+        try:
+            peer = self._peer(destination.engine_id, destination.incarnation, destination.request_id)
+        except KVTransferError:  # stopped or restarted: nobody waits
+            return
+        self._notify(peer, notices.PushFailedNotice(request_id=destination.request_id))
 
     # ---- internals --------------------------------------------------------------------
 
@@ -614,14 +707,14 @@ class NixlTransport(BaseKVTransport):
             waiter.set_exception(error)
 
 
-def _wait_read(done: concurrent.futures.Future, timeout: float, request_id: str, peer: str) -> None:
-    """Blocking: a READ the progress thread completes."""
+def _wait_done(done: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str = "READ") -> None:
+    """Blocking: a transfer the progress thread completes."""
     try:
         state, _ = done.result(timeout)
     except concurrent.futures.TimeoutError:
-        raise KVTransferTimeout(f"NIXL READ not complete after {timeout:.1f} s", request_id, peer) from None
+        raise KVTransferTimeout(f"NIXL {op} not complete after {timeout:.1f} s", request_id, peer) from None
     if state != "DONE":
-        raise KVTransferError(f"NIXL READ ended in state {state}", request_id, peer)
+        raise KVTransferError(f"NIXL {op} ended in state {state}", request_id, peer)
 
 
 def _pull_runs(handle: KVHandle, targets: list[int], skip_blocks: int) -> list[tuple[int, int, int]]:

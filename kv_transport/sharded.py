@@ -1,14 +1,20 @@
-"""KV between tensor-parallel engines of any degrees (pull): each rank reads its own KV heads.
+"""KV between tensor-parallel engines of any degrees, pull and push: each rank moves its own KV heads.
 
 Every rank of an engine has its own NIXL agent over its own pool, which holds that rank's KV
-heads for the same block ids (rank 0 allocates for all). A producer's handle names each rank
-(``KVHandle.ranks``: about 90 bytes per rank pickled; a TP-3 handle of the default model is 767
-bytes against 491). A consumer rank reads the model's KV heads it holds from the producer ranks
-that hold them (``heads.head_sources``) and nothing else; a head held by several producer ranks
-(replicated) is read from one of them, chosen by the consumer's rank so that replicas share the
-load; a head the consumer replicates is read by each of its ranks. Rank 0 of a consumer sends
-every rank the command (``FetchHeads``, in the engine's step channel), reads its own share,
-gathers the byte counts and only then tells the producer to release its blocks.
+heads for the same block ids (rank 0 allocates for all). A producer's handle and a consumer's
+destination name each rank (``ranks``: about 90 bytes per rank pickled; a TP-3 handle of the
+default model is 767 bytes against 491). The consumer's rank r takes the model's KV heads it
+holds from the producer ranks that hold them (``heads.head_sources``) and nothing else; a head
+held by several producer ranks (replicated) comes from one of them, chosen by r so that replicas
+share the load; a head the consumer replicates goes to each of its ranks.
+
+Pull: rank 0 of the consumer sends every rank the command (``FetchHeads``, in the engine's step
+channel), reads its own share, gathers the byte counts and only then tells the producer to
+release its blocks. Push: the producer records its blocks as the forward pass names them
+(``push_layer``) and, once prefill is done, rank 0 sends ``PushHeads``: every producer rank
+writes what each consumer rank takes from it (``heads.head_targets``) and waits for its WRITEs;
+then rank 0 tells the consumer's rank 0 (whose ranks need nothing else). So a push between
+different splits is not layer-pipelined: its WRITEs start after the last layer.
 
 Where a rank's heads are all of a producer rank's heads and all of its own (the same degree), a
 block of a layer's K or V is one contiguous run; otherwise the pool layout ``[layers, 2, blocks,
@@ -31,6 +37,7 @@ from engine.tensor_parallel import shard_for
 from kv_transport.base import BaseKVTransport, KVTransferError, PushCompletion, ReleaseBlocks, TransferStats
 from kv_transport.config import TransportConfig
 from kv_transport.handle import KVDestination, KVHandle, RankPeer
+from kv_transport.heads import HeadPush
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -55,13 +62,26 @@ class FetchHeads:
     skip_blocks: int
 
 
+@dataclass(frozen=True)
+class PushHeads:
+    """Rank 0 to every rank: write your KV heads of ``block_ids`` (one per destination block)
+    into the consumer ranks that take them from you; ``producers``: this engine's ranks."""
+
+    destination: KVDestination
+    block_ids: tuple[int, ...]
+    producers: tuple[RankPeer, ...]
+
+
 class _RankTransport:
-    """A rank's transport and what runs rank 0's ``FetchHeads`` there."""
+    """A rank's transport and what runs rank 0's ``FetchHeads`` and ``PushHeads`` there."""
 
     def __init__(self, transport: NixlTransport, heads: range, rank: int) -> None:
         self.transport, self.heads, self.rank = transport, heads, rank
 
-    def __call__(self, command: FetchHeads) -> int:
+    def __call__(self, command: FetchHeads | PushHeads) -> int:
+        if isinstance(command, PushHeads):
+            args = (command.destination, list(command.block_ids), self.heads, self.rank, command.producers)
+            return self.transport.push_heads(*args)[0]
         args = (command.handle, list(command.block_ids), command.skip_blocks, self.heads, self.rank)
         return self.transport.fetch_heads(*args)[0]
 
@@ -89,9 +109,7 @@ class RankKV:
 
 class ShardedTransport(BaseKVTransport):
     """Rank 0's transport in a tensor-parallel engine: its own agent (``inner``) for rank 0's
-    heads, the other ranks' reads run by command. Pull only."""
-
-    supports_push = False
+    heads, the other ranks' reads and writes run by command."""
 
     def __init__(self, inner: NixlTransport, engine: AsyncEngine, leader: Leader, model_config: object) -> None:
         self.inner, self.engine, self.leader = inner, engine, leader
@@ -100,6 +118,7 @@ class ShardedTransport(BaseKVTransport):
         self._model_config = model_config
         self.heads = shard_for(model_config, 0, self.degree).kv_head_range
         self.ranks: tuple[RankPeer, ...] = ()
+        self._pushes: dict[str, HeadPush] = {}
 
     def register_pool(self, pool: torch.Tensor, release_blocks: ReleaseBlocks) -> None:
         self.inner.register_pool(pool, release_blocks)
@@ -139,27 +158,36 @@ class ShardedTransport(BaseKVTransport):
     def close(self) -> None:
         self.inner.close()
 
-    # push between tensor-parallel engines is refused where the settings are validated
+    # ---- push: every rank writes its KV heads once the forward pass is done ------------------
+
     def destination(self, request_id: str, block_ids: list[int], num_tokens: int, skip_blocks: int = 0):
-        raise _no_push(request_id)
+        destination = self.inner.destination(request_id, block_ids, num_tokens, skip_blocks)
+        return destination.model_copy(update={"ranks": self.ranks})
 
     def begin_push(self, destination: KVDestination) -> None:
-        raise _no_push(destination.request_id)
+        self._pushes[destination.request_id] = HeadPush(destination)
 
     def push_layer(self, request_id: str, layer: int, local_block_ids: Sequence[int], start_index: int) -> None:
-        raise _no_push(request_id)
+        push = self._pushes.get(request_id)
+        if push is not None:
+            push.record(local_block_ids, start_index)
 
     async def finish_push(
         self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
     ) -> TransferStats:
-        raise _no_push(request_id)
+        push = self._pushes.pop(request_id)
+        destination = push.destination
+
+        async def write(block_ids: list[int]) -> list[int]:
+            command = PushHeads(destination, tuple(block_ids), self.ranks)
+            own: Callable[[], int] = lambda: self.inner.push_heads(destination, block_ids, self.heads, 0, self.ranks)[0]  # noqa: E731
+            return await self.engine.run(lambda: self.leader.command(command, own))
+
+        return await self.inner.finish_heads(push, first_token, first_logprobs, write)
 
     async def wait_push(self, destination: KVDestination) -> PushCompletion:
-        raise _no_push(destination.request_id)
+        return await self.inner.wait_push(destination)  # the producer tells rank 0 once every rank's heads are in
 
     def abort_push(self, request_id: str) -> None:
-        return None
-
-
-def _no_push(request_id: str) -> KVTransferError:
-    return KVTransferError("push between tensor-parallel engines is not built: use transport.mode=pull", request_id, "")
+        self.inner.abort_head_push(self._pushes.pop(request_id, None))
+        self.inner.abort_push(request_id)

@@ -33,6 +33,11 @@ def test_yaml_then_environment_then_builder_args(tmp_path):
         ({"transport.mode": "pipe"}, "transport.mode"),
         ({"decode.num_cpus": "0"}, "num_cpus"),
         ({"model.unknown": "1"}, "unknown"),
+        (
+            {"decode.tensor_parallel_size": "3", "transport.kind": "object_store"},
+            "decode.tensor_parallel_size > 1 needs transport.kind=nixl and transport.staging=none",
+        ),
+        ({"prefill.tensor_parallel_size": "3", "transport.staging": "host"}, r"got nixl, host"),
     ],
 )
 def test_invalid_settings_are_refused_with_the_field(args, message):

@@ -1,4 +1,4 @@
-"""KV between tensor-parallel engines of different degrees, pull, over real NIXL.
+"""KV between tensor-parallel engines of different degrees, pull and push, over real NIXL.
 
 Three engines of a tiny random Llama (8 query heads, 4 KV heads) with 1, 2 and 4 ranks, each
 rank its own process (Ray actors on the session's cluster) with its own NIXL agent. Each engine
@@ -55,35 +55,66 @@ def _requests(tag: str, seed: int = 0) -> list[GenerationRequest]:
 
 
 PAIRS = [(2, 4), (4, 2), (1, 2), (2, 1)]
+CASES = [(mode, producer, consumer) for mode in ("pull", "push") for producer, consumer in PAIRS]
 
 
 @pytest.fixture(scope="module")
 def reference(spec) -> dict[str, same_output.GreedyTrace]:
-    """One rank, one process: the tokens every pair must give (every pair's prompts)."""
+    """One rank, one process: the tokens every case must give (every case's prompts)."""
     core = EngineCore.from_spec(spec, EngineConfig(**SETTINGS))
-    requests = [r for seed in range(len(PAIRS)) for r in _requests(f"ref{seed}", seed)]
+    requests = [r for seed in range(len(CASES)) for r in _requests(f"ref{seed}", seed)]
     outputs = run_to_completion(core, {0: requests})
     return {rid: same_output.trace_from_outputs(outs) for rid, outs in outputs.items()}
 
 
-@pytest.mark.parametrize(("producer", "consumer"), PAIRS)
-def test_a_pull_between_degrees_gives_one_rank_s_tokens_and_each_rank_reads_its_heads(
-    engines, reference, producer, consumer
+def _move(mode: str, prefill, decode, request: GenerationRequest) -> tuple[list, tuple[int, ...], int]:
+    """One request prefilled by ``prefill`` and decoded by ``decode``: its outputs, the bytes each
+    rank moved (by rank: the consumer's for a pull, the producer's for a push; () for one rank)
+    and the bytes moved in all."""
+    if mode == "pull":
+        result, handle = ray.get(prefill.prefill_pull.remote(request))
+        assert len(handle.ranks) == ray.get(prefill.ranks.remote())
+        outputs = ray.get(decode.decode_pull.remote(request, handle, result.first_logprobs))
+        return outputs, ray.get(decode.last_fetch_rank_bytes.remote()), ray.get(decode.last_fetch_bytes.remote())
+    destination = ray.get(decode.reserve_push.remote(request))
+    assert len(destination.ranks) == ray.get(decode.ranks.remote())
+    decoded = decode.decode_push.remote(request, destination)
+    _, stats = ray.get(prefill.prefill_push.remote(request, destination))
+    return ray.get(decoded), stats.rank_bytes, stats.num_bytes
+
+
+@pytest.mark.parametrize(("mode", "producer", "consumer"), CASES)
+def test_kv_between_degrees_gives_one_rank_s_tokens_and_each_rank_moves_its_heads(
+    engines, reference, mode, producer, consumer
 ):
     prefill, decode = engines[producer], engines[consumer]
-    seed = PAIRS.index((producer, consumer))
-    for i, request in enumerate(_requests(f"{producer}to{consumer}", seed)):
-        result, handle = ray.get(prefill.prefill_pull.remote(request))
-        assert len(handle.ranks) == (producer if producer > 1 else 0)
-        outputs = ray.get(decode.decode_pull.remote(request, handle, result.first_logprobs))
+    seed = CASES.index((mode, producer, consumer))
+    mover = consumer if mode == "pull" else producer  # the side whose ranks post the transfers
+    for i, request in enumerate(_requests(f"{mode}{producer}to{consumer}", seed)):
+        outputs, rank_bytes, total = _move(mode, prefill, decode, request)
         trace = same_output.trace_from_outputs(outputs)
         expected = reference[f"ref{seed}-{i}"]
-        same_output.assert_same_output(expected, trace, exact=False, label=f"{producer} -> {consumer} #{i}")
+        same_output.assert_same_output(expected, trace, exact=False, label=f"{mode} {producer} -> {consumer} #{i}")
         blocks = -(-len(request.prompt_token_ids) // BLOCK_SIZE)
-        per_rank = LAYERS * 2 * blocks * BLOCK_SIZE * (KV_HEADS // consumer) * HEAD_DIM * 4
-        moved = ray.get(decode.last_fetch_rank_bytes.remote())  # by rank; () from a one-rank consumer
-        assert moved == ((per_rank,) * consumer if consumer > 1 else ())
-        assert ray.get(decode.last_fetch_bytes.remote()) == per_rank * consumer
+        every_head = LAYERS * 2 * blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+        assert total == every_head  # no KV head is replicated at these degrees: each moves once
+        assert rank_bytes == ((every_head // mover,) * mover if mover > 1 else ())
     for actor in (prefill, decode):
         stats = ray.get(actor.stats.remote())
         assert (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_only_the_blocks_the_consumer_s_prefix_cache_lacks_move(engines, mode):
+    """A prompt whose first 4 blocks the TP-4 consumer holds from an earlier request: only its
+    last 2 blocks move from the TP-2 producer, and the tokens are the one-rank engine's."""
+    prefill, decode, one_rank = engines[2], engines[4], engines[1]
+    shared = [(7 * j + (mode == "push") * 13) % 500 + 1 for j in range(4 * BLOCK_SIZE)]
+    first = GenerationRequest(f"{mode}-prefix-a", (*shared, *range(300, 308)), greedy())
+    second = GenerationRequest(f"{mode}-prefix-b", (*shared, *range(400, 412)), greedy())  # 44 tokens: 6 blocks
+    block_bytes = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+    for request, moved_blocks in ((first, 5), (second, 2)):
+        outputs, _, total = _move(mode, prefill, decode, request)
+        assert total == moved_blocks * block_bytes
+        expected = same_output.trace_from_outputs(ray.get(one_rank.generate.remote(request)))
+        same_output.assert_same_output(expected, same_output.trace_from_outputs(outputs), exact=False, label=mode)
