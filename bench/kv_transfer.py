@@ -15,7 +15,7 @@ import time
 import ray
 import torch
 
-from bench.gpu_kv_side import KVSide, RawAgent
+from bench.gpu_kv import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
 from bench.ray_local import start_local_ray
 from bench.report import arguments, cells, command_line, figure, publish, table, write_json

@@ -11,9 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_kv_side
-from bench.gpu_kv import CPU_PLAN, guarded, pull_figures, push_row, render, ucx_transports
-from bench.gpu_kv_side import BandwidthResult, PushRun, SharedDictRegistry, _LayerCompute, side_call
+from bench import gpu_kv
+from bench.gpu_kv import (
+    CPU_PLAN,
+    BandwidthResult,
+    PushRun,
+    SharedDictRegistry,
+    _LayerCompute,
+    guarded,
+    pull_figures,
+    push_row,
+    render,
+    side_call,
+    ucx_transports,
+)
 from engine.kv_pool import KVLayout
 from kv_transport.base import LayerTiming, StalePeerError
 from kv_transport.registry import PeerInfo
@@ -193,6 +204,6 @@ def test_a_worker_runs_its_sides_commands_awaiting_the_coroutines(monkeypatch):
             await asyncio.sleep(0)
             return f"notice for {destination}"
 
-    monkeypatch.setattr(gpu_kv_side, "_WORKER", {"side": FakeSide(), "loop": asyncio.new_event_loop()})
+    monkeypatch.setattr(gpu_kv, "_WORKER", {"side": FakeSide(), "loop": asyncio.new_event_loop()})
     assert side_call("wait_push", "dest-1") == "notice for dest-1" and side_call("close") == "closed"
-    gpu_kv_side._WORKER["loop"].close()
+    gpu_kv._WORKER["loop"].close()
