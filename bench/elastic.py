@@ -543,28 +543,11 @@ def floor_lines(floor: dict | None) -> list[str]:
         f"({f['steps']} steps per condition), no Serve, no Ray, 1 torch thread per process."
     )
     rows = [cells(f"{label} | {value}", f) for label, value in FLOOR_ROWS]
-    return ["### Interference floor", "", head, "", *table("measurement | value", rows), "", _floor_meaning(f), ""]
-
-
-def _floor_meaning(floor: dict) -> str:
-    if floor["busy_cores_idle"] > 1.3:
-        return (
-            f"**Not a clean measurement**: {floor['busy_cores_idle']:.2f} cores were busy during (a), where only the "
-            "decoding process should run: another process shared the machine. Run `--stage floor` again."
-        )
-    slowdown, ratio = floor["slowdown"], floor["replica_step_loaded_ms"] / floor["replica_step_idle_ms"]
-    batch = f"a decode batch of {floor['streams'] + 1} costs {ratio:.1f}x"
-    if slowdown < 0.05:
-        return (
-            f"Here a decode step is only {slowdown:+.0%} slower while the other core prefills (within the drift), "
-            f"and {batch} a step of 1: the decode side's cost is its own batch, not the prefill beside it."
-        )
-    return (
-        f"On this machine a decode step is {slowdown:+.0%} slower while the other core prefills (the two processes "
-        "share the memory bandwidth and caches): on one box the decode side is not free of the prefill side. A "
-        f"lent prefill replica adds decode capacity, but its prompts still slow every decode on the box, and {batch} "
-        "a step of 1: the policy's decode thresholds have to leave room for both."
-    )
+    lines = ["### Interference floor", "", head, "", *table("measurement | value", rows), ""]
+    if f["busy_cores_idle"] > 1.3:  # only the decoding process should run during (a)
+        lines += [f"**Not a clean measurement**: {f['busy_cores_idle']:.2f} cores were busy during (a): another "
+                  "process shared the machine. Run `--stage floor` again.", ""]  # fmt: skip
+    return lines
 
 
 def mark_spans(axes: list, spans: list[tuple[float, float, str, float]], **label) -> None:

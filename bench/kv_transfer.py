@@ -6,7 +6,6 @@ of the default model's KV layout; then the tail of a layer-pipelined push on a r
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -18,7 +17,7 @@ import torch
 from bench.gpu_kv import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
 from bench.ray_local import start_local_ray
-from bench.report import arguments, cells, command_line, figure, publish, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, table
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
 
@@ -193,7 +192,6 @@ PLOTTED = {"nixl_pull": "our NIXL pull", "nixl_push": "our NIXL push", "raw_nixl
 
 def main(argv: list[str] | None = None) -> None:
     parser = arguments("bench.kv_transfer", __doc__, "docs/benchmarks", "folder for kv_transfer.json/.md/.png")
-    parser.add_argument("--skip-pipelining", action="store_true")
     args = parser.parse_args(argv)
     start_local_ray(object_store_memory=1 << 30)
     try:
@@ -201,15 +199,11 @@ def main(argv: list[str] | None = None) -> None:
         rows = bandwidth_table(producer, consumer)
         ray.kill(producer)
         ray.kill(consumer)
-        pipe = {} if args.skip_pipelining else pipelining()
+        pipe = pipelining()
     finally:
         ray.shutdown()
     summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
-    if pipe:
-        publish(args.out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
-    else:
-        write_json(args.out / "kv_transfer.json", summary)
-        print(json.dumps(rows, indent=2))
+    publish(args.out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
     with figure(args.out / "kv_transfer.png", 1, 1, (6, 4), dpi=100) as (ax, _):  # into the folder the JSON made
         for key, label in PLOTTED.items():
             ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)

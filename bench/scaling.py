@@ -300,23 +300,9 @@ STEP_HEADER = (
 
 
 def render(summary: dict) -> list[str]:
-    steps = tuple(Step(**s) for s in summary["steps"])
-    plan = " -> ".join(f"{s.concurrency} ({a:.0f}-{b:.0f} s)" for s, (a, b) in zip(steps, step_windows(steps)))
+    """The command and the run's tables (the page describes the setup above the block)."""
     systems, order = summary["systems"], summary["order"]
-    args = " ".join(f"{k}={v}" for k, v in systems[order[0]]["args"].items() if not k.startswith("autoscaling."))
-    lines = [
-        "", f"Command: `{summary['command']}`. Machine: {summary['machine']}.", "",
-        f"A closed loop of clients, each sending its next request when the last ended: {plan}. Every request "
-        "has a 64-token code prompt and asks 128 tokens with `ignore_eos`, temperature 0, streamed. When the "
-        "step lowers the clients, those above it finish their request and stop. Requests are counted in the "
-        "step they were sent in; tokens/s counts the text chunks that arrived within the step.", "",
-        f"Systems, one after another ({', then '.join(f'`{s}`' for s in order)}), each in its own local Ray with "
-        f"2 CPUs, both starting at 1 prefill + 1 decode replica (`{args}`): `scaling` is disagg_app with the "
-        "default policy (lending and replica counts), `lending` the same with `autoscaling.replica_scaling=false`. "
-        "Ray CPUs: 0.5 per engine replica, 0.1 for the ingress, 0.05 for the controller, so a third engine "
-        "replica fits (1.65 of 2) and a fourth cannot be placed (2.15): Serve leaves it pending and the "
-        "controller gives it up after `pending_timeout_s` (60 s).", "",
-    ]  # fmt: skip
+    lines = ["", f"Command: `{summary['command']}`. Machine: {summary['machine']}.", ""]
     for system in order:
         data = systems[system]
         rows = [cells(STEP_ROW, {k: None if v != v else v for k, v in s.items()}) for s in data["per_step"]]  # NaN: n/a

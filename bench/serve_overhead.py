@@ -105,17 +105,9 @@ ROWS = (  # figure, its key in serve_overhead.json, target
 
 
 def render(r: dict) -> list[str]:
-    """The generated block of serve_overhead.md, from serve_overhead.json."""
-    return [
-        f"Command: `{r['command']}` (2-core CPU machine; SmolLM2-135M-Instruct, float32; one request at a",
-        f"time; {REPEATS} repetitions after one warm-up, each a request of {NUM_TOKENS} tokens through disagg_app, the",
-        "same through colocated_app and on an engine in this process; replicas with one torch thread).",
-        "Each figure is the median over the repetitions; the overheads are medians of the",
-        "per-repetition differences (the machine's speed drifts within minutes; pairing keeps the",
-        "drift out of the differences). `serve_overhead.json` holds every repetition.",
-        "",
-        *table("figure | ms | target", [[label, f"{r[key]:.1f}", target] for label, key, target in ROWS]),
-    ]
+    """The generated block of serve_overhead.md, from serve_overhead.json (the page describes the method)."""
+    rows = [[label, f"{r[key]:.1f}", target] for label, key, target in ROWS]
+    return [f"Command: `{r['command']}`.", "", *table("figure | ms | target", rows)]
 
 
 if __name__ == "__main__":

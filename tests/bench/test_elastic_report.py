@@ -183,7 +183,7 @@ def test_report_rendered_from_the_raw_folder_keeps_the_hand_written_text(tmp_pat
     assert "`slo.ttft_ms=5000`" in text and "`slo.tpot_ms=100`" in text
     assert "| (b) the same while another process prefills 400-token prompts back to back | 100.0 ms (+25%) |" in text
     assert "| the machine's busy cores (all processes, /proc/stat) during (a) / (b) | 1.02 / 1.98 |" in text
-    assert "On this machine a decode step is +25% slower while the other core prefills" in text
+    assert "Not a clean measurement" not in text  # the reading of a clean floor is the page's own
     assert (out / "elastic.png").stat().st_size > 0
 
     summary = json.loads((out / "elastic.json").read_text())
