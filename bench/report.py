@@ -102,14 +102,10 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
     return f"python -m {module}" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
 
 
-def first_paragraph(doc: str | None) -> str:
-    """A module docstring's first paragraph: its ``--help`` description."""
-    return (doc or "").split("\n\n")[0]
-
-
 def arguments(module: str, doc: str | None, out: str | Path | None = None, help: str = "") -> argparse.ArgumentParser:
-    """``module``'s parser: its docstring's first paragraph, and ``--out`` (default ``out``) when ``help``."""
-    parser = argparse.ArgumentParser(prog=module, description=first_paragraph(doc))
+    """``module``'s parser: its docstring's first paragraph as the description, and ``--out`` (default
+    ``out``) when ``help``."""
+    parser = argparse.ArgumentParser(prog=module, description=(doc or "").split("\n\n")[0])
     if help:
         parser.add_argument("--out", type=Path, default=None if out is None else Path(out), help=help)
     return parser

@@ -32,15 +32,6 @@ IGNORE_EOS_TOKENS = 128
 ON = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def engines() -> dict[str, object]:
-    """The two engines compared (speculation forced at every batch size on the ``on`` one)."""
-    common = {"max_model_len": 2048, "kv_cache_bytes": 512 << 20, "max_num_seqs": 64}
-    return {
-        "on": engine_core(**common, speculative={**ON, "disable_by_batch_size": 64}),
-        "off": engine_core(**common),
-    }
-
-
 def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
     from engine.tokenization import encode_prompt
 
@@ -91,7 +82,8 @@ def compare(cores: dict, batch: list[list[int]], ignore_eos: bool, rounds: int) 
 
 def measure(options: argparse.Namespace) -> dict:
     """Each workload at ``BATCHES``, stopping at the end of text and with ``ignore_eos``; the sweep on edit."""
-    cores = engines()
+    common = {"max_model_len": 2048, "kv_cache_bytes": 512 << 20, "max_num_seqs": 64}  # "on" speculates at any batch
+    cores = {"on": engine_core(**common, speculative={**ON, "disable_by_batch_size": 64}), "off": engine_core(**common)}
     pools = {w: prompts(cores["on"].tokenizer, w, 16) for w in {*options.workloads, "edit"}}
     shapes = [(w, b, eos) for w in options.workloads for b in BATCHES for eos in (False, True)]
     shapes += [(None, b, True) for b in options.sweep]
