@@ -4,10 +4,10 @@
 processes, one torch thread each), batch 1 and 16, with the share of rank 0's step spent in
 all-reduces (the sums themselves and the wait for the other ranks: three ranks share two cores).
 ``--stage transfer``: one request's KV (16 and 64 MB, an 8B-class layout: 32 layers, 8 KV heads
-of 128, float32, 16-token blocks) read over NIXL between two agents of this process: the same
-degree (whole blocks, coalesced), re-sharded 1 -> 2 in today's layout (a rank reads 4 of 8 heads:
-one descriptor per token), and what a heads-major layout would give (one descriptor per block
-of the same bytes). Writes ``<out>/tensor_parallel.{json,png}`` and the block of
+of 128, float32, 16-token blocks) read (pull) and written (push) over NIXL between two agents
+of this process: the same degree (whole blocks, coalesced), re-sharded 1 -> 2 in today's layout
+(a rank takes 4 of 8 heads: one descriptor per token), and what a heads-major layout would give
+(one descriptor per block of the same bytes). Writes ``<out>/tensor_parallel.{json,png}`` and the block of
 ``<out>/tensor_parallel.md`` (a stage keeps the other's results; ``report`` re-renders them).
 """
 
@@ -122,11 +122,15 @@ def _rows(base: int, blocks: int, pool_blocks: int, heads: int, first: int | Non
     return np.stack([starts, np.full_like(starts, blocks * block_bytes), np.zeros_like(starts)], axis=1)
 
 
-def _read_time(consumer, peer, local, remote) -> float:
+def _time(op: str, initiator, peer, local, remote) -> float:
+    """One READ (the consumer pulls) or WRITE (the producer pushes), posted as the transport does."""
     start = time.perf_counter()
-    done = consumer._worker.read_inline(local, remote, peer.agent_name, "bench", "DRAM", "bench")
-    if not isinstance(done, tuple):
-        done.result(60)
+    if op == "READ":
+        done = initiator._worker.read_inline(local, remote, peer.agent_name, "bench", "DRAM", "bench")
+        if not isinstance(done, tuple):
+            done.result(60)
+    else:
+        initiator._post("WRITE", local, remote, peer, "bench").result(60)
     return time.perf_counter() - start
 
 
@@ -152,19 +156,18 @@ def transfer_case(size_mb: int) -> list[dict]:
         for side, pool in zip(sides, pools):
             side.register_pool(pool, lambda rid: None)
         try:
-            producer, consumer = sides
-            peer = consumer._peer(producer.engine_id, producer.incarnation, "bench")
             count = KV_HEADS // 2 if first is not None else heads
-            remote = _rows(pools[0].data_ptr(), blocks, pool_blocks, heads, first, count, per_block)
-            local = _rows(pools[1].data_ptr(), blocks, pool_blocks, heads, first, count, per_block)
-            times = sorted(_read_time(consumer, peer, local, remote) for _ in range(REPEATS))
+            rows = [_rows(pool.data_ptr(), blocks, pool_blocks, heads, first, count, per_block) for pool in pools]
+            for op, (initiator, other) in (("READ", (1, 0)), ("WRITE", (0, 1))):
+                peer = sides[initiator]._peer(sides[other].engine_id, sides[other].incarnation, "bench")
+                args = (op, sides[initiator], peer, rows[initiator], rows[other])
+                seconds = statistics.median(_time(*args) for _ in range(REPEATS))
+                num_bytes = int(rows[0][:, 1].sum())
+                row = {"size_mb": size_mb, "case": name, "op": op, "descriptors": len(rows[0]), "bytes": num_bytes}
+                results.append({**row, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9})
         finally:
             for side in sides:
                 side.close()
-        num_bytes = int(local[:, 1].sum())
-        seconds = statistics.median(times)
-        results.append({"size_mb": size_mb, "case": name, "descriptors": len(local), "bytes": num_bytes,
-                        "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9})  # fmt: skip
     return results
 
 
@@ -192,10 +195,10 @@ def render(data: dict) -> list[str]:
         )
         lines += ["### Decode step, default model", "", *table(header, rows), ""]
     if data.get("transfer"):
-        row = "{size_mb} MB | {case} | {descriptors} | {bytes:MB.1f} MB | {seconds:ms.2f} ms | {gb_per_s:.2f}"
-        rows = [cells(row, r) for r in data["transfer"]]
-        header = "request KV | read | descriptors | bytes read | time | GB/s"
-        lines += ["### KV read, one consumer rank", "", *table(header, rows)]
+        row = "{size_mb} MB | {case} | {op} | {descriptors} | {bytes:MB.1f} MB | {seconds:ms.2f} ms | {gb_per_s:.2f}"
+        rows = [cells(row, {"op": "READ", **r}) for r in data["transfer"]]
+        header = "request KV | transfer | NIXL op (pull: READ, push: WRITE) | descriptors | bytes | time | GB/s"
+        lines += ["### KV into one consumer rank", "", *table(header, rows)]
     return lines
 
 
@@ -206,8 +209,9 @@ def plot(data: dict, path: Path) -> None:
             step_ax.bar([f"b{r['batch']} TP{degree}" for r in points], [1e3 * r["step_s"] for r in points])
         step_ax.set(ylabel="decode step (ms)", title="decode step, default model")
         for row in data.get("transfer", []):
-            read_ax.bar(f"{row['size_mb']}MB\n{row['case'].split(',')[0].split(' (')[0]}", row["gb_per_s"])
-        read_ax.set(ylabel="GB/s", title="KV read into one rank")
+            case = row["case"].split(",")[0].split(" (")[0]
+            read_ax.bar(f"{row['size_mb']}MB {row.get('op', 'READ')}\n{case}", row["gb_per_s"])
+        read_ax.set(ylabel="GB/s", title="KV into one rank")
         read_ax.tick_params(axis="x", labelsize=6)
 
 

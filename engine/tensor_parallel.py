@@ -37,6 +37,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+HELLO_KEY = "hello/{rank}"  # a worker rank reached rank 0's store
 TIMEOUT_S = 600.0  # a collective waits this long for the other ranks (startup includes loading the model)
 HEARTBEAT_S = 10.0  # an idle rank 0 sends an empty plan this often: the workers' wait never times out
 
@@ -176,6 +177,7 @@ class RankGroup:
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         if store is None:
             store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.degree, False, timeout=timeout)
+            store.set(HELLO_KEY.format(rank=rank), "")
         self.rank, self.degree = rank, rendezvous.degree
         self._store = store
         self._plan = dist.ProcessGroupGloo(dist.PrefixStore("plan", store), rank, self.degree, timeout)
@@ -222,11 +224,31 @@ class RankGroup:
         return self._store.get(key).decode()
 
 
-def leader(degree: int, device: torch.device) -> tuple[Rendezvous, Callable[[], RankGroup]]:
+def leader(degree: int, device: torch.device) -> tuple[Rendezvous, Callable[[Callable[[], str | None]], RankGroup]]:
     """Rank 0's rendezvous (a store on a free local port) and the call that joins the group
-    once the workers are launched (it waits for all of them)."""
+    once the workers are launched: it waits for every rank to reach the store, asking
+    ``problem`` (the workers' ``problem``) every second, so a rank that died before it got there
+    fails the start at once instead of after ``TIMEOUT_S``."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     host = "127.0.0.1"
     store = dist.TCPStore(host, 0, degree, True, timeout=timeout, wait_for_workers=False)
     rendezvous = Rendezvous(host, store.port, degree)
-    return rendezvous, lambda: RankGroup(0, rendezvous, device, store)
+
+    def join(problem: Callable[[], str | None] = lambda: None) -> RankGroup:
+        keys, deadline = [HELLO_KEY.format(rank=r) for r in range(1, degree)], time.monotonic() + TIMEOUT_S
+        while not _reached(store, keys):
+            failure = problem()
+            if failure is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not start: {failure or 'timed out'}")
+        return RankGroup(0, rendezvous, device, store)
+
+    return rendezvous, join
+
+
+def _reached(store: dist.Store, keys: list[str]) -> bool:
+    """Whether every key is in ``store`` within a second."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=1))
+    except dist.DistStoreError:
+        return False
+    return True

@@ -438,7 +438,7 @@ def app_config(plan_: Plan, candidate: Candidate, model_source: str) -> dict:
         "slo": {"ttft_ms": request.ttft_slo_s * 1000, "tpot_ms": request.tpot_slo_s * 1000},
     }
     pool = {"num_cpus": 4, "num_gpus": 1, "torch_threads": 4}  # per rank
-    pull = max(degrees.values()) > 1  # tensor-parallel replicas take KV by pull only
+    pull = max(degrees.values()) > 1  # a push between TP pools is not layer-pipelined: no gain over pull
     if candidate.kind == "colocated":
         replicas = candidate.prefill_replicas
         config["colocated"] = {**pool, "tensor_parallel_size": degrees["colocated"], "num_replicas": replicas}

@@ -16,10 +16,10 @@ import pytest
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core import EngineCore
-from engine.loader import ModelSpec
+from engine.loader import ModelSpec, load_model
 from engine.params import GenerationRequest, Role, SamplingParams
 from engine.tensor_parallel import check_degree
-from engine.tp_worker import RankLostError
+from engine.tp_worker import RankLostError, local_launcher
 from tests import same_output
 from tests.engine.conftest import assert_pool_idle, greedy, run_to_completion
 from tests.tiny_models import tiny_tp_config
@@ -149,3 +149,14 @@ def test_the_default_model_takes_degree_1_or_3(smol):
             check_degree(smol.model.config, degree)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's num_attention_heads=9"):
         check_degree(smol.model.config, 2)
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(tmp_path):
+    """A worker that exits before it reaches rank 0's store (here: an invalid thread count) ends
+    the start with the rank and its exit code, not after the collectives' 600 s timeout."""
+    spec = _spec(tmp_path, "llama")
+    config = EngineConfig(tensor_parallel_size=2, max_model_len=256, kv_cache_bytes=4 << 20, block_size=8)
+    with pytest.raises(
+        RuntimeError, match=r"tensor-parallel ranks did not start: tensor-parallel rank 1 exited \(code 1\)"
+    ):
+        EngineCore(load_model(spec), config, local_launcher(spec, threads=0))
