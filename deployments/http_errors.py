@@ -15,11 +15,8 @@ from ray.serve.exceptions import RequestCancelledError
 
 from app.openai_protocol import error_body
 from deployments import logs
-from engine.core import RoleError
-from engine.params import FieldError
-from engine.tp_worker import RankLostError
-from kv_transport.base import KVTransferError
-from kv_transport.engine_link import KVCapacityError
+from engine.params import FieldError, RankLostError, RoleError
+from kv_transport.base import KVCapacityError, KVTransferError
 
 logger = logs.install()
 

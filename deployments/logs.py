@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from engine.core import RoleError
-from engine.params import FieldError
-from kv_transport.base import KVTransferError
-from kv_transport.engine_link import KVCapacityError
+from engine.params import FieldError, RoleError
+from kv_transport.base import KVCapacityError, KVTransferError
 
 SERVE_LOGGER = "ray.serve"  # Serve writes it to each replica's log file, with the request id
 EXPECTED = (KVTransferError, KVCapacityError, FieldError, RoleError)

@@ -30,11 +30,11 @@ from engine.params import (
     GenerationRequest,
     KVReport,
     PrefillResult,
+    RankLostError,
     RequestOutput,
     Role,
     TokenLogprobs,
 )
-from engine.tp_worker import RankLostError
 
 _Result = tuple[asyncio.Future, Any, BaseException | None]
 IDLE_RECHECK_S = 0.05  # a stuck step is retried this often even without a command

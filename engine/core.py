@@ -40,6 +40,7 @@ from engine.params import (
     KVReport,
     RequestOutput,
     Role,
+    RoleError,
     SamplingParams,
     TokenLogprobs,
     check_fits,
@@ -51,10 +52,6 @@ from engine.structured import GrammarCache, GrammarMatcher, apply_grammar_masks
 from engine.tensor_parallel import HEARTBEAT_S, check_degree, shard_for
 from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
 from engine.tp_worker import Launcher, Leader, build_rank, local_launcher
-
-
-class RoleError(RuntimeError):
-    """The engine's current role does not accept this kind of request."""
 
 
 @dataclass(eq=False)

@@ -12,27 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_memory import host_tensor
+from engine.kv_layout import KVLayout
 from engine.tensor_parallel import Shard
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape facts a peer must share before KV bytes can be exchanged."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-
-    @property
-    def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
 
 
 def layout_for(config: object, block_size: int, dtype: torch.dtype, shard: Shard | None = None) -> KVLayout:

@@ -431,3 +431,12 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # since start: proposed tokens accepted
     tensor_parallel_size: int = 1  # ranks the model is split over
     tp_all_reduce_s: float = 0.0  # since start: rank 0's seconds in all-reduces (and waiting for the others)
+
+
+class RoleError(RuntimeError):
+    """The engine's current role does not accept this kind of request."""
+
+
+class RankLostError(RuntimeError):
+    """A rank of a tensor-parallel engine is gone: the group cannot step again (its replica is
+    replaced: ``EngineCore.health_problem``)."""

@@ -32,12 +32,13 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
-import torch
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # the ingress checks schemas with this module: it never loads torch for them
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 from engine.params import FieldError
 
@@ -147,6 +148,8 @@ class GrammarCache:
         if self._tokenizer is None:
             raise FieldError("response_format: this model has no tokenizer to write JSON with", "response_format")
         if self._lltokenizer is None:
+            import llguidance.hf
+
             self._lltokenizer = llguidance.hf.from_tokenizer(
                 self._tokenizer,
                 n_vocab=self._vocab_size,
@@ -172,9 +175,6 @@ class GrammarCache:
         return self._executor
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_grammar_masks(
     logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None], executor: llguidance.LLExecutor
 ) -> None:
@@ -188,11 +188,15 @@ def apply_grammar_masks(
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
+    import llguidance.torch
+    import torch
+
     vocab = logits.shape[-1]
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab)
     targets = [(matchers[r].llmatcher, k) for k, r in enumerate(rows)]
     llguidance.torch.fill_next_token_bitmask_par(executor, targets, bitmask)
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    refused = (((bitmask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1) == 0).flatten(1)[:, :vocab]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    refused = (((bitmask.unsqueeze(-1) >> bits) & 1) == 0).flatten(1)[:, :vocab]
     for k, row in enumerate(rows):
         logits[row].masked_fill_(refused[k], float("-inf"))

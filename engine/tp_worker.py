@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.kv_pool import KVPool, layout_for
 from engine.loader import ModelSpec, load_model
 from engine.model_runner import ModelRunner
+from engine.params import RankLostError
 from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import RankGroup, Rendezvous, leader, shard_for, shard_model
 
@@ -44,11 +45,6 @@ class RankExtension(Protocol):
     def start(self, runner: ModelRunner, group: RankGroup) -> Callable[[object], int]:
         """Set up; returns what runs each command (an int back to rank 0, e.g. bytes moved),
         closed (``close()``, where it has one) when the rank stops."""
-
-
-class RankLostError(RuntimeError):
-    """A rank of a tensor-parallel engine is gone: the group cannot step again (its replica is
-    replaced: ``EngineCore.health_problem``)."""
 
 
 class Workers(Protocol):

@@ -22,13 +22,23 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.params import TokenLogprobs
 from kv_transport.handle import KVDestination, KVHandle
 
+if TYPE_CHECKING:
+    import torch
+
 ReleaseBlocks = Callable[[str], None]
+
+
+class KVCapacityError(RuntimeError):
+    """This engine has no free blocks for the request's KV right now (retry elsewhere or later).
+
+    Built from its message alone, so it pickles as itself: through Ray the caller gets this
+    type (as the ``cause`` of Ray's task error) and can catch it by type.
+    """
 
 
 class KVTransferError(RuntimeError):

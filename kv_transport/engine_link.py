@@ -25,20 +25,12 @@ from dataclasses import dataclass
 from engine.async_engine import AsyncEngine
 from engine.params import GenerationRequest, PrefillResult, RequestOutput, TokenLogprobs
 from engine.scheduler import ScheduledChunk
-from kv_transport.base import BaseKVTransport, KVTransferError, TransferStats
+from kv_transport.base import BaseKVTransport, KVCapacityError, KVTransferError, TransferStats
 from kv_transport.handle import KVDestination, KVHandle
 
 logger = logging.getLogger(__name__)
 
 LEASE_MARGIN_S = 1.0  # time kept for the fetch itself when waiting for decode blocks
-
-
-class KVCapacityError(RuntimeError):
-    """This engine has no free blocks for the request's KV right now (retry elsewhere or later).
-
-    Built from its message alone, so it pickles as itself: through Ray the caller gets this
-    type (as the ``cause`` of Ray's task error) and can catch it by type.
-    """
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.kv_pool import KVLayout
+from engine.kv_layout import KVLayout
 
 HANDLE_VERSION = 1
 

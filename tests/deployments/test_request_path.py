@@ -14,8 +14,7 @@ from app.settings import AppConfig
 from deployments.elastic_routing import ElasticRouting, Route
 from deployments.http_errors import HTTPError, ReplicaFailure
 from deployments.request_path import RequestPath
-from engine.core import RoleError
-from engine.params import GenerationRequest, PrefillResult, RequestOutput, SamplingParams
+from engine.params import GenerationRequest, PrefillResult, RequestOutput, RoleError, SamplingParams
 from kv_transport.base import KVTransferError
 
 HANG = "hang"  # a stream item or call result that never comes

@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.core import RoleError
-from engine.params import FinishReason, Role, SamplingParams
+from engine.params import FinishReason, Role, RoleError, SamplingParams
 from tests.waiting import wait_until_async
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import RoleError
-from engine.params import FinishReason, GenerationRequest, PrefillResult, Role, SamplingParams
+from engine.params import FinishReason, GenerationRequest, PrefillResult, Role, RoleError, SamplingParams
 from tests.engine.conftest import greedy, run_to_completion
 from tests.same_output import assert_same_output, trace_from_outputs
 

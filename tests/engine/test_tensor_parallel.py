@@ -17,9 +17,9 @@ import pytest
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.loader import ModelSpec, load_model
-from engine.params import GenerationRequest, Role, SamplingParams
+from engine.params import GenerationRequest, RankLostError, Role, SamplingParams
 from engine.tensor_parallel import check_degree
-from engine.tp_worker import RankLostError, local_launcher
+from engine.tp_worker import local_launcher
 from tests import same_output
 from tests.engine.conftest import assert_pool_idle, greedy, run_to_completion
 from tests.tiny_models import tiny_tp_config

@@ -9,8 +9,7 @@ from ray.exceptions import RayTaskError
 
 from engine.params import TokenLogprobs
 from kv_transport import notices
-from kv_transport.base import KVTransferTimeout
-from kv_transport.engine_link import KVCapacityError
+from kv_transport.base import KVCapacityError, KVTransferTimeout
 
 
 def test_notices_have_the_exact_wire_format():
