@@ -22,6 +22,7 @@ from engine.params import Role
 ROUTER = "deployments.router.RoleAwareRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 INGRESS_SPARE = 16  # room above max_queued_requests so the ingress itself answers 503
+TP_HEALTH_CHECK_PERIOD_S = 2.0  # a tensor-parallel replica's (EngineServer.check_health runs no engine work)
 DRAIN_MARGIN_S = 5.0  # a stopping replica's graceful bound: its KV lease plus this
 
 
@@ -58,12 +59,15 @@ def _actor_options(deployment: DeploymentConfig) -> dict[str, Any]:
 
 def _tensor_parallel_options(deployment: DeploymentConfig) -> dict[str, Any]:
     """A tensor-parallel replica: one bundle per rank (the replica itself is bundle 0), all on
-    one node (the ranks meet on the loopback; NCCL wants one host)."""
+    one node (the ranks meet on the loopback; NCCL wants one host). Its health is checked every
+    ``TP_HEALTH_CHECK_PERIOD_S``: a lost rank leaves the replica unable to step, and Serve's
+    default period (10 s) would keep it in the routing that long."""
     if deployment.tensor_parallel_size == 1:
         return {}
     return {
         "placement_group_bundles": [deployment.bundle()] * deployment.tensor_parallel_size,
         "placement_group_strategy": "STRICT_PACK",
+        "health_check_period_s": TP_HEALTH_CHECK_PERIOD_S,
     }
 
 

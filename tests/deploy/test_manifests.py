@@ -123,6 +123,7 @@ def test_tensor_parallel_rayservice_packs_each_decode_replica_into_one_pod():
     assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm"}, "NCCL's shared memory"
     bound = _bound_decode(application["args"])._replica_config
     assert bound.placement_group_strategy == "STRICT_PACK"
+    assert _bound_decode(application["args"])._deployment_config.health_check_period_s == 2.0  # a lost rank
     assert len(bound.placement_group_bundles) == decode.tensor_parallel_size
     pod = {"GPU": gpus, "CPU": float(container["resources"]["limits"]["cpu"]), **_offered(group)}
     for resource in {r for bundle in bound.placement_group_bundles for r in bundle}:
