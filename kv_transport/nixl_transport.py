@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -131,6 +132,7 @@ class NixlTransport(BaseKVTransport):
         self._worker = NixlWorker(f"{engine_id}.{self.incarnation}", notice_poll_s=notice_poll_s)
         self._agent = self._worker.agent
         self._lock = self._worker.lock
+        self._peer_lock = threading.Lock()
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._exports: dict[str, float] = {}  # request id -> expiry (unix time)
         self._push_out: dict[str, _PushOut] = {}
@@ -467,14 +469,21 @@ class NixlTransport(BaseKVTransport):
     ) -> TransferStats:
         """Finish a push written head by head: ``write`` (the producer's blocks, one per
         destination block) writes every rank's heads and answers each rank's bytes (-1: failed);
-        then the consumer's rank 0 gets the completion notice (or the failure notice)."""
+        then the consumer's rank 0 gets the completion notice (or the failure notice). The
+        failure notice never goes while a WRITE may still land: the consumer frees the blocks on
+        it, so a cancelled caller (the client went away) first waits for ``write`` to end."""
         destination, start = push.destination, time.perf_counter()
         rid, peer_id = destination.request_id, destination.engine_id
         peer = self._peer(peer_id, destination.incarnation, rid)
         try:
             if self.faults:
                 await self.faults.hit_async("finish_push", rid, peer_id)
-            counts = await write(push.block_ids())
+            writing = asyncio.ensure_future(write(push.block_ids()))
+            try:
+                counts = await asyncio.shield(writing)
+            except asyncio.CancelledError:
+                await asyncio.wait([writing])  # the ranks' WRITEs run on in their threads
+                raise
             failed = [rank for rank, count in enumerate(counts) if count < 0]
             if failed:
                 raise KVTransferError(f"tensor-parallel ranks {failed} could not write their KV", rid, peer_id)
@@ -493,23 +502,30 @@ class NixlTransport(BaseKVTransport):
         """Blocking: WRITE this pool's KV heads ``heads`` (the model's) of ``block_ids`` (the
         producer's, one per destination block) into the consumer ranks that take them from
         ``rank`` of ``producers`` (``kv_transport.heads.head_targets``) and wait for every WRITE;
-        sends no notice; (bytes, rows)."""
+        sends no notice; (bytes, rows). Nothing is posted once the destination's lease is over
+        (the consumer frees the blocks then), and every posted WRITE is waited for, also when a
+        later post fails, by one deadline: the lease's end."""
         rid, skip = destination.request_id, destination.skip_blocks
         self._check_unstaged(destination)
         src_blocks, dst_blocks = block_ids[skip:], destination.block_ids[skip:]
+        deadline = time.monotonic() + min(self.timeout_s, destination.seconds_left())
         posted, num_bytes, num_rows = [], 0, 0
-        for target, first, count in head_targets(destination, producers, rank, self.layout):
-            peer = self._peer(target.engine_id, target.incarnation, rid)
-            whole = count == peer.info.layout.num_kv_heads == self.layout.num_kv_heads
-            local = rows(self._own_info(), src_blocks, None if whole else first - heads.start, count)
-            remote = rows(peer.info, dst_blocks, None if whole else first - target.kv_head_start, count)
-            if not len(local):
-                continue
-            posted.append((self._post("WRITE", local, remote, peer, rid), target.engine_id))
-            num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
-        timeout = max(0.0, min(self.timeout_s, destination.seconds_left()))
-        for done, peer_id in posted:
-            _wait_done(done, timeout, rid, peer_id, "WRITE")
+        try:
+            for target, first, count in head_targets(destination, producers, rank, self.layout):
+                peer = self._peer(target.engine_id, target.incarnation, rid)
+                whole = count == peer.info.layout.num_kv_heads == self.layout.num_kv_heads
+                local = rows(self._own_info(), src_blocks, None if whole else first - heads.start, count)
+                remote = rows(peer.info, dst_blocks, None if whole else first - target.kv_head_start, count)
+                if not len(local):
+                    continue
+                if time.monotonic() >= deadline:
+                    raise KVTransferTimeout("the push's destination expired before its WRITEs", rid, target.engine_id)
+                posted.append((self._post("WRITE", local, remote, peer, rid), target.engine_id))
+                num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
+        finally:
+            failures = _wait_all(posted, deadline, rid)
+        if failures:
+            raise failures[0]
         return num_bytes, num_rows
 
     def _check_unstaged(self, described: KVHandle | KVDestination) -> None:
@@ -582,9 +598,17 @@ class NixlTransport(BaseKVTransport):
         """The peer for a handle: handshaken once per incarnation, re-confirmed in the registry
         at most every ``peer_check_interval_s`` (a stopped or restarted peer is refused then)."""
         cached = self._peers.get((engine_id, incarnation))
+        if cached is not None and time.monotonic() - cached.checked_at < self.peer_check_interval_s:
+            return cached
+        with self._peer_lock:  # the event loop and the engine thread (head-wise transfers) both ask
+            return self._confirm_peer(engine_id, incarnation, request_id)
+
+    def _confirm_peer(self, engine_id: str, incarnation: str, request_id: str) -> _Peer:
+        """``_peer``'s registry check and first handshake (under ``_peer_lock``)."""
+        cached = self._peers.get((engine_id, incarnation))
         now = time.monotonic()
         if cached is not None and now - cached.checked_at < self.peer_check_interval_s:
-            return cached
+            return cached  # confirmed by another thread meanwhile
         try:
             info = self._registry.lookup(engine_id, incarnation, request_id)
         except StalePeerError:
@@ -705,6 +729,19 @@ class NixlTransport(BaseKVTransport):
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)
+
+
+def _wait_all(
+    posted: list[tuple[concurrent.futures.Future, str]], deadline: float, request_id: str
+) -> list[KVTransferError]:
+    """Blocking: wait for every posted WRITE until ``deadline`` (monotonic); the failures."""
+    failures = []
+    for done, peer_id in posted:
+        try:
+            _wait_done(done, max(0.0, deadline - time.monotonic()), request_id, peer_id, "WRITE")
+        except KVTransferError as exc:
+            failures.append(exc)
+    return failures
 
 
 def _wait_done(done: concurrent.futures.Future, timeout: float, request_id: str, peer: str, op: str = "READ") -> None:

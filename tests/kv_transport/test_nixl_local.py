@@ -12,8 +12,10 @@ import torch
 
 from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
-from kv_transport.base import KVTransferTimeout, LayoutMismatchError, StalePeerError
+from kv_transport.base import KVTransferError, KVTransferTimeout, LayoutMismatchError, StalePeerError
 from kv_transport.faults import FaultPoints
+from kv_transport.handle import RankPeer
+from kv_transport.heads import HeadPush
 from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry
 from tests.kv_transport.pairs import transport_pair
@@ -123,3 +125,39 @@ def test_push_wait_times_out_with_a_typed_error(pair):
     dest = consumer.destination("never", [0], 2)
     with pytest.raises(KVTransferTimeout, match="no push completion within 2.0 s .request never"):
         asyncio.run(consumer.wait_push(dest))
+
+
+def test_a_cancelled_head_wise_push_fails_the_consumer_only_once_its_writes_ended(pair):
+    """The client went away while a push written head by head (another tensor-parallel split)
+    was finishing: the failure notice, on which the consumer frees its blocks, waits for the
+    WRITEs already under way, so none can land in blocks given to another request."""
+    producer, consumer, src, dst, _, _ = pair
+    me = (RankPeer(engine_id=producer.engine_id, incarnation=producer.incarnation, kv_head_start=0, num_kv_heads=2),)
+
+    async def run() -> list[int]:
+        dest = consumer.destination("cut", [4, 5], num_tokens=6)
+        push, gate, wrote = HeadPush(dest), asyncio.Event(), []
+        push.record([6, 7], 0)
+
+        async def write(block_ids: list[int]) -> list[int]:
+            await gate.wait()
+            wrote.append((await asyncio.to_thread(producer.push_heads, dest, block_ids, range(2), 0, me))[0])
+            return wrote
+
+        finishing = asyncio.ensure_future(producer.finish_heads(push, 9, None, write))
+        waiting = asyncio.ensure_future(consumer.wait_push(dest))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        finishing.cancel()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not finishing.done() and not waiting.done()  # the writes are held: no notice yet
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await finishing
+        with pytest.raises(KVTransferError, match="the producer's push failed"):
+            await waiting
+        return wrote
+
+    assert asyncio.run(run()) == [3 * 2 * 2 * 4 * 2 * 8 * 4]  # layers x K/V x blocks x tokens x heads x dim x 4 B
+    assert torch.equal(dst[:, :, [4, 5]], src[:, :, [6, 7]])
