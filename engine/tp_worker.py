@@ -3,7 +3,7 @@
 ``run_worker`` is one rank: it loads the model, keeps its shard (``engine.tensor_parallel``),
 builds its own KV pool (its KV heads only, as many blocks as rank 0) and runs each plan rank 0
 sends until rank 0 sends none. Where the ranks run is the launcher's business: ``LocalWorkers``
-spawns local processes (engines outside Serve: tests, benchmarks); a Serve replica starts them
+forks local processes (engines outside Serve: tests, benchmarks); a Serve replica starts them
 as Ray actors in its placement group (``deployments.tp_workers``).
 """
 
