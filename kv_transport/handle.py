@@ -55,6 +55,12 @@ class RankPeer(BaseModel):
     kv_head_start: int = Field(ge=0)
     num_kv_heads: int = Field(ge=1)
 
+    @classmethod
+    def whole(cls, owner: BlockOwner) -> RankPeer:
+        """A one-rank engine as a rank: it holds every KV head of its pool."""
+        heads = owner.layout.num_kv_heads
+        return cls(engine_id=owner.engine_id, incarnation=owner.incarnation, kv_head_start=0, num_kv_heads=heads)
+
 
 class _BlocksOf(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -100,13 +106,12 @@ class _BlocksOf(BaseModel):
 
     def peers(self) -> tuple[RankPeer, ...]:
         """The owner's ranks; one that holds every KV head when the owner has one rank."""
-        whole = RankPeer(
-            engine_id=self.engine_id,
-            incarnation=self.incarnation,
-            kv_head_start=0,
-            num_kv_heads=self.layout.num_kv_heads,
-        )
-        return self.ranks or (whole,)
+        return self.ranks or (RankPeer.whole(self),)
+
+    def split_otherwise(self, layout: KVLayout) -> bool:
+        """Whether KV moves head by head between the owner and a pool of ``layout`` (one rank
+        of the other side): either side is split over ranks, or their KV heads differ."""
+        return bool(self.ranks) or self.layout.num_kv_heads != layout.num_kv_heads
 
 
 class KVHandle(_BlocksOf):

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.kv_pool import KVLayout
+from engine.kv_layout import KVLayout
 from kv_transport.base import KVTransferError, LayoutMismatchError
 from kv_transport.descriptors import head_rows
 from kv_transport.handle import KVDestination, KVHandle, RankPeer

@@ -226,7 +226,7 @@ class NixlTransport(BaseKVTransport):
         return slots
 
     async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
-        if handle.ranks or handle.layout.num_kv_heads != self.layout.num_kv_heads:
+        if handle.split_otherwise(self.layout):
             return await self._fetch_resharded(handle, local_block_ids, skip_blocks)
         # the copy runs in this thread once posted: every step before the post adds to the pull
         rid, peer_id = handle.request_id, handle.engine_id
@@ -359,7 +359,7 @@ class NixlTransport(BaseKVTransport):
     def begin_push(self, destination: KVDestination) -> None:
         rid = destination.request_id
         peer = self._peer(destination.engine_id, destination.incarnation, rid)
-        if destination.ranks or destination.layout.num_kv_heads != self.layout.num_kv_heads:
+        if destination.split_otherwise(self.layout):
             self._head_push[rid] = HeadPush(destination)  # written head by head by finish_push
             return
         self._check_layout(destination.layout, rid, destination.engine_id)
@@ -417,8 +417,7 @@ class NixlTransport(BaseKVTransport):
     ) -> TransferStats:
         head_push = self._head_push.pop(request_id, None)
         if head_push is not None:
-            me = (RankPeer(engine_id=self.engine_id, incarnation=self.incarnation, kv_head_start=0,
-                           num_kv_heads=self.layout.num_kv_heads),)  # fmt: skip
+            me = (RankPeer.whole(self),)
             heads = range(self.layout.num_kv_heads)
 
             async def write(block_ids: list[int]) -> list[int]:
