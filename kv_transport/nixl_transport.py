@@ -198,6 +198,12 @@ class NixlTransport(BaseKVTransport):
                 self._agent.deregister_memory(self._reg_descs)
                 self._reg_descs = None
 
+    def stay_awake(self) -> None:
+        """Never poll at the slow idle pace: for a tensor-parallel rank's agent, which serves
+        reads of its heads without an export of its own to wake it (over TCP, UCX answers a
+        READ only in the target's progress calls)."""
+        self._worker.idle_backoff_after_s = None
+
     # ---- pull -------------------------------------------------------------------------
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVHandle:
@@ -206,9 +212,11 @@ class NixlTransport(BaseKVTransport):
         expires_at = time.time() + self.timeout_s
         if self.staging is None:
             self._exports[request_id] = expires_at
+            self._worker.expect()
             return KVHandle.of_blocks(self, request_id, block_ids, num_tokens, expires_at, first_token=first_token)
         slots = self._stage_export(request_id, block_ids)
         self._exports[request_id] = expires_at
+        self._worker.expect()
         return staging_mod.StagedHandle.of_blocks(
             self, request_id, block_ids, num_tokens, expires_at, first_token=first_token, staged_ranges=to_ranges(slots)
         )
@@ -342,10 +350,12 @@ class NixlTransport(BaseKVTransport):
         expires_at = time.time() + self.timeout_s
         if self.staging is None:
             self._push_in[request_id] = concurrent.futures.Future()
+            self._worker.expect()
             return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, expires_at, skip_blocks=skip_blocks)
         slots = self.staging.slots.allocate(len(block_ids) - skip_blocks, request_id, self.engine_id)
         self._staged_in[request_id] = _StagedIn(slots, list(block_ids[skip_blocks:]))
         self._push_in[request_id] = concurrent.futures.Future()
+        self._worker.expect()
         return staging_mod.StagedDestination.of_blocks(
             self,
             request_id,

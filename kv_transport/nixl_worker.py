@@ -15,7 +15,8 @@ on that replica waits. The figures: ``docs/benchmarks/kv_transfer_probes.md``.
 
 The thread polls in-flight transfers and notifications 0.1 ms apart while
 transfers are in flight, ``notice_poll_s`` (default 1 ms) while the owner waits for a
-notice, 5 ms when idle, and completes ``concurrent.futures.Future``s that the event loop
+notice, 5 ms when idle (50 ms after a second of it, until ``expect``, a post or a deferred
+notice wakes it), and completes ``concurrent.futures.Future``s that the event loop
 awaits, so nothing spins on the engine's event loop. A notice cannot wake this thread:
 NIXL 1.5's Python API has no blocking or callback form of ``get_new_notifs`` and exposes no
 file descriptor of UCX's worker to wait on (``nixl_agent``: ``get_new_notifs``,
@@ -48,6 +49,11 @@ logger = logging.getLogger(__name__)
 BUSY_POLL_S = 0.0001  # transfers in flight
 WAIT_POLL_S = 0.001  # only waiting for a notice
 IDLE_POLL_S = 0.005
+# after this long with nothing in flight, queued or expected, the thread polls this far
+# apart: an idle replica's polls cost a few percent of a core at IDLE_POLL_S; whatever
+# gives it work (a post, an export or a destination, a deferred notice) wakes it at once
+IDLE_BACKOFF_AFTER_S = 1.0
+IDLE_SLOW_POLL_S = 0.05
 INLINE_LOCK_WAIT_S = 0.002
 # an inline READ that UCX did not finish within the post is polled this long by its caller
 # (as a raw NIXL READ is) before the progress thread takes over
@@ -164,6 +170,9 @@ class NixlWorker:
         self._in_flight: list[_InFlight] = []
         self._closed = threading.Event()
         self._wake = threading.Event()
+        self._slow = False  # the thread polls IDLE_SLOW_POLL_S apart: deferred work must wake it
+        # None: never slower than IDLE_POLL_S (a peer that serves reads it is never told of)
+        self.idle_backoff_after_s: float | None = IDLE_BACKOFF_AFTER_S
         self._thread: threading.Thread | None = None
 
     def start(
@@ -245,6 +254,7 @@ class NixlWorker:
                     self._in_flight.append(_InFlight(handle, future))
             if state != "PROC":
                 self._releases.append(handle)
+                self._wake_if_slow()
         finally:
             self.lock.release()
         if state == "PROC":
@@ -304,6 +314,16 @@ class NixlWorker:
             self.notify(peer_notice_agent, message)
         else:
             self._notices_out.append((peer_notice_agent, message))
+            self._wake_if_slow()
+
+    def expect(self) -> None:
+        """The owner now expects a peer (an export to be read, a destination to be written):
+        poll at the waiting pace from now on, not the slow idle one."""
+        self._wake.set()
+
+    def _wake_if_slow(self) -> None:
+        if self._slow:
+            self._wake.set()
 
     def _send_notice(self, peer_notice_agent: str, message: bytes) -> None:
         try:
@@ -313,14 +333,23 @@ class NixlWorker:
 
     def _loop(self, on_notif, on_tick, waiting) -> None:
         self.bind_cuda()
+        idle_since: float | None = None
         while not self._closed.is_set():
             try:
                 interval = self._round(on_notif, on_tick, waiting)
             except Exception:  # keep the thread alive; each failure is logged
                 logger.exception("NIXL progress loop error")
                 interval = IDLE_POLL_S
+            if interval != IDLE_POLL_S:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif self.idle_backoff_after_s is not None and time.monotonic() - idle_since > self.idle_backoff_after_s:
+                interval = IDLE_SLOW_POLL_S
+            self._slow = interval == IDLE_SLOW_POLL_S
             self._wake.wait(interval)
             self._wake.clear()
+            self._slow = False
 
     def _round(self, on_notif, on_tick, waiting) -> float:
         """Post what is queued, complete what finished, deliver notices; returns the next wait."""

@@ -103,6 +103,7 @@ class RankKV:
         pool = runner.pool
         transport = make_transport(self.config, rank_engine_id(self.engine_id, group.rank), pool.layout)
         transport.register_pool(pool.tensor, lambda request_id: None)  # rank 0's allocator owns the blocks
+        transport.stay_awake()
         group.publish(PEER_KEY.format(rank=group.rank), f"{transport.engine_id} {transport.incarnation}")
         heads = shard_for(runner.model.config, group.rank, group.degree).kv_head_range
         return _RankTransport(transport, heads, group.rank)
