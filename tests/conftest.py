@@ -43,5 +43,14 @@ def own_cluster(shared_serve: SharedServe) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a cluster of their own run first, so the shared Ray starts only once."""
-    items.sort(key=lambda item: "own_cluster" not in item.fixturenames)
+    """Modules with a cluster of their own run first, so the shared Ray starts only once; a
+    module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it."""
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.module.__name__, index)
+
+    def order(item: pytest.Item) -> tuple[bool, int, bool]:
+        anchor = getattr(item.module, "SHARES_APPS_WITH", None)
+        return "own_cluster" not in item.fixturenames, first.get(anchor or item.module.__name__, 0), anchor is None
+
+    items.sort(key=order)

@@ -17,6 +17,10 @@ applications that no module is using are deleted first. An application that a te
 unhealthy (not RUNNING, or ``/ready`` not answering) is deployed again, and a Ray that died
 is started again, so a failure in one module does not fail the next.
 
+A module that runs on another module's kept application names it in ``SHARES_APPS_WITH``:
+tests/conftest.py runs it just before that module, so nothing runs between them that would
+need the room.
+
 Modules that need a cluster of their own (several nodes: ``run_apps`` on ``cluster_utils``)
 ask for the ``own_cluster`` fixture, which stops the shared Ray first; tests/conftest.py runs
 those modules before the others, so the shared Ray starts once.
@@ -45,6 +49,17 @@ SMALL_COLOCATED = {  # one small colocated replica: for tests of the ingress's o
     "engine.kv_cache_bytes": str(32 << 20),
     "colocated.num_replicas": "1",
 }
+SERVED_CONTEXT = 1024
+SERVED_COMMON = {  # tests/deployments/test_serve_app.py's applications, fixed pools
+    "model.max_model_len": str(SERVED_CONTEXT),
+    "engine.kv_cache_bytes": str(64 << 20),
+    "prefill.num_cpus": "0.25",
+    "decode.num_cpus": "0.25",
+    "colocated.num_cpus": "0.25",
+    "colocated.num_replicas": "1",
+    "autoscaling.enabled": "false",
+}
+SPECULATIVE = {"speculative.method": "ngram", "speculative.num_speculative_tokens": "4"}
 READY_TIMEOUT_S = 240.0
 ENGINE_DEPLOYMENTS = frozenset({"PrefillServer", "DecodeServer", "ColocatedServer"})
 MAX_ENGINE_REPLICAS = 6  # an engine replica peaks near 2.5 GB; the machine has 24 GiB
@@ -119,6 +134,14 @@ def run_apps(apps: Sequence[ServeApp], port: int) -> Iterator[ServedApps]:
         yield ServedApps(base_url, tuple(apps))
     finally:
         serve.shutdown()
+
+
+def served_disagg() -> ServeApp:
+    """test_serve_app's pull application (``disagg_app`` with speculation, at /serve), which
+    tests/bench/test_serve_bench.py runs on just before it (``SHARES_APPS_WITH``) and keeps."""
+    from app.config import disagg_app
+
+    return ServeApp("disagg", disagg_app, {**SERVED_COMMON, **SPECULATIVE}, route_prefix="/serve")
 
 
 class SharedServe:

@@ -1,7 +1,10 @@
 """The load generator against a running disaggregated app (real Ray, real HTTP): the server
 sees the asked prompt lengths, outputs have max_tokens tokens, a tiny sweep reports
 attainment and goodput, and bench.prefix_cache's closed loop of streamed chat turns gives each
-turn's row in order, stopping a conversation at its first refused turn."""
+turn's row in order, stopping a conversation at its first refused turn.
+
+The app is test_serve_app's pull application (``tests.serving.served_disagg``): this module
+runs just before that one and keeps it running for it."""
 
 from __future__ import annotations
 
@@ -14,27 +17,20 @@ import pytest
 from bench.prefix_cache import closed_loop
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
-from tests.serving import ServeApp
+from tests.serving import SERVED_CONTEXT, served_disagg
 from workloads import ChatConversation, make_requests, median_request
 
-CONTEXT = 512
+SHARES_APPS_WITH = "tests.deployments.test_serve_app"
+CONTEXT = 512  # the requests' context: half the server's, so prompts stay short
 
 
 @pytest.fixture(scope="module")
 def target(shared_serve) -> Iterator[Target]:
-    from app.config import disagg_app
-
-    args = {
-        "model.max_model_len": str(CONTEXT),
-        "engine.kv_cache_bytes": str(64 << 20),
-        "prefill.num_cpus": "0.25",
-        "decode.num_cpus": "0.25",
-        "autoscaling.enabled": "false",
-    }
-    with shared_serve.apps([ServeApp("bench", disagg_app, args)]) as served:
-        model = httpx.get(served.url("bench") + "/v1/models", timeout=30).json()["data"][0]
-        assert model["max_model_len"] == CONTEXT
-        yield Target(served.url("bench"), model["id"])
+    app = served_disagg()
+    with shared_serve.apps([app], keep=True) as served:
+        model = httpx.get(served.url(app.name) + "/v1/models", timeout=30).json()["data"][0]
+        assert model["max_model_len"] == SERVED_CONTEXT
+        yield Target(served.url(app.name), model["id"])
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,9 @@ def test_tiny_sweep_reports_attainment_and_goodput(target, tokenizer):
 def test_chat_turns_stream_in_order_and_a_refused_turn_ends_its_conversation(target):
     chats = [
         ChatConversation(0, ("Say hello.", "And then?", "Once more."), max_tokens=3),
-        ChatConversation(1, ("Hi.", "word " * CONTEXT, "never sent"), max_tokens=2),  # turn 2 is over the context
+        ChatConversation(
+            1, ("Hi.", "word " * SERVED_CONTEXT, "never sent"), max_tokens=2
+        ),  # turn 2 is over the context
     ]
     fetched = []
 

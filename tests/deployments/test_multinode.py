@@ -2,10 +2,12 @@
 (``app.local_cluster``: a head, a ``prefill_node`` worker and a ``decode_node`` worker), with
 the KV between the pools forced onto TCP (``UCX_TLS=tcp`` in both pools' replicas).
 
-One cluster serves both modes: pull first, then the application is redeployed in push mode.
+One cluster serves both modes: pull first, then the application is redeployed in push mode,
+with each pool asking for half of its node's resource (a fractional ``<pool>.resources``).
 For each mode, one request through the HTTP API must give the engine's own greedy output
 (one request at a time: token for token, tests/same_output.py's exact rule); the replicas
-must sit on their own worker nodes; and the prompt's KV must have crossed a TCP connection
+must sit on their own worker nodes, the ones Ray lists with the pool's resource; and the
+prompt's KV must have crossed a TCP connection
 between the two replica processes. The last point is read from the kernel (``ss -tinp``:
 bytes received per socket, with the owning process): on one machine UCX would otherwise move
 the KV through shared memory (CMA), and no KV-sized byte count would appear on any socket.
@@ -23,9 +25,10 @@ from dataclasses import dataclass
 import httpx
 import psutil
 import pytest
+import ray
 from ray import serve
 
-from app.local_cluster import APP_NAME, LocalCluster, deploy, local_cluster, pinned_args, ucx_args
+from app.local_cluster import APP_NAME, POOL_RESOURCES, LocalCluster, deploy, local_cluster, pinned_args, ucx_args
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.params import SamplingParams
@@ -41,6 +44,8 @@ ARGS = {
     "engine.kv_cache_bytes": str(32 << 20),
     "autoscaling.enabled": "false",  # fixed pools, plain disaggregated routing
 }
+HALF_OF_EACH_NODE = {f"{pool}.resources": f"{{{resource}: 0.5}}" for pool, resource in POOL_RESOURCES.items()}
+MODE_ARGS = {"pull": {}, "push": HALF_OF_EACH_NODE}
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,9 @@ def reference(smol) -> dict:
 @pytest.fixture(scope="module", params=["pull", "push"])
 def served(request, cluster) -> Served:
     mode = request.param
-    url = deploy(pinned_args({**ARGS, "transport.mode": mode}), port=PORT)  # replaces the previous mode's app
+    url = deploy(
+        pinned_args({**ARGS, **MODE_ARGS[mode], "transport.mode": mode}), port=PORT
+    )  # replaces the previous mode's app
     assert httpx.get(f"{url}/ready").json()["mode"] == f"disaggregated-{mode}"
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -148,6 +155,19 @@ def test_each_pool_runs_on_its_own_worker_node(served, cluster):
     assert served.prefill["node_id"] == nodes["prefill_node"]
     assert served.decode["node_id"] == nodes["decode_node"]
     assert len({nodes["head"], served.prefill["node_id"], served.decode["node_id"]}) == 3
+
+
+def test_each_pool_lands_on_the_node_ray_lists_with_its_resource(served):
+    by_resource = {
+        resource: node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"]
+        for resource in POOL_RESOURCES.values()
+        if resource in node["Resources"]
+    }
+    assert by_resource["prefill_node"] != by_resource["decode_node"]
+    assert served.prefill["node_id"] == by_resource["prefill_node"]
+    assert served.decode["node_id"] == by_resource["decode_node"]
 
 
 def test_the_kv_crossed_over_tcp(served, reference):

@@ -16,32 +16,24 @@ import httpx
 import pytest
 import ray
 
-from tests.serving import ServeApp, ServedApps
+from tests.serving import SERVED_COMMON, SPECULATIVE, ServeApp, ServedApps, served_disagg
 from tests.waiting import wait_until
 
 ROOT = "/serve"
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-SPECULATIVE = {"speculative.method": "ngram", "speculative.num_speculative_tokens": "4"}
 
 
 @pytest.fixture(scope="module")
 def served(shared_serve) -> Iterator[ServedApps]:
     from app.config import colocated_app, disagg_app
 
-    common = {
-        "model.max_model_len": "1024",
-        "engine.kv_cache_bytes": str(64 << 20),
-        "prefill.num_cpus": "0.25",
-        "decode.num_cpus": "0.25",
-        "colocated.num_cpus": "0.25",
-        "colocated.num_replicas": "1",
-        "autoscaling.enabled": "false",  # fixed pools: these tests are not about autoscaling
-    }
     apps = [
-        ServeApp("disagg", disagg_app, {**common, **SPECULATIVE}, route_prefix=ROOT),
-        ServeApp("push", disagg_app, {**common, **SPECULATIVE, "transport.mode": "push"}, route_prefix=f"{ROOT}/push"),
-        ServeApp("colo", colocated_app, common, route_prefix=f"{ROOT}/colo"),
+        served_disagg(),
+        ServeApp(
+            "push", disagg_app, {**SERVED_COMMON, **SPECULATIVE, "transport.mode": "push"}, route_prefix=f"{ROOT}/push"
+        ),
+        ServeApp("colo", colocated_app, SERVED_COMMON, route_prefix=f"{ROOT}/colo"),
     ]
     with shared_serve.apps(apps) as served:
         yield served
