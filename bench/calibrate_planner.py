@@ -1,15 +1,12 @@
 """Calibrate the planner's cost model on this machine: ``python -m bench.calibrate_planner``.
 
-The engine as ``bench.compare`` serves it (default model, one torch thread, context 512, no prefix
-cache) into ``planner/calibration/cpu-2core.json``: prefill and decode steps (each in a fresh
-process, in two rounds, the second reversed: the machine drifts within minutes), our NIXL pull,
-a decode step beside a prefilling process, then each served system's stack (``probe_stack``)."""
+The engine as ``bench.compare`` serves it (default model, one torch thread, context 512, no prefix cache) into
+``planner/calibration/cpu-2core.json``: prefill and decode steps in a fresh process (two rounds, the second
+reversed: the machine drifts), our NIXL pull, a decode step beside a prefilling process, each system's stack."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -18,7 +15,7 @@ import time
 import httpx
 import numpy as np
 
-from bench.engine import greedy_request
+from bench.engine import drain, greedy_request, prefilled
 from bench.host import engine_core, machine, medians, seconds, ticks_between, tokenizer, tree_ticks, worker_json
 from bench.report import arguments, command_line, read_json
 from bench.serve import Target, run, run_checked, uncontended
@@ -64,21 +61,15 @@ def timed_prefill(engine, prompts: Prompts, count: int, length: int) -> float:
     for _ in range(count):
         engine.add_request(prompts.request(length, 1))
     step_s = seconds(engine.step)
-    while engine.has_work():
-        engine.step()
+    drain(engine)
     return step_s
 
 
 def timed_decode(engine, prompts: Prompts, batch: int, length: int, steps: int = DECODE_STEPS) -> float:
     """Median of ``steps`` decode steps of ``batch`` prompts of ``length``, after a warm-up step."""
-    for _ in range(batch):
-        engine.add_request(prompts.request(length, steps + 4))
-    while engine.stats().num_queued_prompt_tokens:
-        engine.step()
-    engine.step()  # the first decode step warms the batch's shapes up
+    prefilled(engine, [prompts.request(length, steps + 4) for _ in range(batch)], warm=1)  # the batch's shapes
     step_s = statistics.median(seconds(engine.step) for _ in range(steps))
-    while engine.has_work():
-        engine.step()
+    drain(engine)
     return step_s
 
 
@@ -126,9 +117,9 @@ def measure_transfer() -> list[dict]:
 
 
 def probe_stack(target, cost, kind: str) -> dict:
-    """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s engine
-    fits: idle-app probes, batched probes, a load run, and their fit. The app must run without a
-    prefix cache (the probes repeat their prompts)."""
+    """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s engine fits: one
+    request at a time per length, per batch that many at once (the second of two rounds), a load run, and their
+    fit. The app must run without a prefix cache (the probes repeat their prompts)."""
     from bench.compare import MAX_MODEL_LEN as SERVED_LEN
 
     assert max(STACK_LENGTHS) + STACK_OUTPUT <= SERVED_LEN
@@ -137,37 +128,25 @@ def probe_stack(target, cost, kind: str) -> dict:
     def requests(length: int, output: int, seeds) -> list[BenchRequest]:
         return [BenchRequest(builder.summarization(length, seed), length, output) for seed in seeds]
 
-    probed = {"cores": os.cpu_count() or 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "probes": _idle_probes(target, requests, cost, kind), "batched": _batched_probes(target, requests, cost),
-              "load": _stack_cpu(target, requests)}  # fmt: skip
-    print(f"  {kind}: {probed}", file=sys.stderr, flush=True)
-    return probed | fit_stack(probed)
-
-
-def _idle_probes(target, requests, cost, kind: str) -> list[dict]:
-    """One request at a time per length (``bench.serve.uncontended``) against the engine's TTFT and step."""
-    probes = []
-    for number, length in enumerate(STACK_LENGTHS):
-        served = uncontended(target, requests(length, STACK_OUTPUT, [7919 * (number + 1)])[0], max_tokens=STACK_OUTPUT)
-        transfer_s = cost.transfer_s(length * cost.kv_bytes_per_token) if kind == "disaggregated" else 0.0
-        ttft, tpot, step = served["ttft_s"], served["tpot_s"], cost.decode_step_s(1, length + STACK_OUTPUT // 2)
-        probes.append({"prompt_tokens": length, "ttft_s": round(ttft, 5), "tpot_s": round(tpot, 6),
-                       "ttft_extra_s": round(ttft - cost.prefill_s(length) - transfer_s, 5),
+    probes, batched, length = [], [], STACK_BATCH_PROMPT
+    for number, size in enumerate(STACK_LENGTHS):
+        served = uncontended(target, requests(size, STACK_OUTPUT, [7919 * (number + 1)])[0], max_tokens=STACK_OUTPUT)
+        transfer_s = cost.transfer_s(size * cost.kv_bytes_per_token) if kind == "disaggregated" else 0.0
+        ttft, tpot, step = served["ttft_s"], served["tpot_s"], cost.decode_step_s(1, size + STACK_OUTPUT // 2)
+        probes.append({"prompt_tokens": size, "ttft_s": round(ttft, 5), "tpot_s": round(tpot, 6),
+                       "ttft_extra_s": round(ttft - cost.prefill_s(size) - transfer_s, 5),
                        "tpot_extra_s": round(tpot - step, 6)})  # fmt: skip
-    return probes
-
-
-def _batched_probes(target, requests, cost) -> list[dict]:
-    """Per batch, that many requests sent at once and decoded as one batch (the second of two rounds)."""
-    found, length = [], STACK_BATCH_PROMPT
     for batch in STACK_BATCHES:
         sent = requests(length, STACK_OUTPUT, [15485863 * (i + 1) for i in range(batch)])
         records = [run_checked(target, sent, "batched probe") for _ in range(2)][-1]
         step = cost.decode_step_s(batch, batch * (length + STACK_OUTPUT // 2))
         tpot = statistics.median(r.tpot for r in records)
-        found.append({"batch": batch, "prompt_tokens": length, "tpot_s": round(tpot, 6),
-                      "engine_step_s": round(step, 6)})  # fmt: skip
-    return found
+        batched.append({"batch": batch, "prompt_tokens": length, "tpot_s": round(tpot, 6),
+                        "engine_step_s": round(step, 6)})  # fmt: skip
+    probed = {"cores": os.cpu_count() or 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "probes": probes,
+              "batched": batched, "load": _stack_cpu(target, requests)}  # fmt: skip
+    print(f"  {kind}: {probed}", file=sys.stderr, flush=True)
+    return probed | fit_stack(probed)
 
 
 def fit_stack(kind: dict) -> dict:
@@ -223,7 +202,7 @@ def measure_stack(data: dict) -> dict:
 def calibrate(command: str) -> dict:
     started = time.time()
     print("engine steps, a decode batch beside a prefilling process, NIXL pull...", file=sys.stderr, flush=True)
-    engine, floor = worker_json(NAME, "--engine-worker"), worker_json(NAME, "--interference-worker")
+    engine, floor = worker_json(NAME, "measure_engine"), worker_json("bench.elastic", "engine_floor", 48, ROUNDS, True)
     transfer = measure_transfer()
     slowdown = floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1
     source = "batch-8 decode step beside a process prefilling distinct 400-token prompts / alone - 1"
@@ -240,15 +219,9 @@ def calibrate(command: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = arguments(NAME, __doc__, DEFAULT_CALIBRATION, "the calibration file")
-    parser.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--interference-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stack", action="store_true", help="measure only the serving stack, into --out's file")
     parser.add_argument("--refit-stack", action="store_true", help="refit --out's stack from its recorded probes")
     args = parser.parse_args(argv)
-    if args.engine_worker or args.interference_worker:
-        from bench.elastic import engine_floor
-
-        return print(json.dumps(measure_engine() if args.engine_worker else engine_floor(48, ROUNDS, distinct=True)))
     command = command_line(NAME, argv)
     data = read_json(args.out) if args.stack or args.refit_stack else calibrate(command)
     if args.refit_stack:

@@ -16,7 +16,17 @@ from pathlib import Path
 
 from bench.host import machine
 from bench.ray_local import Server
-from bench.report import arguments, command_line, plot_attainment, plot_cdfs, publish, read_json, table, write_json
+from bench.report import (
+    arguments,
+    command_line,
+    plot_attainment,
+    plot_cdfs,
+    publish,
+    read_json,
+    subset,
+    table,
+    write_json,
+)
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
@@ -73,10 +83,6 @@ def crosscheck(target: Target, requests: list[BenchRequest], num: int = 4) -> li
     return rows
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name for name in text.split(",") if name)
-
-
 def _multipliers(text: str) -> dict[str, tuple[float, ...]]:
     """``MULTIPLIERS`` with the workloads given ('code=0.5,1 chatbot=1') replaced."""
     items = (item.partition("=") for item in text.replace(";", " ").split())
@@ -85,18 +91,14 @@ def _multipliers(text: str) -> dict[str, tuple[float, ...]]:
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for goodput.md/json/png")
-    parser.add_argument("--workloads", type=_names, default="summarization,code,chatbot")
-    parser.add_argument("--systems", type=_names, default=",".join(SYSTEMS))
+    parser.add_argument("--workloads", **subset(MULTIPLIERS, "workload"))
+    parser.add_argument("--systems", **subset(SYSTEMS))
     parser.add_argument("--num-requests", type=int, default=40, help="requests per rate point (>= 40 for reports)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--multipliers", type=_multipliers, default="", help="rate points, e.g. 'code=0.5,1 chatbot=1'")
     parser.add_argument("--raw", type=Path, default=Path("bench-results"), help="folder for per-request records")
     parser.add_argument("--merge", action="store_true", help="keep the other workloads of the report in --out")
-    options = parser.parse_args(argv)
-    for kind, names, known in (("workload", options.workloads, MULTIPLIERS), ("system", options.systems, SYSTEMS)):
-        if unknown := [name for name in names if name not in known]:
-            parser.error(f"unknown {kind} {unknown[0]!r}: choose from {', '.join(known)}")
-    return options
+    return parser.parse_args(argv)
 
 
 def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchRequest]]:

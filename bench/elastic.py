@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import multiprocessing
 import os
@@ -23,10 +22,10 @@ from pathlib import Path
 
 from bench.compare import COMMON, ELASTIC, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
-from bench.engine import greedy_request
+from bench.engine import drain, greedy_request, prefilled
 from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
 from bench.ray_local import Server
-from bench.report import arguments, cells, command_line, figure, publish, read_json, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
 from bench.slo import SLO, RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder, median_request
@@ -54,6 +53,19 @@ FLOOR_PROBES = 3  # probes (64 output tokens each) idle, then beside the streams
 BIN_S = 15.0  # attainment bins of the timeline
 COLOURS = {"static": "tab:blue", "colocated": "tab:orange", "elastic": "tab:purple"}
 OVERALL_MARGIN, BURST_MARGIN = 0.10, 0.20  # the targets: elastic ahead by this much attainment
+FLOOR_ROWS = (
+    ("(a) EngineCore decode step, batch {batch}, the other core idle", "{decode_step_idle_ms:.1f} ms"),
+    ("(b) the same while another process prefills {prefill_prompt_tokens}-token prompts back to back",
+     "{decode_step_with_prefill_ms:.1f} ms ({slowdown:+.0%})"),
+    ("the machine's busy cores (all processes, /proc/stat) during (a) / (b)",
+     "{busy_cores_idle:.2f} / {busy_cores_with_prefill:.2f}"),
+    ("that process's {prefill_prompt_tokens}-token prefill: alone / beside the decode steps",
+     "{prefill_alone_s:.2f} s / {prefill_beside_decode_s:.2f} s"),
+    ("(c) client TPOT, one stream through the static disagg_app, idle (decode replica's engine step)",
+     "{client_tpot_idle_ms:.1f} ms ({replica_step_idle_ms:.1f} ms)"),
+    ("(d) the same beside {streams} other streams (decode replica's engine step)",
+     "{client_tpot_loaded_ms:.1f} ms ({replica_step_loaded_ms:.1f} ms)"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -130,12 +142,6 @@ def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequ
     return classes
 
 
-def calibrate(target: Target, classes: dict[str, list[BenchRequest]]) -> Calibration:
-    found = {kind: uncontended(target, median_request(rs), max_tokens=PROBE_TOKENS) for kind, rs in classes.items()}
-    print(f"calibration: {found}", file=sys.stderr)
-    return Calibration(found, target.model)
-
-
 def system_args(system: str, calibration: Calibration | None, record: Path | None = None) -> dict[str, str]:
     """``system``'s arguments: the elastic controller's with the SLOs and a fresh ``record`` file."""
     args = {**COMMON, **SYSTEMS[system][1]}
@@ -151,44 +157,39 @@ def system_args(system: str, calibration: Calibration | None, record: Path | Non
 def each_system(
     systems: list[str], calibration: Calibration | None, classes: dict, record: Path | None = None
 ) -> Iterator[tuple[str, Target, Calibration]]:
-    """(name, target, calibration) per system in its own Server, calibrated first on idle colocated."""
+    """(name, target, calibration) per system in its own Server, calibrated first on idle colocated: each
+    class's median request alone (``PROBE_TOKENS`` output tokens)."""
     order = [None, *systems] if calibration is None and "colocated" not in systems[:1] else list(systems)
     for index, system in enumerate(order):
         name = system or "colocated"
         with Server(SYSTEMS[name][0], system_args(name, calibration, record), index) as server:
             target = Target(server.url, server.model())
-            calibration = calibration or calibrate(target, classes)
+            if calibration is None:
+                found = {k: uncontended(target, median_request(r), max_tokens=PROBE_TOKENS) for k, r in classes.items()}
+                print(f"calibration: {found}", file=sys.stderr)
+                calibration = Calibration(found, target.model)
             if system is not None:
                 yield system, target, calibration
 
 
-def run_system(target: Target, system: str, trace: list, classes: dict, command: str) -> SystemRun:
-    """The whole trace after a warm-up of each class; the elastic system's autoscaler polled meanwhile."""
-    started, requests, arrivals = time.time(), [r for *_, r in trace], [a for _, a, _ in trace]
-    warm_up(target, [requests[0] for requests in classes.values()])
-
-    async def replay(_: float) -> tuple[list[RequestRecord], float]:
-        return await run(target, requests, arrivals, system)
-
-    (records, duration), timeline, decisions, (t0, _) = polled(target.url, replay, poll=system == "elastic")
-    rows = [
-        {"phase": i, "arrival_s": round(a, 4), "sent_s": round(r.sent - t0, 4), "record": r.to_json()}
-        for (i, a, _), r in zip(trace, records)
-    ]
-    return SystemRun(system, command, time.time() - started, duration, rows, timeline, decisions)
-
-
 def stage_run(options: argparse.Namespace, command: str) -> None:
-    """Each system, colocated first (or the raw folder's calibration), the report rewritten after each."""
+    """Each system, colocated first (or the raw folder's calibration): the whole trace after a warm-up of each
+    class, the elastic system's autoscaler polled meanwhile; the report rewritten after each."""
     phases = make_phases(options.phase_s)
     trace = make_trace(tokenizer(), phases, options.seed)
     save_raw(options.raw, "trace", {"seed": options.seed, "command": command, "phases": [asdict(p) for p in phases]})
     known = None if "colocated" in options.systems else load_raw(options.raw)["calibration"]
     order = sorted((s for s in SYSTEMS if s in options.systems), key=lambda s: s != "colocated")
-    classes = by_class(trace, phases)
+    classes, requests, arrivals = by_class(trace, phases), [r for *_, r in trace], [a for _, a, _ in trace]
     for system, target, calibration in each_system(order, known, classes, options.raw / "trace.jsonl"):
         save_raw(options.raw, "calibration", calibration)
-        result = run_system(target, system, trace, classes, command)
+        started = time.time()
+        warm_up(target, [rs[0] for rs in classes.values()])
+        replay = lambda _, target=target, system=system: run(target, requests, arrivals, system)  # noqa: E731
+        (records, duration), timeline, decisions, (t0, _) = polled(target.url, replay, poll=system == "elastic")
+        rows = [{"phase": i, "arrival_s": round(a, 4), "sent_s": round(r.sent - t0, 4), "record": r.to_json()}
+                for (i, a, _), r in zip(trace, records)]  # fmt: skip
+        result = SystemRun(system, command, time.time() - started, duration, rows, timeline, decisions)
         save_raw(options.raw, f"system_{system}", result)
         scores = phase_scores(result, phases, calibration).items()
         print(f"{system}: attainment " + ", ".join(f"{n} {s['attainment']:.0%}" for n, s in scores), file=sys.stderr)
@@ -201,6 +202,7 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
     from bench import elastic  # the worker's function by its module name (this may run as __main__)
 
     core, ctx = _floor_core(distinct), multiprocessing.get_context("spawn")
+    builder = PromptBuilder(core.tokenizer)
     busy, working, stop, times = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     worker = ctx.Process(target=elastic.prefill_loop, args=(busy, working, stop, times, distinct))
     worker.start()
@@ -209,7 +211,8 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
         busy.set()
         alone = [times.get(timeout=300) for _ in range(4)][1:]  # the first warms up
         busy.clear()
-        _start_decodes(core, max_tokens=2 * steps + 16)
+        prompts = [builder.code(FLOOR_DECODE_PROMPT, 37 * i) for i in range(FLOOR_BATCH)]
+        prefilled(core, [greedy_request(f"d{i}", p, 2 * steps + 16) for i, p in enumerate(prompts)], warm=3)
         for _ in range(rounds):
             busy.clear()
             while working.is_set():
@@ -236,17 +239,6 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
 
 def _floor_core(distinct: bool):
     return engine_core(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=384 << 20, enable_prefix_caching=not distinct)
-
-
-def _start_decodes(core, max_tokens: int) -> None:
-    """Admit the batch and step until every request decodes, then 3 warm-up steps."""
-    builder = PromptBuilder(core.tokenizer)
-    for i in range(FLOOR_BATCH):
-        core.add_request(greedy_request(f"d{i}", builder.code(FLOOR_DECODE_PROMPT, 37 * i), max_tokens))
-    while core.stats().num_queued_prompt_tokens:
-        core.step()
-    for _ in range(3):
-        core.step()
 
 
 def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
@@ -277,8 +269,7 @@ def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
         prompt = builder.summarization(FLOOR_PREFILL_TOKENS, 997 * number if distinct else 0)
         start = time.perf_counter()
         core.add_request(greedy_request(f"p{number}", prompt, 1, ignore_eos=False))
-        while core.has_work():
-            core.step()
+        drain(core)
         times.put(time.perf_counter() - start)
         number += 1
         working.clear()
@@ -433,65 +424,53 @@ def render(summary: dict) -> list[str]:
     lines += _trace_lines(summary) + _result_lines(summary)
     if "elastic" in summary["elapsed_s"]:
         phases, row = summary["phases"], "{t:.1f} | {phase} | {action} | {replica} | {role} | {reason}"
-        at = [
-            next((p["name"] for p in phases if p["start_s"] <= d["t"] < p["end_s"]), "after the trace")
-            for d in summary["decisions"]
-        ]
+        at = [next((p["name"] for p in phases if p["start_s"] <= d["t"] < p["end_s"]), "after the trace")
+              for d in summary["decisions"]]  # fmt: skip
         rows = [cells(row, d | {"phase": phase}) for d, phase in zip(summary["decisions"], at)]
-        header = "time (s) | phase | action | replica | role | reason"
-        none = ["No lend or reclaim in this run."]
-        lines += ["### The elastic run's decisions", "", *(table(header, rows) if rows else none), ""]
+        decisions = table("time (s) | phase | action | replica | role | reason", rows)
+        lines += [
+            "### The elastic run's decisions",
+            "",
+            *(decisions if rows else ["No lend or reclaim in this run."]),
+            "",
+        ]
     return lines + floor_lines(summary["floor"])
-
-
-PHASE_ROW = "{name} | {start_s:.0f}-{end_s:.0f} | {requests} | {prompt_tokens[0]}-{prompt_tokens[1]} | "
-PHASE_ROW += "{output_tokens[0]}-{output_tokens[1]} | {rate:g} | {ttft} | {tpot}"
-CLASS_ROW = (
-    "{k} | {c[prompt_tokens]} | {c[ttft_s]:.3f} s | {c[tpot_s]:ms.1f} ms | {slo[ttft]:.2f} s | {slo[tpot]:ms.0f} ms"
-)
 
 
 def _trace_lines(summary: dict) -> list[str]:
     if not summary["phases"]:
         return []
     slo_s, first = summary["slo_s"] or {}, next(iter(summary["results"].values()), {})
+    row = "{name} | {start_s:.0f}-{end_s:.0f} | {requests} | {prompt_tokens[0]}-{prompt_tokens[1]} | "
+    row += "{output_tokens[0]}-{output_tokens[1]} | {rate:g} | {ttft} | {tpot}"
     rows = []
     for p in summary["phases"]:
         slo = slo_s.get(p["kind"])
         ttft, tpot = (f"{slo['ttft']:.2f} s", f"{slo['tpot'] * 1e3:.0f} ms") if slo else (None, None)
-        requests = first.get(p["name"], {}).get("requests")
-        rows.append(cells(PHASE_ROW, p | {"requests": requests, "ttft": ttft, "tpot": tpot}))
+        rows.append(cells(row, p | {"requests": first.get(p["name"], {}).get("requests"), "ttft": ttft, "tpot": tpot}))
     header = "phase | time (s) | requests | prompt tokens | output tokens | arrivals (req/s, Poisson) | TTFT SLO"
-    lines = [
-        "### Trace and SLOs",
-        "",
-        f"Three phases, seed {summary['seed']}: the same requests at the same offsets for every system, streamed "
-        "with `ignore_eos` and temperature 0. Prompts are built from real tokens (`workloads.PromptBuilder`: "
-        "a document to summarize in the prompt-heavy phases, code to complete in the burst).",
-        "",
-        *table(header + " | TPOT SLO", rows),
-        "",
-    ]
+    lines = ["### Trace and SLOs", "",
+             f"Three phases, seed {summary['seed']}: the same requests at the same offsets for every system, streamed "
+             "with `ignore_eos` and temperature 0. Prompts are built from real tokens (`workloads.PromptBuilder`: "
+             "a document to summarize in the prompt-heavy phases, code to complete in the burst).", "",
+             *table(header + " | TPOT SLO", rows), ""]  # fmt: skip
     if summary["calibration"] is None:
         return lines
     x, controller = summary["slo_multiples"], slo_s["controller"]
-    rows = [cells(CLASS_ROW, {"k": k, "c": c, "slo": slo_s[k]}) for k, c in summary["calibration"].items()]
+    row = (
+        "{k} | {c[prompt_tokens]} | {c[ttft_s]:.3f} s | {c[tpot_s]:ms.1f} ms | {slo[ttft]:.2f} s | {slo[tpot]:ms.0f} ms"
+    )
+    rows = [cells(row, {"k": k, "c": c, "slo": slo_s[k]}) for k, c in summary["calibration"].items()]
     header = "class | median prompt (tokens) | uncontended TTFT | uncontended TPOT | TTFT SLO | TPOT SLO"
     return lines + [
         f"SLOs from the idle colocated system, one request at a time (32 output tokens, median of 3): TTFT SLO "
         f"{x['ttft']:g}x the uncontended TTFT of the class's median prompt, TPOT SLO {x['tpot']:g}x the mean "
-        "uncontended TPOT of the two classes (one decode step, measured twice; the controller takes one target).",
-        "",
-        *table(header, rows),
-        "",
+        "uncontended TPOT of the two classes (one decode step, measured twice; the controller takes one target).", "",
+        *table(header, rows), "",
         f"The elastic system's controller gets `slo.ttft_ms={controller['ttft'] * 1e3:.0f}` (the "
         f"prompt class's: the policy has one TTFT target, and its TTFT signals are about the prefill side) and "
-        f"`slo.tpot_ms={controller['tpot'] * 1e3:.0f}`.",
-        "",
-    ]
-
-
-TARGET_ROW = "{target} | {value:.0%} | {bar:.0%} | {result}"
+        f"`slo.tpot_ms={controller['tpot'] * 1e3:.0f}`.", "",
+    ]  # fmt: skip
 
 
 def _result_lines(summary: dict) -> list[str]:
@@ -499,11 +478,8 @@ def _result_lines(summary: dict) -> list[str]:
     if not results:
         return []
     names, p90 = [p["name"] for p in summary["phases"]], "{ttft_p90_s:.2f} / {tpot_p90_s:ms.0f}"
-    rows = [
-        [s, *(f"{per[n]['attainment']:.0%}" for n in [*names, "overall"]), per["overall"]["failed"]]
-        + [f"{summary['elapsed_s'][s] / 60:.1f}"]
-        for s, per in results.items()
-    ]
+    rows = [[s, *(f"{per[n]['attainment']:.0%}" for n in [*names, "overall"]), per["overall"]["failed"],
+             f"{summary['elapsed_s'][s] / 60:.1f}"] for s, per in results.items()]  # fmt: skip
     lines = ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
     lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
     lines += [*table(["system", *names], [[s, *(cells(p90, per[n]) for n in names)] for s, per in results.items()]), ""]
@@ -511,37 +487,19 @@ def _result_lines(summary: dict) -> list[str]:
     for t in summary["targets"]:
         known = t["value"] is not None and t["bar"] is not None
         result = ("ok" if t["value"] >= t["bar"] - 1e-9 else "MISSED") if known else None
-        rows.append(cells(TARGET_ROW, t | {"value": t["value"] if known else None, "result": result}))
-    caption = (
-        "the elastic prefill replica's role, with its decisions; attainment of the requests arriving in each "
-        f"{BIN_S:g} s; requests in flight (client side)"
-    )
+        value = t["value"] if known else None
+        rows.append(cells("{target} | {value:.0%} | {bar:.0%} | {result}", t | {"value": value, "result": result}))
+    caption = ("the elastic prefill replica's role, with its decisions; attainment of the requests arriving in each "
+               f"{BIN_S:g} s; requests in flight (client side)")  # fmt: skip
     return [*lines, *table("target | elastic | bar | result", rows), "", f"![timeline: {caption}](elastic.png)", ""]
-
-
-FLOOR_ROWS = (
-    ("(a) EngineCore decode step, batch {batch}, the other core idle", "{decode_step_idle_ms:.1f} ms"),
-    ("(b) the same while another process prefills {prefill_prompt_tokens}-token prompts back to back",
-     "{decode_step_with_prefill_ms:.1f} ms ({slowdown:+.0%})"),
-    ("the machine's busy cores (all processes, /proc/stat) during (a) / (b)",
-     "{busy_cores_idle:.2f} / {busy_cores_with_prefill:.2f}"),
-    ("that process's {prefill_prompt_tokens}-token prefill: alone / beside the decode steps",
-     "{prefill_alone_s:.2f} s / {prefill_beside_decode_s:.2f} s"),
-    ("(c) client TPOT, one stream through the static disagg_app, idle (decode replica's engine step)",
-     "{client_tpot_idle_ms:.1f} ms ({replica_step_idle_ms:.1f} ms)"),
-    ("(d) the same beside {streams} other streams (decode replica's engine step)",
-     "{client_tpot_loaded_ms:.1f} ms ({replica_step_loaded_ms:.1f} ms)"),
-)  # fmt: skip
 
 
 def floor_lines(floor: dict | None) -> list[str]:
     if floor is None:
         return []
     f = floor | {"slowdown": floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1}
-    head = (
-        f"Command: `{f['command']}`. Medians; (a) and (b) in {f['rounds']} alternating rounds "
-        f"({f['steps']} steps per condition), no Serve, no Ray, 1 torch thread per process."
-    )
+    head = (f"Command: `{f['command']}`. Medians; (a) and (b) in {f['rounds']} alternating rounds "
+            f"({f['steps']} steps per condition), no Serve, no Ray, 1 torch thread per process.")  # fmt: skip
     rows = [cells(f"{label} | {value}", f) for label, value in FLOOR_ROWS]
     lines = ["### Interference floor", "", head, "", *table("measurement | value", rows), ""]
     if f["busy_cores_idle"] > 1.3:  # only the decoding process should run during (a)
@@ -559,7 +517,6 @@ def mark_spans(axes: list, spans: list[tuple[float, float, str, float]], **label
             ax.axvline(start, color="grey", linewidth=0.6, linestyle=":")
             if ax is axes[0]:
                 ax.text((start + end) / 2, 1.02, text, transform=ax.get_xaxis_transform(), ha="center", **label)
-        ax.grid(alpha=0.3)
 
 
 def lent(sample: dict) -> bool:
@@ -569,7 +526,8 @@ def lent(sample: dict) -> bool:
 
 def plot_timeline(report: dict, path: Path) -> None:
     """The elastic prefill replica's role and decisions, attainment per bin, requests in flight."""
-    with figure(path, 3, 1, (11, 8), sharex=True) as (role_ax, bin_ax, flight_ax, _):
+    legend = {"fontsize": 8, "loc": "upper left"}
+    with figure(path, 3, 1, (11, 8), legend=legend, sharex=True) as (role_ax, bin_ax, flight_ax, _):
         spans = [(p.start_s, p.end_s, p.name, 0.12 if p.kind == "burst" else 0.0) for p in report["phases"]]
         mark_spans([role_ax, bin_ax, flight_ax], spans)
         _plot_roles(role_ax, report["runs"].get("elastic"))
@@ -581,8 +539,6 @@ def plot_timeline(report: dict, path: Path) -> None:
             flight_ax.plot(*in_flight(run), label=system, linewidth=1, color=COLOURS.get(system))
         bin_ax.set(ylabel=f"SLO attainment\nper {BIN_S:g} s", ylim=(-0.05, 1.05))
         flight_ax.set(ylabel="requests in flight", xlabel="time since the trace's start (s)")
-        for ax in (bin_ax, flight_ax):
-            ax.legend(fontsize=8, loc="upper left")
 
 
 def _plot_roles(ax, run: SystemRun | None) -> None:
@@ -599,36 +555,26 @@ def _plot_roles(ax, run: SystemRun | None) -> None:
         ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
 
 
-def parse_systems(text: str, known) -> tuple[str, ...]:
-    if unknown := [s for s in text.split(",") if s and s not in known]:
-        sys.exit(f"unknown system {unknown[0]!r}: choose from {', '.join(known)}")
-    return tuple(s for s in text.split(",") if s)
-
-
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for elastic.md/json/png")
     parser.add_argument("--phase-s", type=float, default=PHASE_S, help="length of each of the 3 phases (s)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", **subset(SYSTEMS))
     parser.add_argument("--stage", choices=("all", "floor", "run", "report"), default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor-steps", type=int, default=100, help="decode steps timed per floor condition")
     parser.add_argument("--raw", type=Path, default=Path("/tmp/elastic_raw"), help="folder for the raw records")
-    parser.add_argument("--floor-worker", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if not FLOOR_ROUNDS <= options.floor_steps <= 200:  # 2 x steps decode tokens must fit the context
         sys.exit(f"--floor-steps must be in [{FLOOR_ROUNDS}, 200]")
-    options.systems = parse_systems(options.systems, SYSTEMS)
     return options
 
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
-    if options.floor_worker is not None:
-        return print(json.dumps(engine_floor(options.floor_worker)))
     command = command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
     if options.stage in ("all", "floor"):  # the engine's part in a subprocess (no Ray in it), then the static app
-        floor = {"command": command, **worker_json(NAME, "--floor-worker", str(options.floor_steps))}
+        floor = {"command": command, **worker_json(NAME, "engine_floor", options.floor_steps)}
         save_raw(options.raw, "floor", floor | serve_floor(index=len(SYSTEMS) + 1))
     if options.stage in ("all", "run"):
         stage_run(options, command)

@@ -6,8 +6,6 @@ prefill, and our peak RSS."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import statistics
 import sys
@@ -27,6 +25,27 @@ CONTEXT = 128
 NUM_CONCURRENT = 32
 NEW_TOKENS = 64
 PREFILL_LEN = 2048
+TARGETS = {  # ratio: its target, and its value in one run
+    "step_vs_bandwidth_floor": ("<=", 1.3, lambda r: r["our_decode_step_ms"] / r["bandwidth_floor_step_ms"]),
+    "step_vs_hf_step": ("<=", 1.1, lambda r: r["our_decode_step_ms"] / r["hf_decode_step_ms"]),
+    "batch32_vs_batch1": (">=", 6.0, lambda r: r["our_32_decode_tokens_per_s"] / (1e3 / r["our_decode_step_ms"])),
+    "batch32_vs_hf_generate_batch": (
+        ">=", 1.5, lambda r: r["our_32_end_to_end_tokens_per_s"] / r["hf_generate_batch_32_tokens_per_s"]),
+    "prefill_vs_hf_forward": ("<=", 1.1, lambda r: r["our_prefill_2048_s"] / r["hf_prefill_2048_s"]),
+}  # fmt: skip
+ROWS = (  # the figures' table: label, a run's figure (``report.cells``)
+    ("mv bandwidth (GB/s, 512 MB matrix)", "{mv_bandwidth_gb_per_s:.1f}"),
+    ("bandwidth floor of one step (ms)", "{bandwidth_floor_step_ms:.1f}"),
+    ("our batch-1 decode step, 128 ctx (ms, median of 60, interleaved)", "{our_decode_step_ms:.1f}"),
+    ("transformers forward step with cache (ms)", "{hf_decode_step_ms:.1f}"),
+    ("transformers generate, batch 1 (tokens/s)", "{hf_generate_tokens_per_s:.1f}"),
+    ("ours, 32 concurrent, end to end (tokens/s)", "{our_32_end_to_end_tokens_per_s:.1f}"),
+    ("ours, 32 concurrent, decode steps only (tokens/s)", "{our_32_decode_tokens_per_s:.1f}"),
+    ("transformers generate_batch, same 32 (tokens/s)", "{hf_generate_batch_32_tokens_per_s:.1f}"),
+    ("our 2,048-token prefill (s)", "{our_prefill_2048_s:.2f}"),
+    ("transformers forward, 2,048 tokens (s)", "{hf_prefill_2048_s:.2f}"),
+    ("peak RSS of our engine (MB, 512 MB KV pool, before transformers runs)", "{our_peak_rss_mb:.0f}"),
+)
 
 
 def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
@@ -53,6 +72,16 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 
 def drain(core) -> None:
     while core.has_work():
+        core.step()
+
+
+def prefilled(core, requests, warm: int = 0) -> None:
+    """Admit ``requests``, step until every one decodes, then ``warm`` decode steps."""
+    for request in requests:
+        core.add_request(request)
+    while core.stats().num_queued_prompt_tokens:
+        core.step()
+    for _ in range(warm):
         core.step()
 
 
@@ -151,33 +180,8 @@ def worker(threads: int) -> dict[str, float]:
                      "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
 
 
-TARGETS = {  # ratio: its target, and its value in one run
-    "step_vs_bandwidth_floor": ("<=", 1.3, lambda r: r["our_decode_step_ms"] / r["bandwidth_floor_step_ms"]),
-    "step_vs_hf_step": ("<=", 1.1, lambda r: r["our_decode_step_ms"] / r["hf_decode_step_ms"]),
-    "batch32_vs_batch1": (">=", 6.0, lambda r: r["our_32_decode_tokens_per_s"] / (1e3 / r["our_decode_step_ms"])),
-    "batch32_vs_hf_generate_batch": (
-        ">=", 1.5, lambda r: r["our_32_end_to_end_tokens_per_s"] / r["hf_generate_batch_32_tokens_per_s"]),
-    "prefill_vs_hf_forward": ("<=", 1.1, lambda r: r["our_prefill_2048_s"] / r["hf_prefill_2048_s"]),
-}  # fmt: skip
-
-
 def ratios(run: dict[str, float]) -> dict[str, float]:
     return {name: value(run) for name, (_, _, value) in TARGETS.items()}
-
-
-ROWS = (  # the figures' table: label, a run's figure (``report.cells``)
-    ("mv bandwidth (GB/s, 512 MB matrix)", "{mv_bandwidth_gb_per_s:.1f}"),
-    ("bandwidth floor of one step (ms)", "{bandwidth_floor_step_ms:.1f}"),
-    ("our batch-1 decode step, 128 ctx (ms, median of 60, interleaved)", "{our_decode_step_ms:.1f}"),
-    ("transformers forward step with cache (ms)", "{hf_decode_step_ms:.1f}"),
-    ("transformers generate, batch 1 (tokens/s)", "{hf_generate_tokens_per_s:.1f}"),
-    ("ours, 32 concurrent, end to end (tokens/s)", "{our_32_end_to_end_tokens_per_s:.1f}"),
-    ("ours, 32 concurrent, decode steps only (tokens/s)", "{our_32_decode_tokens_per_s:.1f}"),
-    ("transformers generate_batch, same 32 (tokens/s)", "{hf_generate_batch_32_tokens_per_s:.1f}"),
-    ("our 2,048-token prefill (s)", "{our_prefill_2048_s:.2f}"),
-    ("transformers forward, 2,048 tokens (s)", "{hf_prefill_2048_s:.2f}"),
-    ("peak RSS of our engine (MB, 512 MB KV pool, before transformers runs)", "{our_peak_rss_mb:.0f}"),
-)
 
 
 def render(summary: dict) -> list[str]:
@@ -200,14 +204,11 @@ def render(summary: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = arguments("bench.engine", __doc__, "docs/benchmarks", "folder for engine.json and engine.md")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return print(json.dumps(worker(args.worker)))
     runs = []
     for threads in args.threads:
         print(f"running with {threads} torch thread(s)...", file=sys.stderr, flush=True)
-        runs.append(worker_json("bench.engine", "--worker", str(threads)))
+        runs.append(worker_json("bench.engine", "worker", threads))
     summary = {"command": command_line("bench.engine", argv), "runs": [{**r, "ratios": ratios(r)} for r in runs]}
     publish(Path(args.out), "engine", "bench.engine", summary, render(summary), "# Engine benchmark")
 

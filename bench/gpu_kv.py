@@ -1,11 +1,9 @@
 """KV over NIXL between two processes on one GPU, no Ray: ``python3 -m bench.gpu_kv [--out PATH] [--cpu]``.
 
-Our pull against a raw NIXL READ of the same bytes (as one descriptor and as many as ours), the push's
-tail behind the last layer's simulated forward, both also through pinned host staging, and the UCX
-transports that carried them. Each side is a one-worker process pool holding a ``KVSide`` with two
-``NixlTransport``s (``staging`` "none" and "host") that find each other through a ``multiprocessing.Manager``
-dict; a failed or hung row kills both processes and the next row starts a fresh pair. ``--cpu``: the same
-code on CPU pools and small sizes (a dry run). ``bench.kv_transfer`` runs a ``KVSide`` as a Ray actor."""
+Our pull against a raw NIXL READ of the same bytes (as one descriptor and as many as ours), the push's tail
+behind the last layer's simulated forward, both also through pinned host staging, and the UCX transports used.
+Each side is a one-worker process pool holding a ``KVSide`` (transports ``staging`` "none" and "host"); a failed
+or hung row kills both and the next starts a fresh pair. ``--cpu``: CPU pools and small sizes (a dry run)."""
 
 from __future__ import annotations
 
@@ -39,6 +37,9 @@ from kv_transport.registry import LocalPeerRegistry, PeerInfo
 PRODUCER, CONSUMER = "producer", "consumer"  # the engine ids of the two processes' unstaged transports
 PATTERN_SEED = 1234
 RAW_PROGRESS_S = 0.001  # the raw agents' progress on the side being read
+_WORKER: dict = {}  # this worker process's side and event loop (``side_call``'s state)
+_UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
+_RANGE = re.compile(r"^\d[\dKMGT]*(\.\.(\d[\dKMGT]*|inf))?$")  # "0", "1..16515", "8K..inf"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,31 @@ class Plan:
         return 2 * max(self.blocks_for(size) for size in self.sizes_mb) * self.layout.bytes_per_block
 
 
+# An 8B-class model's KV (32 layers x 8 KV heads of 128, bfloat16: 2 MB per 16-token block). Pulls of 16 and
+# 64 MB, 12 each (256 MB left out: its READ went over TCP and outlived the lease, docs/benchmarks/gpu.md); a
+# 2,048-token prompt (128 blocks) pushed 5 times behind a 1 ms forward per layer (about one layer of its
+# prefill); 45 s to start, 20 s a row, 60 s in all (the GPU check's section has 75); staged pulls of 16 and
+# 64 MB, 5 each, through 768 MB of pinned memory per side (6 exports of 64 MB, or a push's 256 MB).
+GPU_PLAN = Plan("cuda", KVLayout(32, 8, 128, 16, "bfloat16"), (16, 64), 12, 128, 5, 1.0, 45.0, 20.0, 60.0,
+                staging_sizes_mb=(16, 64), num_staged_repeats=5, staging_bytes=768 << 20)  # fmt: skip
+CPU_PLAN = Plan("cpu", KVLayout(8, 2, 64, 16, "bfloat16"), (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, 20.0, (1, 4), 3,
+                64 << 20)  # fmt: skip
+SECTIONS = (("none", "pull_vs_raw", "push"), ("host", "staged_pull", "staged_push"))  # staging, its JSON keys
+PULL = (
+    "staging | size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s)"
+    " | our pull (GB/s) | pull / raw (>= 0.9) | pull / raw as many | bytes ok",
+    "{staging} | {size_mb:.1f} | {num_blocks} | {num_descriptors} | {raw_gb_per_s:.1f} | {raw_split_gb_per_s:.1f}"
+    " | {pull_gb_per_s:.2f} | {pull_vs_raw:.2f} | {pull_vs_raw_split:.2f} | {ok}",
+)
+PUSH = (
+    "staging | forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms)"
+    " | tail / one layer (<= 2) | tail to last write (ms) | last write / one layer | bytes ok",
+    "{staging} | {compute_per_layer_ms:.3f} | {one_layer_ms:.3f} | {tail_to_notice_ms:.3f} | {tail_in_layers:.2f}"
+    " | {tail_to_last_write_ms:.3f} | {last_write_in_layers:.2f} | {ok}",
+)
+LAYER = "{layer} | {compute_end_ms:.3f} | {push_layer_called_ms:.3f} | {posted_ms:.3f} | {done_ms:.3f}"
+
+
 @dataclasses.dataclass(frozen=True)
 class BandwidthResult:
     """Seconds per transfer of one size by kind ("raw", "raw_split", "pull"), the first a warm-up."""
@@ -96,9 +122,6 @@ class SharedDictRegistry(LocalPeerRegistry):
 
     def __init__(self, entries: MutableMapping[str, PeerInfo]) -> None:
         self._entries = entries
-
-
-_WORKER: dict = {}  # this worker process's side and event loop (``side_call``'s state)
 
 
 def side_call(command: str, *args: object) -> object:
@@ -329,20 +352,6 @@ class RawAgent:
         return elapsed
 
 
-_UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
-_RANGE = re.compile(r"^\d[\dKMGT]*(\.\.(\d[\dKMGT]*|inf))?$")  # "0", "1..16515", "8K..inf"
-# An 8B-class model's KV (32 layers x 8 KV heads of 128, bfloat16: 2 MB per 16-token block). Pulls of 16 and
-# 64 MB, 12 each (256 MB left out: its READ went over TCP and outlived the lease, docs/benchmarks/gpu.md); a
-# 2,048-token prompt (128 blocks) pushed 5 times behind a 1 ms forward per layer (about one layer of its
-# prefill); 45 s to start, 20 s a row, 60 s in all (the GPU check's section has 75); staged pulls of 16 and
-# 64 MB, 5 each, through 768 MB of pinned memory per side (6 exports of 64 MB, or a push's 256 MB).
-GPU_PLAN = Plan("cuda", KVLayout(32, 8, 128, 16, "bfloat16"), (16, 64), 12, 128, 5, 1.0, 45.0, 20.0, 60.0,
-                staging_sizes_mb=(16, 64), num_staged_repeats=5, staging_bytes=768 << 20)  # fmt: skip
-CPU_PLAN = Plan("cpu", KVLayout(8, 2, 64, 16, "bfloat16"), (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, 20.0, (1, 4), 3,
-                64 << 20)  # fmt: skip
-SECTIONS = (("none", "pull_vs_raw", "push"), ("host", "staged_pull", "staged_push"))  # staging, its JSON keys
-
-
 class _Pair:
     """The two sides' one-worker process pools (spawned): started on first use, killed after a failure."""
 
@@ -509,21 +518,6 @@ def run_rows(pair: _Pair) -> dict:
             result[pulls].append({"requested_mb": size_mb} | row)
         result[push] = guarded(pair, budget_deadline, functools.partial(push_row, pair, staging))
     return result
-
-
-PULL = (
-    "staging | size (MB) | blocks | our descriptors | raw READ (GB/s) | raw READ, as many descriptors (GB/s)"
-    " | our pull (GB/s) | pull / raw (>= 0.9) | pull / raw as many | bytes ok",
-    "{staging} | {size_mb:.1f} | {num_blocks} | {num_descriptors} | {raw_gb_per_s:.1f} | {raw_split_gb_per_s:.1f}"
-    " | {pull_gb_per_s:.2f} | {pull_vs_raw:.2f} | {pull_vs_raw_split:.2f} | {ok}",
-)
-PUSH = (
-    "staging | forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms)"
-    " | tail / one layer (<= 2) | tail to last write (ms) | last write / one layer | bytes ok",
-    "{staging} | {compute_per_layer_ms:.3f} | {one_layer_ms:.3f} | {tail_to_notice_ms:.3f} | {tail_in_layers:.2f}"
-    " | {tail_to_last_write_ms:.3f} | {last_write_in_layers:.2f} | {ok}",
-)
-LAYER = "{layer} | {compute_end_ms:.3f} | {push_layer_called_ms:.3f} | {posted_ms:.3f} | {done_ms:.3f}"
 
 
 def _cells(template: str, row: dict) -> str:

@@ -92,10 +92,11 @@ def tokenizer(source: str = "default"):
     return load_tokenizer(ModelSpec(source=source))
 
 
-def worker_json(module: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    """The JSON of the last stdout line of ``python -m module args`` in a fresh process (its own
-    threads, memory and caches); exits with its stderr when it fails."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env)
+def worker_json(module: str, function: str, *args: object, env: dict[str, str] | None = None):
+    """``module.function(*args)`` (JSON in and out) in a fresh process: its own threads, memory and caches;
+    exits with its stderr when it fails."""
+    code = f"import json, sys\nfrom {module} import {function} as f\nprint(json.dumps(f(*json.loads(sys.argv[1]))))"
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])

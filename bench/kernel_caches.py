@@ -7,8 +7,6 @@ at the first oneDNN call). ``default``: PyTorch's own capacities; a number: ``CA
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import time
@@ -55,17 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--caches", default="default,8,64", help="settings to compare, comma-separated")
     parser.add_argument("--prompts", type=int, default=250)
     parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.prompts, args.batches)))
-        return
     for setting in args.caches.split(","):
         env = {k: v for k, v in os.environ.items() if k not in CACHES}
         # "default": PyTorch's own capacities (setting the variables to 1024 keeps the engine's bound off)
         env.update(dict.fromkeys(CACHES, "1024" if setting == "default" else setting))
-        sizes = ("--prompts", str(args.prompts), "--batches", str(args.batches))
-        result = worker_json("bench.kernel_caches", "--worker", *sizes, env=env)
+        result = worker_json("bench.kernel_caches", "worker", args.prompts, args.batches, env=env)
         series = ", ".join(f"{p['prompts']}: {p['rss_mib']}" for p in result["rss"])
         rates = f"prefill {result['prefill_tokens_per_s']} tok/s, mixed decode {result['mixed_tokens_per_s']} tok/s"
         print(f"{setting}: RSS MiB after prompts {series}; {rates}", flush=True)

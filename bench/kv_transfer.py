@@ -24,6 +24,21 @@ from engine.kv_pool import KVLayout, KVPool
 SIZES_MB, REPEATS, PIPELINE_REPEATS = (1, 16, 64, 256), 21, 5
 LAYOUT = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)  # the default model's
 BYTES_PER_BLOCK, POOL_BLOCKS, RAW_BYTES = LAYOUT.bytes_per_block, 420, 256 << 20  # > 256 MB of blocks; a raw buffer
+METHODS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
+BANDWIDTH = (
+    "size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors"
+    " | raw NIXL, 4 KB pages | torch copy (1 process) | pull / raw",
+    "{size_mb:.1f} | {num_blocks} | {nixl_pull:.2f} | {nixl_push:.2f} | {object_store:.2f} | {raw_nixl:.2f}"
+    " | {raw_nixl_60_descs:.2f} | {raw_nixl_4k_pages:.2f} | {torch_copy:.2f} | {pull_vs_raw:.2f}",
+)
+TARGETS = (  # the pull against its targets: text, numerator, denominator, suffix
+    ("Target: our pull >= 0.9x raw NIXL from 16 MB up: ", "nixl_pull", "raw_nixl", ""),
+    (". Against raw NIXL as 60 descriptors: ", "nixl_pull", "raw_nixl_60_descs", "x"),
+    (". The same READ as 60 descriptors, none of our code: ", "raw_nixl_60_descs", "raw_nixl", "x raw"),
+    (". Against raw NIXL on 4 KB pages our pull is ", "nixl_pull", "raw_nixl_4k_pages", "x"),
+)
+PLOTTED = {"nixl_pull": "our NIXL pull", "nixl_push": "our NIXL push", "raw_nixl": "raw NIXL",
+           "object_store": "object store", "torch_copy": "torch copy, 1 process"}  # fmt: skip
 
 
 @ray.remote(num_cpus=0.5)
@@ -65,9 +80,6 @@ class TransferActor(KVSide):
             push.push_layer(destination.request_id, layer, blocks, 0)
         await push.finish_push(destination.request_id, 1)
         return time.perf_counter() - start
-
-
-METHODS = ["nixl_pull", "nixl_push", "object_store", "raw_nixl", "raw_nixl_60_descs", "raw_nixl_4k_pages"]
 
 
 def measure(method: str, producer, consumer, tag: str, num_blocks: int, raw: tuple | None = None) -> float:
@@ -148,20 +160,6 @@ def push_figures(mode: str, layers: list, pipelined: bool) -> dict[str, float]:
             f"{mode}_tail_in_layers": tail / one_layer}  # fmt: skip
 
 
-BANDWIDTH = (
-    "size (MB) | blocks | our NIXL pull | our NIXL push | object store | raw NIXL | raw NIXL, 60 descriptors"
-    " | raw NIXL, 4 KB pages | torch copy (1 process) | pull / raw",
-    "{size_mb:.1f} | {num_blocks} | {nixl_pull:.2f} | {nixl_push:.2f} | {object_store:.2f} | {raw_nixl:.2f}"
-    " | {raw_nixl_60_descs:.2f} | {raw_nixl_4k_pages:.2f} | {torch_copy:.2f} | {pull_vs_raw:.2f}",
-)
-TARGETS = (  # the pull against its targets: text, numerator, denominator, suffix
-    ("Target: our pull >= 0.9x raw NIXL from 16 MB up: ", "nixl_pull", "raw_nixl", ""),
-    (". Against raw NIXL as 60 descriptors: ", "nixl_pull", "raw_nixl_60_descs", "x"),
-    (". The same READ as 60 descriptors, none of our code: ", "raw_nixl_60_descs", "raw_nixl", "x raw"),
-    (". Against raw NIXL on 4 KB pages our pull is ", "nixl_pull", "raw_nixl_4k_pages", "x"),
-)
-
-
 def render(summary: dict) -> list[str]:
     rows, pipe = summary["bandwidth_gb_per_s"], summary["push_pipelining"]
     large, one = [r for r in rows if r["size_mb"] >= 15], pipe["pipelined_one_layer_ms"]
@@ -186,10 +184,6 @@ def render(summary: dict) -> list[str]:
     ]  # fmt: skip
 
 
-PLOTTED = {"nixl_pull": "our NIXL pull", "nixl_push": "our NIXL push", "raw_nixl": "raw NIXL",
-           "object_store": "object store", "torch_copy": "torch copy, 1 process"}  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = arguments("bench.kv_transfer", __doc__, "docs/benchmarks", "folder for kv_transfer.json/.md/.png")
     args = parser.parse_args(argv)
@@ -204,13 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
     publish(args.out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
-    with figure(args.out / "kv_transfer.png", 1, 1, (6, 4), dpi=100) as (ax, _):  # into the folder the JSON made
+    with figure(args.out / "kv_transfer.png", 1, 1, (6, 4), dpi=100, legend={}) as (ax, _):  # the JSON's folder
         for key, label in PLOTTED.items():
             ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s",
                title="KV transfer between two processes (CPU, UCX)")  # fmt: skip
-        ax.grid(True, alpha=0.3)
-        ax.legend()
 
 
 if __name__ == "__main__":

@@ -71,21 +71,19 @@ def measure(options: argparse.Namespace) -> dict:
             idle = uncontended(target, median_request(requests))  # also warms the replicas up
             print(f"{system}: uncontended {idle}", file=sys.stderr)
             probed = {} if options.file_stack else {"stack": probe_stack(target, cost, stack_kind(system))}
-            points = [_point(target, requests, round(f * measured, 4), options, system) for f in fractions]
+            points = []
+            for rate in (round(f * measured, 4) for f in fractions):
+                runs, offsets = [], arrival_times(len(requests), rate, seed=options.seed)
+                for label in (f"{system} {rate:.3g}/s #{n + 1}" for n in range(options.runs)):
+                    summary = summarize(*asyncio.run(run(target, requests, offsets, label)))
+                    short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
+                    print(f"  {label}: {short}, failed {summary['failed']}", file=sys.stderr)
+                    runs.append({m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")})
+                points.append({"rate": rate, "runs": runs})
         report["systems"][system] = {"goodput": measured, "uncontended": idle, **probed, "points": points}
         report["elapsed_s"] = time.time() - started
         write_json(Path(options.out, "planner.json"), report)
     return report
-
-
-def _point(target: Target, requests: list, rate: float, options: argparse.Namespace, system: str) -> dict:
-    runs, offsets = [], arrival_times(len(requests), rate, seed=options.seed)
-    for label in (f"{system} {rate:.3g}/s #{n + 1}" for n in range(options.runs)):
-        summary = summarize(*asyncio.run(run(target, requests, offsets, label)))
-        short = ", ".join(f"{m} {p} {summary[m][p]:.3f}" for m, p in METRICS)
-        print(f"  {label}: {short}, failed {summary['failed']}", file=sys.stderr)
-        runs.append({m: summary[m] for m in ("ttft_s", "tpot_s", "failed", "duration_s")})
-    return {"rate": rate, "runs": runs}
 
 
 def compare_point(runs: list[dict], predicted: dict) -> list[dict]:

@@ -21,7 +21,7 @@ from ray import serve
 
 from bench.host import cpu_model, machine, tokenizer
 from bench.ray_local import Server
-from bench.report import arguments, cells, command_line, figure, publish, read_json, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import SAMPLE, client, stream
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
@@ -37,6 +37,28 @@ COUNTERS = ("tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds_count", "tan
 TRANSFERS = "tandem_kv_transfer_seconds_count/decode"  # the decode pool's transfers, as ``parse_counters`` keys it
 METRICS_WAIT_S = 30.0  # for Ray's export to show every transfer of the loop
 _POOL = re.compile(r'pool="([^"]*)"')
+# metric | one setting's figure | the ratio: ``report.cells`` of a setting's summary, of the ratios
+TABLE = """\
+TTFT turns 2-5, median (ms) | {ttft_turns2_5_s[p50]:ms,.0f} | {ttft_turns2_5_p50_off_on:.2f}x
+TTFT turns 2-5, p90 (ms) | {ttft_turns2_5_s[p90]:ms,.0f} | {ttft_turns2_5_p90_off_on:.2f}x
+TTFT turn 1, median (ms) | {ttft_turn1_s[p50]:ms,.0f} | {ttft_turn1_p50_off_on:.2f}x
+TTFT turn 1, p90 (ms) | {ttft_turn1_s[p90]:ms,.0f} |
+TPOT median (ms) | {tpot_s[p50]:ms,.0f} | {tpot_p50_off_on:.2f}x
+TPOT p90 (ms) | {tpot_s[p90]:ms,.0f} |
+output tokens/s (whole loop) | {output_tokens_per_s:.1f} | on/off {output_tokens_per_s_on_off:.2f}x
+loop duration (s) | {duration_s:.1f} | {duration_off_on:.2f}x
+KV bytes moved per request (MB, decode pool counter) | {kv_bytes_per_request:MB.2f} | {kv_bytes_per_request_off_on:.2f}x
+transfers counted / requests | {kv_transfers_counted} / {requests} |
+prefill replica: prompt tokens from its cache | {prefill_prefix_hit_tokens:,} of {prefill_prefix_query_tokens:,} |
+failed requests | {failed} |"""
+TURN = (  # the per-turn table: a, b: the turn with caching on, off; la, lb: the lone conversation's
+    "turn | prompt tokens (mean) | cached_tokens on: mean (min-max) | cached_tokens off: mean"
+    " | TTFT median on / off (ms) | TTFT p90 on / off (ms) | lone: TTFT on / off (ms) | lone: KV moved on / off (MB)",
+    "{a[turn]} | {a[prompt_tokens_mean]:.0f} | {a[cached_tokens_mean]:.0f}"
+    " ({a[cached_tokens_min]}-{a[cached_tokens_max]}) | {b[cached_tokens_mean]:.0f}"
+    " | {a[ttft_s][p50]:ms,.0f} / {b[ttft_s][p50]:ms,.0f} | {a[ttft_s][p90]:ms,.0f} / {b[ttft_s][p90]:ms,.0f}"
+    " | {la[ttft_s]:ms,.0f} / {lb[ttft_s]:ms,.0f} | {la[kv_bytes]:MB.2f} / {lb[kv_bytes]:MB.2f}",
+)
 
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, chat: ChatConversation, answers: list) -> dict:
@@ -191,30 +213,6 @@ def report(saved: dict) -> dict:
     return summary | {"git": saved.get("git")}
 
 
-# metric | one setting's figure | the ratio: ``report.cells`` of a setting's summary, of the ratios
-TABLE = """\
-TTFT turns 2-5, median (ms) | {ttft_turns2_5_s[p50]:ms,.0f} | {ttft_turns2_5_p50_off_on:.2f}x
-TTFT turns 2-5, p90 (ms) | {ttft_turns2_5_s[p90]:ms,.0f} | {ttft_turns2_5_p90_off_on:.2f}x
-TTFT turn 1, median (ms) | {ttft_turn1_s[p50]:ms,.0f} | {ttft_turn1_p50_off_on:.2f}x
-TTFT turn 1, p90 (ms) | {ttft_turn1_s[p90]:ms,.0f} |
-TPOT median (ms) | {tpot_s[p50]:ms,.0f} | {tpot_p50_off_on:.2f}x
-TPOT p90 (ms) | {tpot_s[p90]:ms,.0f} |
-output tokens/s (whole loop) | {output_tokens_per_s:.1f} | on/off {output_tokens_per_s_on_off:.2f}x
-loop duration (s) | {duration_s:.1f} | {duration_off_on:.2f}x
-KV bytes moved per request (MB, decode pool counter) | {kv_bytes_per_request:MB.2f} | {kv_bytes_per_request_off_on:.2f}x
-transfers counted / requests | {kv_transfers_counted} / {requests} |
-prefill replica: prompt tokens from its cache | {prefill_prefix_hit_tokens:,} of {prefill_prefix_query_tokens:,} |
-failed requests | {failed} |"""
-TURN = (  # the per-turn table: a, b: the turn with caching on, off; la, lb: the lone conversation's
-    "turn | prompt tokens (mean) | cached_tokens on: mean (min-max) | cached_tokens off: mean"
-    " | TTFT median on / off (ms) | TTFT p90 on / off (ms) | lone: TTFT on / off (ms) | lone: KV moved on / off (MB)",
-    "{a[turn]} | {a[prompt_tokens_mean]:.0f} | {a[cached_tokens_mean]:.0f}"
-    " ({a[cached_tokens_min]}-{a[cached_tokens_max]}) | {b[cached_tokens_mean]:.0f}"
-    " | {a[ttft_s][p50]:ms,.0f} / {b[ttft_s][p50]:ms,.0f} | {a[ttft_s][p90]:ms,.0f} / {b[ttft_s][p90]:ms,.0f}"
-    " | {la[ttft_s]:ms,.0f} / {lb[ttft_s]:ms,.0f} | {la[kv_bytes]:MB.2f} / {lb[kv_bytes]:MB.2f}",
-)
-
-
 def render(s: dict) -> list[str]:
     on, off, r = s["settings"]["on"], s["settings"]["off"], s["ratios"]
     target, answers = r["ttft_turns2_5_p50_off_on"], s["answers"]
@@ -239,7 +237,7 @@ def render(s: dict) -> list[str]:
 
 def write_report(summary: dict, out: Path) -> None:
     publish(out, "prefix_cache", NAME, summary, render(summary), "# Prefix caching: a closed-loop multi-turn chat")
-    with figure(out / "prefix_cache.png", 1, 2, (10, 3.8)) as (left, right, _):
+    with figure(out / "prefix_cache.png", 1, 2, (10, 3.8), legend={"fontsize": 8}) as (left, right, _):
         for setting, colour in (("on", "tab:green"), ("off", "tab:red")):
             turns, lone = summary["settings"][setting]["per_turn"], summary["lone"][setting]
             for p, style in (("p50", "-o"), ("p90", "--")):
@@ -249,14 +247,12 @@ def write_report(summary: dict, out: Path) -> None:
         left.set(title="TTFT per turn (8 conversations at once)", xlabel="turn", ylabel="TTFT (s)", ylim=(0, None))
         right.set(title="KV moved to decode per turn (lone conversation)", xlabel="turn", ylabel="MB")
         for ax in (left, right):
-            ax.grid(alpha=0.3)
             ax.set_xticks(range(1, 1 + len(summary["settings"]["on"]["per_turn"])))
-        left.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for prefix_cache.md/json/png")
-    parser.add_argument("--settings", default="on,off", help="prefix caching settings, in run order (on, off)")
+    parser.add_argument("--settings", **subset(SETTINGS, "setting", help="prefix caching settings, in run order:"))
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--user-tokens", type=int, default=200, help="new user tokens per turn")
@@ -266,13 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", **kv, help="a disagg_app argument for every setting (repeatable)")
     parser.add_argument("--report-only", action="store_true", help="render the report from --raw, run nothing")
     args = parser.parse_args(argv)
-    settings = [s for s in args.settings.split(",") if s]
-    if unknown := [s for s in settings if s not in SETTINGS]:
-        parser.error(f"unknown setting {unknown[0]!r}: choose from {', '.join(SETTINGS)}")
     if any("=" not in item for item in args.set):
         parser.error("--set takes KEY=VALUE")
     raw_path = args.raw / "runs.json"
-    saved = read_json(raw_path) if args.report_only else run_all(args, settings, raw_path, command_line(NAME, argv))
+    saved = (
+        read_json(raw_path) if args.report_only else run_all(args, args.settings, raw_path, command_line(NAME, argv))
+    )
     summary = report(saved)
     if "ratios" in summary:
         write_report(summary, args.out)
@@ -281,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"records: {raw_path}", file=sys.stderr)
 
 
-def run_all(args: argparse.Namespace, settings: list[str], raw_path: Path, command: str) -> dict:
+def run_all(args: argparse.Namespace, settings: tuple[str, ...], raw_path: Path, command: str) -> dict:
     extra = dict(item.split("=", 1) for item in args.set)
     chats = chat_conversations(tokenizer(), args.conversations + 1, args.turns, args.user_tokens, args.output_tokens)
     # the checkout a run used: HEAD and the files changed from it (others may edit meanwhile)

@@ -1,10 +1,8 @@
 """Load and soak with faults, through the HTTP API: ``python -m bench.reliability``.
 
-``disagg_app`` (1 prefill + 1 decode replica, fixed pools) in its own local Ray with ``fault_specs``'s faults:
-a **burst** of concurrent streams (some cut by the client), then a **soak** of Poisson traffic meeting random
-transfer faults, stalled transfers and replica kills; after each, ``GET /admin/kv`` must show no block held.
-Writes ``<out>/benchmarks/reliability.json`` (a summary per mode) and the block of ``<out>/reliability.md``.
-"""
+``disagg_app`` (1 prefill + 1 decode replica) with ``fault_specs``'s faults: a **burst** of concurrent streams,
+then a **soak** of Poisson traffic meeting transfer faults, stalls and replica kills; after each, ``GET /admin/kv``
+must show no block held. Writes ``<out>/benchmarks/reliability.json`` and ``<out>/reliability.md``'s block."""
 
 from __future__ import annotations
 
@@ -49,6 +47,36 @@ ANOMALIES = (HTTP_5XX, SHORT, CUT, HANG, CLIENT_ERROR)
 RESULT_ORDER = (COMPLETED, DISCONNECTED, ERROR_EVENT, HTTP_503, HTTP_504, HTTP_4XX, *ANOMALIES)
 MEMORY_GROWTH_LIMIT, MIN_MEMORY_WINDOW_S = 0.10, 60.0  # a replica's growth is judged over at least this long
 QUICK = {"concurrency": 20, "soak_s": 90.0, "kill_every_s": 30.0, "stall_every_s": 40.0, "warmup_s": 20.0}
+EXPECTED_LOG = {  # one line each, by design; a line counts under its first match, the ingress's first
+    "ingress: retried before the first token": "retrying",
+    "ingress: ended with an error after tokens": "ended with an error",
+    "ingress: aborted for no output (504)": "no output for",
+    "ingress: no replica within recovery.wait_s (503)": "no replica could take",
+    "replica: crash injected": "fault injection: crashing",
+    "replica: exported KV unclaimed, freed at the lease's end": "unclaimed after",
+    "replica call failed (Serve's line): injected transfer fault": "injected failure at",
+    "replica call failed (Serve's line): fetch refused, its lease over": "lease expired",
+    "replica call failed (Serve's line): READ from a killed peer": "NIXL_ERR_REMOTE_DISCONNECT",
+    "proxy: client disconnected": "disconnected, cancelling request",
+}
+SERVE_COMPONENTS = ("controller", "proxy")  # Ray Serve's own processes, not this project's code
+LOG_KINDS = {  # the JSON's key of each kind of line not expected, and its title on the page
+    "unexpected": "unexpected in the ingress and engine replicas (tracebacks, errors not injected)",
+    "other_warnings": "other warnings of the ingress and engine replicas",
+    "serve_internal": "warnings, errors and tracebacks of Ray Serve's own controller and proxy",
+}
+SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [\d:,]+ (\S+) ")
+RULE_KEYS = {k: i for i, k in enumerate(("point", "action", "probability", "seconds", "request_id_prefix"))}
+PHASE_LINE = (
+    "**{name}**: {requests} requests in {duration_s:.0f} s; completed: median E2E {median_e2e_s}, p90 {p90_e2e_s}, "
+    "median TTFT {median_ttft_s}; hangs (no byte for > {hang_bound_s:g} s): {hangs}; long silences (> "
+    "{long_silence_s:g} s): {long_silences}; longest silence {max_silence_s}."
+)
+TARGET_ROW, YES = "{check} | {target} | {measured} | {met}", {True: "yes", False: "**NO**"}
+DISCONNECT = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
+KILLS = ("# | replica | request | its client saw | others in flight or sent before the restart | restart | first OK "
+         "after crash | recovered")  # fmt: skip
+MEMORY = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
 
 
 @dataclass
@@ -178,13 +206,9 @@ class Client:
         out = Outcome(p.request_id, p.phase, p.kind, self.drawn(p.request_id), len(p.prompt), p.max_tokens, self.now())
         arrivals, usage = [out.sent_s], []  # the send, then when the headers and each line came
         body = self.target.body(BenchRequest(p.prompt, len(p.prompt), p.max_tokens))
+        stream = self.http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": p.request_id})
         try:
-            async with (
-                asyncio.timeout(p.cut_after_s),
-                self.http.stream(
-                    "POST", "/v1/completions", json=body, headers={"X-Request-Id": p.request_id}
-                ) as response,
-            ):
+            async with asyncio.timeout(p.cut_after_s), stream as response:
                 arrivals.append(self.now())
                 out.status = response.status_code
                 if out.status != 200:
@@ -247,12 +271,11 @@ def _http_result(status: int, body: bytes, headers: httpx.Headers) -> tuple[str,
     return {503: HTTP_503, 504: HTTP_504}.get(status, HTTP_4XX if status < 500 else HTTP_5XX), message + retry
 
 
-# (prompt, output) token ranges; the burst's requests come all at once on one prefill core: short ones
-RANGES = {"burst": ((16, 64), (8, 40)), "long": ((300, 440), (8, 32)), "plain": ((32, 160), (16, 64))}
-
-
 class Prompts:
     """Exact-length prompts cut from the corpus (``workloads``), lengths drawn from a seeded RNG."""
+
+    # (prompt, output) token ranges; the burst's requests come all at once on one prefill core: short ones
+    RANGES = {"burst": ((16, 64), (8, 40)), "long": ((300, 440), (8, 32)), "plain": ((32, 160), (16, 64))}
 
     def __init__(self, seed: int) -> None:
         self.builder, self.rng = PromptBuilder(tokenizer()), random.Random(seed)
@@ -263,7 +286,7 @@ class Prompts:
     def plan(self, rid: str, phase: str, disconnect: float, long_share: float = 0.0) -> Planned:
         """A plain request (short, or long with ``long_share``), disconnected with ``disconnect``."""
         long = self.rng.random() < long_share
-        (low, high), (out_low, out_high) = RANGES["burst" if phase == "burst" else "long" if long else "plain"]
+        (low, high), (out_low, out_high) = self.RANGES["burst" if phase == "burst" else "long" if long else "plain"]
         planned = Planned(rid, phase, "plain", self.prompt(low, high), self.rng.randint(out_low, out_high))
         if self.rng.random() >= disconnect:
             return planned
@@ -515,27 +538,6 @@ def verdict(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"check": c, "target": t, "measured": m, "met": ok} for c, t, m, ok in rows]
 
 
-EXPECTED_LOG = {  # one line each, by design; a line counts under its first match, the ingress's first
-    "ingress: retried before the first token": "retrying",
-    "ingress: ended with an error after tokens": "ended with an error",
-    "ingress: aborted for no output (504)": "no output for",
-    "ingress: no replica within recovery.wait_s (503)": "no replica could take",
-    "replica: crash injected": "fault injection: crashing",
-    "replica: exported KV unclaimed, freed at the lease's end": "unclaimed after",
-    "replica call failed (Serve's line): injected transfer fault": "injected failure at",
-    "replica call failed (Serve's line): fetch refused, its lease over": "lease expired",
-    "replica call failed (Serve's line): READ from a killed peer": "NIXL_ERR_REMOTE_DISCONNECT",
-    "proxy: client disconnected": "disconnected, cancelling request",
-}
-SERVE_COMPONENTS = ("controller", "proxy")  # Ray Serve's own processes, not this project's code
-LOG_KINDS = {  # the JSON's key of each kind of line not expected, and its title on the page
-    "unexpected": "unexpected in the ingress and engine replicas (tracebacks, errors not injected)",
-    "other_warnings": "other warnings of the ingress and engine replicas",
-    "serve_internal": "warnings, errors and tracebacks of Ray Serve's own controller and proxy",
-}
-SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [\d:,]+ (\S+) ")
-
-
 def scan_logs(log_dir: Path) -> dict[str, Any]:
     """The Ray session's ``serve/*.log`` and workers' ``*.err`` (a line in both counted once): the expected
     events counted; tracebacks, errors and warnings not expected counted by kind and text, Serve's own apart."""
@@ -594,9 +596,6 @@ def _span(values: list[float | None]) -> str:
     return "-" if not known else f"{known[0]:.1f} s" if len(known) == 1 else f"{known[0]:.1f}-{known[-1]:.1f} s"
 
 
-RULE_KEYS = {k: i for i, k in enumerate(("point", "action", "probability", "seconds", "request_id_prefix"))}
-
-
 def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     """A per-fault row: rules, requests met, what the client saw, time to recover, blocks leaked after."""
     killing = spec["kind"].startswith("kill-")
@@ -625,13 +624,6 @@ def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     return [*head, str(sum(r["requests"] for _, r in found)), _counts(dict(results)), recover, leaks]
 
 
-PHASE_LINE = (
-    "**{name}**: {requests} requests in {duration_s:.0f} s; completed: median E2E {median_e2e_s}, p90 {p90_e2e_s}, "
-    "median TTFT {median_ttft_s}; hangs (no byte for > {hang_bound_s:g} s): {hangs}; long silences (> "
-    "{long_silence_s:g} s): {long_silences}; longest silence {max_silence_s}."
-)
-
-
 def _phase_lines(name: str, phase: dict[str, Any]) -> list[str]:
     times = {k: secs(phase[k], 2) for k in ("median_e2e_s", "p90_e2e_s", "median_ttft_s")}
     lines = [cells(PHASE_LINE, phase | times | {"name": name, "max_silence_s": secs(phase["max_silence_s"])}), ""]
@@ -643,10 +635,6 @@ def _phase_lines(name: str, phase: dict[str, Any]) -> list[str]:
         lines += ["", f"After the phase: {leak['held_blocks']} blocks held on the live replicas ({settled}), "
                   f"invariants {'held' if leak['ok'] else 'VIOLATED'}, live: {', '.join(leak['live'])}."]  # fmt: skip
     return lines
-
-
-TARGET_ROW, YES = "{check} | {target} | {measured} | {met}", {True: "yes", False: "**NO**"}
-DISCONNECT = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
 
 
 def render_mode(summary: dict[str, Any]) -> list[str]:
@@ -667,11 +655,6 @@ def render_mode(summary: dict[str, Any]) -> list[str]:
         *_phase_lines("Soak", summary["soak"]),
     ]  # fmt: skip
     return lines + _tail_lines(summary)
-
-
-KILLS = ("# | replica | request | its client saw | others in flight or sent before the restart | restart | first OK "
-         "after crash | recovered")  # fmt: skip
-MEMORY = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
 
 
 def _tail_lines(summary: dict[str, Any]) -> list[str]:

@@ -111,9 +111,24 @@ def arguments(module: str, doc: str | None, out: str | Path | None = None, help:
     return parser
 
 
+def subset(known: Iterable[str], what: str = "system", help: str = "a subset of") -> dict:
+    """``add_argument``'s type, default (all) and help of an option naming some of ``known``, in the order given."""
+    known = list(known)
+
+    def parse(text: str) -> tuple[str, ...]:
+        chosen = tuple(name for name in text.split(",") if name)
+        if unknown := [name for name in chosen if name not in known]:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown[0]!r}: choose from {', '.join(known)}")
+        return chosen
+
+    return {"type": parse, "default": ",".join(known), "help": f"{help} {', '.join(known)}"}
+
+
 @contextlib.contextmanager
-def figure(path: Path, rows: int, cols: int, size: tuple[float, float], dpi: int = 110, **kw) -> Iterator[list]:
-    """A matplotlib figure of ``rows`` x ``cols`` panels (its axes, row by row), saved to ``path``."""
+def figure(path: Path, rows: int, cols: int, size: tuple[float, float], dpi: int = 110, grid: bool = True,
+           legend: dict | None = None, **kw) -> Iterator[list]:  # fmt: skip
+    """A matplotlib figure of ``rows`` x ``cols`` panels (its axes, row by row), saved to ``path``; each
+    panel gridded, and with ``legend`` (``ax.legend``'s options) one where it has labelled lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,29 +136,32 @@ def figure(path: Path, rows: int, cols: int, size: tuple[float, float], dpi: int
 
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False, **kw)
     yield [ax for row in axes for ax in row] + [fig]
-    fig.tight_layout()
+    for ax in fig.axes:
+        if grid:
+            ax.grid(alpha=0.3)
+        if legend is not None and ax.get_legend_handles_labels()[0]:
+            ax.legend(**legend)
+
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
 def plot_attainment(results: dict[str, dict[str, dict]], path: Path, target: float = 0.9) -> None:
     """Attainment against rate per system, one panel per workload (``results[workload][system]``: a sweep)."""
-    with figure(path, 1, len(results), (5 * len(results), 3.8)) as (*axes, _):
+    with figure(path, 1, len(results), (5 * len(results), 3.8), legend={"fontsize": 8}) as (*axes, _):
         for ax, (workload, systems) in zip(axes, results.items()):
             for system, sweep in systems.items():
                 rates = [p["rate"] for p in sweep["points"]]
                 ax.plot(rates, [100 * p["attainment"] for p in sweep["points"]], marker="o", label=system)
             ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
             ax.set(title=workload, xlabel="arrival rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
 
 
 def plot_cdfs(points: dict[str, dict], path: Path, title: str) -> None:
     """TTFT and TPOT CDFs; ``points[system]``: one rate point with its ``records``."""
     import numpy as np
 
-    with figure(path, 1, 2, (10, 3.8)) as (ttft_ax, tpot_ax, fig):
+    with figure(path, 1, 2, (10, 3.8), legend={"fontsize": 8}) as (ttft_ax, tpot_ax, fig):
         for system, point in points.items():
             records = [r for r in map(RequestRecord.from_json, point["records"]) if r.ok]
             for ax, values in ((ttft_ax, [r.ttft for r in records]), (tpot_ax, [r.tpot for r in records if r.tpot])):
@@ -152,6 +170,4 @@ def plot_cdfs(points: dict[str, dict], path: Path, title: str) -> None:
                     ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=f"{system} ({point['rate']:.3g} req/s)")
         for ax, name in ((ttft_ax, "TTFT (s)"), (tpot_ax, "TPOT (s)")):
             ax.set(xlabel=name, ylabel="fraction of requests")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
         fig.suptitle(title)

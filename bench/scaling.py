@@ -1,10 +1,9 @@
 """Replica-count scaling under a stepped decode-heavy load: ``python -m bench.scaling``.
 
-A closed loop of clients (short prompts, long outputs) steps through ``STEPS``; each system runs
-in its own fresh local Ray while the autoscaler is polled: ``scaling`` (the default policy, lending
-and replica counts) and ``lending`` (lending alone, fixed 1 + 1). ``--stage run`` keeps the raw
-records in ``--raw``; ``report`` renders ``scaling.{json,png}`` and its section of ``elastic.md``.
-"""
+A closed loop of clients (short prompts, long outputs) steps through ``STEPS``, the autoscaler polled, each
+system in its own local Ray: ``scaling`` (the default policy: lending and replica counts) and ``lending``
+(lending alone, 1 + 1). ``--stage run`` keeps the raw records in ``--raw``; ``report`` renders
+``scaling.{json,png}`` and its section of ``elastic.md``."""
 
 from __future__ import annotations
 
@@ -23,10 +22,10 @@ from functools import partial
 from pathlib import Path
 
 from bench.compare import COMMON, ELASTIC
-from bench.elastic import SystemRun, lent, mark_spans, parse_systems, save_raw
+from bench.elastic import SystemRun, lent, mark_spans, save_raw
 from bench.host import cpu_model, cpu_ticks, machine, ticks_between, tokenizer, tree_ticks
 from bench.ray_local import Server, serve_logs
-from bench.report import arguments, cells, command_line, figure, read_json, secs, table, write_json, write_page
+from bench.report import arguments, cells, command_line, figure, read_json, secs, subset, table, write_json, write_page
 from bench.serve import Target, client, polled, send, warm_up
 from bench.slo import RequestRecord, distribution
 from workloads import BenchRequest, PromptBuilder
@@ -44,6 +43,15 @@ class Step:
 # each step outlasts the policy's delays plus a replica's start; 16 clients ask for a replica the
 # 2 CPUs cannot place, so the give-up path runs too (docs/benchmarks/elastic.md)
 STEPS = (Step(2, 45.0), Step(8, 75.0), Step(16, 100.0), Step(8, 60.0), Step(2, 75.0))
+STEP_ROW = (
+    "{start_s:.0f}-{end_s:.0f} | {concurrency} | {requests} | {lost} | {ttft_p50_s:.2f} / {ttft_p90_s:.2f} | "
+    "{tpot_p50_s:ms.0f} / {tpot_p90_s:ms.0f} | {tokens_per_s:.1f} | {decode_reporting_mean:.2f} / "
+    "{decode_reporting_max} | {decode_target_max} | {prefill_lent_share:.0%} | {busy_cores:.2f} ({other_cores:.2f})"
+)
+STEP_HEADER = (
+    "step (s) | clients | requests | lost | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) | tokens/s | decode replicas "
+    "reporting (mean / max) | decode target (max) | prefill lent (share of polls) | busy cores (other processes)"
+)
 SYSTEMS = {"scaling": {**ELASTIC, "autoscaling.replica_scaling": "true"}, "lending": ELASTIC}  # disagg_app's, on COMMON
 DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}  # the engine deployments, by pool
 LOG_LINE = re.compile(  # Serve log lines kept: decisions, replicas added / removed / not placed / stopped, errors
@@ -288,17 +296,6 @@ def write_report(runs: list[ScalingRun], out: Path) -> None:
     write_page(out / "elastic.md", NAME, render(summary), SECTION)
 
 
-STEP_ROW = (
-    "{start_s:.0f}-{end_s:.0f} | {concurrency} | {requests} | {lost} | {ttft_p50_s:.2f} / {ttft_p90_s:.2f} | "
-    "{tpot_p50_s:ms.0f} / {tpot_p90_s:ms.0f} | {tokens_per_s:.1f} | {decode_reporting_mean:.2f} / "
-    "{decode_reporting_max} | {decode_target_max} | {prefill_lent_share:.0%} | {busy_cores:.2f} ({other_cores:.2f})"
-)
-STEP_HEADER = (
-    "step (s) | clients | requests | lost | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) | tokens/s | decode replicas "
-    "reporting (mean / max) | decode target (max) | prefill lent (share of polls) | busy cores (other processes)"
-)
-
-
 def render(summary: dict) -> list[str]:
     """The command and the run's tables (the page describes the setup above the block)."""
     systems, order = summary["systems"], summary["order"]
@@ -365,7 +362,8 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
     steps, top = runs[0].steps, max(s.concurrency for s in runs[0].steps)
     windows = step_windows(steps)
     spans = [(a, b, f"{s.concurrency} clients", 0.25 * s.concurrency / top) for s, (a, b) in zip(steps, windows)]
-    with figure(path, 3, 1, (11, 8.5), sharex=True) as (count_ax, tpot_ax, rate_ax, _):
+    legend = {"fontsize": 7, "loc": "upper left"}
+    with figure(path, 3, 1, (11, 8.5), legend=legend, sharex=True) as (count_ax, tpot_ax, rate_ax, _):
         mark_spans([count_ax, tpot_ax, rate_ax], spans, fontsize=8)
         for number, run in enumerate(runs):
             colour, per = COLOURS.get(run.system), summary["systems"][run.system]["per_step"]
@@ -389,19 +387,17 @@ def plot_run(runs: list[ScalingRun], summary: dict, path: Path) -> None:
         count_ax.yaxis.get_major_locator().set_params(integer=True)
         tpot_ax.set_ylabel("TPOT p90 per step (ms)")
         rate_ax.set(ylabel="tokens/s per step", xlabel="time since the load's start (s)")
-        for ax in (count_ax, tpot_ax, rate_ax):
-            ax.legend(fontsize=7, loc="upper left")
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for scaling.json/png, elastic.md")
     default_steps = ",".join(f"{s.concurrency}:{s.seconds:g}" for s in STEPS)
     parser.add_argument("--steps", default=default_steps, help="CLIENTS:SECONDS,... closed-loop steps")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="in the order run: " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", **subset(SYSTEMS, help="in the order run:"))
     parser.add_argument("--stage", choices=("all", "run", "report"), default="all")
     parser.add_argument("--raw", type=Path, default="/tmp/scaling_raw", help="folder for the raw records (not kept)")
     options = parser.parse_args(argv)
-    options.systems, steps = parse_systems(options.systems, SYSTEMS), []
+    steps = []
     for item in options.steps.split(","):
         clients, _, seconds = item.partition(":")
         try:

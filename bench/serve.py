@@ -33,6 +33,7 @@ POLL_S = 1.0  # GET /admin/autoscaler period of ``poll_autoscaler``
 SPLIT_METRICS = {"ingress_ttft": "ray_tandem_ttft_seconds", "kv_transfer": "ray_tandem_kv_transfer_seconds"} | {
     p: f"ray_tandem_ttft_{p}_seconds" for p in ("prefill_hop", "prefill_queue", "prefill_compute", "decode_queue")
 }
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")  # name, labels, value
 
 
 @dataclass
@@ -129,9 +130,6 @@ def uncontended(target: Target, request: BenchRequest, repeats: int = 3, max_tok
     records = [run_checked(target, [probe], "uncontended probe")[0] for _ in range(repeats + 1)][1:]
     ttft, tpot = statistics.median(r.ttft for r in records), statistics.median(r.tpot for r in records)
     return {"prompt_tokens": request.prompt_tokens, "ttft_s": ttft, "tpot_s": tpot}
-
-
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")  # name, labels, value
 
 
 def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from bench.host import engine_core, seconds
-from bench.ray_local import start_local_ray
+from bench.ray_local import Server
 from bench.report import arguments, command_line, publish, table
 
 NAME = "bench.serve_overhead"
@@ -22,6 +22,17 @@ MODEL = "SmolLM2-135M-Instruct"
 NUM_TOKENS = 48
 REPEATS = 20
 PROMPT = [{"role": "user", "content": "Write a short paragraph about the history of bridges."}]
+ROWS = (  # figure, its key in serve_overhead.json, target
+    ("engine decode step, in process", "engine_step_ms", ""),
+    ("engine step inside the decode replica (its last 64 model steps)", "decode_replica_step_ms", ""),
+    ("inter-token latency through the ingress, p50 of all tokens", "itl_p50_ms", ""),
+    ("overhead per token (request's ITL p50 - engine step in process)", "itl_overhead_ms", "<= 2"),
+    ("the Serve path alone (request's ITL p50 - replica step)", "serve_path_ms", ""),
+    ("TTFT, disagg_app", "ttft_disagg_ms", ""),
+    ("TTFT, colocated_app", "ttft_colocated_ms", ""),
+    ("KV transfer measured on the decode replica", "kv_transfer_ms", ""),
+    ("TTFT added by the prefill -> decode hop, without the transfer", "hop_added_ms", "<= 15"),
+)
 
 
 def step_ms(core) -> float:
@@ -49,25 +60,18 @@ def stream_once(url: str) -> tuple[float, list[float]]:
 
 def main(argv: list[str] | None = None) -> None:
     arguments(NAME, __doc__).parse_args(argv)
-    import ray
     from ray import serve
 
-    from app.config import colocated_app, disagg_app
+    from app.config import colocated_app
 
     local = engine_core(max_model_len=1024, kv_cache_bytes=64 << 20)  # as a replica: one torch thread
     step_ms(local)  # warm-up
-    start_local_ray()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20),
-                  "colocated.num_replicas": "1", "autoscaling.enabled": "false"}  # fmt: skip
-        serve.run(disagg_app(common), name="disagg", route_prefix="/")
+    common = {"model.max_model_len": "1024", "engine.kv_cache_bytes": str(64 << 20),
+              "colocated.num_replicas": "1", "autoscaling.enabled": "false"}  # fmt: skip
+    with Server("disagg", common, port=PORT) as server:
         serve.run(colocated_app(common), name="colo", route_prefix="/colo")
-        decode = serve.get_deployment_handle("DecodeServer", app_name="disagg")
-        repetitions = [repetition(f"http://127.0.0.1:{PORT}", decode, local) for _ in range(REPEATS + 1)][1:]
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        decode = serve.get_deployment_handle("DecodeServer", app_name=server.name)
+        repetitions = [repetition(server.url, decode, local) for _ in range(REPEATS + 1)][1:]
     rows = [row for row, _ in repetitions]
     result = {"command": command_line(NAME)} | {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     result["itl_p50_ms"] = statistics.median(gap for _, gaps in repetitions for gap in gaps) * 1e3
@@ -89,19 +93,6 @@ def repetition(base: str, decode, local) -> tuple[dict[str, float], list[float]]
            "ttft_disagg_ms": t_d * 1e3, "ttft_colocated_ms": t_c * 1e3, "kv_transfer_ms": transfer_s * 1e3,
            "hop_added_ms": (t_d - t_c - transfer_s) * 1e3}  # fmt: skip
     return row, gaps
-
-
-ROWS = (  # figure, its key in serve_overhead.json, target
-    ("engine decode step, in process", "engine_step_ms", ""),
-    ("engine step inside the decode replica (its last 64 model steps)", "decode_replica_step_ms", ""),
-    ("inter-token latency through the ingress, p50 of all tokens", "itl_p50_ms", ""),
-    ("overhead per token (request's ITL p50 - engine step in process)", "itl_overhead_ms", "<= 2"),
-    ("the Serve path alone (request's ITL p50 - replica step)", "serve_path_ms", ""),
-    ("TTFT, disagg_app", "ttft_disagg_ms", ""),
-    ("TTFT, colocated_app", "ttft_colocated_ms", ""),
-    ("KV transfer measured on the decode replica", "kv_transfer_ms", ""),
-    ("TTFT added by the prefill -> decode hop, without the transfer", "hop_added_ms", "<= 15"),
-)
 
 
 def render(r: dict) -> list[str]:

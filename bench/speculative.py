@@ -1,15 +1,10 @@
 """Speculative decoding (prompt lookup) on against off: ``python -m bench.speculative``.
 
-The engine in this process (default model, one torch thread), on ``workloads.documents``'s
-texts that do not repeat themselves (edit-and-return, summarization, chatbot): decode TPOT at
-batch 1 and 16, on and off in alternating rounds, up to the model's own end of text and with
-``ignore_eos``; acceptance rate and tokens per verify step; then a batch-size sweep on edit with
-speculation at every size, whose crossover sets ``speculative.disable_by_batch_size``.
-``--stage served``: goodput through ``disagg_app`` (pull, fixed 1 + 1 pools, ``bench.serve``'s
-harness) on edit prompts, off then on, SLOs from the idle system without speculation (TTFT 5x,
-TPOT 2x, as ``bench.compare``). Writes ``<out>/speculative.{json,png}`` and the block of
-``<out>/speculative.md`` (a stage keeps the other's results; ``report`` only re-renders them).
-"""
+The engine in this process on ``workloads.documents``'s texts (edit, summarization, chatbot): decode TPOT at
+batch 1 and 16, on and off in alternating rounds, to the end of text and with ``ignore_eos``; acceptance and
+tokens per verify step; a batch-size sweep on edit (its crossover sets ``speculative.disable_by_batch_size``).
+``--stage served``: goodput through ``disagg_app`` (pull, 1 + 1) on edit prompts, off then on, SLOs as
+``bench.compare``'s. Writes ``<out>/speculative.{json,png}`` and ``<out>/speculative.md``'s block."""
 
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.engine import greedy_request
 from bench.host import engine_core, machine
 from bench.report import arguments, cells, command_line, figure, publish, read_json, table
 from workloads.documents import WORKLOADS, messages
@@ -30,6 +26,9 @@ SWEEP = (1, 2, 4, 8, 16)
 MAX_TOKENS = 256  # up to the end of text (the edit answers copy whole functions)
 IGNORE_EOS_TOKENS = 128
 ON = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SERVED_TOKENS = 128
+SERVED_RATES = (2.0, 3.0, 4.0, 5.0, 6.0)  # multiples of 1 / (uncontended E2E of the median request)
+WARM_UP = 8  # short requests at once, twice, before a sweep: the first batched steps build kernels
 
 
 def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
@@ -40,14 +39,10 @@ def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
 
 def run_batch(core, batch: list[list[int]], ignore_eos: bool) -> dict:
     """All of ``batch`` at once to the end: mean decode TPOT over requests, tokens, acceptance."""
-    from engine.params import GenerationRequest, SamplingParams
-
-    before = dataclasses.astuple(core.spec_counters)
+    before, first, last, tokens = dataclasses.astuple(core.spec_counters), {}, {}, {}
     max_tokens = IGNORE_EOS_TOKENS if ignore_eos else MAX_TOKENS
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
-    first, last, tokens = {}, {}, {}
     for i, prompt in enumerate(batch):
-        core.add_request(GenerationRequest(f"r{i}", tuple(prompt), sampling))
+        core.add_request(greedy_request(f"r{i}", prompt, max_tokens, ignore_eos))
     while core.has_work():
         outputs = core.step()
         now = time.perf_counter()
@@ -70,14 +65,10 @@ def compare(cores: dict, batch: list[list[int]], ignore_eos: bool, rounds: int) 
             runs[system].append(run_batch(cores[system], batch, ignore_eos))
     on, off = runs["on"], runs["off"]
     draft_tokens, accepted, drafts = (sum(r[k] for r in on) for k in ("draft_tokens", "accepted_tokens", "drafts"))
-    return {
-        "tpot_on_s": statistics.median(r["tpot_s"] for r in on),
-        "tpot_off_s": statistics.median(r["tpot_s"] for r in off),
-        "tokens_on": on[-1]["tokens"],
-        "tokens_off": off[-1]["tokens"],
-        "acceptance": accepted / draft_tokens if draft_tokens else None,
-        "tokens_per_verify": 1 + accepted / drafts if drafts else None,
-    }
+    return {"tpot_on_s": statistics.median(r["tpot_s"] for r in on), "tokens_on": on[-1]["tokens"],
+            "tpot_off_s": statistics.median(r["tpot_s"] for r in off), "tokens_off": off[-1]["tokens"],
+            "acceptance": accepted / draft_tokens if draft_tokens else None,
+            "tokens_per_verify": 1 + accepted / drafts if drafts else None}  # fmt: skip
 
 
 def measure(options: argparse.Namespace) -> dict:
@@ -95,11 +86,6 @@ def measure(options: argparse.Namespace) -> dict:
         (rows if workload else sweep).append(head | row)
         print(head | row, flush=True)
     return {"command": command_line(NAME), "machine": machine(), "speculative": ON, "rows": rows, "sweep": sweep}
-
-
-SERVED_TOKENS = 128
-SERVED_RATES = (2.0, 3.0, 4.0, 5.0, 6.0)  # multiples of 1 / (uncontended E2E of the median request)
-WARM_UP = 8  # short requests at once, twice, before a sweep: the first batched steps build kernels
 
 
 def served(options: argparse.Namespace) -> dict:
@@ -141,15 +127,11 @@ def render(data: dict) -> list[str]:
     lines += table(f"workload | batch | stops at | {head} | tokens per verify", [cells(template, r) for r in items])
     lines += ["", "Batch-size sweep (edit, `ignore_eos`, speculation at every size):", ""]
     lines += table(f"batch | {head}", [cells(f"{{batch}} | {row}", {**r, "x": _speedup(r)}) for r in data["sweep"]])
-    return lines + render_served(data.get("served"))
-
-
-def render_served(served_data: dict | None) -> list[str]:
-    if not served_data:
-        return []
+    if not (served_data := data.get("served")):
+        return lines
     calibration, results = served_data["calibration"], served_data["results"]
     points = len(next(iter(results.values()))["points"])
-    lines = ["", f"Served (`{served_data['command']}`): disagg_app, pull, 1 + 1 replicas, edit prompts, "
+    lines += ["", f"Served (`{served_data['command']}`): disagg_app, pull, 1 + 1 replicas, edit prompts, "
              f"{SERVED_TOKENS} tokens each with `ignore_eos`, {points} rate points; "
              f"SLO TTFT {5 * calibration['ttft_s']:.2f} s, TPOT {2e3 * calibration['tpot_s']:.0f} ms (5x and 2x the "
              "idle system's without speculation).", ""]  # fmt: skip
@@ -162,14 +144,13 @@ def render_served(served_data: dict | None) -> list[str]:
 def plot(data: dict, path: Path) -> None:
     """TPOT off and on per workload, batch and stop (left); the batch-size sweep's speed-up (right)."""
     rows = data["rows"]
-    with figure(path, 1, 2, (11, 3.8)) as (bars, sweep_ax, _):
+    with figure(path, 1, 2, (11, 3.8), grid=False, legend={"fontsize": 8}) as (bars, sweep_ax, _):
         xs = range(len(rows))
         bars.bar([x - 0.2 for x in xs], [1e3 * r["tpot_off_s"] for r in rows], 0.4, label="off")
         bars.bar([x + 0.2 for x in xs], [1e3 * r["tpot_on_s"] for r in rows], 0.4, label="on")
         labels = [f"{r['workload'][:5]} b{r['batch']}{' ie' if r['ignore_eos'] else ''}" for r in rows]
         bars.set_xticks(list(xs), labels, rotation=60, fontsize=7)
         bars.set(ylabel="decode TPOT (ms)", title="speculation off / on (ie: ignore_eos)")
-        bars.legend(fontsize=8)
         sweep_ax.plot([r["batch"] for r in data["sweep"]], [_speedup(r) for r in data["sweep"]], marker="o")
         sweep_ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         sweep_ax.set(xscale="log", xlabel="batch (edit, ignore_eos)", ylabel="TPOT speed-up", ylim=(0, None))

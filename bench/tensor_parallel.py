@@ -1,14 +1,10 @@
 """Tensor parallelism on this CPU: ``python -m bench.tensor_parallel``.
 
-``--stage decode``: a decode step of the default model at TP 1 and TP 3 (ranks as local
-processes, one torch thread each), batch 1 and 16, with the share of rank 0's step spent in
-all-reduces (the sums themselves and the wait for the other ranks: three ranks share two cores).
-``--stage transfer``: one request's KV (16 and 64 MB, an 8B-class layout: 32 layers, 8 KV heads
-of 128, float32, 16-token blocks) read (pull) and written (push) over NIXL between two agents
-of this process: the same degree (whole blocks, coalesced), re-sharded 1 -> 2 in today's layout
-(a rank takes 4 of 8 heads: one descriptor per token), and what a heads-major layout would give
-(one descriptor per block of the same bytes). Writes ``<out>/tensor_parallel.{json,png}`` and the block of
-``<out>/tensor_parallel.md`` (a stage keeps the other's results; ``report`` re-renders them).
+``--stage decode``: a decode step of the default model at TP 1 and TP 3 (local ranks, one torch thread each),
+batch 1 and 16, and the share of rank 0's step in all-reduces. ``--stage transfer``: one request's KV (16 and
+64 MB of an 8B-class layout) read and written over NIXL between two agents of this process: whole blocks,
+re-sharded 1 -> 2 (a descriptor per token), and heads-major (a descriptor per block). Writes
+``<out>/tensor_parallel.{json,png}`` and ``<out>/tensor_parallel.md``'s block (a stage keeps the other's results).
 """
 
 from __future__ import annotations
@@ -17,7 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.host import machine
+from bench.engine import greedy_request, prefilled
+from bench.host import engine_core, machine, seconds
 from bench.report import arguments, cells, command_line, figure, publish, read_json, table
 
 NAME = "bench.tensor_parallel"
@@ -30,28 +27,13 @@ REPEATS = 5
 
 def decode_steps(degree: int, batch: int) -> dict:
     """Median decode step (s) of ``batch`` sequences, and rank 0's share of it in all-reduces."""
-    import torch
-
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.loader import ModelSpec
-    from engine.params import GenerationRequest, SamplingParams
-
-    torch.set_num_threads(1)
-    config = EngineConfig(tensor_parallel_size=degree, max_model_len=512, kv_cache_bytes=64 << 20)
-    core = EngineCore.from_spec(ModelSpec(), config)
+    core = engine_core(tensor_parallel_size=degree, max_model_len=512, kv_cache_bytes=64 << 20)
     try:
-        sampling = SamplingParams(max_tokens=STEPS + 8, temperature=0, ignore_eos=True)
-        for i in range(batch):
-            core.add_request(GenerationRequest(f"r{i}", tuple(range(100 + i, 132 + i)), sampling))
-        for _ in range(4):  # the prompts, then warm decode steps
-            core.step()
+        prefilled(core, [greedy_request(f"r{i}", range(100 + i, 132 + i), STEPS + 8) for i in range(batch)], warm=3)
         times, reduce = [], []
         for _ in range(STEPS):
             before = core.tp.group.reduce_s if core.tp else 0.0
-            start = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - start)
+            times.append(seconds(core.step))
             reduce.append((core.tp.group.reduce_s if core.tp else 0.0) - before)
         core.abort_all()
     finally:
@@ -97,14 +79,6 @@ def all_reduce_alone(batch: int, degree: int = 3, rounds: int = 300) -> float:
     for proc in procs:
         proc.join()
     return group.reduce_s / rounds
-
-
-def stage_decode() -> list[dict]:
-    rows = [decode_steps(degree, batch) for batch in BATCHES for degree in (1, 3)]
-    for row in rows:
-        row["all_reduce_alone_s"] = all_reduce_alone(row["batch"]) if row["degree"] == 3 else None
-        row["all_reduce_two_ranks_s"] = all_reduce_alone(row["batch"], degree=2) if row["degree"] == 3 else None
-    return rows
 
 
 def _rows(base: int, blocks: int, pool_blocks: int, heads: int, first: int | None, count: int, per_block: bool):
@@ -171,24 +145,17 @@ def transfer_case(size_mb: int) -> list[dict]:
     return results
 
 
-def stage_transfer() -> list[dict]:
-    return [row for size in SIZES_MB for row in transfer_case(size)]
-
-
 def render(data: dict) -> list[str]:
     lines = [f"Measured with `{data['command']}` on {data['machine']}.", ""]
     decode = {(r["degree"], r["batch"]): r for r in data.get("decode", [])}
     if decode:
         rows = []
+        template = "{batch} | {one:ms.1f} ms | {step_s:ms.1f} ms | {ratio:.2f}x | {reduce_s:ms.1f} ms ({share:.0%})"
+        template += " | {all_reduce_alone_s:ms.2f} ms | {all_reduce_two_ranks_s:ms.2f} ms"
         for batch in BATCHES:
-            one, three = decode[(1, batch)], decode[(3, batch)]
-            share = three["reduce_s"] / three["step_s"]
-            item = {"b": batch, "o": one["step_s"], "t": three["step_s"], "a": three["reduce_s"], "s": share}
-            item["r"], item["alone"] = three["step_s"] / one["step_s"], three["all_reduce_alone_s"]
-            item["two"] = three["all_reduce_two_ranks_s"]
-            template = "{b} | {o:ms.1f} ms | {t:ms.1f} ms | {r:.2f}x | {a:ms.1f} ms ({s:.0%})"
-            template += " | {alone:ms.2f} ms | {two:ms.2f} ms"
-            rows.append(cells(template, item))
+            one, three = decode[(1, batch)]["step_s"], decode[(3, batch)]
+            item = {"one": one, "ratio": three["step_s"] / one, "share": three["reduce_s"] / three["step_s"]}
+            rows.append(cells(template, three | item))
         header = (
             "batch | TP 1 step | TP 3 step | TP 3 / TP 1 | TP 3 rank 0 in its 60 all-reduces | one all-reduce alone, "
             "3 ranks | one all-reduce alone, 2 ranks"
@@ -203,7 +170,7 @@ def render(data: dict) -> list[str]:
 
 
 def plot(data: dict, path: Path) -> None:
-    with figure(path, 1, 2, (10, 3.6)) as (step_ax, read_ax, _):
+    with figure(path, 1, 2, (10, 3.6), grid=False) as (step_ax, read_ax, _):
         for degree in (1, 3):
             points = [r for r in data.get("decode", []) if r["degree"] == degree]
             step_ax.bar([f"b{r['batch']} TP{degree}" for r in points], [1e3 * r["step_s"] for r in points])
@@ -224,9 +191,12 @@ def main() -> None:
     if args.stage != "report":
         data.update(command=command_line(NAME), machine=machine())
     if args.stage in ("decode", "all"):
-        data["decode"] = stage_decode()
+        data["decode"] = [decode_steps(degree, batch) for batch in BATCHES for degree in (1, 3)]
+        for row in data["decode"]:  # at TP 3: one all-reduce alone among 3 and 2 ranks
+            row["all_reduce_alone_s"] = all_reduce_alone(row["batch"]) if row["degree"] == 3 else None
+            row["all_reduce_two_ranks_s"] = all_reduce_alone(row["batch"], degree=2) if row["degree"] == 3 else None
     if args.stage in ("transfer", "all"):
-        data["transfer"] = stage_transfer()
+        data["transfer"] = [row for size in SIZES_MB for row in transfer_case(size)]
     plot(data, args.out / "tensor_parallel.png")
     publish(args.out, "tensor_parallel", NAME, data, render(data), "# Tensor parallelism on one CPU machine")
 

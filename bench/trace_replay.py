@@ -28,9 +28,9 @@ from typing import Any
 from autoscaling.policy import Scaling, load_policy
 from bench.calibrate_planner import Prompts, core
 from bench.drift import sample
-from bench.elastic import SYSTEMS, binned, each_system, parse_systems
+from bench.elastic import SYSTEMS, binned, each_system
 from bench.host import machine, tokenizer
-from bench.report import arguments, cells, command_line, publish, read_json, table
+from bench.report import arguments, cells, command_line, publish, read_json, subset, table
 from bench.serve import run, warm_up
 from bench.slo import SLO, distribution
 from planner import replay
@@ -48,6 +48,14 @@ PROMPT_DIV, PROMPT_RANGE = 8, (16, 384)
 OUTPUT_DIV, OUTPUT_RANGE = 4, (8, 96)
 CAPACITY_COMPRESSION = 4.0  # the window offered this much faster to find what 1 + 1 completes
 MINUTE_S = 60.0
+ROW = (  # one system: measured / predicted, and their difference
+    "{name} | {m[attainment]:.0%} / {p[attainment]:.0%} | {diff:+.0f} | {m[ttft_attainment]:.0%} / "
+    "{p[ttft_attainment]:.0%} | {m[tpot_attainment]:.0%} / {p[tpot_attainment]:.0%} | {m[ttft_p90_s]:ms.0f} / "
+    "{p[ttft_p90_s]:ms.0f} | {m[tpot_p90_s]:ms.0f} / {p[tpot_p90_s]:ms.0f} | {m[errors]}"
+)
+SHAPE = "{k} | {r:ms.1f} | {b:ms.1f} | {a:ms.1f} | {br:.2f} | {ar:.2f}"
+HEADER = ("system (measured / predicted) | attainment | predicted - measured (points) | TTFT met | TPOT met | "
+          "TTFT p90 (ms) | TPOT p90 (ms) | errors")  # fmt: skip
 
 
 def _clip(value: float, bounds: tuple[int, int]) -> int:
@@ -152,16 +160,6 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
     return data
 
 
-ROW = (  # one system: measured / predicted, and their difference
-    "{name} | {m[attainment]:.0%} / {p[attainment]:.0%} | {diff:+.0f} | {m[ttft_attainment]:.0%} / "
-    "{p[ttft_attainment]:.0%} | {m[tpot_attainment]:.0%} / {p[tpot_attainment]:.0%} | {m[ttft_p90_s]:ms.0f} / "
-    "{p[ttft_p90_s]:ms.0f} | {m[tpot_p90_s]:ms.0f} / {p[tpot_p90_s]:ms.0f} | {m[errors]}"
-)
-SHAPE = "{k} | {r:ms.1f} | {b:ms.1f} | {a:ms.1f} | {br:.2f} | {ar:.2f}"
-HEADER = ("system (measured / predicted) | attainment | predicted - measured (points) | TTFT met | TPOT met | "
-          "TTFT p90 (ms) | TPOT p90 (ms) | errors")  # fmt: skip
-
-
 def render(data: dict[str, Any]) -> list[str]:
     slo, systems = data["slo"], data["systems"]
     lines = ["", f"Command: `{data['command']}`; {data['machine']}.",
@@ -194,10 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-s", type=float, default=1800.0, help="the window's start in the trace (s)")
     parser.add_argument("--window-s", type=float, default=600.0)
     parser.add_argument("--load", type=float, default=0.6, help="mean load as a share of 1 + 1's capacity")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", **subset(SYSTEMS))
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args(argv)
-    options.systems = list(parse_systems(options.systems, SYSTEMS))
     data = run_all(options, argv)
     title = "# The production trace on this machine, served and simulated"
     publish(options.out, "trace_replay", NAME, data, lines := render(data), title)
