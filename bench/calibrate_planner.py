@@ -99,23 +99,6 @@ def measure_engine() -> dict:
             "kv_bytes_per_token": layout.bytes_per_token, "kv_capacity_tokens": capacity}  # fmt: skip
 
 
-def measure_transfer() -> list[dict]:
-    """Our NIXL pull between two Ray actors (processes), medians of ``REPEATS`` after a warm-up."""
-    import ray
-
-    from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure
-    from bench.ray_local import start_local_ray
-
-    start_local_ray(object_store_memory=1 << 30)
-    try:
-        producer, consumer = TransferActor.remote("cal-producer"), TransferActor.remote("cal-consumer")
-        pull = lambda blocks, rep: measure("nixl_pull", producer, consumer, f"{blocks}-{rep}", blocks)  # noqa: E731
-        found = medians(TRANSFER_BLOCKS, REPEATS, pull)
-    finally:
-        ray.shutdown()
-    return [{"blocks": b, "bytes": b * BYTES_PER_BLOCK, "seconds": s} for b, s in found.items()]
-
-
 def probe_stack(target, cost, kind: str) -> dict:
     """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s engine fits: one
     request at a time per length, per batch that many at once (the second of two rounds), a load run, and their
@@ -185,25 +168,25 @@ def _stack_cpu(target, requests) -> dict:
             "cpu_s_per_token": round(stack_s / max(tokens, 1), 6)}  # fmt: skip
 
 
-def measure_stack(data: dict) -> dict:
-    """The serving stack's share per system kind, against ``data``'s engine fits."""
-    from bench.compare import system_server
-    from planner.costs import calibrated_cost
-
-    cost, kinds = calibrated_cost(data), {}
-    for kind, system in STACK_SYSTEMS.items():
-        with system_server(system, 0, NO_PREFIX_CACHE) as server:
-            kinds[kind] = probe_stack(Target(server.url, server.model()), cost, kind) | {"system": system}
-    source = (f"served app, one request at a time, then {' and '.join(map(str, STACK_BATCHES))} at once, then "
-              f"{STACK_LOAD[0]} requests one every {STACK_LOAD[1]} s: bench.calibrate_planner.probe_stack")  # fmt: skip
-    return {"source": source, "kinds": kinds}
-
-
 def calibrate(command: str) -> dict:
+    """Engine steps and a decode batch beside a prefilling process (each in a fresh process), then our NIXL pull
+    between two Ray actors (medians of ``REPEATS`` after a warm-up)."""
+    import ray
+
+    from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure
+    from bench.ray_local import start_local_ray
+
     started = time.time()
     print("engine steps, a decode batch beside a prefilling process, NIXL pull...", file=sys.stderr, flush=True)
     engine, floor = worker_json(NAME, "measure_engine"), worker_json("bench.elastic", "engine_floor", 48, ROUNDS, True)
-    transfer = measure_transfer()
+    start_local_ray(object_store_memory=1 << 30)
+    try:
+        producer, consumer = TransferActor.remote("cal-producer"), TransferActor.remote("cal-consumer")
+        pull = lambda blocks, rep: measure("nixl_pull", producer, consumer, f"{blocks}-{rep}", blocks)  # noqa: E731
+        found = medians(TRANSFER_BLOCKS, REPEATS, pull)
+    finally:
+        ray.shutdown()
+    transfer = [{"blocks": b, "bytes": b * BYTES_PER_BLOCK, "seconds": s} for b, s in found.items()]
     slowdown = floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1
     source = "batch-8 decode step beside a process prefilling distinct 400-token prompts / alone - 1"
     return {"command": command, "machine": machine(),
@@ -227,9 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.refit_stack:
         for kind in data["stack"]["kinds"].values():
             kind.update(fit_stack(kind))
-    else:
+    else:  # the serving stack's share per system kind, against the engine fits
+        from bench.compare import system_server
+        from planner.costs import calibrated_cost
+
         print("serving stack (through the served app)...", file=sys.stderr, flush=True)
-        data["stack"] = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **measure_stack(data)}
+        cost, kinds = calibrated_cost(data), {}
+        for kind, system in STACK_SYSTEMS.items():
+            with system_server(system, 0, NO_PREFIX_CACHE) as server:
+                kinds[kind] = probe_stack(Target(server.url, server.model()), cost, kind) | {"system": system}
+        source = (f"served app, one request at a time, then {' and '.join(map(str, STACK_BATCHES))} at once, then "
+                  f"{STACK_LOAD[0]} requests one every {STACK_LOAD[1]} s: {NAME}.probe_stack")  # fmt: skip
+        data["stack"] = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "source": source,
+                         "kinds": kinds}  # fmt: skip
     cost = load_calibration(save_calibration(data, args.out))
     text = f"decode {cost.decode}, transfer {cost.transfer}, interference {cost.interference}, stack {cost.stacks}"
     print(f"wrote {args.out}: {text}", file=sys.stderr)

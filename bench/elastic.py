@@ -421,7 +421,23 @@ def render(summary: dict) -> list[str]:
     lines = [""]
     if summary["command"]:
         lines += [f"Command: `{summary['command']}`. Machine: {summary['machine']}.", ""]
-    lines += _trace_lines(summary) + _result_lines(summary)
+    lines += _trace_lines(summary)
+    if results := summary["results"]:
+        names, p90 = [p["name"] for p in summary["phases"]], "{ttft_p90_s:.2f} / {tpot_p90_s:ms.0f}"
+        rows = [[s, *(f"{per[n]['attainment']:.0%}" for n in [*names, "overall"]), per["overall"]["failed"],
+                 f"{summary['elapsed_s'][s] / 60:.1f}"] for s, per in results.items()]  # fmt: skip
+        lines += ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
+        lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
+        lines += [*table(["system", *names], [[s, *(cells(p90, per[n]) for n in names)] for s, per in results.items()])]
+        rows = []
+        for t in summary["targets"]:
+            known = t["value"] is not None and t["bar"] is not None
+            result = ("ok" if t["value"] >= t["bar"] - 1e-9 else "MISSED") if known else None
+            value = t["value"] if known else None
+            rows.append(cells("{target} | {value:.0%} | {bar:.0%} | {result}", t | {"value": value, "result": result}))
+        caption = ("the elastic prefill replica's role, with its decisions; attainment of the requests arriving in "
+                   f"each {BIN_S:g} s; requests in flight (client side)")  # fmt: skip
+        lines += ["", *table("target | elastic | bar | result", rows), "", f"![timeline: {caption}](elastic.png)", ""]
     if "elastic" in summary["elapsed_s"]:
         phases, row = summary["phases"], "{t:.1f} | {phase} | {action} | {replica} | {role} | {reason}"
         at = [next((p["name"] for p in phases if p["start_s"] <= d["t"] < p["end_s"]), "after the trace")
@@ -473,27 +489,6 @@ def _trace_lines(summary: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def _result_lines(summary: dict) -> list[str]:
-    results = summary["results"]
-    if not results:
-        return []
-    names, p90 = [p["name"] for p in summary["phases"]], "{ttft_p90_s:.2f} / {tpot_p90_s:ms.0f}"
-    rows = [[s, *(f"{per[n]['attainment']:.0%}" for n in [*names, "overall"]), per["overall"]["failed"],
-             f"{summary['elapsed_s'][s] / 60:.1f}"] for s, per in results.items()]  # fmt: skip
-    lines = ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
-    lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
-    lines += [*table(["system", *names], [[s, *(cells(p90, per[n]) for n in names)] for s, per in results.items()]), ""]
-    rows = []
-    for t in summary["targets"]:
-        known = t["value"] is not None and t["bar"] is not None
-        result = ("ok" if t["value"] >= t["bar"] - 1e-9 else "MISSED") if known else None
-        value = t["value"] if known else None
-        rows.append(cells("{target} | {value:.0%} | {bar:.0%} | {result}", t | {"value": value, "result": result}))
-    caption = ("the elastic prefill replica's role, with its decisions; attainment of the requests arriving in each "
-               f"{BIN_S:g} s; requests in flight (client side)")  # fmt: skip
-    return [*lines, *table("target | elastic | bar | result", rows), "", f"![timeline: {caption}](elastic.png)", ""]
-
-
 def floor_lines(floor: dict | None) -> list[str]:
     if floor is None:
         return []
@@ -526,11 +521,21 @@ def lent(sample: dict) -> bool:
 
 def plot_timeline(report: dict, path: Path) -> None:
     """The elastic prefill replica's role and decisions, attainment per bin, requests in flight."""
-    legend = {"fontsize": 8, "loc": "upper left"}
+    legend, elastic = {"fontsize": 8, "loc": "upper left"}, report["runs"].get("elastic")
     with figure(path, 3, 1, (11, 8), legend=legend, sharex=True) as (role_ax, bin_ax, flight_ax, _):
         spans = [(p.start_s, p.end_s, p.name, 0.12 if p.kind == "burst" else 0.0) for p in report["phases"]]
         mark_spans([role_ax, bin_ax, flight_ax], spans)
-        _plot_roles(role_ax, report["runs"].get("elastic"))
+        role_ax.set_yticks([0, 1], ["prefill", "both (lent)"])
+        role_ax.set(ylim=(-0.3, 1.3), ylabel="elastic: prefill\nreplica's role")
+        if elastic is None or not elastic.timeline:
+            role_ax.text(0.5, 0.5, "no elastic run", transform=role_ax.transAxes, ha="center")
+        else:
+            roles = [float(lent(s)) for s in elastic.timeline]
+            role_ax.step([s["t"] for s in elastic.timeline], roles, where="post", color=COLOURS["elastic"])
+        for d in elastic.decisions if elastic and elastic.timeline else ():
+            colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
+            role_ax.axvline(d["t"], color=colour, linewidth=1, alpha=0.8)
+            role_ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
         for system, run in report["runs"].items():
             if bins := attainment_bins(run, report["phases"], report["calibration"]):
                 starts, values = zip(*bins)
@@ -539,20 +544,6 @@ def plot_timeline(report: dict, path: Path) -> None:
             flight_ax.plot(*in_flight(run), label=system, linewidth=1, color=COLOURS.get(system))
         bin_ax.set(ylabel=f"SLO attainment\nper {BIN_S:g} s", ylim=(-0.05, 1.05))
         flight_ax.set(ylabel="requests in flight", xlabel="time since the trace's start (s)")
-
-
-def _plot_roles(ax, run: SystemRun | None) -> None:
-    ax.set_yticks([0, 1], ["prefill", "both (lent)"])
-    ax.set(ylim=(-0.3, 1.3), ylabel="elastic: prefill\nreplica's role")
-    if run is None or not run.timeline:
-        ax.text(0.5, 0.5, "no elastic run", transform=ax.transAxes, ha="center")
-        return
-    roles = [float(lent(s)) for s in run.timeline]
-    ax.step([s["t"] for s in run.timeline], roles, where="post", color=COLOURS["elastic"])
-    for d in run.decisions:
-        colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
-        ax.axvline(d["t"], color=colour, linewidth=1, alpha=0.8)
-        ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:

@@ -113,22 +113,6 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
             "mv_bandwidth_bytes_per_s": matrix.numel() * matrix.element_size() / statistics.median(mv)}  # fmt: skip
 
 
-def our_concurrent(core, prompts: list[list[int]]) -> dict[str, float]:
-    """Aggregate tokens/s end to end, and over the steps in which every request decodes."""
-    for i, prompt in enumerate(prompts):
-        core.add_request(greedy_request(f"c{i}", prompt, NEW_TOKENS))
-    decode_tokens, decode_s, total_tokens, start = 0, 0.0, 0, time.perf_counter()
-    while core.has_work():
-        step_start = time.perf_counter()
-        outputs = core.step()
-        elapsed = time.perf_counter() - step_start
-        total_tokens += len(outputs)
-        if core.stats().num_running == len(prompts) and all(o.num_output_tokens > 1 for o in outputs):
-            decode_tokens, decode_s = decode_tokens + len(outputs), decode_s + elapsed
-    wall = time.perf_counter() - start
-    return {"end_to_end_tokens_per_s": total_tokens / wall, "decode_tokens_per_s": decode_tokens / decode_s}
-
-
 @torch.inference_mode()
 def hf_generation(model, prompt: list[int], prompts: list[list[int]]) -> dict[str, float]:
     """transformers ``generate`` at batch 1 (median of 2) and ``generate_batch`` on ``prompts``, tokens/s."""
@@ -146,17 +130,6 @@ def hf_generation(model, prompt: list[int], prompts: list[list[int]]) -> dict[st
     return {"hf_generate_tokens_per_s": NEW_TOKENS / one_s, "hf_generate_batch_32_tokens_per_s": batch_tokens / batch_s}
 
 
-@torch.inference_mode()
-def prefill_pair_s(core, model, prompt: list[int], repeats: int = 3) -> tuple[float, float]:
-    """Our prefill and one transformers forward over the same tokens, interleaved (ABAB, the first pair warms up)."""
-    ids, ours, theirs = torch.tensor([prompt]), [], []
-    for i in range(repeats + 1):
-        core.add_request(greedy_request(f"p{i}", prompt, 1, ignore_eos=False))
-        ours.append(seconds(core.step))
-        theirs.append(seconds(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)))
-    return statistics.median(ours[1:]), statistics.median(theirs[1:])
-
-
 def worker(threads: int) -> dict[str, float]:
     """Every figure of one thread count, in this process: ours first (peak RSS before transformers loads)."""
     from engine.loader import ModelSpec, load_model
@@ -164,9 +137,18 @@ def worker(threads: int) -> dict[str, float]:
     core = engine_core(threads, max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096)
     prompt = corpus_ids(core.tokenizer, CONTEXT)
     prompts = [corpus_ids(core.tokenizer, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
-    concurrent = our_concurrent(core, prompts)
-    result = {"threads": threads, "our_32_end_to_end_tokens_per_s": concurrent["end_to_end_tokens_per_s"],
-              "our_32_decode_tokens_per_s": concurrent["decode_tokens_per_s"],
+    for i, concurrent in enumerate(prompts):  # tokens/s end to end, and over the steps where every request decodes
+        core.add_request(greedy_request(f"c{i}", concurrent, NEW_TOKENS))
+    decode_tokens, decode_s, total_tokens, start = 0, 0.0, 0, time.perf_counter()
+    while core.has_work():
+        step_start = time.perf_counter()
+        outputs = core.step()
+        elapsed = time.perf_counter() - step_start
+        total_tokens += len(outputs)
+        if core.stats().num_running == len(prompts) and all(o.num_output_tokens > 1 for o in outputs):
+            decode_tokens, decode_s = decode_tokens + len(outputs), decode_s + elapsed
+    result = {"threads": threads, "our_32_end_to_end_tokens_per_s": total_tokens / (time.perf_counter() - start),
+              "our_32_decode_tokens_per_s": decode_tokens / decode_s,
               "our_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
     reference = load_model(ModelSpec()).model
     reference.generation_config.eos_token_id = None
@@ -174,7 +156,14 @@ def worker(threads: int) -> dict[str, float]:
     steps = interleaved_decode_steps(core, reference, prompt)
     bandwidth = steps.pop("mv_bandwidth_bytes_per_s")
     result |= steps | hf_generation(reference, prompt, prompts)
-    ours, theirs = prefill_pair_s(core, reference, corpus_ids(core.tokenizer, PREFILL_LEN))
+    long_prompt, ours, theirs = corpus_ids(core.tokenizer, PREFILL_LEN), [], []
+    ids = torch.tensor([long_prompt])
+    with torch.inference_mode():  # our prefill and a transformers forward, interleaved (the first pair warms up)
+        for i in range(4):
+            core.add_request(greedy_request(f"p{i}", long_prompt, 1, ignore_eos=False))
+            ours.append(seconds(core.step))
+            theirs.append(seconds(lambda: reference(input_ids=ids, use_cache=False, logits_to_keep=1)))
+    ours, theirs = statistics.median(ours[1:]), statistics.median(theirs[1:])
     return result | {"our_prefill_2048_s": ours, "hf_prefill_2048_s": theirs, "weight_bytes": weight_bytes,
                      "mv_bandwidth_gb_per_s": bandwidth / 1e9,
                      "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip

@@ -507,19 +507,6 @@ def guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict
         return {"error": f"failed: {type(exc).__name__}: {exc}".replace("|", "/")}
 
 
-def run_rows(pair: _Pair) -> dict:
-    """The pulls against the raw READ per size and the push, then the same through host staging."""
-    plan, result = pair.plan, {}
-    budget_deadline = time.monotonic() + plan.budget_s
-    for (staging, pulls, push), sizes in zip(SECTIONS, (plan.sizes_mb, plan.staging_sizes_mb)):
-        result[pulls] = []
-        for size_mb in sizes:
-            row = guarded(pair, budget_deadline, functools.partial(pull_row, pair, size_mb, staging))
-            result[pulls].append({"requested_mb": size_mb} | row)
-        result[push] = guarded(pair, budget_deadline, functools.partial(push_row, pair, staging))
-    return result
-
-
 def _cells(template: str, row: dict) -> str:
     if "error" in row:
         return " | ".join(str(row[k]) for k in ("staging", "requested_mb", "error") if k in row)
@@ -558,9 +545,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         os.environ.setdefault("UCX_PROTO_INFO", "y")  # read by UCX in the two processes
         with multiprocessing.get_context("spawn").Manager() as manager, tempfile.TemporaryDirectory() as log_dir:
-            pair = _Pair(plan, manager.dict(), Path(log_dir))
-            try:
-                result |= run_rows(pair)
+            pair, deadline = _Pair(plan, manager.dict(), Path(log_dir)), time.monotonic() + plan.budget_s
+            try:  # the pulls against the raw READ per size and the push, then the same through host staging
+                for (staging, pulls, push), sizes in zip(SECTIONS, (plan.sizes_mb, plan.staging_sizes_mb)):
+                    rows = [guarded(pair, deadline, functools.partial(pull_row, pair, size, staging)) for size in sizes]
+                    result[pulls] = [{"requested_mb": size} | row for size, row in zip(sizes, rows)]
+                    result[push] = guarded(pair, deadline, functools.partial(push_row, pair, staging))
             finally:
                 pair.close()
             result["ucx_transports"] = ucx_transports(Path(log_dir))

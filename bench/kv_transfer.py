@@ -100,14 +100,8 @@ def measure(method: str, producer, consumer, tag: str, num_blocks: int, raw: tup
     return ray.get(consumer.raw_read_s.remote(*read))
 
 
-def bandwidth_table(producer, consumer) -> list[dict[str, float]]:
-    """GB/s of each method and of a torch copy in this process (all threads), per size."""
-    raw = ray.get(producer.raw_meta.remote())
-    torch.set_num_threads(os.cpu_count() or 1)
-    return [_size_row(producer, consumer, raw, max(1, round(mb * 2**20 / BYTES_PER_BLOCK))) for mb in SIZES_MB]
-
-
-def _size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, float]:
+def size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, float]:
+    """GB/s of each method and of a torch copy in this process (all threads) over ``num_blocks`` blocks' bytes."""
     num_bytes = num_blocks * BYTES_PER_BLOCK
     once = lambda m, rep: measure(m, producer, consumer, f"{num_blocks}-{rep}", num_blocks, raw)  # noqa: E731
     gbps = {method: num_bytes / s / 1e9 for method, s in medians(METHODS, REPEATS, once).items()}
@@ -190,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     start_local_ray(object_store_memory=1 << 30)
     try:
         producer, consumer = TransferActor.remote("bench-producer"), TransferActor.remote("bench-consumer")
-        rows = bandwidth_table(producer, consumer)
+        raw = ray.get(producer.raw_meta.remote())
+        torch.set_num_threads(os.cpu_count() or 1)
+        rows = [size_row(producer, consumer, raw, max(1, round(mb * 2**20 / BYTES_PER_BLOCK))) for mb in SIZES_MB]
         ray.kill(producer)
         ray.kill(consumer)
         pipe = pipelining()

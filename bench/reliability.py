@@ -654,11 +654,6 @@ def render_mode(summary: dict[str, Any]) -> list[str]:
         "", "### Requests by outcome", "", *_phase_lines("Burst", summary["burst"]), "",
         *_phase_lines("Soak", summary["soak"]),
     ]  # fmt: skip
-    return lines + _tail_lines(summary)
-
-
-def _tail_lines(summary: dict[str, Any]) -> list[str]:
-    """Kills, memory, logs; the requests outside the contract and the invariant violations, if any."""
     kills, memory, logs = [], [], summary["logs"]
     for n, kill in enumerate(summary["kills"], 1):
         saw = kill["client_saw"] or {}
@@ -672,9 +667,9 @@ def _tail_lines(summary: dict[str, Any]) -> list[str]:
         rss = ["-" if v is None else f"{v / 2**20:.0f}" for v in (m["warm_rss"], m["last_rss"])]
         memory.append([m["deployment"], f"`{m['engine_id'][:12]}`", f"{max(0.0, m['first_seen_s']):.0f} s", state,
                        *rss, growth])  # fmt: skip
-    lines = ["", "### Kills", "", *table(KILLS, kills), "", "### Memory", "", *table(MEMORY, memory), "", "### Logs",
-             "", f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):",
-             ""]  # fmt: skip
+    lines += ["", "### Kills", "", *table(KILLS, kills), "", "### Memory", "", *table(MEMORY, memory), "", "### Logs",
+              "", f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):",
+              ""]  # fmt: skip
     lines += [f"- {name}: {logs['expected'][name]} lines" for name in EXPECTED_LOG if name in logs.get("expected", {})]
     for key, title in LOG_KINDS.items():
         lines.append(f"- {title}: {logs.get(key + '_count', 0)}")

@@ -133,20 +133,6 @@ class CpuMeter:
         return {"cpu": {k: round(ticks / self.hz / elapsed, 2) for k, ticks in zip(("machine", "ours"), busy)}}
 
 
-def run_system(system: str, index: int, opts: argparse.Namespace, builder: PromptBuilder, command: str) -> ScalingRun:
-    """Start ``system``, warm it up, drive the steps with the autoscaler polled (until 2 s after); keep its logs."""
-    started, args = time.time(), {**COMMON, **SYSTEMS[system]}
-    with Server("disagg", args, index) as server:
-        target = Target(server.url, server.model())
-        warm_up(target, [request(builder, 0, 10_000)])
-        load, cpu = partial(closed_loop, target, opts.steps, builder), CpuMeter().read
-        (rows, duration), timeline, decisions, (_, wall0) = polled(target.url, load, extra=cpu, linger_s=2.0)
-        logs = server.log_dir
-    kept = scaling_lines(logs) if logs is not None else []
-    base = (system, command, time.time() - started, duration, rows, timeline, decisions)  # SystemRun's fields
-    return ScalingRun(*base, args=args, steps=opts.steps, log_lines=kept, wall0=wall0)
-
-
 def scaling_lines(logs: Path) -> list[str]:
     """The Serve logs' lines about scaling (a stopping replica's own lines reach its worker's stderr)."""
     lines = [(p.name, line) for p in serve_logs(logs) for line in p.read_text(errors="replace").splitlines()]
@@ -413,10 +399,20 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     options, command = parse_options(argv), command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
-    if options.stage in ("all", "run"):
+    if options.stage in ("all", "run"):  # each system warmed up, the steps driven with the autoscaler polled
         builder = PromptBuilder(tokenizer())
         for index, system in enumerate(options.systems):
-            save_run(options.raw, result := run_system(system, index, options, builder, command))
+            started, args = time.time(), {**COMMON, **SYSTEMS[system]}
+            with Server("disagg", args, index) as server:
+                target = Target(server.url, server.model())
+                warm_up(target, [request(builder, 0, 10_000)])
+                load, cpu = partial(closed_loop, target, options.steps, builder), CpuMeter().read
+                (rows, duration), timeline, decisions, (_, wall0) = polled(target.url, load, extra=cpu, linger_s=2.0)
+                logs = server.log_dir
+            kept = scaling_lines(logs) if logs is not None else []
+            base = (system, command, time.time() - started, duration, rows, timeline, decisions)  # SystemRun's fields
+            result = ScalingRun(*base, args=args, steps=options.steps, log_lines=kept, wall0=wall0)
+            save_run(options.raw, result)
             text = f"{len(result.rows)} requests, {len(lost(result))} lost, {len(result.decisions)} decisions"
             print(f"{system}: {text}", file=sys.stderr)
     write_report(load_runs(options.raw), options.out)

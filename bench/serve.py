@@ -260,27 +260,21 @@ def main(argv: list[str] | None = None) -> None:
         offsets = [r.arrival_s - requests[0].arrival_s for r in requests]
         records, duration = asyncio.run(run(target, requests, offsets, "trace"))
         result = {"trace": args.trace, **summarize(records, duration, slo)}
-    else:
-        result = rate_sweep(args, target, max_model_len, slo)
+    else:  # without fixed SLOs, multiples of the idle server's latency first
+        requests = make_requests(args.workload, tokenizer, max_model_len, args.num_requests, args.seed)
+        base = None if slo else uncontended(target, median_request(requests))
+        if slo is None:
+            ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
+            slo = SLO(ttft_x * base["ttft_s"], tpot_x * base["tpot_s"])
+        print(f"SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms", file=sys.stderr)
+        rates = [float(r) for r in args.rates.split(",")]
+        points = sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload)
+        result = {"workload": args.workload, "model": target.model, "uncontended": base, **points}
         plot_attainment({args.workload: {"this server": result}}, out / "attainment.png")
         plot_cdfs({"this server": result["points"][-1]}, out / "cdf.png", args.workload)
     write_json(out / "results.json", result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("points", "records")}, indent=1))
     print(f"wrote {out / 'results.json'}", file=sys.stderr)
-
-
-def rate_sweep(args: argparse.Namespace, target: Target, max_model_len: int, slo: SLO | None) -> dict:
-    """The command line's sweep; without fixed SLOs, multiples of the idle server's latency first."""
-    requests = make_requests(args.workload, target.tokenizer, max_model_len, args.num_requests, args.seed)
-    base = None
-    if slo is None:
-        ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
-        base = uncontended(target, median_request(requests))
-        slo = SLO(ttft_x * base["ttft_s"], tpot_x * base["tpot_s"])
-    print(f"SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms", file=sys.stderr)
-    rates = [float(r) for r in args.rates.split(",")]
-    points = sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload)
-    return {"workload": args.workload, "model": target.model, "uncontended": base, **points}
 
 
 if __name__ == "__main__":

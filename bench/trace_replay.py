@@ -1,17 +1,11 @@
 """The Azure conversation trace through the served app on this machine, beside the simulator's
 prediction of the same replay: ``python -m bench.trace_replay``.
 
-A window of ``workloads/traces/azure_llm_2023_conv.csv`` (``--start-s``, ``--window-s``), lengths scaled to
-the default model (``scaled``: prompt / 8 within 16..384 tokens, output / 4 within 8..96: the median request,
-1,020 + 129 tokens, becomes 128 + 32), thinned to one request in ``m`` at the trace's own times (keeping the
-window's length and the shape of its bursts), ``m`` the smallest keeping the mean load under ``--load`` of 1
-prefill + 1 decode replica's measured goodput (``docs/benchmarks/planner.json``: bench.planner_check's chatbot
-workload, these lengths). The simulated 1 + 1's throughput on the window 4x compressed is recorded beside it, not
-used: the calibration was checked up to 90% of that goodput, not in overload.
-
-Systems ``static`` (1 + 1), ``colocated`` (2) and ``elastic`` (lending and prompt placement, counts fixed), each
-in its own local Ray; SLOs as bench.compare's. Beside each, the simulator's prediction from the calibration, and
-bench.drift's shapes timed before and after the systems, to set a miss against the machine's own drift.
+A window of ``workloads/traces/azure_llm_2023_conv.csv``, lengths scaled to the default model (``scaled``: the
+median request, 1,020 + 129 tokens, becomes 128 + 32), thinned to one request in ``m`` at the trace's own times,
+``m`` the smallest keeping the mean load under ``--load`` of 1 + 1's measured goodput (``planner.json``). Systems
+``static``, ``colocated`` and ``elastic`` (counts fixed), each in its own local Ray, SLOs as bench.compare's;
+beside each the simulator's prediction, and bench.drift's shapes timed before and after (the machine's drift).
 """
 
 from __future__ import annotations
