@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig
 
 from bench.engine import decode_weight_bytes, drain, greedy_request
-from bench.host import seconds
+from bench.host import seconds, synchronize
 from bench.report import arguments, cells, table, write_json
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
 from engine.core import EngineCore
@@ -89,11 +89,6 @@ def guarded(name: str, measure: Callable[[], Row]) -> Row:
 
 def error_row(name: str, exc: Exception) -> Row:
     return Row(name, error=f"{type(exc).__name__}: {str(exc).partition(chr(10))[0]}"[:300])
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 3) -> float:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.host import synchronize
 from bench.report import arguments, cells, table, write_json
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
@@ -137,12 +138,6 @@ def side_call(command: str, *args: object) -> object:
     return _WORKER["loop"].run_until_complete(result) if asyncio.iscoroutine(result) else result
 
 
-def _synchronize(plan: Plan) -> None:
-    """Wait for this process's kernels: UCX copies on its own streams, blind to torch's."""
-    if plan.device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _pattern(plan: Plan) -> torch.Tensor:
     """The producer's pool contents, reproducible in the consumer to check what arrived."""
     layout = plan.layout
@@ -189,7 +184,7 @@ class _Side(KVSide):
         pool = KVPool(plan.layout, plan.pool_blocks, plan.device).tensor
         if role == PRODUCER:
             pool.copy_(_pattern(plan))
-        _synchronize(plan)  # written before anyone reads it
+        synchronize(plan.device)  # written before anyone reads it
         registry, staged = SharedDictRegistry(entries), {"staging": "host", "staging_bytes": plan.staging_bytes}
         transports = {
             kind: NixlTransport(name, plan.layout, registry, kv_transfer_timeout_s=plan.kv_transfer_timeout_s, **extra)
@@ -206,7 +201,7 @@ class _Side(KVSide):
         """The consumer's blocks, zeroed: a check after a transfer sees its bytes, not an earlier one's."""
         blocks = list(range(self.plan.pool_blocks - count, self.plan.pool_blocks))
         self.pool[:, :, blocks] = 0
-        _synchronize(self.plan)
+        synchronize(self.plan.device)
         return blocks
 
     def _matches(self, local: list[int], remote: list[int]) -> bool:

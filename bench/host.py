@@ -75,6 +75,14 @@ def medians(kinds: Sequence, repeats: int, once: Callable[[object, int], float])
     return {kind: statistics.median(t[1:]) for kind, t in times.items()}
 
 
+def synchronize(device) -> None:
+    """Wait for the device's kernels (a CUDA device; UCX copies on its own streams, blind to torch's)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def engine_core(threads: int = 1, **config):
     """An ``EngineCore`` of the default model in this process, ``threads`` torch threads (a replica runs one)."""
     import torch

@@ -259,7 +259,6 @@ def write_report(report: dict, out: Path) -> None:
                 ax.vlines(rates, [min(r["measured"]) for r in rows], [max(r["measured"]) for r in rows], color=colour)
                 ax.plot(rates, [r["predicted"] for r in rows], "x--", color=colour, label=f"{system} predicted")
             ax.set(title=f"{name.upper()} (s)", xlabel="rate (req/s)")
-            ax.grid(True, alpha=0.3)
         axes[0].legend(fontsize=7)
 
 
