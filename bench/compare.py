@@ -16,17 +16,7 @@ from pathlib import Path
 
 from bench.host import machine
 from bench.ray_local import Server
-from bench.report import (
-    arguments,
-    command_line,
-    plot_attainment,
-    plot_cdfs,
-    publish,
-    read_json,
-    subset,
-    table,
-    write_json,
-)
+from bench.report import arguments, command_line, publish, read_json, subset, table, write_json
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
@@ -140,6 +130,8 @@ def load_previous(out: Path, raw: Path, skip: list[str]) -> dict:
 
 
 def write_report(report: dict, out: Path, raw: Path) -> None:
+    from bench.report import plot_attainment, plot_cdfs
+
     write_json(raw / "goodput_full.json", report["results"], indent=None)
     slos = {w: workload_slo(c) for w, c in report["calibration"].items()}
     results = {w: {s: without_records(sw) for s, sw in by.items()} for w, by in report["results"].items()}
