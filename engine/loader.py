@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-if (
-    TYPE_CHECKING
-):  # transformers' modeling costs seconds to import: a process that only tokenizes (the ingress) skips it
+# transformers' modeling costs seconds to import: a process that only tokenizes (the ingress)
+# imports it only where it loads weights
+if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 DEFAULT_MODEL = "default"

@@ -69,9 +69,8 @@ def test_tiny_sweep_reports_attainment_and_goodput(target, tokenizer):
 def test_chat_turns_stream_in_order_and_a_refused_turn_ends_its_conversation(target):
     chats = [
         ChatConversation(0, ("Say hello.", "And then?", "Once more."), max_tokens=3),
-        ChatConversation(
-            1, ("Hi.", "word " * SERVED_CONTEXT, "never sent"), max_tokens=2
-        ),  # turn 2 is over the context
+        # turn 2 is over the context
+        ChatConversation(1, ("Hi.", "word " * SERVED_CONTEXT, "never sent"), max_tokens=2),
     ]
     fetched = []
 

@@ -7,10 +7,10 @@ with each pool asking for half of its node's resource (a fractional ``<pool>.res
 For each mode, one request through the HTTP API must give the engine's own greedy output
 (one request at a time: token for token, tests/same_output.py's exact rule); the replicas
 must sit on their own worker nodes, the ones Ray lists with the pool's resource; and the
-prompt's KV must have crossed a TCP connection
-between the two replica processes. The last point is read from the kernel (``ss -tinp``:
-bytes received per socket, with the owning process): on one machine UCX would otherwise move
-the KV through shared memory (CMA), and no KV-sized byte count would appear on any socket.
+prompt's KV must have crossed a TCP connection between the two replica processes. The last
+point is read from the kernel (``ss -tinp``: bytes received per socket, with the owning
+process): on one machine UCX would otherwise move the KV through shared memory (CMA), and no
+KV-sized byte count would appear on any socket.
 """
 
 from __future__ import annotations
@@ -97,9 +97,8 @@ def reference(smol) -> dict:
 @pytest.fixture(scope="module", params=["pull", "push"])
 def served(request, cluster) -> Served:
     mode = request.param
-    url = deploy(
-        pinned_args({**ARGS, **MODE_ARGS[mode], "transport.mode": mode}), port=PORT
-    )  # replaces the previous mode's app
+    # replaces the previous mode's app
+    url = deploy(pinned_args({**ARGS, **MODE_ARGS[mode], "transport.mode": mode}), port=PORT)
     assert httpx.get(f"{url}/ready").json()["mode"] == f"disaggregated-{mode}"
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
