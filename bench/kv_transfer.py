@@ -17,7 +17,7 @@ import torch
 from bench.gpu_kv import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
 from bench.ray_local import start_local_ray
-from bench.report import arguments, cells, command_line, publish, table
+from bench.report import arguments, cells, command_line, figure, publish, table
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
 
@@ -37,6 +37,8 @@ TARGETS = (  # the pull against its targets: text, numerator, denominator, suffi
     (". The same READ as 60 descriptors, none of our code: ", "raw_nixl_60_descs", "raw_nixl", "x raw"),
     (". Against raw NIXL on 4 KB pages our pull is ", "nixl_pull", "raw_nixl_4k_pages", "x"),
 )
+PLOTTED = {"nixl_pull": "our NIXL pull", "nixl_push": "our NIXL push", "raw_nixl": "raw NIXL",
+           "object_store": "object store", "torch_copy": "torch copy, 1 process"}  # fmt: skip
 
 
 @ray.remote(num_cpus=0.5)
@@ -172,12 +174,12 @@ def render(summary: dict) -> list[str]:
         f"of {PIPELINE_REPEATS} requests after one warm-up.", "",
         *table("mode | tail (ms) | one layer (ms) | tail / one layer",
                [[mode, f"{tail:.1f}", f"{one:.2f}", f"{n:.2f}"] for mode, tail, n in modes]),
-        "", "Target: pipelined tail <= 2x one layer's transfer time.",
+        "", "Target: pipelined tail <= 2x one layer's transfer time.", "", "![bandwidth](kv_transfer.png)",
     ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arguments("bench.kv_transfer", __doc__, "docs/benchmarks", "folder for kv_transfer.json/.md")
+    parser = arguments("bench.kv_transfer", __doc__, "docs/benchmarks", "folder for kv_transfer.json/.md/.png")
     args = parser.parse_args(argv)
     start_local_ray(object_store_memory=1 << 30)
     try:
@@ -192,6 +194,11 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
     publish(args.out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
+    with figure(args.out / "kv_transfer.png", 1, 1, (6, 4), dpi=100, legend={}) as (ax, _):  # the JSON's folder
+        for key, label in PLOTTED.items():
+            ax.plot([r["size_mb"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="KV bytes per request (MB)", ylabel="GB/s",
+               title="KV transfer between two processes (CPU, UCX)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.calibrate_planner import NO_PREFIX_CACHE, probe_stack
 from bench.compare import MAX_MODEL_LEN, system_server
-from bench.report import arguments, command_line, publish, read_json, table, write_json
+from bench.report import arguments, command_line, figure, publish, read_json, table, write_json
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
 from planner.costs import DEFAULT_CALIBRATION, ServingStack, load_calibration
@@ -100,6 +100,17 @@ def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
     return rows
 
 
+def simulator_speed(calibration: Path) -> dict:
+    """Seconds for simulate() on 1,000 replicas of this machine's cost (400 prefill + 600 decode), chatbot traffic."""
+    cost, requests = load_calibration(calibration), sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
+    start = time.perf_counter()
+    result = simulate(SystemSpec("disaggregated", 400, 600, cost, cost), requests)
+    seconds = time.perf_counter() - start
+    return {"replicas": 1000, "requests": len(requests), "rate": 250.0,
+            "output_tokens": sum(r.output_tokens for r in requests), "seconds": seconds,
+            "ttft_p90_s": result.percentiles()["ttft_s"]["p90"]}  # fmt: skip
+
+
 def _five_runs(workload: str, rate: float) -> list:
     runs = [sim_requests(workload, rate, 80, MAX_MODEL_LEN, seed=seed) for seed in range(5)]
     return [replace(r, arrival_s=r.arrival_s + 1000.0 * seed) for seed, run in enumerate(runs) for r in run]
@@ -158,8 +169,12 @@ def render(report: dict) -> list[str]:
     ]  # fmt: skip
     for system, data in report["systems"].items():
         lines += _system_lines(system, data, report["fractions"])
+    if speed := report.get("simulator_speed"):
+        lines += ["", f"Simulator speed: `simulate()` on {speed['replicas']} replicas (400 prefill + 600 decode, this",
+                  f"machine's costs), {speed['requests']:,} chatbot requests at {speed['rate']:g} req/s "
+                  f"({speed['output_tokens']:,} output tokens): {speed['seconds']:.2f} s, pure Python."]  # fmt: skip
     ordering = _ordering_lines(report.get("goodput_ordering"))
-    return [*lines, *ordering, ""]
+    return [*lines, *ordering, "", "![predicted against measured](planner.png)", ""]
 
 
 def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
@@ -231,8 +246,24 @@ def _stack_cell(stack: ServingStack | dict) -> str:
             f"{stack.cores} shared cores")  # fmt: skip
 
 
+def write_report(report: dict, out: Path) -> None:
+    publish(out, "planner", NAME, report, render(report), "# Planner: the simulator against the served app")
+    with figure(out / "planner.png", 1, 4, (14, 3.6), dpi=90) as (*axes, _):
+        for ax, (metric, pct) in zip(axes, METRICS):
+            name = f"{metric.removesuffix('_s')} {pct}"
+            for system, data in report["systems"].items():
+                rates = [p["rate"] for p in data["points"]]
+                rows = [next(r for r in p["rows"] if r["metric"] == name) for p in data["points"]]
+                (line,) = ax.plot(rates, [r["mean"] for r in rows], marker="o", label=f"{system} measured")
+                colour = line.get_color()
+                ax.vlines(rates, [min(r["measured"]) for r in rows], [max(r["measured"]) for r in rows], color=colour)
+                ax.plot(rates, [r["predicted"] for r in rows], "x--", color=colour, label=f"{system} predicted")
+            ax.set(title=f"{name.upper()} (s)", xlabel="rate (req/s)")
+        axes[0].legend(fontsize=7)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = arguments(NAME, __doc__, DOC, "folder for planner.md/json")
+    parser = arguments(NAME, __doc__, DOC, "folder for planner.md/json/png")
     parser.add_argument("--workload", default="chatbot")
     parser.add_argument("--systems", default="colocated,disagg-pull")
     parser.add_argument("--fractions", default="0.3,0.6,0.9", help="shares of each system's measured goodput")
@@ -245,9 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     report = read_json(options.out / "planner.json") if options.predict_only else measure(options)
     report = add_predictions(report, options.calibration)
+    report["simulator_speed"] = simulator_speed(options.calibration)
     report["goodput_ordering"] = simulated_goodputs(options.calibration)
-    title = "# Planner: the simulator against the served app"
-    publish(options.out, "planner", NAME, report, render(report), title)
+    write_report(report, options.out)
 
 
 if __name__ == "__main__":

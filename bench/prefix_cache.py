@@ -21,7 +21,7 @@ from ray import serve
 
 from bench.host import cpu_model, machine, tokenizer
 from bench.ray_local import Server
-from bench.report import arguments, cells, command_line, publish, read_json, subset, table, write_json
+from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import SAMPLE, client, stream
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
@@ -231,12 +231,27 @@ def render(s: dict) -> list[str]:
         'Per turn (the loop\'s 8 requests of each turn; "lone": a ninth conversation run alone afterwards,'
         " one turn at a time):", "", *table(TURN[0], turns), "",
         f"Answers: {answers['identical']} of {answers['compared']} turns gave the same greedy text with"
-        " caching on and off.",
+        " caching on and off.", "", "![TTFT per turn and KV bytes per turn](prefix_cache.png)",
     ]  # fmt: skip
 
 
+def write_report(summary: dict, out: Path) -> None:
+    publish(out, "prefix_cache", NAME, summary, render(summary), "# Prefix caching: a closed-loop multi-turn chat")
+    with figure(out / "prefix_cache.png", 1, 2, (10, 3.8), legend={"fontsize": 8}) as (left, right, _):
+        for setting, colour in (("on", "tab:green"), ("off", "tab:red")):
+            turns, lone = summary["settings"][setting]["per_turn"], summary["lone"][setting]
+            for p, style in (("p50", "-o"), ("p90", "--")):
+                ttft = [t["ttft_s"][p] for t in turns]
+                left.plot([t["turn"] for t in turns], ttft, style, color=colour, label=f"caching {setting}, {p}")
+            right.plot([t["turn"] for t in lone], [t["kv_bytes"] / 1e6 for t in lone], "-o", color=colour)
+        left.set(title="TTFT per turn (8 conversations at once)", xlabel="turn", ylabel="TTFT (s)", ylim=(0, None))
+        right.set(title="KV moved to decode per turn (lone conversation)", xlabel="turn", ylabel="MB")
+        for ax in (left, right):
+            ax.set_xticks(range(1, 1 + len(summary["settings"]["on"]["per_turn"])))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for prefix_cache.md/json")
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder for prefix_cache.md/json/png")
     parser.add_argument("--settings", **subset(SETTINGS, "setting", help="prefix caching settings, in run order:"))
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
@@ -255,8 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     summary = report(saved)
     if "ratios" in summary:
-        title = "# Prefix caching: a closed-loop multi-turn chat"
-        publish(args.out, "prefix_cache", NAME, summary, render(summary), title)
+        write_report(summary, args.out)
     else:
         print(json.dumps(summary["settings"], indent=1))
     print(f"records: {raw_path}", file=sys.stderr)

@@ -74,6 +74,8 @@ PHASE_LINE = (
 )
 TARGET_ROW, YES = "{check} | {target} | {measured} | {met}", {True: "yes", False: "**NO**"}
 DISCONNECT = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
+KILLS = ("# | replica | request | its client saw | others in flight or sent before the restart | restart | first OK "
+         "after crash | recovered")  # fmt: skip
 MEMORY = "deployment | engine | first seen |  | RSS after warm-up (MiB) | RSS last (MiB) | growth"
 
 
@@ -500,10 +502,14 @@ def kill_summary(kill: KillEvent, outcomes: list[Outcome]) -> dict[str, Any]:
     until = kill.restarted_s if kill.restarted_s is not None else math.inf
     others = [o for o in outcomes if o.request_id != kill.request_id and o.sent_s < until]
     row["affected"] = result_counts([o for o in others if o.end_s is None or o.end_s >= kill.crash_s])
-    if kill.restarted_s is not None:  # recovered: the first request sent after the restart that completed
-        ends = [o.end_s for o in outcomes if o.sent_s >= kill.restarted_s and o.result == COMPLETED]
-        row["restart_s"] = round(kill.restarted_s - kill.crash_s, 3)
-        row["recover_s"] = round(min(ends) - kill.crash_s, 3) if ends else None
+
+    def first_ok_after(t: float) -> float | None:
+        ends = [o.end_s for o in outcomes if o.sent_s >= t and o.result == COMPLETED]
+        return round(min(ends) - kill.crash_s, 3) if ends else None
+
+    row["first_ok_after_crash_s"] = first_ok_after(kill.crash_s)
+    if kill.restarted_s is not None:
+        row["restart_s"], row["recover_s"] = round(kill.restarted_s - kill.crash_s, 3), first_ok_after(kill.restarted_s)
     return row
 
 
@@ -648,14 +654,20 @@ def render_mode(summary: dict[str, Any]) -> list[str]:
         "", "### Requests by outcome", "", *_phase_lines("Burst", summary["burst"]), "",
         *_phase_lines("Soak", summary["soak"]),
     ]  # fmt: skip
-    memory, logs = [], summary["logs"]
+    kills, memory, logs = [], [], summary["logs"]
+    for n, kill in enumerate(summary["kills"], 1):
+        saw = kill["client_saw"] or {}
+        cause = f" `{saw['cause']}`" if saw.get("cause") else ""
+        own = f"{saw.get('result')}{cause} after {saw.get('tokens')} text chunks"
+        times = [secs(kill["restart_s"]), secs(kill.get("first_ok_after_crash_s")), secs(kill["recover_s"])]
+        kills.append([n, kill["kind"], f"`{kill['request_id']}`", own, _counts(kill["affected"]), *times])
     for m in summary["memory"]:
         growth = "not judged (< 60 s)" if m["growth"] is None else f"{m['growth']:+.1%}"
         state = "live at the end" if m["live_at_end"] else f"gone at {m['last_seen_s']:.0f} s (killed)"
         rss = ["-" if v is None else f"{v / 2**20:.0f}" for v in (m["warm_rss"], m["last_rss"])]
         memory.append([m["deployment"], f"`{m['engine_id'][:12]}`", f"{max(0.0, m['first_seen_s']):.0f} s", state,
                        *rss, growth])  # fmt: skip
-    lines += ["", "### Memory", "", *table(MEMORY, memory), "", "### Logs",
+    lines += ["", "### Kills", "", *table(KILLS, kills), "", "### Memory", "", *table(MEMORY, memory), "", "### Logs",
               "", f"From the Ray session's `logs/serve/*.log` and `worker-*.err` (kept in `{logs.get('dir')}`):",
               ""]  # fmt: skip
     lines += [f"- {name}: {logs['expected'][name]} lines" for name in EXPECTED_LOG if name in logs.get("expected", {})]

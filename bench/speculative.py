@@ -4,7 +4,7 @@ The engine in this process on ``workloads.documents``'s texts (edit, summarizati
 batch 1 and 16, on and off in alternating rounds, to the end of text and with ``ignore_eos``; acceptance and
 tokens per verify step; a batch-size sweep on edit (its crossover sets ``speculative.disable_by_batch_size``).
 ``--stage served``: goodput through ``disagg_app`` (pull, 1 + 1) on edit prompts, off then on, SLOs as
-``bench.compare``'s. Writes ``<out>/speculative.json`` and ``<out>/speculative.md``'s block."""
+``bench.compare``'s. Writes ``<out>/speculative.{json,png}`` and ``<out>/speculative.md``'s block."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import argparse
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 from bench.engine import greedy_request
 from bench.host import engine_core, machine
-from bench.report import arguments, cells, command_line, publish, read_json, table
+from bench.report import arguments, cells, command_line, figure, publish, read_json, table
 from workloads.documents import WORKLOADS, messages
 
 NAME = "bench.speculative"
@@ -140,8 +141,23 @@ def render(data: dict) -> list[str]:
     return lines + table(head, rows) + ["", "(attainment, and TPOT p90 in brackets)"]
 
 
+def plot(data: dict, path: Path) -> None:
+    """TPOT off and on per workload, batch and stop (left); the batch-size sweep's speed-up (right)."""
+    rows = data["rows"]
+    with figure(path, 1, 2, (11, 3.8), grid=False, legend={"fontsize": 8}) as (bars, sweep_ax, _):
+        xs = range(len(rows))
+        bars.bar([x - 0.2 for x in xs], [1e3 * r["tpot_off_s"] for r in rows], 0.4, label="off")
+        bars.bar([x + 0.2 for x in xs], [1e3 * r["tpot_on_s"] for r in rows], 0.4, label="on")
+        labels = [f"{r['workload'][:5]} b{r['batch']}{' ie' if r['ignore_eos'] else ''}" for r in rows]
+        bars.set_xticks(list(xs), labels, rotation=60, fontsize=7)
+        bars.set(ylabel="decode TPOT (ms)", title="speculation off / on (ie: ignore_eos)")
+        sweep_ax.plot([r["batch"] for r in data["sweep"]], [_speedup(r) for r in data["sweep"]], marker="o")
+        sweep_ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        sweep_ax.set(xscale="log", xlabel="batch (edit, ignore_eos)", ylabel="TPOT speed-up", ylim=(0, None))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder of speculative.{json,md}")
+    parser = arguments(NAME, __doc__, "docs/benchmarks", "folder of speculative.{json,md,png}")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternating rounds per comparison")
     parser.add_argument("--sweep", type=int, nargs="*", default=list(SWEEP), help="batch sizes of the sweep")
@@ -155,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.stage in ("served", "all"):
         data["served"] = served(options)
     publish(options.out, "speculative", NAME, data, render(data), "# Speculative decoding (prompt lookup)")
+    plot(data, options.out / "speculative.png")
 
 
 if __name__ == "__main__":

@@ -4,17 +4,18 @@
 batch 1 and 16, and the share of rank 0's step in all-reduces. ``--stage transfer``: one request's KV (16 and
 64 MB of an 8B-class layout) read and written over NIXL between two agents of this process: whole blocks,
 re-sharded 1 -> 2 (a descriptor per token), and heads-major (a descriptor per block). Writes
-``<out>/tensor_parallel.json`` and ``<out>/tensor_parallel.md``'s block (a stage keeps the other's results).
+``<out>/tensor_parallel.{json,png}`` and ``<out>/tensor_parallel.md``'s block (a stage keeps the other's results).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 from bench.engine import greedy_request, prefilled
 from bench.host import engine_core, machine, seconds
-from bench.report import arguments, cells, command_line, publish, read_json, table
+from bench.report import arguments, cells, command_line, figure, publish, read_json, table
 
 NAME = "bench.tensor_parallel"
 BATCHES = (1, 16)
@@ -168,8 +169,21 @@ def render(data: dict) -> list[str]:
     return lines
 
 
+def plot(data: dict, path: Path) -> None:
+    with figure(path, 1, 2, (10, 3.6), grid=False) as (step_ax, read_ax, _):
+        for degree in (1, 3):
+            points = [r for r in data.get("decode", []) if r["degree"] == degree]
+            step_ax.bar([f"b{r['batch']} TP{degree}" for r in points], [1e3 * r["step_s"] for r in points])
+        step_ax.set(ylabel="decode step (ms)", title="decode step, default model")
+        for row in data.get("transfer", []):
+            case = row["case"].split(",")[0].split(" (")[0]
+            read_ax.bar(f"{row['size_mb']}MB {row.get('op', 'READ')}\n{case}", row["gb_per_s"])
+        read_ax.set(ylabel="GB/s", title="KV into one rank")
+        read_ax.tick_params(axis="x", labelsize=6)
+
+
 def main() -> None:
-    parser = arguments(NAME, __doc__, "docs/benchmarks", help="folder of the JSON and page")
+    parser = arguments(NAME, __doc__, "docs/benchmarks", help="folder of the JSON, PNG and page")
     parser.add_argument("--stage", choices=("decode", "transfer", "all", "report"), default="all")
     args = parser.parse_args()
     path = args.out / "tensor_parallel.json"
@@ -183,6 +197,7 @@ def main() -> None:
             row["all_reduce_two_ranks_s"] = all_reduce_alone(row["batch"], degree=2) if row["degree"] == 3 else None
     if args.stage in ("transfer", "all"):
         data["transfer"] = [row for size in SIZES_MB for row in transfer_case(size)]
+    plot(data, args.out / "tensor_parallel.png")
     publish(args.out, "tensor_parallel", NAME, data, render(data), "# Tensor parallelism on one CPU machine")
 
 

@@ -143,6 +143,7 @@ def test_kill_restart_and_recovery():
     assert row["affected"] == {ERROR_EVENT: 2}
     assert row["restart_s"] == pytest.approx(13.2)
     assert row["recover_s"] == pytest.approx(15.2)  # s-7 ended at 26.0
+    assert row["first_ok_after_crash_s"] == pytest.approx(15.2)
     never = kill_summary(KillEvent("prefill", "kill-prefill-1", "p-1", None, 10.8, None), OUTCOMES)
     assert never["restart_s"] is None and never["recover_s"] is None and never["client_saw"] is None
 
