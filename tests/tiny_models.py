@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
 
-def tiny_config(family: str) -> PretrainedConfig:
+SHARP = 1.0  # an initializer range that makes attention near one-hot: see tiny_config
+
+
+def tiny_config(family: str, initializer_range: float = 0.02) -> PretrainedConfig:
     """3 layers, hidden 64, 4 query heads sharing 2 KV heads, vocabulary 512; no EOS, so a
-    comparison always runs its full number of tokens."""
+    comparison always runs its full number of tokens.
+
+    With transformers' default ``initializer_range`` (0.02) attention is near uniform, so a
+    wrong or missing KV block barely moves a token; with ``SHARP`` each query attends to few
+    keys and the logits lie far apart, so such a mix-up changes the tokens (tests of the KV
+    machinery use it)."""
     config = FAMILIES[family](
         vocab_size=512,
         hidden_size=64,
@@ -18,6 +27,7 @@ def tiny_config(family: str) -> PretrainedConfig:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
+        initializer_range=initializer_range,
     )
     config.eos_token_id = None
     return config
@@ -30,3 +40,9 @@ def tiny_tp_config(family: str, kv_heads: int = 4) -> PretrainedConfig:
     config.num_attention_heads, config.num_key_value_heads = 8, kv_heads
     config.head_dim = config.hidden_size // 8
     return config
+
+
+def random_ids(num_tokens: int, seed: int, vocab_size: int = 512) -> list[int]:
+    """``num_tokens`` seeded random token ids of a tiny model's vocabulary (0 left out)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (num_tokens,), generator=generator).tolist()

@@ -82,9 +82,9 @@ def smol_hf_traces(smol_reference: LoadedModel, smol_prompts: list[list[int]]) -
     return [hf_greedy(smol_reference, p) for p in smol_prompts]
 
 
-def tiny_loaded(family: str, seed: int = 0) -> tuple[LoadedModel, LoadedModel]:
+def tiny_loaded(family: str, seed: int = 0, initializer_range: float = 0.02) -> tuple[LoadedModel, LoadedModel]:
     """A random-weight model of a real family, twice (engine copy, reference copy)."""
-    config = tiny_config(family)
+    config = tiny_config(family, initializer_range)
     pair = []
     for _ in range(2):
         torch.manual_seed(seed)

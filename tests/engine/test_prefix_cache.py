@@ -1,15 +1,22 @@
 """Automatic prefix caching: the allocator's hash-chained cache, and the engine skipping the
-prefill of a prompt's cached leading blocks with the same output as without the cache."""
+prefill of a prompt's cached leading blocks with the same output as without the cache.
+
+The engine tests compare an engine with the cache against one without, on the same model: a
+tiny random-weight Llama with near one-hot attention (``SHARP`` in tests/tiny_models.py), as
+the claim is the cache's, not the model's (tests/engine/test_same_output.py holds the default
+model to transformers' tokens). A cached prefix with one block swapped for another changes
+its tokens in three of these tests; on the default model it did in one."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.block_allocator import BlockAllocator, BlockAllocatorError, hash_blocks
+from engine.loader import LoadedModel
 from engine.params import GenerationRequest, PrefillResult, Role
-from tests.engine.conftest import greedy, run_to_completion
+from tests.engine.conftest import greedy, run_to_completion, tiny_loaded
 from tests.same_output import assert_same_output, trace_from_outputs
-from workloads.corpus import prompt_of_length
+from tests.tiny_models import SHARP, random_ids
 
 # ---- the allocator -------------------------------------------------------------------------
 
@@ -64,13 +71,19 @@ def test_a_key_is_held_by_one_block_and_caching_off_caches_nothing():
 
 # ---- the engine ----------------------------------------------------------------------------
 
-PREFIX = 1000
+PREFIX = 600
+CONTEXT = 1024  # the tiny model's context
 
 
 @pytest.fixture(scope="module")
-def shared_prefix_prompts(smol) -> list[list[int]]:
-    prefix = prompt_of_length(smol.tokenizer, PREFIX)
-    return [prefix + prompt_of_length(smol.tokenizer, 40, offset=1100 + 97 * i) for i in range(3)]
+def tiny() -> LoadedModel:
+    return tiny_loaded("llama", initializer_range=SHARP)[0]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts() -> list[list[int]]:
+    prefix = random_ids(PREFIX, seed=0)
+    return [prefix + random_ids(40, seed=1 + i) for i in range(3)]
 
 
 def _drain(core) -> list:
@@ -85,14 +98,14 @@ def _run_one(core, request_id: str, prompt: list[int], max_tokens: int = 32):
     return run_to_completion(core, {0: [request]})[request_id]
 
 
-def test_a_shared_prefix_is_prefilled_once_with_the_same_output(smol, make_engine, shared_prefix_prompts):
-    cached = make_engine(smol, block_size=16)
-    plain = make_engine(smol, block_size=16, enable_prefix_caching=False)
+def test_a_shared_prefix_is_prefilled_once_with_the_same_output(tiny, make_engine, shared_prefix_prompts):
+    cached = make_engine(tiny, block_size=16, max_model_len=CONTEXT)
+    plain = make_engine(tiny, block_size=16, max_model_len=CONTEXT, enable_prefix_caching=False)
     first = _run_one(cached, "a", shared_prefix_prompts[0])
     assert first[-1].num_cached_tokens == 0
     steps_before = cached.stats().prefix_hit_tokens
     second = _run_one(cached, "b", shared_prefix_prompts[1])
-    full_blocks = PREFIX // 16 * 16  # the prefix's full blocks: 992 tokens
+    full_blocks = PREFIX // 16 * 16  # the prefix's full blocks: 592 tokens
     assert second[-1].num_cached_tokens == full_blocks
     stats = cached.stats()
     assert stats.prefix_hit_tokens - steps_before == full_blocks
@@ -105,28 +118,28 @@ def test_a_shared_prefix_is_prefilled_once_with_the_same_output(smol, make_engin
     cached.allocator.check()
 
 
-def test_eviction_under_a_tiny_pool_stays_correct(smol, make_engine):
+def test_eviction_under_a_tiny_pool_stays_correct(tiny, make_engine):
     """A pool of 20 blocks holds one 232-token request (15 blocks) at a time: each new prompt
     evicts cached blocks of the last; outputs stay those of the uncached engine, and the
     first prompt, asked again, finds only what was not evicted."""
-    tiny = make_engine(smol, block_size=16, num_blocks=20, max_num_seqs=1, max_model_len=256)
-    plain = make_engine(smol, block_size=16, enable_prefix_caching=False, max_model_len=256)
-    prompts = [prompt_of_length(smol.tokenizer, 200, offset=300 * i) for i in range(3)]
+    small = make_engine(tiny, block_size=16, num_blocks=20, max_num_seqs=1, max_model_len=256)
+    plain = make_engine(tiny, block_size=16, enable_prefix_caching=False, max_model_len=256)
+    prompts = [random_ids(200, seed=10 + i) for i in range(3)]
     for i, prompt in enumerate([*prompts, prompts[0]]):
-        got = _run_one(tiny, f"t{i}", prompt)
+        got = _run_one(small, f"t{i}", prompt)
         want = _run_one(plain, f"t{i}", prompt)
-        assert_same_output(trace_from_outputs(want), trace_from_outputs(got), exact=False, label=f"tiny {i}")
-        tiny.allocator.check()
-    assert tiny.stats().num_evictions > 0
+        assert_same_output(trace_from_outputs(want), trace_from_outputs(got), exact=False, label=f"small pool {i}")
+        small.allocator.check()
+    assert small.stats().num_evictions > 0
     assert got[-1].num_cached_tokens < 192  # some of the first prompt's 12 full blocks were evicted
 
 
-def test_a_prefill_replica_caches_and_a_decode_replica_holds_what_it_fetched(smol, make_engine, shared_prefix_prompts):
+def test_a_prefill_replica_caches_and_a_decode_replica_holds_what_it_fetched(tiny, make_engine, shared_prefix_prompts):
     """Disaggregated in one process: the second request's prefill skips the prefix, and the
     decode replica reserves with its own cache: only the new blocks need copying."""
-    prefill = make_engine(smol, block_size=16, role=Role.PREFILL)
-    decode = make_engine(smol, block_size=16, role=Role.DECODE)
-    plain = make_engine(smol, block_size=16, enable_prefix_caching=False)
+    prefill = make_engine(tiny, block_size=16, max_model_len=CONTEXT, role=Role.PREFILL)
+    decode = make_engine(tiny, block_size=16, max_model_len=CONTEXT, role=Role.DECODE)
+    plain = make_engine(tiny, block_size=16, max_model_len=CONTEXT, enable_prefix_caching=False)
     for i, prompt in enumerate(shared_prefix_prompts[:2]):
         request = GenerationRequest(f"pd-{i}", tuple(prompt), greedy())
         prefill.add_prefill(request)
@@ -145,16 +158,16 @@ def test_a_prefill_replica_caches_and_a_decode_replica_holds_what_it_fetched(smo
     prefill.allocator.check()
 
 
-def test_chunked_prefill_and_preemption_keep_working_with_shared_blocks(smol, make_engine):
+def test_chunked_prefill_and_preemption_keep_working_with_shared_blocks(tiny, make_engine):
     """Three requests sharing a 96-token prefix in a pool too small for all of them, with
     64-token chunks: the later ones share the first one's blocks, newer ones are preempted
     and recomputed (from the cache), and every output is the uncached engine's."""
     tight = make_engine(
-        smol, block_size=16, num_blocks=24, max_model_len=256, enable_chunked_prefill=True, max_num_batched_tokens=64
+        tiny, block_size=16, num_blocks=24, max_model_len=256, enable_chunked_prefill=True, max_num_batched_tokens=64
     )
-    plain = make_engine(smol, block_size=16, enable_prefix_caching=False, max_model_len=256)
-    prefix = prompt_of_length(smol.tokenizer, 96, offset=500)
-    prompts = [prefix + prompt_of_length(smol.tokenizer, 40, offset=40 * i) for i in range(3)]
+    plain = make_engine(tiny, block_size=16, enable_prefix_caching=False, max_model_len=256)
+    prefix = random_ids(96, seed=20)
+    prompts = [prefix + random_ids(40, seed=21 + i) for i in range(3)]
     requests = [GenerationRequest(f"c{i}", tuple(p), greedy(64)) for i, p in enumerate(prompts)]
     got = run_to_completion(tight, {0: [requests[0]], 3: requests[1:]})
     stats = tight.stats()

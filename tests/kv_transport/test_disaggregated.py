@@ -1,7 +1,9 @@
 """Prefill and decode in two Ray actors (two processes), KV over real NIXL.
 
-One module-scoped local Ray cluster (own temp dir, 2 CPUs); a prefill actor and a
-decode actor (role ``both``, which also computes the single-engine reference).
+The session's Ray; a prefill actor and a decode actor (role ``both``, which also computes the
+single-engine reference), both of a tiny random-weight Llama with near one-hot attention
+(``SHARP`` in tests/tiny_models.py): a KV block lost, misplaced or stale changes its tokens.
+The default model's KV crosses the same transports in tests/deployments/test_serve_app.py.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ import pytest
 import ray
 import torch
 
+from engine.loader import ModelSpec
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
 from tests.same_output import assert_same_output, trace_from_outputs
+from tests.tiny_models import SHARP, random_ids, tiny_config
 from tests.waiting import wait_until
-from workloads.corpus import prompt_of_length
 
 TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 3.0
 LENGTHS = (3, 17, 60, 150, 300, 420, 510, 700)
 IDLE_TIMEOUT_S = 10.0  # release notices, aborts and cancellations free blocks asynchronously
 START_TIMEOUT_S = 30.0  # a request reaching the decode engine
-BLOCK_BYTES = 16 * 3 * 64 * 4  # one layer's K (or V) of one block: 16 tokens x 3 heads x 64 x float32
+LAYERS = 3
+BLOCK_BYTES = 16 * 2 * 16 * 4  # one layer's K (or V) of one block: 16 tokens x 2 heads x 16 x float32
+ENGINE = {"max_model_len": 1024, "kv_cache_bytes": 4 << 20}  # the tiny model's context; 341 blocks
 HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lease is TIMEOUT_S)
 
 
@@ -37,19 +42,30 @@ def cluster(shared_serve) -> None:
 
 
 @pytest.fixture(scope="module")
-def actors(cluster):
+def spec(tmp_path_factory) -> ModelSpec:
+    folder = tmp_path_factory.mktemp("tiny-sharp")
+    tiny_config("llama", SHARP).save_pretrained(folder)
+    return ModelSpec(source=str(folder), dummy_weights=True)
+
+
+def _engine_actor(spec: ModelSpec, engine_id: str, role: str, timeout_s: float):
     from bench.engine_actor import EngineActor
 
-    prefill = EngineActor.remote("prefill-0", "prefill", timeout_s=TIMEOUT_S)
-    decode = EngineActor.remote("decode-0", "both", timeout_s=TIMEOUT_S)
+    return EngineActor.remote(engine_id, role, timeout_s=timeout_s, spec=spec, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def actors(cluster, spec):
+    prefill = _engine_actor(spec, "prefill-0", "prefill", TIMEOUT_S)
+    decode = _engine_actor(spec, "decode-0", "both", TIMEOUT_S)
     ray.get([prefill.start.remote(), decode.start.remote()])
     yield prefill, decode
     ray.get([prefill.close.remote(), decode.close.remote()])
 
 
 @pytest.fixture(scope="module")
-def prompts(smol):
-    return [prompt_of_length(smol.tokenizer, n, offset=29 * i) for i, n in enumerate(LENGTHS)]
+def prompts():
+    return [random_ids(n, seed=i) for i, n in enumerate(LENGTHS)]
 
 
 def _request(prefix: str, i: int, prompt: list[int], max_tokens: int = 32) -> GenerationRequest:
@@ -105,14 +121,12 @@ def _faults(actor, **faults) -> Iterator[None]:
 
 
 @pytest.fixture
-def spawn(cluster):
+def spawn(cluster, spec):
     """Start extra engine actors for one test; all killed at its end, passed or failed."""
-    from bench.engine_actor import EngineActor
-
     spawned = []
 
     def start(engine_id: str, role: str, timeout_s: float):
-        spawned.append(EngineActor.remote(engine_id, role, timeout_s=timeout_s))
+        spawned.append(_engine_actor(spec, engine_id, role, timeout_s))
         return spawned[-1]
 
     yield start
@@ -153,8 +167,8 @@ def test_push_matches_single_engine(actors, prompts, reference):
     assert sum(d.skip_blocks for d in destinations) > 0
     for i, ((result, stats), outputs) in enumerate(zip(pushed, runs)):
         written = len(destinations[i].block_ids) - destinations[i].skip_blocks
-        assert stats.num_bytes == 30 * 2 * written * BLOCK_BYTES
-        assert [t.layer for t in stats.layer_times] == list(range(30))
+        assert stats.num_bytes == LAYERS * 2 * written * BLOCK_BYTES
+        assert [t.layer for t in stats.layer_times] == list(range(LAYERS))
         # the first token's log-probabilities came inside the completion notice (JSON: exact)
         assert outputs[0].logprobs == (result.first_logprobs,) and result.first_logprobs is not None
         assert_same_output(reference[i], trace_from_outputs(outputs), exact=False, label=f"push {i}")
@@ -162,13 +176,13 @@ def test_push_matches_single_engine(actors, prompts, reference):
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_a_shared_prefix_moves_once(actors, smol, mode):
+def test_a_shared_prefix_moves_once(actors, mode):
     """Two requests sharing a 320-token prefix never seen before: the second one's transfer
     moves only the blocks past the prefix (the decode replica's cache holds the rest), and
     its prefill skips the prefix (``num_cached_tokens``); outputs match the single engine."""
     prefill, decode = actors
-    prefix = prompt_of_length(smol.tokenizer, 320, offset=1400 if mode == "pull" else 1200)
-    tails = [prompt_of_length(smol.tokenizer, 40, offset=100 + 50 * i) for i in range(2)]
+    prefix = random_ids(320, seed=100 if mode == "pull" else 200)
+    tails = [random_ids(40, seed=300 + i) for i in range(2)]
     moved = []
     for i, tail in enumerate(tails):
         request = _request(f"prefix-{mode}", i, prefix + tail)
@@ -186,7 +200,7 @@ def test_a_shared_prefix_moves_once(actors, smol, mode):
         want = trace_from_outputs(ray.get(decode.generate.remote(_request(f"prefix-{mode}-ref", i, prefix + tail))))
         assert_same_output(want, trace_from_outputs(outputs), exact=False, label=f"{mode} {i}")
     blocks = [-(-360 // 16), -(-360 // 16) - 320 // 16]  # all 23 blocks, then the 3 past the prefix
-    assert moved == [30 * 2 * n * BLOCK_BYTES for n in blocks]
+    assert moved == [LAYERS * 2 * n * BLOCK_BYTES for n in blocks]
     _wait_idle(prefill, decode)
 
 
@@ -214,7 +228,7 @@ def _filled_decode_pool(decode, prefix: str) -> Iterator[list[str]]:
     try:
         while (free := ray.get(decode.stats.remote()).num_free_blocks) >= 8:
             fillers.append(f"{prefix}-{len(fillers)}")
-            assert ray.get(decode.reserve.remote(fillers[-1], min(2000, (free - 4) * 16)))
+            assert ray.get(decode.reserve.remote(fillers[-1], min(ENGINE["max_model_len"], (free - 4) * 16)))
         yield fillers
     finally:
         _release(decode, fillers)
