@@ -86,6 +86,7 @@ class Calls:
     watched: asyncio.Future | None = None
     num_cached_tokens: int = 0  # the prompt tokens the prefill replica's cache skipped
     finished: bool = False
+    delivered: bool = False  # push: a token came, so the whole KV had reached the decode replica
 
     async def __aenter__(self) -> Calls:
         return self
@@ -110,7 +111,7 @@ class Calls:
         """The stream's next output; the watched call's error first if that fails (its
         decode replica would otherwise wait for the KV until the transfer timeout)."""
         watched = self.watched
-        if watched is None or watched.done() and watched.exception() is None:
+        if watched is None or self.delivered or watched.done() and watched.exception() is None:
             return await replica_call(self.stream.__anext__(), self.side)
         step = asyncio.ensure_future(replica_call(self.stream.__anext__(), self.side))
         try:
@@ -126,6 +127,21 @@ class Calls:
                 raise watched.exception()
             await asyncio.wait({step})
         return step.result()
+
+    async def prefill_figures(self) -> tuple[float | None, int]:
+        """Push, once the stream ended: the watched prefill call's (compute seconds, prompt
+        tokens its cache skipped). A prefill replica that died after its push completed (its
+        reply lost with it) gives none: the decode replica had the whole KV, so the output
+        stands."""
+        watched, self.watched = self.watched, None
+        try:
+            result = (await watched)[0]
+        except ReplicaFailure as failure:
+            if not self.delivered or failure.side != "prefill":
+                raise
+            logger.warning("push completed, then %s: the output stands without its prefill figures", failure.reason)
+            return None, 0
+        return result.compute_s, result.num_cached_tokens
 
 
 class ServedRequest:
@@ -224,13 +240,13 @@ class ServedRequest:
             output = await calls.step()
         except StopAsyncIteration:
             if calls.watched is not None:
-                await calls.watched
+                await calls.prefill_figures()
             return None
+        calls.delivered = calls.delivered or (calls.watched is not None and bool(output.token_ids))
         calls.finished = output.finished
         if calls.finished and calls.watched is not None:
-            result, calls.watched = (await calls.watched)[0], None
-            self.tracked.prefilled(result.compute_s)
-            calls.num_cached_tokens = result.num_cached_tokens
+            compute_s, calls.num_cached_tokens = await calls.prefill_figures()
+            self.tracked.prefilled(compute_s)
         return _cached(output, calls.num_cached_tokens)
 
     async def bounded(self, step: Awaitable[RequestOutput | None], attempt: Attempt) -> RequestOutput | None:

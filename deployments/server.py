@@ -58,6 +58,7 @@ REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler
 DRAIN_POLL_S = 0.1
 STALL_S = 60.0  # check_health fails when one engine round has run this long (a wedged step)
 AFTER_EXPORT_CRASH_S = 0.05  # an ``after_export`` crash comes this long after the handle went back
+AFTER_PUSH_CRASH_S = 2.0  # an ``after_push`` crash: time for the decode replica to start streaming
 
 
 def _crash_gate(faults_key: str):
@@ -351,6 +352,9 @@ class EngineServer:
         start = time.perf_counter()
         self._fault("prefill", request.request_id)
         result, stats = await link.prefill_push(request, destination)
+        if self.faults and self.faults.selected("after_push", request.request_id):
+            await asyncio.sleep(AFTER_PUSH_CRASH_S)  # the completion notice went; this call's reply never does
+            self._fault("after_push", request.request_id)
         self.metrics.prefill_call(time.perf_counter() - start)
         self.metrics.prefill_parts(result.queue_s, result.compute_s)
         self.metrics.transfer(stats.seconds, stats.num_bytes)

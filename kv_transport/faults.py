@@ -6,8 +6,10 @@ Points on the transport: ``export`` (producer, pull), ``fetch`` (consumer, befor
 is posted), ``push_layer`` (producer, per layer; a rule may name one ``layer``),
 ``finish_push`` (producer, before the completion notice), ``release`` (consumer, the pull's
 release notice). Points on a replica (``deployments.server``): ``prefill`` (a prefill call
-arrives), ``after_export`` (just after a pull's handle went back), ``mid_decode`` (a decode
-stream has sent ``after_tokens`` tokens).
+arrives), ``after_export`` (just after a pull's handle went back), ``after_push`` (a push
+completed, its call's reply not sent yet: the crash comes 2 s later, time for the decode
+replica to start streaming; ``deployments.server.AFTER_PUSH_CRASH_S``),
+``mid_decode`` (a decode stream has sent ``after_tokens`` tokens).
 
 Actions: ``delay`` (sleep ``seconds`` there), ``fail`` (raise ``KVTransferError``), ``drop``
 (``release`` only: the notice is not sent, so the producer frees the blocks when
@@ -38,8 +40,10 @@ from kv_transport.base import KVTransferError
 logger = logging.getLogger(__name__)
 
 TRANSPORT_POINTS = ("export", "fetch", "push_layer", "finish_push")
-REPLICA_POINTS = ("prefill", "after_export", "mid_decode")
-FaultPoint = Literal["export", "fetch", "push_layer", "finish_push", "release", "prefill", "after_export", "mid_decode"]
+REPLICA_POINTS = ("prefill", "after_export", "after_push", "mid_decode")
+FaultPoint = Literal[
+    "export", "fetch", "push_layer", "finish_push", "release", "prefill", "after_export", "after_push", "mid_decode"
+]
 FaultAction = Literal["delay", "fail", "drop", "crash"]
 
 

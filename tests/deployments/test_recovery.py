@@ -52,6 +52,7 @@ PULL_FAULTS = [
 ]
 PUSH_FAULTS = [
     {"point": "push_layer", "action": "crash", "layer": 15, "request_id_prefix": "kill-prefill-"},
+    {"point": "after_push", "action": "crash", "request_id_prefix": "kill-after-push-"},
     {"point": "push_layer", "action": "fail", "probability": 0.05},
 ]
 COMMON = {
@@ -227,6 +228,18 @@ def test_prefill_killed_during_transfer_requests_complete(base_url, reference, p
     (again,) = _run(path, [(f"{path}-after-restart", 1, 0.0)], base_url)
     _assert_same([again], [1], reference)
     _assert_nothing_held(base_url, path)
+
+
+def test_prefill_killed_after_its_push_the_stream_completes(base_url, reference):
+    """The prefill replica dies after a push completed (its completion notice sent) and before
+    its call's reply: the decode replica holds the whole KV and streams, so the request
+    completes with the engine's output, not with an error; the replica restarts."""
+    _assert_nothing_held(base_url, "/push")
+    before = _engine_ids(base_url, "/push", "PrefillServer")
+    (result,) = _run("/push", [("kill-after-push-1", 0, 0.0)], base_url)
+    _assert_same([result], [0], reference)
+    _restarted(base_url, "/push", "PrefillServer", before)
+    _assert_nothing_held(base_url, "/push")
 
 
 def test_decode_killed_mid_stream(base_url, reference):
