@@ -108,8 +108,9 @@ class Calls:
         self.watched = asyncio.ensure_future(replica_call(companion, "prefill"))
 
     async def step(self) -> RequestOutput:
-        """The stream's next output; the watched call's error first if that fails (its
-        decode replica would otherwise wait for the KV until the transfer timeout)."""
+        """The stream's next output; until a token came, the watched call's error first if
+        that fails (its decode replica would otherwise wait for the KV until the transfer
+        timeout)."""
         watched = self.watched
         if watched is None or self.delivered or watched.done() and watched.exception() is None:
             return await replica_call(self.stream.__anext__(), self.side)
