@@ -13,6 +13,7 @@ threads (Serve's routing-stats call) read the load without calling the core. A c
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from engine.params import (
     TokenLogprobs,
 )
 
+logger = logging.getLogger(__name__)
 _Result = tuple[asyncio.Future, Any, BaseException | None]
 IDLE_RECHECK_S = 0.05  # a stuck step is retried this often even without a command
 
@@ -287,6 +289,8 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(exc) if exc is not None else future.set_result(value)
         for output in outputs:
+            if output.finish_reason is FinishReason.ERROR:  # the client sees finish_reason "error" only
+                logger.warning("request %s ended with an error: %s", output.request_id, output.error)
             queue = self._streams.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)

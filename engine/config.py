@@ -19,9 +19,10 @@ class EngineSettings(BaseModel):
     """Scheduling and KV-pool settings of one engine (validated on construction).
 
     ``recompute_remote_kv`` allows a decode replica to re-run prefill for a preempted request
-    whose KV came from another replica (off: such requests are never preempted by recompute;
-    see ``engine.scheduler``). ``cpu_packed_weights`` (CPU only) keeps a second, oneDNN-blocked
-    copy of the weights for batched decode and prefill (``engine.cpu_matmul``).
+    whose KV came from another replica (off: such a request stalls instead, and is recomputed
+    only when nothing else could run; see ``engine.scheduler``). ``cpu_packed_weights`` (CPU
+    only) keeps a second, oneDNN-blocked copy of the weights for batched decode and prefill
+    (``engine.cpu_matmul``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -34,7 +35,9 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of cached full blocks of a prompt's prefix (hash-chained keys)"
     )
-    recompute_remote_kv: bool = Field(False, description="let decode replicas recompute preempted remote KV")
+    recompute_remote_kv: bool = Field(
+        False, description="preempt remote-KV requests like others (off: they stall; recomputed only if nothing runs)"
+    )
     cpu_packed_weights: bool = Field(
         True, description="CPU: keep a oneDNN-packed copy of the weights for batched steps (faster, 2x weight memory)"
     )

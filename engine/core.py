@@ -322,8 +322,6 @@ class EngineCore:
         outputs = []
         self._propose()
         plan = self.scheduler.schedule()
-        for seq, message in plan.failed:
-            outputs.append(self._finish(self._requests[seq.request_id], FinishReason.ERROR, "", (), message))
         if not plan.chunks:
             return outputs
         start = time.perf_counter()

@@ -9,12 +9,15 @@ Preemption (blocks ran out while a running sequence needs one more):
   * the victim is the most recently admitted running sequence not yet scheduled this step;
     it loses its blocks and goes back to the head of the waiting queue, to be recomputed
     (prompt + tokens generated so far) when blocks free up;
-  * a sequence whose KV came from another replica (``remote_kv``) is never a victim, and is
-    never recomputed here, unless ``recompute_remote_kv`` is set: re-running a long prefill
-    on a decode replica is what disaggregation exists to avoid. Such a sequence that cannot
-    grow *stalls* (keeps its blocks, skips the step) until others finish;
+  * a sequence whose KV came from another replica (``remote_kv``) is not a victim unless
+    ``recompute_remote_kv`` is set: re-running a long prefill on a decode replica is what
+    disaggregation exists to avoid. Such a sequence that cannot grow *stalls* (keeps its
+    blocks, skips the step) while others run and finish;
   * if a step would schedule nothing while sequences are stalled, the newest stalled
-    sequence fails with an error (its blocks are freed), so the engine never deadlocks.
+    sequence is preempted after all, to be recomputed here once blocks free up (from then on
+    its KV is this replica's own). So the engine never deadlocks and no request fails for
+    want of blocks: EngineConfig refuses a pool that cannot hold one request of
+    ``max_model_len`` tokens, so a preempted sequence fits once the others are done.
 
 Speculative proposals (``SequenceState.draft_tokens``, set by the engine before a step) ride
 after a decoding sequence's last token in its chunk when the budget and free blocks allow
@@ -99,7 +102,6 @@ class SchedulerPlan:
     chunks: tuple[ScheduledChunk, ...]
     scheduled: tuple[SequenceState, ...]
     preempted: tuple[str, ...]
-    failed: tuple[tuple[SequenceState, str], ...]
 
 
 class Scheduler:
@@ -167,11 +169,12 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit(budget, chunks, scheduled)
-        failed: list[tuple[SequenceState, str]] = []
-        if not chunks and stalled:
+        if not chunks and stalled:  # nothing can run: the newest stalled one is recomputed here
             victim = stalled[-1]
-            failed.append((victim, self._exhausted_message(victim)))
-        return SchedulerPlan(tuple(chunks), tuple(scheduled), tuple(preempted), tuple(failed))
+            victim.remote_kv = False  # recomputed, its KV is this replica's own
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return SchedulerPlan(tuple(chunks), tuple(scheduled), tuple(preempted))
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: list[SequenceState]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -309,11 +312,4 @@ class Scheduler:
             sample=start + n == seq.num_tokens,
             in_prompt=start < seq.num_prompt_tokens,
             num_draft=len(drafts),
-        )
-
-    def _exhausted_message(self, seq: SequenceState) -> str:
-        return (
-            f"KV cache exhausted: request {seq.request_id} needs a block for token {seq.num_tokens} but all "
-            f"{self.allocator.num_blocks} blocks are held by requests whose KV came from another replica "
-            "(recompute_remote_kv is off)"
         )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.params import FinishReason, GenerationRequest, PrefillResult, Role, RoleError, SamplingParams
-from tests.engine.conftest import greedy, run_to_completion
+from tests.engine.conftest import greedy, run_to_completion, tiny_loaded
 from tests.same_output import assert_same_output, trace_from_outputs
+from tests.tiny_models import SHARP, random_ids
 
 
 def _prefill(core, request) -> PrefillResult:
@@ -96,3 +97,31 @@ def test_abort_during_decode_frees_everything(smol, make_engine):
     assert prefill_core.abort(request.request_id)  # the pinned producer side
     (out,) = decode_core.step()
     assert out.finished and out.finish_reason is FinishReason.ABORT
+
+
+def test_a_decode_pool_too_small_for_its_handed_over_requests_recomputes_one_and_all_finish(make_engine):
+    """Four handed-over requests of 90 tokens fill a 26-block decode pool; each needs more
+    blocks to go on, and KV from another replica is not preempted, so all four stall. The
+    newest is then recomputed on the decode replica: all four finish with the tokens of the
+    ``both`` role (a sharp tiny model: a wrong block would change them)."""
+    loaded, _ = tiny_loaded("llama", 0, SHARP)
+    sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    requests = [GenerationRequest(f"small-{i}", tuple(random_ids(90, i)), sampling) for i in range(4)]
+    expected = run_to_completion(make_engine(loaded, max_model_len=256), {0: requests})
+    prefill_core = make_engine(loaded, role=Role.PREFILL, max_model_len=256)
+    decode_core = make_engine(loaded, role=Role.DECODE, max_model_len=256, num_blocks=26)
+    for request in requests:
+        result = _prefill(prefill_core, request)
+        blocks = decode_core.reserve(request.request_id, result.num_tokens)
+        decode_core.pool.copy_blocks_from(prefill_core.pool, list(result.block_ids), blocks)
+        assert prefill_core.release(request.request_id)
+        decode_core.add_decode(request, blocks, result.first_token, result.first_logprobs)
+    outputs: dict[str, list] = {}
+    while decode_core.has_work():
+        for out in decode_core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    for request in requests:
+        got, want = outputs[request.request_id], expected[request.request_id]
+        assert got[-1].finish_reason is FinishReason.LENGTH, got[-1].error
+        assert [t for o in got for t in o.token_ids] == [t for o in want for t in o.token_ids], request.request_id
+    assert decode_core.stats().num_preemptions == 1
