@@ -61,6 +61,7 @@ SERVED_COMMON = {  # tests/deployments/test_serve_app.py's applications, fixed p
 }
 SPECULATIVE = {"speculative.method": "ngram", "speculative.num_speculative_tokens": "4"}
 READY_TIMEOUT_S = 240.0
+DELETE_TIMEOUT_S = 300.0  # past any replica's graceful-stop bound (up to 120 s: the policy's)
 ENGINE_DEPLOYMENTS = frozenset({"PrefillServer", "DecodeServer", "ColocatedServer"})
 MAX_ENGINE_REPLICAS = 6  # an engine replica peaks near 2.5 GB; the machine has 24 GiB
 MODULE_ENGINE_REPLICAS = 5  # the most one module runs at once (three apps: 2 + 2 + 1)
@@ -161,14 +162,12 @@ class SharedServe:
         self._start()
         wanted = {a.name for a in apps}
         stale = [a for a in apps if self._running.get(a.name) != a or not self._healthy(a)]
-        for app in stale:
-            self._delete(app.name)
+        self._delete(*(app.name for app in stale))
         self._make_room(wanted)
         try:
             _deploy(stale)
         except Exception:
-            for app in stale:
-                self._delete(app.name)
+            self._delete(*(app.name for app in stale))
             raise
         for app in apps:
             self._running.pop(app.name, None)
@@ -179,8 +178,7 @@ class SharedServe:
             yield ServedApps(self.base_url, tuple(apps))
         finally:
             if not keep:
-                for app in apps:
-                    self._delete(app.name)
+                self._delete(*(app.name for app in apps))
 
     def ray(self) -> None:
         """Ray running (for tests that start actors of their own on it)."""
@@ -216,11 +214,21 @@ class SharedServe:
         status = serve.status().applications.get(app.name)
         return status is not None and status.status == "RUNNING" and _ready(f"{self.base_url}{app.url_prefix}/ready")
 
-    def _delete(self, name: str) -> None:
-        self._running.pop(name, None)
-        self._kept.discard(name)
-        if name in serve.status().applications:
-            serve.delete(name)
+    def _delete(self, *names: str) -> None:
+        """Delete these applications, side by side (each stop takes a while), and wait until
+        they are gone."""
+        for name in names:
+            self._running.pop(name, None)
+            self._kept.discard(name)
+        deployed = [name for name in names if name in serve.status().applications]
+        for name in deployed:
+            serve.delete(name, _blocking=False)
+        wait_until(
+            lambda: not set(deployed) & set(serve.status().applications),
+            DELETE_TIMEOUT_S,
+            f"applications {deployed} deleted",
+            poll_s=0.1,
+        )
 
     def _engine_replicas(self, names: set[str]) -> int:
         applications = serve.status().applications
