@@ -352,9 +352,11 @@ class EngineServer:
         start = time.perf_counter()
         self._fault("prefill", request.request_id)
         result, stats = await link.prefill_push(request, destination)
-        if self.faults and self.faults.selected("after_push", request.request_id):
+        if self.faults and self.faults.crash_due("after_push", request.request_id):
+            from kv_transport.faults import crash_now
+
             await asyncio.sleep(AFTER_PUSH_CRASH_S)  # the completion notice went; this call's reply never does
-            self._fault("after_push", request.request_id)
+            crash_now("after_push", request.request_id)
         self.metrics.prefill_call(time.perf_counter() - start)
         self.metrics.prefill_parts(result.queue_s, result.compute_s)
         self.metrics.transfer(stats.seconds, stats.num_bytes)

@@ -150,10 +150,19 @@ class FaultPoints:
             dropped = dropped or rule.action == "drop"
         return dropped
 
+    def crash_due(self, point: str, request_id: str) -> bool:
+        """Whether a crash at ``point`` selects this request and may still happen (its slot
+        under ``max_times`` is then taken): for a caller that crashes a moment later."""
+        rules = self.selected(point, request_id)
+        return any(rule.action == "crash" and self._granted(index, rule) for index, rule in rules)
+
+    def _granted(self, index: int, rule: FaultRule) -> bool:
+        return self.crash_gate is None or self.crash_gate(index, rule)
+
     def _act(self, index: int, rule: FaultRule, point: str, request_id: str, peer: str) -> None:
         if rule.action == "fail":
             raise KVTransferError(f"injected failure at {point}", request_id, peer)
-        if rule.action == "crash" and (self.crash_gate is None or self.crash_gate(index, rule)):
+        if rule.action == "crash" and self._granted(index, rule):
             crash_now(point, request_id)
 
 

@@ -68,6 +68,17 @@ def test_a_crash_asks_its_gate_first():
     assert asked == [(0, "mid_decode")]
 
 
+def test_crash_due_takes_the_gate_s_slot_and_is_false_once_max_times_is_used_up():
+    slots = [True, False]  # one crash left, then none
+    points = FaultPoints(
+        [FaultRule(point="after_push", action="crash", request_id_prefix="kill-")], crash_gate=lambda i, r: slots.pop(0)
+    )
+    assert not points.crash_due("after_push", "other-1") and slots == [True, False]  # not selected: gate not asked
+    assert points.crash_due("after_push", "kill-1") and slots == [False]
+    assert not points.crash_due("after_push", "kill-2") and slots == []  # used up: the caller waits for nothing
+    assert not NO_FAULTS.crash_due("after_push", "kill-3")
+
+
 def test_of_builds_rules_for_every_request():
     points = FaultPoints.of({"fetch": 0.5}, ["push_layer"], drop_release=True)
     assert [(r.point, r.action) for r in points.rules] == [
