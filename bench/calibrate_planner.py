@@ -103,9 +103,7 @@ def probe_stack(target, cost, kind: str) -> dict:
     """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s engine fits: one
     request at a time per length, per batch that many at once (the second of two rounds), a load run, and their
     fit. The app must run without a prefix cache (the probes repeat their prompts)."""
-    from bench.compare import MAX_MODEL_LEN as SERVED_LEN
-
-    assert max(STACK_LENGTHS) + STACK_OUTPUT <= SERVED_LEN
+    assert max(STACK_LENGTHS) + STACK_OUTPUT <= MAX_MODEL_LEN  # bench.compare serves the same context
     builder = PromptBuilder(tokenizer())
 
     def requests(length: int, output: int, seeds) -> list[BenchRequest]:
@@ -169,8 +167,7 @@ def _stack_cpu(target, requests) -> dict:
 
 
 def calibrate(command: str) -> dict:
-    """Engine steps and a decode batch beside a prefilling process (each in a fresh process), then our NIXL pull
-    between two Ray actors (medians of ``REPEATS`` after a warm-up)."""
+    """The file's points but the serving stack's (a NIXL pull's: the median of ``REPEATS`` after a warm-up)."""
     import ray
 
     from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure

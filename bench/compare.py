@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.host import machine
+from bench.host import machine, tokenizer
 from bench.ray_local import Server
 from bench.report import arguments, command_line, publish, read_json, subset, table, write_json
 from bench.serve import Target, run, sweep, uncontended
@@ -92,8 +92,6 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def workload_requests(options: argparse.Namespace) -> dict[str, list[BenchRequest]]:
-    from bench.host import tokenizer
-
     words = tokenizer()
     return {w: make_requests(w, words, MAX_MODEL_LEN, options.num_requests, options.seed) for w in options.workloads}
 

@@ -6,6 +6,7 @@ within ``WINDOW_S``: the drift a calibration taken minutes before a measurement 
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -30,9 +31,8 @@ def summarize(samples: list[dict], window_s: float = WINDOW_S) -> dict[str, dict
     """Per shape: median, min, max, max / min, and the largest change between samples ``window_s`` apart."""
     summary = {}
     for shape in SHAPES:
-        values, seconds = [(s["t"], s[shape]) for s in samples], [s[shape] for s in samples]
-        changes = [abs(v1 - v0) / min(v0, v1) for i, (t0, v0) in enumerate(values) for t1, v1 in values[i + 1 :]
-                   if t1 - t0 <= window_s]  # fmt: skip
+        seconds, pairs = [s[shape] for s in samples], itertools.combinations(samples, 2)
+        changes = [abs(b[shape] - a[shape]) / min(a[shape], b[shape]) for a, b in pairs if b["t"] - a["t"] <= window_s]
         summary[shape] = {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
                           "max_over_min": max(seconds) / min(seconds),
                           "largest_change_within_window": max(changes, default=0.0)}  # fmt: skip
@@ -48,20 +48,16 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = core()
     sample(engine, prompts := Prompts(engine.tokenizer))  # warm-up
-    samples, start, steal = [], time.monotonic(), cpu_ticks()[2]
+    samples, start, steal, started = [], time.monotonic(), cpu_ticks()[2], time.strftime("%Y-%m-%dT%H:%M:%S")
     while time.monotonic() - start < options.minutes * 60:
         began = time.monotonic()
         samples.append({"t": round(began - start, 1), **sample(engine, prompts), "steal_ticks": cpu_ticks()[2] - steal})
         print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
         time.sleep(max(options.every - (time.monotonic() - began), 0.0))
-    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - start)))
     summary = summarize(samples)
     write_json(options.out, {"command": command_line("bench.drift", argv), "machine": machine(), "started": started,
                              "window_s": WINDOW_S, "summary": summary, "samples": samples})  # fmt: skip
-    for shape, row in summary.items():
-        print(f"{shape}: median {row['median_s'] * 1e3:.1f} ms, {row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f} ms"
-              f" (x{row['max_over_min']:.2f}), largest change within {WINDOW_S:.0f} s:"
-              f" {row['largest_change_within_window']:.0%}")  # fmt: skip
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

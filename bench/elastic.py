@@ -88,17 +88,9 @@ class Calibration:
     classes: dict[str, dict[str, float]]
     model: str
 
-    @property
-    def tpot_slo_s(self) -> float:
-        return TPOT_SLO_X * statistics.mean(c["tpot_s"] for c in self.classes.values())
-
     def slo(self, kind: str) -> SLO:
-        return SLO(TTFT_SLO_X * self.classes[kind]["ttft_s"], self.tpot_slo_s)
-
-    @property
-    def controller_ttft_s(self) -> float:
-        """The controller's one TTFT target: the prompt class's (its TTFT signals are about prefill)."""
-        return self.slo("prompt").ttft_s
+        tpot_s = statistics.mean(c["tpot_s"] for c in self.classes.values())
+        return SLO(TTFT_SLO_X * self.classes[kind]["ttft_s"], TPOT_SLO_X * tpot_s)
 
 
 @dataclass(frozen=True)
@@ -146,8 +138,8 @@ def system_args(system: str, calibration: Calibration | None, record: Path | Non
     """``system``'s arguments: the elastic controller's with the SLOs and a fresh ``record`` file."""
     args = {**COMMON, **SYSTEMS[system][1]}
     if system == "elastic" and calibration is not None:
-        args["slo.ttft_ms"] = f"{calibration.controller_ttft_s * 1e3:.1f}"
-        args["slo.tpot_ms"] = f"{calibration.tpot_slo_s * 1e3:.1f}"
+        slo = calibration.slo("prompt")  # the controller's one TTFT target: its TTFT signals are about prefill
+        args |= {"slo.ttft_ms": f"{slo.ttft_s * 1e3:.1f}", "slo.tpot_ms": f"{slo.tpot_s * 1e3:.1f}"}
         if record is not None:
             record.unlink(missing_ok=True)
             args["autoscaling.record"] = str(record.resolve())
@@ -303,11 +295,9 @@ async def _served_probes(target: Target, probe: BenchRequest, streams: list[Benc
         idle = await probes("idle")
         tasks = [asyncio.create_task(send(http, target, s)) for s in streams]
         try:
-            deadline = time.monotonic() + 120
-            while (await decode.stats.remote()).num_running < len(streams):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the background streams never all reached the decode replica")
-                await asyncio.sleep(0.2)
+            async with asyncio.timeout(120):  # until every background stream reached the decode replica
+                while (await decode.stats.remote()).num_running < len(streams):
+                    await asyncio.sleep(0.2)
             loaded = await probes("loaded")
         finally:
             for task in tasks:
@@ -380,14 +370,14 @@ def in_flight(run: SystemRun, step_s: float = 1.0) -> tuple[list[float], list[in
 
 def targets(scores: dict[str, dict[str, dict]], burst: str) -> list[tuple[str, float | None, float | None]]:
     """(what, elastic's value, the bar) of each target; None where a system is missing."""
-    elastic, static, colocated = (scores.get(s) for s in ("elastic", "static", "colocated"))
-    overall_bar = burst_bar = None
-    if static and colocated:
-        overall_bar = max(static["overall"]["attainment"], colocated["overall"]["attainment"]) + OVERALL_MARGIN
-    if static and burst in static:
-        burst_bar = static[burst]["attainment"] + BURST_MARGIN
-    overall = elastic["overall"]["attainment"] if elastic else None
-    in_burst = elastic[burst]["attainment"] if elastic and burst in elastic else None
+
+    def share(system: str, phase: str) -> float | None:
+        return scores.get(system, {}).get(phase, {}).get("attainment")
+
+    static, colocated, static_burst = share("static", "overall"), share("colocated", "overall"), share("static", burst)
+    overall_bar = None if None in (static, colocated) else max(static, colocated) + OVERALL_MARGIN
+    burst_bar = None if static_burst is None else static_burst + BURST_MARGIN
+    overall, in_burst = share("elastic", "overall"), share("elastic", burst)
     return [
         (f"elastic overall >= max(static, colocated) + {OVERALL_MARGIN * 100:.0f} points", overall, overall_bar),
         (f"elastic in the {burst} >= static + {BURST_MARGIN * 100:.0f} points", in_burst, burst_bar),
@@ -401,7 +391,7 @@ def write_report(report: dict, out: Path) -> None:
     if calibration is not None:
         scores = {s: phase_scores(run, phases, calibration) for s, run in runs.items()}
         slo_s = {k: {"ttft": calibration.slo(k).ttft_s, "tpot": calibration.slo(k).tpot_s} for k in calibration.classes}
-        slo_s["controller"] = {"ttft": calibration.controller_ttft_s, "tpot": calibration.tpot_slo_s}
+        slo_s["controller"] = slo_s["prompt"]  # as system_args gives the elastic controller
         if runs:
             plot_timeline(report, out / "elastic.png")
     burst = next((p.name for p in phases if p.kind == "burst"), "burst")
@@ -443,13 +433,9 @@ def render(summary: dict) -> list[str]:
         at = [next((p["name"] for p in phases if p["start_s"] <= d["t"] < p["end_s"]), "after the trace")
               for d in summary["decisions"]]  # fmt: skip
         rows = [cells(row, d | {"phase": phase}) for d, phase in zip(summary["decisions"], at)]
-        decisions = table("time (s) | phase | action | replica | role | reason", rows)
-        lines += [
-            "### The elastic run's decisions",
-            "",
-            *(decisions if rows else ["No lend or reclaim in this run."]),
-            "",
-        ]
+        header = "time (s) | phase | action | replica | role | reason"
+        decisions = table(header, rows) if rows else ["No lend or reclaim in this run."]
+        lines += ["### The elastic run's decisions", "", *decisions, ""]
     return lines + floor_lines(summary["floor"])
 
 
@@ -532,10 +518,10 @@ def plot_timeline(report: dict, path: Path) -> None:
         else:
             roles = [float(lent(s)) for s in elastic.timeline]
             role_ax.step([s["t"] for s in elastic.timeline], roles, where="post", color=COLOURS["elastic"])
-        for d in elastic.decisions if elastic and elastic.timeline else ():
-            colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
-            role_ax.axvline(d["t"], color=colour, linewidth=1, alpha=0.8)
-            role_ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
+            for d in elastic.decisions:
+                colour = {"lend": "tab:green", "reclaim": "tab:red"}.get(d["action"], "tab:grey")
+                role_ax.axvline(d["t"], color=colour, linewidth=1, alpha=0.8)
+                role_ax.text(d["t"], 1.15, d["action"], color=colour, fontsize=7, rotation=90, va="bottom", ha="right")
         for system, run in report["runs"].items():
             if bins := attainment_bins(run, report["phases"], report["calibration"]):
                 starts, values = zip(*bins)

@@ -86,7 +86,7 @@ def prefilled(core, requests, warm: int = 0) -> None:
 
 
 @torch.inference_mode()
-def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUNDS) -> dict[str, float]:
+def interleaved_decode_steps(core, model, prompt: list[int]) -> dict[str, float]:
     """Batch-1 decode step, ours and transformers', and ``torch.mv`` bandwidth, in alternating rounds."""
     from transformers import DynamicCache
 
@@ -104,9 +104,9 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
     matrix, vector = torch.randn(16384, 8192), torch.randn(8192)  # 512 MiB float32
     torch.mv(matrix, vector)
     ours, hf, mv = [], [], []
-    for _ in range(rounds):
-        ours += [seconds(core.step) for _ in range(NUM_STEPS // rounds)]
-        hf += [seconds(hf_step) for _ in range(NUM_STEPS // rounds)]
+    for _ in range(ROUNDS):
+        ours += [seconds(core.step) for _ in range(NUM_STEPS // ROUNDS)]
+        hf += [seconds(hf_step) for _ in range(NUM_STEPS // ROUNDS)]
         mv += [seconds(lambda: torch.mv(matrix, vector)) for _ in range(3)]
     drain(core)
     return {"our_decode_step_ms": statistics.median(ours) * 1e3, "hf_decode_step_ms": statistics.median(hf) * 1e3,
@@ -114,11 +114,11 @@ def interleaved_decode_steps(core, model, prompt: list[int], rounds: int = ROUND
 
 
 @torch.inference_mode()
-def hf_generation(model, prompt: list[int], prompts: list[list[int]]) -> dict[str, float]:
-    """transformers ``generate`` at batch 1 (median of 2) and ``generate_batch`` on ``prompts``, tokens/s."""
+def hf_generation(model, prompts: list[list[int]]) -> dict[str, float]:
+    """transformers ``generate`` on the first prompt (median of 2) and ``generate_batch`` on all, tokens/s."""
     from transformers import GenerationConfig
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor(prompts[:1])
     kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
     generate = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # noqa: E731
     one_s = statistics.median(seconds(generate) for _ in range(2))
@@ -135,10 +135,9 @@ def worker(threads: int) -> dict[str, float]:
     from engine.loader import ModelSpec, load_model
 
     core = engine_core(threads, max_model_len=4096, kv_cache_bytes=512 << 20, max_num_batched_tokens=4096)
-    prompt = corpus_ids(core.tokenizer, CONTEXT)
     prompts = [corpus_ids(core.tokenizer, CONTEXT, offset=11 * i) for i in range(NUM_CONCURRENT)]
-    for i, concurrent in enumerate(prompts):  # tokens/s end to end, and over the steps where every request decodes
-        core.add_request(greedy_request(f"c{i}", concurrent, NEW_TOKENS))
+    for i, prompt in enumerate(prompts):  # tokens/s end to end, and over the steps where every request decodes
+        core.add_request(greedy_request(f"c{i}", prompt, NEW_TOKENS))
     decode_tokens, decode_s, total_tokens, start = 0, 0.0, 0, time.perf_counter()
     while core.has_work():
         step_start = time.perf_counter()
@@ -152,21 +151,18 @@ def worker(threads: int) -> dict[str, float]:
               "our_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
     reference = load_model(ModelSpec()).model
     reference.generation_config.eos_token_id = None
-    weight_bytes = decode_weight_bytes(reference)
-    steps = interleaved_decode_steps(core, reference, prompt)
-    bandwidth = steps.pop("mv_bandwidth_bytes_per_s")
-    result |= steps | hf_generation(reference, prompt, prompts)
-    long_prompt, ours, theirs = corpus_ids(core.tokenizer, PREFILL_LEN), [], []
-    ids = torch.tensor([long_prompt])
+    result |= interleaved_decode_steps(core, reference, prompts[0]) | hf_generation(reference, prompts)
+    long_prompt = corpus_ids(core.tokenizer, PREFILL_LEN)
+    ids, ours, theirs = torch.tensor([long_prompt]), [], []
     with torch.inference_mode():  # our prefill and a transformers forward, interleaved (the first pair warms up)
         for i in range(4):
             core.add_request(greedy_request(f"p{i}", long_prompt, 1, ignore_eos=False))
             ours.append(seconds(core.step))
             theirs.append(seconds(lambda: reference(input_ids=ids, use_cache=False, logits_to_keep=1)))
-    ours, theirs = statistics.median(ours[1:]), statistics.median(theirs[1:])
-    return result | {"our_prefill_2048_s": ours, "hf_prefill_2048_s": theirs, "weight_bytes": weight_bytes,
-                     "mv_bandwidth_gb_per_s": bandwidth / 1e9,
-                     "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
+    weight_bytes, bandwidth = decode_weight_bytes(reference), result.pop("mv_bandwidth_bytes_per_s")
+    prefill = {"our_prefill_2048_s": statistics.median(ours[1:]), "hf_prefill_2048_s": statistics.median(theirs[1:])}
+    return result | prefill | {"weight_bytes": weight_bytes, "mv_bandwidth_gb_per_s": bandwidth / 1e9,
+                               "bandwidth_floor_step_ms": weight_bytes / bandwidth * 1e3}  # fmt: skip
 
 
 def ratios(run: dict[str, float]) -> dict[str, float]:

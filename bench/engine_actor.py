@@ -14,13 +14,11 @@ class EngineActor:
 
     def __init__(self, engine_id: str, role: str, transport: str = "nixl", timeout_s: float = 60.0,
                  push_pipelined: bool = True, spec=None, **engine_config) -> None:  # fmt: skip
-        """``spec``: the model (default: the default model); ``tensor_parallel_size`` > 1 in
-        ``engine_config``: the other ranks run as actors beside this one, each with its own agent."""
+        """``spec``: the model (default: the default model); ``tensor_parallel_size`` > 1: see ``_tp_core``."""
         from engine.params import Role
         from kv_transport.config import TransportConfig
 
-        engine_config.setdefault("max_model_len", 2048)
-        engine_config.setdefault("kv_cache_bytes", 128 << 20)
+        engine_config = {"max_model_len": 2048, "kv_cache_bytes": 128 << 20} | engine_config
         self.config = TransportConfig(kind=transport, kv_transfer_timeout_s=timeout_s)
         if spec is None and engine_config.get("tensor_parallel_size", 1) == 1:
             self.core = engine_core(1, role=Role(role), **engine_config)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import LlamaConfig
 
-from bench.engine import decode_weight_bytes, drain, greedy_request
+from bench.engine import decode_weight_bytes, drain, greedy_request, prefilled
 from bench.host import seconds, synchronize
 from bench.report import arguments, cells, table, write_json
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
@@ -91,12 +91,12 @@ def error_row(name: str, exc: Exception) -> Row:
     return Row(name, error=f"{type(exc).__name__}: {str(exc).partition(chr(10))[0]}"[:300])
 
 
-def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 3) -> float:
+def median_ms(fn: Callable[[], object], reps: int, device: str, warmup: int = 3) -> float:
     """Median time of ``fn`` in ms: CUDA events around each call on CUDA, the wall clock on CPU."""
     for _ in range(warmup):
         fn()
     synchronize(device)
-    if device.type != "cuda":
+    if device != "cuda":
         return statistics.median(seconds(fn) for _ in range(reps)) * 1e3
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in pairs:
@@ -107,30 +107,29 @@ def median_ms(fn: Callable[[], object], reps: int, device: torch.device, warmup:
     return statistics.median(start.elapsed_time(end) for start, end in pairs)
 
 
-def copy_bandwidth(sizes: Sizes, device: torch.device) -> Row:
-    src = torch.ones(sizes.copy_bytes, dtype=torch.uint8, device=device)
+def copy_bandwidth(sizes: Sizes) -> Row:
+    src = torch.ones(sizes.copy_bytes, dtype=torch.uint8, device=sizes.device)
     dst = torch.empty_like(src)
-    ms, gb = median_ms(lambda: dst.copy_(src), sizes.reps, device), sizes.copy_bytes / 1e9
+    ms, gb = median_ms(lambda: dst.copy_(src), sizes.reps, sizes.device), sizes.copy_bytes / 1e9
     return Row("copy bandwidth", 2 * gb / (ms / 1e3), "GB/s", ms, notes=f"copy_ of {gb:.2f} GB, read + written")
 
 
-def matmul_flops(sizes: Sizes, device: torch.device) -> Row:
+def matmul_flops(sizes: Sizes) -> Row:
     n = sizes.matmul_n
-    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=sizes.device) for _ in range(2))
     out = torch.empty_like(a)
-    ms = median_ms(lambda: torch.mm(a, b, out=out), sizes.reps, device)
+    ms = median_ms(lambda: torch.mm(a, b, out=out), sizes.reps, sizes.device)
     return Row("bf16 matmul", 2 * n**3 / (ms / 1e3) / 1e12, "TFLOP/s", ms, notes=f"{n}^3")
 
 
 def build_model(name: str, overrides: dict, sizes: Sizes, built: list[LoadedModel]) -> Row:
     """Random bfloat16 weights made on the device itself, through the engine's loader (into ``built``)."""
     config = LlamaConfig(**overrides, max_position_embeddings=sizes.max_model_len)
-    device = torch.device(sizes.device)
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
-        synchronize(device)
+        synchronize(sizes.device)
         spec = ModelSpec(source=folder, dtype="bfloat16", device=sizes.device, dummy_weights=True)
-        load_s = seconds(lambda: (built.append(load_model(spec)), synchronize(device)))
+        load_s = seconds(lambda: (built.append(load_model(spec)), synchronize(sizes.device)))
     num_params = sum(p.numel() for p in built[-1].model.parameters())
     return Row(f"{name} dummy weights on {sizes.device}", load_s, "s", notes=f"{num_params / 1e6:,.1f} M parameters")
 
@@ -143,11 +142,7 @@ def make_requests(core: EngineCore, tag: str, count: int, prompt_len: int, new_t
 
 def run_decode(core: EngineCore, requests: list) -> tuple[float, int, int]:
     """(seconds, steps, tokens) of the steps after each request's first token (the prefill step)."""
-    for request in requests:
-        core.add_request(request)
-    started: set[str] = set()
-    while len(started) < len(requests):
-        started.update(out.request_id for out in core.step() if out.token_ids)
+    prefilled(core, requests)
     synchronize(core.device)
     start, steps, tokens = time.perf_counter(), 0, 0
     while core.has_work():
@@ -219,14 +214,12 @@ def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row)
         core.abort_all()
     core = None  # its memory back (the model with it) before the next model is made
     gc.collect()
-    if sizes.device == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # a no-op where CUDA was never used
 
 
 def run(sizes: Sizes) -> Iterator[Row]:
-    device = torch.device(sizes.device)
-    yield (copy := guarded("copy bandwidth", lambda: copy_bandwidth(sizes, device)))
-    yield (matmul := guarded("bf16 matmul", lambda: matmul_flops(sizes, device)))
+    yield (copy := guarded("copy bandwidth", lambda: copy_bandwidth(sizes)))
+    yield (matmul := guarded("bf16 matmul", lambda: matmul_flops(sizes)))
     for name, overrides in sizes.models:
         yield from model_rows(name, overrides, sizes, copy, matmul)
 

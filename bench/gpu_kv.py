@@ -36,7 +36,6 @@ from kv_transport.nixl_transport import NixlTransport
 from kv_transport.registry import LocalPeerRegistry, PeerInfo
 
 PRODUCER, CONSUMER = "producer", "consumer"  # the engine ids of the two processes' unstaged transports
-PATTERN_SEED = 1234
 RAW_PROGRESS_S = 0.001  # the raw agents' progress on the side being read
 _WORKER: dict = {}  # this worker process's side and event loop (``side_call``'s state)
 _UCX_TABLE = re.compile(r"^\[[\d.]+\] \[[^]]*\]\s+[|+]")  # a line of a UCX_PROTO_INFO table
@@ -142,7 +141,7 @@ def _pattern(plan: Plan) -> torch.Tensor:
     """The producer's pool contents, reproducible in the consumer to check what arrived."""
     layout = plan.layout
     shape = (layout.num_layers, 2, plan.pool_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    generator = torch.Generator(device=plan.device).manual_seed(PATTERN_SEED)
+    generator = torch.Generator(device=plan.device).manual_seed(1234)
     return torch.randn(shape, generator=generator, device=plan.device).to(getattr(torch, layout.dtype))
 
 
@@ -362,9 +361,8 @@ class _Pair:
         if self._pools:
             return
         self.num_starts += 1
-        self._pools = {
-            role: ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) for role in (PRODUCER, CONSUMER)
-        }
+        spawn = multiprocessing.get_context("spawn")
+        self._pools = {role: ProcessPoolExecutor(1, spawn) for role in (PRODUCER, CONSUMER)}
         logs = {role: str(self.log_dir / f"{role}-{self.num_starts}.log") for role in self._pools}
         for future in [self.submit(role, "start", role, self.plan, self.entries, logs[role]) for role in self._pools]:
             self.wait(future, deadline)  # each answers once its pool and transports are up
@@ -468,7 +466,7 @@ def push_figures(run: PushRun, notice_at: float) -> dict:
 def ucx_transports(log_dir: Path) -> list[str]:
     """``<operation>: <protocol> via <transport/device>`` of remote memory access, GPU memory first, from
     the logs' ``UCX_PROTO_INFO`` tables: a ``| remote memory ... |`` title, then ``| range | protocol | via |`` rows."""
-    found: list[str] = []
+    found: dict[str, None] = {}  # in order, once each
     for path in sorted(log_dir.glob("*.log")):
         operation = None
         for line in path.read_text(errors="replace").splitlines():
@@ -479,9 +477,7 @@ def ucx_transports(log_dir: Path) -> list[str]:
             elif 0 < len(parts) <= 2:  # the title of another table (or the context's line)
                 operation = None
             elif operation and len(parts) == 3 and _RANGE.match(parts[0]):
-                entry = f"{operation}: {parts[1]} via {parts[2]}"
-                if entry not in found:
-                    found.append(entry)
+                found[f"{operation}: {parts[1]} via {parts[2]}"] = None
     return sorted(found, key=lambda entry: "cuda" not in entry)
 
 

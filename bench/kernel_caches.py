@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=40)
     args = parser.parse_args(argv)
     for setting in args.caches.split(","):
-        env = {k: v for k, v in os.environ.items() if k not in CACHES}
         # "default": PyTorch's own capacities (setting the variables to 1024 keeps the engine's bound off)
-        env.update(dict.fromkeys(CACHES, "1024" if setting == "default" else setting))
+        env = os.environ | dict.fromkeys(CACHES, "1024" if setting == "default" else setting)
         result = worker_json("bench.kernel_caches", "worker", args.prompts, args.batches, env=env)
         series = ", ".join(f"{p['prompts']}: {p['rss_mib']}" for p in result["rss"])
         rates = f"prefill {result['prefill_tokens_per_s']} tok/s, mixed decode {result['mixed_tokens_per_s']} tok/s"

@@ -83,8 +83,7 @@ class TransferActor(KVSide):
 
 
 def measure(method: str, producer, consumer, tag: str, num_blocks: int, raw: tuple | None = None) -> float:
-    """Seconds of one transfer of ``num_blocks`` blocks' bytes by ``method`` (``raw``: the
-    producer's ``raw_meta``, for the raw NIXL methods)."""
+    """Seconds of one transfer of ``num_blocks`` blocks by ``method`` (``raw``: the producer's ``raw_meta``)."""
     if method in ("nixl_pull", "object_store"):  # the object store's export copies out: it counts
         kind = "nixl" if method == "nixl_pull" else "store"
         (handle,), export_s = ray.get(producer.export.remote(kind, f"{kind}-{tag}", num_blocks))

@@ -39,19 +39,13 @@ TWINS = {  # bench.compare's systems the simulator has a twin of: the twin's cha
 }
 
 
-def stack_kind(system: str) -> str:
-    """The serving stack's kind (``planner.costs.ServingStack``) of one of ``bench.compare``'s systems."""
-    return "disaggregated" if system.startswith("disagg") else "colocated"
-
-
 def system_spec(system: str, calibration: Path, stack: dict | None = None) -> SystemSpec:
-    """The simulated twin of a ``bench.compare`` system, with the file's serving stack or ``stack``."""
+    """The simulated twin of a ``bench.compare`` system, with the file's serving stack of its kind or ``stack``."""
     if system not in TWINS:
         raise SystemExit(f"no simulated twin of {system!r} ({', '.join(TWINS)})")
     cost = load_calibration(calibration)
-    served = ServingStack.of(stack) if stack else cost.stack(stack_kind(system))
-    base = SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference, stack=served)
-    return replace(base, **TWINS[system])
+    spec = replace(SystemSpec("colocated", 2, 0, cost, cost, interference=cost.interference), **TWINS[system])
+    return replace(spec, stack=ServingStack.of(stack) if stack else cost.stack(spec.kind))
 
 
 def measure(options: argparse.Namespace) -> dict:
@@ -65,12 +59,12 @@ def measure(options: argparse.Namespace) -> dict:
               "num_requests": options.num_requests, "seed": options.seed, "fractions": fractions,
               "systems": {}}  # fmt: skip
     for system in options.systems.split(","):
-        measured = goodputs[system]["goodput"]["rate"]
+        kind, measured = system_spec(system, options.calibration).kind, goodputs[system]["goodput"]["rate"]
         with system_server(system, 0, NO_PREFIX_CACHE) as server:
             target = Target(server.url, server.model())
             idle = uncontended(target, median_request(requests))  # also warms the replicas up
             print(f"{system}: uncontended {idle}", file=sys.stderr)
-            probed = {} if options.file_stack else {"stack": probe_stack(target, cost, stack_kind(system))}
+            probed = {} if options.file_stack else {"stack": probe_stack(target, cost, kind)}
             points = []
             for rate in (round(f * measured, 4) for f in fractions):
                 runs, offsets = [], arrival_times(len(requests), rate, seed=options.seed)

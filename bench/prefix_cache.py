@@ -265,10 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if any("=" not in item for item in args.set):
         parser.error("--set takes KEY=VALUE")
     raw_path = args.raw / "runs.json"
-    saved = (
-        read_json(raw_path) if args.report_only else run_all(args, args.settings, raw_path, command_line(NAME, argv))
-    )
-    summary = report(saved)
+    summary = report(read_json(raw_path) if args.report_only else run_all(args, raw_path, command_line(NAME, argv)))
     if "ratios" in summary:
         write_report(summary, args.out)
     else:
@@ -276,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"records: {raw_path}", file=sys.stderr)
 
 
-def run_all(args: argparse.Namespace, settings: tuple[str, ...], raw_path: Path, command: str) -> dict:
+def run_all(args: argparse.Namespace, raw_path: Path, command: str) -> dict:
     extra = dict(item.split("=", 1) for item in args.set)
     chats = chat_conversations(tokenizer(), args.conversations + 1, args.turns, args.user_tokens, args.output_tokens)
     # the checkout a run used: HEAD and the files changed from it (others may edit meanwhile)
@@ -284,7 +281,7 @@ def run_all(args: argparse.Namespace, settings: tuple[str, ...], raw_path: Path,
                      for a in (("rev-parse", "HEAD"), ("status", "--porcelain")))  # fmt: skip
     git = {"head": head, "changed": changed.splitlines()}
     started, saved = time.time(), {"command": command, "elapsed_s": 0.0, "extra": extra, "git": git, "runs": {}}
-    for index, setting in enumerate(settings):
+    for index, setting in enumerate(args.settings):
         saved["runs"][setting] = run_setting(setting, index, chats[:-1], chats[-1], extra)
         saved["elapsed_s"] = time.time() - started
         write_json(raw_path, saved, indent=None)

@@ -42,7 +42,7 @@ def decode_steps(degree: int, batch: int) -> dict:
             "reduce_s": statistics.median(reduce)}  # fmt: skip
 
 
-def _probe_rank(rank: int, rendezvous, width: int, rounds: int, results) -> None:
+def _probe_rank(rank: int, rendezvous, width: int, rounds: int) -> None:
     """One rank of the all-reduce probe: ``rounds`` sums of a ``[width]`` float32 tensor."""
     import torch
 
@@ -53,7 +53,6 @@ def _probe_rank(rank: int, rendezvous, width: int, rounds: int, results) -> None
     tensor = torch.ones(width)
     for _ in range(rounds):
         group.all_reduce(tensor)
-    results.put((rank, group.reduce_s / rounds))
 
 
 def all_reduce_alone(batch: int, degree: int = 3, rounds: int = 300) -> float:
@@ -66,11 +65,9 @@ def all_reduce_alone(batch: int, degree: int = 3, rounds: int = 300) -> float:
     from engine.tensor_parallel import leader
 
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
     rendezvous, join = leader(degree, torch.device("cpu"))
     width = batch * 576  # the default model's hidden size
-    args = [(r, rendezvous, width, rounds, results) for r in range(1, degree)]
-    procs = [context.Process(target=_probe_rank, args=a) for a in args]
+    procs = [context.Process(target=_probe_rank, args=(r, rendezvous, width, rounds)) for r in range(1, degree)]
     for proc in procs:
         proc.start()
     group, tensor = join(), torch.ones(width)
@@ -163,7 +160,7 @@ def render(data: dict) -> list[str]:
         lines += ["### Decode step, default model", "", *table(header, rows), ""]
     if data.get("transfer"):
         row = "{size_mb} MB | {case} | {op} | {descriptors} | {bytes:MB.1f} MB | {seconds:ms.2f} ms | {gb_per_s:.2f}"
-        rows = [cells(row, {"op": "READ", **r}) for r in data["transfer"]]
+        rows = [cells(row, r) for r in data["transfer"]]
         header = "request KV | transfer | NIXL op (pull: READ, push: WRITE) | descriptors | bytes | time | GB/s"
         lines += ["### KV into one consumer rank", "", *table(header, rows)]
     return lines
@@ -177,7 +174,7 @@ def plot(data: dict, path: Path) -> None:
         step_ax.set(ylabel="decode step (ms)", title="decode step, default model")
         for row in data.get("transfer", []):
             case = row["case"].split(",")[0].split(" (")[0]
-            read_ax.bar(f"{row['size_mb']}MB {row.get('op', 'READ')}\n{case}", row["gb_per_s"])
+            read_ax.bar(f"{row['size_mb']}MB {row['op']}\n{case}", row["gb_per_s"])
         read_ax.set(ylabel="GB/s", title="KV into one rank")
         read_ax.tick_params(axis="x", labelsize=6)
 

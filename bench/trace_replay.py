@@ -125,7 +125,7 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
                           r.output_tokens) for r in requests]  # fmt: skip
     offsets = [r.arrival_s for r in requests]
     print(f"{len(chosen)} trace requests, 1 in {m} kept: {len(requests)}; capacity {cap:.2f} req/s", file=sys.stderr)
-    data: dict[str, Any] = {"command": command_line(NAME, argv), "machine": machine(), "trace": str(TRACE.name),
+    data: dict[str, Any] = {"command": command_line(NAME, argv), "machine": machine(), "trace": TRACE.name,
                             "start_s": options.start_s, "window_s": options.window_s, "load": options.load,
                             "thinning": m, "capacity_rps": cap, "requests": len(requests),
                             "simulated_throughput_rps": simulated_throughput(chosen),
