@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tests.waiting import wait_until, wait_until_async
+from tests.waiting import MAX_POLL_S, _pauses, wait_until, wait_until_async
 
 
 def test_returns_the_first_value_that_holds():
@@ -44,3 +44,9 @@ def test_async_twin_awaits_async_reads_and_yields_to_the_loop():
         return count
 
     assert asyncio.run(main()) == 3
+
+
+def test_the_pause_between_reads_grows_to_a_cap():
+    pauses = list(itertools.islice(_pauses(0.02), 12))
+    assert pauses[0] == 0.02 and pauses == sorted(pauses) and pauses[-1] == MAX_POLL_S
+    assert set(itertools.islice(_pauses(2.0), 3)) == {2.0}  # a longer first pause is kept

@@ -1,9 +1,12 @@
 """Wait for a condition with a deadline instead of sleeping for a guessed time.
 
 A fixed sleep is either too short on a loaded CI machine (the test flakes) or longer than
-needed everywhere else (CI time grows). These poll every ``POLL_S`` and return as soon as
-the condition holds; past the deadline they fail with what was awaited and the last value
-read, so a failure says what state the system was stuck in.
+needed everywhere else (CI time grows). These poll, first every ``POLL_S``, and return as soon
+as the condition holds; past the deadline they fail with what was awaited and the last value
+read, so a failure says what state the system was stuck in. The pause between polls grows
+by ``BACKOFF`` up to ``MAX_POLL_S``: a long wait (a replica restarting) then reads its
+condition (often an HTTP call that every replica answers) a few times a second, not fifty,
+and leaves the 2 cores to what it waits for. Waits are on states that last once reached.
 """
 
 from __future__ import annotations
@@ -12,12 +15,22 @@ import asyncio
 import inspect
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
 
 POLL_S = 0.02
+MAX_POLL_S = 0.5
+BACKOFF = 1.5
+
+
+def _pauses(poll_s: float) -> Iterator[float]:
+    """``poll_s``, then longer by ``BACKOFF`` each time, up to ``MAX_POLL_S`` (or ``poll_s`` if longer)."""
+    pause, longest = poll_s, max(poll_s, MAX_POLL_S)
+    while True:
+        yield pause
+        pause = min(pause * BACKOFF, longest)
 
 
 def _timed_out(what: str, timeout_s: float, last: object) -> AssertionError:
@@ -37,14 +50,14 @@ def wait_until(
     ``read`` is called at least once, even with ``timeout_s=0``. Raises ``AssertionError``
     naming ``what`` and the last value once ``timeout_s`` has passed.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline, pauses = time.monotonic() + timeout_s, _pauses(poll_s)
     while True:
         value = read()
         if until(value):
             return value
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, value)
-        time.sleep(poll_s)
+        time.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))
 
 
 async def wait_until_async(
@@ -57,7 +70,7 @@ async def wait_until_async(
 ) -> T:
     """``wait_until`` for code on an event loop: ``read`` may be a plain or an async function,
     and the poll yields to the loop (``asyncio.sleep``) instead of blocking it."""
-    deadline = time.monotonic() + timeout_s
+    deadline, pauses = time.monotonic() + timeout_s, _pauses(poll_s)
     while True:
         value = read()
         if inspect.isawaitable(value):
@@ -66,7 +79,7 @@ async def wait_until_async(
             return value
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, value)
-        await asyncio.sleep(poll_s)
+        await asyncio.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))
 
 
 class CallRecorder:
