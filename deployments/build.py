@@ -22,7 +22,10 @@ from engine.params import Role
 ROUTER = "deployments.router.RoleAwareRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 INGRESS_SPARE = 16  # room above max_queued_requests so the ingress itself answers 503
-TP_HEALTH_CHECK_PERIOD_S = 2.0  # a tensor-parallel replica's (EngineServer.check_health runs no engine work)
+# Serve learns that a replica died (SIGKILL, OOM) only from its next health check: with Serve's
+# default period (10 s) a dead replica was replaced up to 10 s late. Checks are cheap here
+# (EngineServer.check_health runs no engine work; the others are Serve's liveness call).
+HEALTH_CHECK_PERIOD_S = 2.0
 DRAIN_MARGIN_S = 5.0  # a stopping replica's graceful bound: its KV lease plus this
 # a stopping replica looks for requests still in flight this often; Serve sleeps once before
 # the first look, so its default (2 s) made every stop (scale-down, redeploy) take 2 s or more
@@ -46,6 +49,7 @@ def _engine_deployment(
         **_tensor_parallel_options(deployment),
         max_ongoing_requests=deployment.max_ongoing_requests,
         graceful_shutdown_wait_loop_s=STOP_POLL_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
         ),
@@ -63,15 +67,13 @@ def _actor_options(deployment: DeploymentConfig) -> dict[str, Any]:
 
 def _tensor_parallel_options(deployment: DeploymentConfig) -> dict[str, Any]:
     """A tensor-parallel replica: one bundle per rank (the replica itself is bundle 0), all on
-    one node (the ranks meet on the loopback; NCCL wants one host). Its health is checked every
-    ``TP_HEALTH_CHECK_PERIOD_S``: a lost rank leaves the replica unable to step, and Serve's
-    default period (10 s) would keep it in the routing that long."""
+    one node (the ranks meet on the loopback; NCCL wants one host). A lost rank fails the
+    replica's health check (every ``HEALTH_CHECK_PERIOD_S``), and Serve replaces the group."""
     if deployment.tensor_parallel_size == 1:
         return {}
     return {
         "placement_group_bundles": [deployment.bundle()] * deployment.tensor_parallel_size,
         "placement_group_strategy": "STRICT_PACK",
-        "health_check_period_s": TP_HEALTH_CHECK_PERIOD_S,
     }
 
 
@@ -85,6 +87,7 @@ def _ingress(config: AppConfig):
         ray_actor_options={"num_cpus": 0.1},
         max_ongoing_requests=config.max_queued_requests + INGRESS_SPARE,
         graceful_shutdown_wait_loop_s=STOP_POLL_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
 
 
@@ -98,6 +101,7 @@ def _controller():
         ray_actor_options={"num_cpus": 0.05},
         logging_config=LoggingConfig(enable_access_log=False),
         graceful_shutdown_wait_loop_s=STOP_POLL_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
 
 

@@ -23,3 +23,5 @@ def test_serve_build_writes_a_deployable_config(tmp_path):
     assert set(deployments) == {"PrefillServer", "DecodeServer", "OpenAIIngress", "AutoscalerController"}
     router = deployments["DecodeServer"]["request_router_config"]["request_router_class"]
     assert router == "deployments.router.RoleAwareRouter"
+    for name, deployment in deployments.items():  # Serve notices a dead replica at its next check
+        assert deployment["health_check_period_s"] == 2.0, name
