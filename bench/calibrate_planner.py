@@ -167,7 +167,8 @@ def _stack_cpu(target, requests) -> dict:
 
 
 def calibrate(command: str) -> dict:
-    """The file's points but the serving stack's (a NIXL pull's: the median of ``REPEATS`` after a warm-up)."""
+    """Engine steps and a decode batch beside a prefilling process (each in a fresh process), then our NIXL pull
+    between two Ray actors (medians of ``REPEATS`` after a warm-up)."""
     import ray
 
     from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure
