@@ -30,6 +30,8 @@ DRAIN_MARGIN_S = 5.0  # a stopping replica's graceful bound: its KV lease plus t
 # a stopping replica looks for requests still in flight this often; Serve sleeps once before
 # the first look, so its default (2 s) made every stop (scale-down, redeploy) take 2 s or more
 STOP_POLL_S = 0.25
+# the Serve options every deployment of an application takes (engine pools, ingress, controller)
+EVERY_DEPLOYMENT = {"graceful_shutdown_wait_loop_s": STOP_POLL_S, "health_check_period_s": HEALTH_CHECK_PERIOD_S}
 
 
 def _engine_deployment(
@@ -48,8 +50,7 @@ def _engine_deployment(
         ray_actor_options=_actor_options(deployment),
         **_tensor_parallel_options(deployment),
         max_ongoing_requests=deployment.max_ongoing_requests,
-        graceful_shutdown_wait_loop_s=STOP_POLL_S,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **EVERY_DEPLOYMENT,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
         ),
@@ -86,8 +87,7 @@ def _ingress(config: AppConfig):
         num_replicas=1,
         ray_actor_options={"num_cpus": 0.1},
         max_ongoing_requests=config.max_queued_requests + INGRESS_SPARE,
-        graceful_shutdown_wait_loop_s=STOP_POLL_S,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **EVERY_DEPLOYMENT,
     )
 
 
@@ -100,8 +100,7 @@ def _controller():
         num_replicas=1,
         ray_actor_options={"num_cpus": 0.05},
         logging_config=LoggingConfig(enable_access_log=False),
-        graceful_shutdown_wait_loop_s=STOP_POLL_S,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **EVERY_DEPLOYMENT,
     )
 
 
