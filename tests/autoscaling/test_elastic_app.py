@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from app.config import disagg_app
-from engine.loader import ModelSpec, load_model
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
 from tests.waiting import wait_until
@@ -42,10 +41,8 @@ ARGS = {
 
 
 @pytest.fixture(scope="module")
-def model_and_prompts():
-    loaded = load_model(ModelSpec(source="default"))
-    prompts = [loaded.tokenizer(q).input_ids for q in QUESTIONS]
-    return loaded, prompts
+def model_and_prompts(smol):
+    return smol, [smol.tokenizer(q).input_ids for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from app.config import disagg_app
-from engine.loader import ModelSpec, load_model
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
 from tests.waiting import wait_until_async
@@ -63,16 +62,16 @@ VIEW_TIMEOUT_S = 480.0
 
 
 @pytest.fixture(scope="module")
-def prompts() -> tuple[list[int], list[list[int]]]:
+def prompts(smol) -> tuple[list[int], list[list[int]]]:
     """The load's prompt and the long requests' prompts, as token ids."""
-    tokenizer = load_model(ModelSpec(source="default")).tokenizer
+    tokenizer = smol.tokenizer
     return tokenizer(SHORT_PROMPT).input_ids, [tokenizer(p).input_ids for p in LONG_PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def reference(prompts) -> list[GreedyTrace]:
+def reference(smol, prompts) -> list[GreedyTrace]:
     """The engine alone, one long prompt at a time, as the tokens' texts the API returns."""
-    return engine_text_traces(load_model(ModelSpec(source="default")), prompts[1], LONG_TOKENS)
+    return engine_text_traces(smol, prompts[1], LONG_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ import pytest
 
 from app.config import colocated_app, disagg_app
 from app.settings import AppConfig
-from engine.loader import ModelSpec, load_model
 from kv_transport.faults import FaultPoints
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
@@ -78,12 +77,11 @@ BUSY_ARGS = {  # one sequence at a time: a second request waits with no output
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[GreedyTrace]:
+def reference(smol) -> list[GreedyTrace]:
     """The engine alone, one request at a time, as the tokens' texts (what the API returns);
     the prompts' token ids go in ``PROMPT_IDS`` (what the requests send)."""
-    loaded = load_model(ModelSpec(source="default"))
-    PROMPT_IDS[:] = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    return engine_text_traces(loaded, PROMPT_IDS, NUM_TOKENS)
+    PROMPT_IDS[:] = [smol.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    return engine_text_traces(smol, PROMPT_IDS, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")

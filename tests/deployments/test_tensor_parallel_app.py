@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.loader import ModelSpec, load_model
 from tests.same_output import GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
 from tests.waiting import wait_until
@@ -38,12 +37,11 @@ ARGS = {
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[GreedyTrace]:
+def reference(smol) -> list[GreedyTrace]:
     """One engine of one rank in this process, one request at a time (transformers' greedy
     tokens: ``tests/engine``; unlike ``generate`` with ``min_new_tokens`` it keeps EOS among
     the candidates, as the served engine does with ``ignore_eos``), as the tokens' texts."""
-    loaded = load_model(ModelSpec())
-    return engine_text_traces(loaded, [loaded.tokenizer(p).input_ids for p in PROMPTS], NUM_TOKENS)
+    return engine_text_traces(smol, [smol.tokenizer(p).input_ids for p in PROMPTS], NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
