@@ -27,16 +27,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.loader import ModelSpec
     from engine.params import SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    try:  # a bad argument is refused before torch and the model load (seconds)
         sampling = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -45,6 +38,18 @@ def generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=tuple(args.stop),
         )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.loader import ModelSpec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
         core = EngineCore.from_spec(
             ModelSpec(source=args.model, dtype=args.dtype, device=args.device),
             EngineConfig(max_model_len=4096, kv_cache_bytes=256 << 20),

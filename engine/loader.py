@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import transformers
+from transformers import PreTrainedTokenizerBase
 
-# transformers' modeling costs seconds to import: a process that only tokenizes (the ingress)
-# imports it only where it loads weights
+# torch and transformers' modeling cost seconds to import: a process that only tokenizes (the
+# ingress) imports them only where it loads weights (AutoTokenizer imports torch too)
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
 DEFAULT_MODEL = "default"
@@ -57,6 +58,8 @@ class LoadedModel:
 
 def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
     """float32 on CPU by default, bfloat16 on CUDA; explicit names win."""
+    import torch
+
     if dtype is None:
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -97,7 +100,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         else:
             raise FileNotFoundError(f"model source {spec.source!r} is neither a directory nor a .gguf file")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = _folder_tokenizer(folder)
         name = model_name(spec)
     model.to(spec.device).eval()
     model.requires_grad_(False)
@@ -112,9 +115,20 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase | None:
     if source.suffix == ".gguf":
         folder = _gguf_cache_folder(source)
         if (folder / "complete").is_file():
-            return AutoTokenizer.from_pretrained(folder)
-        return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    return AutoTokenizer.from_pretrained(source)
+            return _folder_tokenizer(folder)
+        return transformers.AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    return _folder_tokenizer(source)
+
+
+def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The class ``tokenizer_config.json`` names, loaded directly when transformers exports it
+    (what AutoTokenizer picks too, without importing torch); AutoTokenizer otherwise."""
+    config = folder / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
+        return cls.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
 
 
 def model_name(spec: ModelSpec) -> str:
@@ -124,6 +138,7 @@ def model_name(spec: ModelSpec) -> str:
 def _load_dummy(source: str, dtype: torch.dtype, seed: int, device: str) -> PreTrainedModel:
     """Random weights made where they will run: initializing a large model on the GPU is
     far quicker than a CPU init and a copy."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(source)
@@ -138,10 +153,11 @@ def _converted_gguf(gguf_path: Path) -> Path:
     folder = _gguf_cache_folder(gguf_path)
     if (folder / "complete").is_file():
         return folder
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     _save_plain(model, tmp)

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 
@@ -47,6 +47,7 @@ class IdealPhase:
     """The phase not under study: (almost) no time, no KV limit; KV transfers as ``real``'s."""
 
     real: CostModel
+    constant_decode_step: ClassVar[bool] = True  # for the simulator: one step's time is every step's
 
     def prefill_s(self, batch_tokens: int) -> float:
         return IDEAL_STEP_S

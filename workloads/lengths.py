@@ -41,7 +41,7 @@ def check_workload(name: str) -> None:
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float, low: int, high: int) -> int:
-    return int(np.clip(round(median * float(np.exp(rng.normal(0.0, sigma)))), low, max(low, high)))
+    return min(max(round(median * float(np.exp(rng.normal(0.0, sigma)))), low), max(low, high))
 
 
 def draw_lengths(name: str, rng: np.random.Generator, context: int) -> DrawnLengths:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.loader import ModelSpec, cache_root, default_gguf_path, load_model, resolve_dtype
+from engine.loader import ModelSpec, cache_root, default_gguf_path, load_model, load_tokenizer, resolve_dtype
 from engine.params import SamplingParams
 from tests.engine.conftest import run_to_completion
 
@@ -81,3 +83,29 @@ def test_bad_sources():
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("int8", "cpu")
     assert resolve_dtype(None, "cuda:0") == torch.bfloat16 and resolve_dtype(None, "cpu") == torch.float32
+
+
+def test_the_tokenizer_alone_imports_no_torch_and_encodes_as_auto_tokenizer(smol, tmp_path):
+    """The ingress loads only the tokenizer: its process must not pay for torch (AutoTokenizer
+    imports it), and its token ids must be the engine's."""
+    code = (
+        "import sys, json; from engine.loader import ModelSpec, load_tokenizer; import deployments.ingress; "
+        "t = load_tokenizer(ModelSpec()); "
+        "print(json.dumps([type(t).__name__, 'torch' in sys.modules, t('Hello, world!  é')['input_ids']]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    name, imported_torch, ids = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not imported_torch
+    assert name == type(smol.tokenizer).__name__ == type(AutoTokenizer.from_pretrained(_cached_default())).__name__
+    assert ids == smol.tokenizer("Hello, world!  é")["input_ids"]
+    # a class transformers does not export (remote code): AutoTokenizer decides
+    smol.tokenizer.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "NoSuchTokenizer"}))
+    fallback = load_tokenizer(ModelSpec(source=str(tmp_path)))
+    assert type(fallback) is type(AutoTokenizer.from_pretrained(tmp_path))
+    assert fallback("Hello, world!  é")["input_ids"] == ids
+
+
+def _cached_default():
+    return next(p for p in (cache_root() / "gguf").iterdir() if (p / "complete").is_file())
