@@ -125,7 +125,10 @@ def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     (what AutoTokenizer picks too, without importing torch); AutoTokenizer otherwise."""
     config = folder / "tokenizer_config.json"
     name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    try:  # transformers imports the class's module on first access
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    except ImportError:  # a backend it needs is not installed: AutoTokenizer says which
+        cls = None
     if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
         return cls.from_pretrained(folder)
     return transformers.AutoTokenizer.from_pretrained(folder)
