@@ -39,9 +39,9 @@ STACK_BATCHES, STACK_BATCH_PROMPT = (2, 4), 200  # requests sent at once (each a
 NO_PREFIX_CACHE = {"engine.enable_prefix_caching": "false"}
 
 
-def core():
+def core(prefix_caching: bool = False):
     return engine_core(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES, block_size=BLOCK_SIZE,
-                       enable_prefix_caching=False)  # fmt: skip
+                       enable_prefix_caching=prefix_caching)  # fmt: skip
 
 
 class Prompts:

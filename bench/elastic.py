@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
-from bench.compare import COMMON, ELASTIC, MAX_MODEL_LEN, TPOT_SLO_X, TTFT_SLO_X
+from bench.calibrate_planner import core as served_engine  # the engine as bench.compare serves it
+from bench.compare import COMMON, ELASTIC, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.engine import drain, greedy_request, prefilled
-from bench.host import cpu_ticks, engine_core, machine, tokenizer, worker_json
+from bench.host import cpu_ticks, machine, tokenizer, worker_json
 from bench.ray_local import Server
 from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
@@ -193,7 +194,7 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
     back (the same prompt, or with ``distinct`` a new one each time and no prefix cache on either side)."""
     from bench import elastic  # the worker's function by its module name (this may run as __main__)
 
-    core, ctx = _floor_core(distinct), multiprocessing.get_context("spawn")
+    core, ctx = served_engine(prefix_caching=not distinct), multiprocessing.get_context("spawn")
     builder = PromptBuilder(core.tokenizer)
     busy, working, stop, times = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     worker = ctx.Process(target=elastic.prefill_loop, args=(busy, working, stop, times, distinct))
@@ -229,10 +230,6 @@ def engine_floor(steps: int, rounds: int = FLOOR_ROUNDS, distinct: bool = False)
             "busy_cores_with_prefill": statistics.mean(cores["beside"])}  # fmt: skip
 
 
-def _floor_core(distinct: bool):
-    return engine_core(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=384 << 20, enable_prefix_caching=not distinct)
-
-
 def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
     """``num`` decode steps' seconds; the machine's busy cores meanwhile appended (a stranger shows)."""
     times, (busy0, total0, _) = [], cpu_ticks()
@@ -249,7 +246,7 @@ def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
 
 def prefill_loop(busy, working, stop, times, distinct: bool = False) -> None:
     """The other process: while ``busy``, prefill prompt after prompt (``working`` during each), timed."""
-    core, number = _floor_core(distinct), 0
+    core, number = served_engine(prefix_caching=not distinct), 0
     builder = PromptBuilder(core.tokenizer)
     while not stop.is_set():
         if not busy.wait(0.1) or stop.is_set():

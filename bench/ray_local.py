@@ -20,16 +20,10 @@ HTTP_PORT = 18480
 METRICS_PORT = 18490  # + the server's index: a fresh cluster's metrics never mix with the last one's
 
 
-def repo_on_pythonpath() -> None:
-    """Workers inherit the driver's environment: let them import this checkout's packages."""
+def start_local_ray(num_cpus: int = 2, **kwargs) -> None:
+    """``kwargs`` go to ``ray.init`` (e.g. ``object_store_memory``, ``_metrics_export_port``). Workers
+    inherit the driver's environment: this checkout goes on ``PYTHONPATH`` so they import its packages."""
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-
-
-def start_local_ray(num_cpus: int = 2, object_store_memory: int | None = None, **kwargs) -> None:
-    """``kwargs`` go to ``ray.init`` (e.g. ``_metrics_export_port``)."""
-    repo_on_pythonpath()
-    if object_store_memory:
-        kwargs["object_store_memory"] = object_store_memory
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False, **kwargs)
 

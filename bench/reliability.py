@@ -29,6 +29,7 @@ from bench.host import machine, tokenizer
 from bench.ray_local import Server, serve_logs
 from bench.report import arguments, cells, command_line, read_json, secs, table, template, write_json, write_page
 from bench.serve import Target
+from bench.serve import client as http_client
 from kv_transport.faults import FaultPoints
 from workloads import BenchRequest, PromptBuilder
 
@@ -186,9 +187,8 @@ class Client:
     """Streams requests and records what it saw; the run's clock starts at construction."""
 
     def __init__(self, url: str, model: str, specs: list[dict]) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(connect=10.0, read=HANG_S, write=30.0, pool=None)
-        self.http, self.target = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits), Target(url, model)
+        self.http, self.target = http_client(timeout, base_url=url), Target(url, model)
         rules = [rule for spec in specs for rule in spec["rules"]]
         self._points = FaultPoints(AppConfig.model_validate({"faults": rules}).faults)
         self._names = [s["name"] if s["kind"] == "random" else None for s in specs for _ in s["rules"]]

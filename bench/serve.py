@@ -51,10 +51,10 @@ class Target:
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
 
 
-def client() -> httpx.AsyncClient:
-    """The benchmarks' HTTP client: no connection limit, 10 minutes a request."""
+def client(timeout: float | httpx.Timeout = 600.0, **options) -> httpx.AsyncClient:
+    """The benchmarks' HTTP client: no connection limit, 10 minutes a request; ``options``: httpx's."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, **options)
 
 
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
@@ -154,8 +154,7 @@ def split_means(before: dict, after: dict) -> dict[str, float]:
 
 
 def sweep(target: Target, requests: list[BenchRequest], rates: list[float], slo: SLO, process: str = "poisson",
-          cv: float = 1.0, seed: int = 0, metrics_url: str | None = None, label: str = "",
-          metrics_delay_s: float = 3.0) -> dict:  # fmt: skip
+          cv: float = 1.0, seed: int = 0, metrics_url: str | None = None, label: str = "") -> dict:  # fmt: skip
     """Run the same requests at each rate; attainment per rate and the goodput."""
     points = []
     for rate in rates:
@@ -163,7 +162,7 @@ def sweep(target: Target, requests: list[BenchRequest], rates: list[float], slo:
         before = scrape(metrics_url)
         records, duration = asyncio.run(run(target, requests, offsets, f"{label} {rate:.3g} req/s"))
         if metrics_url:
-            time.sleep(metrics_delay_s)  # let the replicas' metrics reach the exporter
+            time.sleep(3.0)  # let the replicas' metrics reach the exporter
         split = split_means(before, scrape(metrics_url))
         summary = summarize(records, duration, slo) | {"rate": rate, "server_ttft_split_s": split}
         points.append(summary | {"records": [r.to_json() for r in records]})

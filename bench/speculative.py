@@ -90,9 +90,8 @@ def measure(options: argparse.Namespace) -> dict:
 
 def served(options: argparse.Namespace) -> dict:
     """Goodput without and with speculation through ``disagg_app`` (see the module docstring)."""
-    from bench.compare import COMMON, FIXED, without_records, workload_slo
+    from bench.compare import system_server, without_records, workload_slo
     from bench.host import tokenizer
-    from bench.ray_local import Server
     from bench.serve import Target, run_checked, sweep, uncontended
     from workloads import BenchRequest, median_request
 
@@ -100,8 +99,7 @@ def served(options: argparse.Namespace) -> dict:
     on = {f"speculative.{k}": str(v) for k, v in ON.items()}
     warm, results, calibration = [BenchRequest(r.prompt, r.prompt_tokens, 16) for r in requests[:WARM_UP]], {}, {}
     for index, (system, extra) in enumerate((("off", {}), ("on", on))):
-        args = {**COMMON, **FIXED, "transport.mode": "pull", "model.max_model_len": "1024", **extra}
-        with Server("disagg", args, index) as server:
+        with system_server("disagg-pull", index, {"model.max_model_len": "1024", **extra}) as server:
             target = Target(server.url, server.model())
             if not calibration:
                 calibration = uncontended(target, median_request(requests), max_tokens=64)

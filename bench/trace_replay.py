@@ -28,16 +28,17 @@ from bench.report import arguments, cells, command_line, publish, read_json, sub
 from bench.serve import run, warm_up
 from bench.slo import SLO, distribution
 from planner import replay
+from planner.costs import DEFAULT_CALIBRATION
 from planner.sim_types import SimRequest
 from planner.simulator import simulate
 from planner.trace import read_trace, window
 from workloads import BenchRequest, PromptBuilder
 
 NAME = "bench.trace_replay"
-TRACE = Path(__file__).parents[1] / "workloads" / "traces" / "azure_llm_2023_conv.csv"
-CALIBRATION = Path(__file__).parents[1] / "planner" / "calibration" / "cpu-2core.json"
-GOODPUT = Path(__file__).parents[1] / "docs" / "benchmarks" / "planner.json"  # bench.planner_check's
-DRIFT = Path(__file__).parents[1] / "docs" / "benchmarks" / "drift.json"  # the shapes beside the calibration
+ROOT = Path(__file__).parents[1]
+TRACE = ROOT / "workloads" / "traces" / "azure_llm_2023_conv.csv"
+GOODPUT = ROOT / "docs" / "benchmarks" / "planner.json"  # bench.planner_check's
+DRIFT = ROOT / "docs" / "benchmarks" / "drift.json"  # the shapes beside the calibration
 PROMPT_DIV, PROMPT_RANGE = 8, (16, 384)
 OUTPUT_DIV, OUTPUT_RANGE = 4, (8, 96)
 CAPACITY_COMPRESSION = 4.0  # the window offered this much faster to find what 1 + 1 completes
@@ -65,7 +66,7 @@ def _sim_args(system: str, slo: SLO) -> argparse.Namespace:
     sim: dict[str, Any] = {"colocated": 2} if system == "colocated" else {"prefill": 1, "decode": 1}  # as served
     if system == "elastic":
         sim["policy"] = load_policy("default").model_copy(update={"scaling": Scaling(enabled=False)})
-    return replay.with_defaults(calibration=CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim)
+    return replay.with_defaults(calibration=DEFAULT_CALIBRATION, slo_ttft=slo.ttft_s, slo_tpot=slo.tpot_s, **sim)
 
 
 def served_capacity() -> float:
