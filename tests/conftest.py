@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from engine.loader import LoadedModel, ModelSpec, load_model
 from tests.serving import SharedServe
+from tests.tiny_models import save_tiny_served
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 
@@ -28,10 +30,30 @@ def smol_reference() -> LoadedModel:
     return loaded
 
 
+@dataclass(frozen=True)
+class TinyServed:
+    """tests/tiny_models.py's ``save_tiny_served``: the arguments that serve it, and the same
+    weights loaded here (for the engine references served outputs are compared with)."""
+
+    args: dict[str, str]
+    loaded: LoadedModel
+
+
 @pytest.fixture(scope="session")
-def shared_serve() -> Iterator[SharedServe]:
-    """The session's one Ray and Serve (tests/serving.py), started at first use."""
-    shared = SharedServe()
+def tiny_served(smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> TinyServed:
+    folder = tmp_path_factory.mktemp("tiny-served")
+    args = save_tiny_served(folder, smol)
+    return TinyServed(args, load_model(ModelSpec(source=args["model.source"])))
+
+
+SHARED = pytest.StashKey[SharedServe]()
+
+
+@pytest.fixture(scope="session")
+def shared_serve(request: pytest.FixtureRequest) -> Iterator[SharedServe]:
+    """The session's one Ray and Serve (tests/serving.py), started at first use and stopped
+    once no test after it needs them (``pytest_runtest_teardown``)."""
+    shared = request.config.stash[SHARED] = SharedServe()
     yield shared
     shared.stop()
 
@@ -43,14 +65,32 @@ def own_cluster(shared_serve: SharedServe) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a cluster of their own run first, so the shared Ray starts only once; a
-    module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it."""
+    """Modules with a cluster of their own run first, then the tests on the shared Ray, so it
+    starts only once, then the tests without Ray (its idle processes would take CPU from
+    them); a module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just
+    before it."""
     first: dict[str, int] = {}
+    on_ray: set[str] = set()  # modules with a test on the shared Ray: all their tests run there
     for index, item in enumerate(items):
         first.setdefault(item.module.__name__, index)
+        if _on_shared_ray(item):
+            on_ray.add(item.module.__name__)
 
-    def order(item: pytest.Item) -> tuple[bool, int, bool]:
+    def order(item: pytest.Item) -> tuple[bool, bool, int, bool]:
         anchor = getattr(item.module, "SHARES_APPS_WITH", None)
-        return "own_cluster" not in item.fixturenames, first.get(anchor or item.module.__name__, 0), anchor is None
+        module = anchor or item.module.__name__
+        return "own_cluster" not in item.fixturenames, module not in on_ray, first.get(module, 0), anchor is None
 
     items.sort(key=order)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The shared Ray and Serve stop after the last test that needs them."""
+    shared = item.config.stash.get(SHARED, None)
+    if shared is not None and nextitem is not None and not _on_shared_ray(nextitem):
+        if nextitem.module is not item.module:  # not between a module's own tests
+            shared.stop()
+
+
+def _on_shared_ray(item: pytest.Item) -> bool:
+    return "shared_serve" in getattr(item, "fixturenames", ())

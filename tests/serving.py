@@ -23,7 +23,8 @@ need the room.
 
 Modules that need a cluster of their own (several nodes: ``run_apps`` on ``cluster_utils``)
 ask for the ``own_cluster`` fixture, which stops the shared Ray first; tests/conftest.py runs
-those modules before the others, so the shared Ray starts once.
+those modules before the others, so the shared Ray starts once, and the modules without Ray
+after the last one on it, which stops it: its idle processes would take CPU from them.
 """
 
 from __future__ import annotations

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from engine.loader import LoadedModel
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
@@ -46,3 +51,27 @@ def random_ids(num_tokens: int, seed: int, vocab_size: int = 512) -> list[int]:
     """``num_tokens`` seeded random token ids of a tiny model's vocabulary (0 left out)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab_size, (num_tokens,), generator=generator).tolist()
+
+
+TINY_SERVED_NAME = "tiny-smollm2"  # the name clients send to an app serving save_tiny_served
+
+
+def save_tiny_served(folder: Path, default: LoadedModel) -> dict[str, str]:
+    """A tiny random-weight Llama with the default model's (``default``) tokenizer, vocabulary
+    and chat template, saved in ``folder`` as a model directory an app serves
+    (``model.source``); returns the app arguments that serve it as ``TINY_SERVED_NAME``.
+
+    8 layers of width 96, 6 query heads sharing 3 KV heads (split over 3 tensor-parallel ranks
+    as the default model's are), near one-hot attention (``SHARP``): a wrong or missing KV
+    block changes its tokens. For served tests of failures, limits and parallelism, where the
+    default model's ~50 ms per decoded token on one core only adds time; the default model's
+    own served output is tested in tests/deployments/test_serve_app.py."""
+    config = copy.deepcopy(default.model.config)
+    config.update(
+        {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 8, "head_dim": 16}
+        | {"num_attention_heads": 6, "num_key_value_heads": 3, "initializer_range": SHARP}
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    default.tokenizer.save_pretrained(folder)
+    return {"model.source": str(folder), "model.served_name": TINY_SERVED_NAME}

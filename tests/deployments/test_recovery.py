@@ -1,11 +1,13 @@
 """Failures rehearsed through the served application (``faults:`` in its config), real Ray and NIXL.
 
-Two applications, 1 prefill + 1 decode replica each, ``kv_transfer_timeout_s=20``: pull at
-``/`` and push at ``/push``. The faults select requests by id prefix (``X-Request-Id``), so
+Two applications of the tiny served model (tests/tiny_models.py: a wrong KV block changes its
+tokens), 1 prefill + 1 decode replica each, ``kv_transfer_timeout_s=10``: pull at ``/`` and
+push at ``/push``. The faults select requests by id prefix (``X-Request-Id``), so
 every test triggers its own: a prefill replica killed (SIGKILL) during a transfer, the decode
 replica killed mid-stream, transfers failing for 5% of requests, a dropped release notice and
-a stalled fetch (both end at the KV lease); and, on a busy colocated app, a request left
-without output past the stream idle bound.
+a stalled fetch (both end at the KV lease); and, on a busy colocated app of the default model
+(whose long request outlasts the bound), a request left without output past the stream idle
+bound.
 Requests with no token sent yet complete with the engine's output (tests/same_output.py's
 rule); a stream that had tokens ends with an error event within ``peer_check_interval_s`` +
 5 s of the kill; the service answers again after the restart; afterwards ``GET /admin/kv``
@@ -25,14 +27,17 @@ import pytest
 
 from app.config import colocated_app, disagg_app
 from app.settings import AppConfig
+from engine.loader import DEFAULT_MODEL_NAME
 from kv_transport.faults import FaultPoints
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
+from tests.tiny_models import TINY_SERVED_NAME
 from tests.waiting import wait_until, wait_until_async
 
 ROOT = "/recovery"  # this module's applications: pull here, push and busy below
+BUSY = "/busy"
 NUM_TOKENS = MIN_COMPARED_TOKENS
-TIMEOUT_S = 20.0
+TIMEOUT_S = 10.0
 PEER_CHECK_S = 5.0
 ERROR_DEADLINE_S = PEER_CHECK_S + 5.0
 PROMPTS = (
@@ -50,7 +55,7 @@ PULL_FAULTS = [
     {"point": "fetch", "action": "delay", "seconds": TIMEOUT_S + 1, "request_id_prefix": "stall-"},
 ]
 PUSH_FAULTS = [
-    {"point": "push_layer", "action": "crash", "layer": 15, "request_id_prefix": "kill-prefill-"},
+    {"point": "push_layer", "action": "crash", "layer": 4, "request_id_prefix": "kill-prefill-"},
     {"point": "after_push", "action": "crash", "request_id_prefix": "kill-after-push-"},
     {"point": "push_layer", "action": "fail", "probability": 0.05},
 ]
@@ -77,19 +82,20 @@ BUSY_ARGS = {  # one sequence at a time: a second request waits with no output
 
 
 @pytest.fixture(scope="module")
-def reference(smol) -> list[GreedyTrace]:
+def reference(tiny_served) -> list[GreedyTrace]:
     """The engine alone, one request at a time, as the tokens' texts (what the API returns);
     the prompts' token ids go in ``PROMPT_IDS`` (what the requests send)."""
-    PROMPT_IDS[:] = [smol.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    return engine_text_traces(smol, PROMPT_IDS, NUM_TOKENS)
+    loaded = tiny_served.loaded
+    PROMPT_IDS[:] = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    return engine_text_traces(loaded, PROMPT_IDS, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def base_url(shared_serve) -> Iterator[str]:
+def base_url(shared_serve, tiny_served) -> Iterator[str]:
     apps = [
-        ServeApp("recovery-pull", disagg_app, PULL_ARGS, route_prefix=ROOT),
-        ServeApp("recovery-push", disagg_app, PUSH_ARGS, route_prefix=f"{ROOT}/push"),
-        ServeApp("recovery-busy", colocated_app, BUSY_ARGS, route_prefix=f"{ROOT}/busy"),
+        ServeApp("recovery-pull", disagg_app, {**PULL_ARGS, **tiny_served.args}, route_prefix=ROOT),
+        ServeApp("recovery-push", disagg_app, {**PUSH_ARGS, **tiny_served.args}, route_prefix=f"{ROOT}/push"),
+        ServeApp("recovery-busy", colocated_app, BUSY_ARGS, route_prefix=ROOT + BUSY),
     ]
     with shared_serve.apps(apps) as served:
         yield served.url("recovery-pull")
@@ -112,10 +118,16 @@ class Streamed:
         return GreedyTrace(tuple(self.tokens), tuple(self.top))
 
 
+def _model(path: str) -> str:
+    """The busy app serves the default model (a long request outlasts the idle bound); the
+    pull and push apps the tiny one."""
+    return DEFAULT_MODEL_NAME if path == BUSY else TINY_SERVED_NAME
+
+
 async def _stream(client: httpx.AsyncClient, path: str, request_id: str, prompt: int, delay_s: float = 0) -> Streamed:
     await asyncio.sleep(delay_s)
     body = {
-        "model": "SmolLM2-135M-Instruct",
+        "model": _model(path),
         "prompt": PROMPT_IDS[prompt],
         "max_tokens": NUM_TOKENS,
         "temperature": 0,
@@ -285,7 +297,7 @@ def test_five_percent_of_transfers_fail_and_every_request_completes(base_url, re
 
 
 def test_dropped_release_and_stalled_fetch_end_at_the_lease(base_url, reference):
-    """A dropped release notice leaves the producer's blocks pinned until the lease (20 s)
+    """A dropped release notice leaves the producer's blocks pinned until the lease (10 s)
     ends, then they are freed; a fetch stalled past the lease is refused (the blocks may have
     been reused: never read) and the request is retried, completing with the engine's output."""
     _assert_nothing_held(base_url, "")
@@ -321,9 +333,9 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url):
 
     async def main() -> tuple[Streamed, Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            long = asyncio.ensure_future(_complete(client, "/busy", "busy-long", max_tokens=250))
+            long = asyncio.ensure_future(_complete(client, BUSY, "busy-long", max_tokens=250))
             await wait_until_async(lambda: running(client), 60, "the long request running on the busy replica")
-            waiting = await _stream(client, "/busy", "busy-idle", 0)
+            waiting = await _stream(client, BUSY, "busy-idle", 0)
             return await long, waiting
 
     long, idle = asyncio.run(main())
@@ -332,12 +344,12 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url):
     assert idle.error["code"] == "timeout" and "limits.stream_idle_timeout_s" in idle.error["message"], idle.error
 
     def idle_replica() -> bool:
-        (replica,) = _live(_kv(base_url, "/busy"), "ColocatedServer")
+        (replica,) = _live(_kv(base_url, BUSY), "ColocatedServer")
         return replica["ok"] and replica["num_in_use_blocks"] == 0 and replica["num_requests"] == 0
 
     wait_until(idle_replica, 30, "the busy replica idle, nothing held")
 
 
 async def _complete(client: httpx.AsyncClient, path: str, request_id: str, max_tokens: int) -> httpx.Response:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT_IDS[0], "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"model": _model(path), "prompt": PROMPT_IDS[0], "max_tokens": max_tokens, "ignore_eos": True}
     return await client.post(path + "/v1/completions", json=body, headers={"X-Request-Id": request_id})

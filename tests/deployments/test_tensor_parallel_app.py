@@ -1,5 +1,6 @@
-"""``disagg_app`` with a tensor-parallel prefill pool (3 ranks, the default model's 3 KV heads
-one per rank) and a one-rank decode pool, pull: each request's KV is read head by head from
+"""``disagg_app`` of the tiny served model (tests/tiny_models.py) with a tensor-parallel prefill
+pool (3 ranks, its 3 KV heads one per rank, as the default model's would be) and a one-rank
+decode pool, pull: each request's KV is read head by head from
 the three prefill ranks (``kv_transport.sharded``). Through the official ``openai`` client."""
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import pytest
 
 from tests.same_output import GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
+from tests.tiny_models import TINY_SERVED_NAME
 from tests.waiting import wait_until
 
 ROOT = "/tp"
-MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
     "The three primary colors are",
     "Write a short poem about the sea. The sea",
     "In 1969, the first humans landed on the Moon. The mission was",
 ]
-NUM_TOKENS = 32
+NUM_TOKENS = 96  # about a second of decoding each: the killed rank finds requests in flight
 SETTLE_S = 90.0  # a replaced group starts (three ranks load the model) and leases run out
 ARGS = {
     "model.max_model_len": "512",
@@ -37,18 +38,19 @@ ARGS = {
 
 
 @pytest.fixture(scope="module")
-def reference(smol) -> list[GreedyTrace]:
+def reference(tiny_served) -> list[GreedyTrace]:
     """One engine of one rank in this process, one request at a time (transformers' greedy
     tokens: ``tests/engine``; unlike ``generate`` with ``min_new_tokens`` it keeps EOS among
     the candidates, as the served engine does with ``ignore_eos``), as the tokens' texts."""
-    return engine_text_traces(smol, [smol.tokenizer(p).input_ids for p in PROMPTS], NUM_TOKENS)
+    loaded = tiny_served.loaded
+    return engine_text_traces(loaded, [loaded.tokenizer(p).input_ids for p in PROMPTS], NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def base_url(shared_serve) -> Iterator[str]:
+def base_url(shared_serve, tiny_served) -> Iterator[str]:
     from app.config import disagg_app
 
-    with shared_serve.apps([ServeApp("tp", disagg_app, ARGS, route_prefix=ROOT)]) as served:
+    with shared_serve.apps([ServeApp("tp", disagg_app, {**ARGS, **tiny_served.args}, route_prefix=ROOT)]) as served:
         yield served.url("tp")
 
 
@@ -71,7 +73,7 @@ def _complete(base_url: str, prompt: int, request_id: str) -> GreedyTrace:
 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     answer = client.completions.create(
-        model=MODEL,
+        model=TINY_SERVED_NAME,
         prompt=PROMPTS[prompt],
         max_tokens=NUM_TOKENS,
         temperature=0,
