@@ -64,16 +64,19 @@ def own_cluster(shared_serve: SharedServe) -> None:
     shared_serve.stop()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a cluster of their own run first, then the tests on the shared Ray, so it
-    starts only once, then the tests without Ray (its idle processes would take CPU from
+ON_RAY = pytest.StashKey[set[str]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with a cluster of their own run first, then the modules on the shared Ray, so it
+    starts only once, then the modules without Ray (its idle processes would take CPU from
     them); a module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just
     before it."""
     first: dict[str, int] = {}
-    on_ray: set[str] = set()  # modules with a test on the shared Ray: all their tests run there
+    on_ray = config.stash[ON_RAY] = set()  # modules with a test on the shared Ray
     for index, item in enumerate(items):
         first.setdefault(item.module.__name__, index)
-        if _on_shared_ray(item):
+        if "shared_serve" in item.fixturenames:
             on_ray.add(item.module.__name__)
 
     def order(item: pytest.Item) -> tuple[bool, bool, int, bool]:
@@ -84,13 +87,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=order)
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """The shared Ray and Serve stop after the last test that needs them."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """The shared Ray and Serve stop once the last module on them is done (its fixtures torn
+    down: they delete its applications)."""
+    yield
     shared = item.config.stash.get(SHARED, None)
-    if shared is not None and nextitem is not None and not _on_shared_ray(nextitem):
-        if nextitem.module is not item.module:  # not between a module's own tests
-            shared.stop()
-
-
-def _on_shared_ray(item: pytest.Item) -> bool:
-    return "shared_serve" in getattr(item, "fixturenames", ())
+    if shared is not None and nextitem is not None and nextitem.module.__name__ not in item.config.stash[ON_RAY]:
+        shared.stop()
