@@ -1,7 +1,8 @@
 """The small colocated app with API keys on, shared by test_auth and test_fuzz: one
 deployment kept between the two modules (tests/serving.py), so its settings are theirs
-together: a key file and inline keys, and a small ``limits.max_tokens`` that keeps each
-fuzzed request short (auth's requests ask for fewer tokens than that). The last of its
+together: the tiny served model (tests/tiny_models.py: what is tested here is the HTTP
+layer, not the model), a key file and inline keys, and a small ``limits.max_tokens`` that
+keeps each fuzzed request short (auth's requests ask for fewer tokens than that). The last of its
 users (in the order pytest runs them) deletes it: an idle replica still costs CPU."""
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def keyed_url(request: pytest.FixtureRequest, shared_serve: SharedServe, key_file: Path) -> Iterator[str]:
+def keyed_url(request: pytest.FixtureRequest, shared_serve: SharedServe, tiny_served, key_file: Path) -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
         **SMALL_COLOCATED,
+        **tiny_served.args,
         "auth.api_keys_file": str(key_file),
         "auth.api_keys": f"[{INLINE_KEY}, {FUZZ_KEY}]",
         "limits.max_tokens": str(MAX_TOKENS),

@@ -13,8 +13,9 @@ import ray
 
 from deployments.auth import ApiKeys, bearer_token
 from tests.deployments.keyed_app import FILE_KEY, INLINE_KEY
+from tests.tiny_models import TINY_SERVED_NAME
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = TINY_SERVED_NAME
 WRONG_KEY = "sk-tandem-wrong-99aa11bb33"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 PROTECTED = [

@@ -17,8 +17,9 @@ from schemathesis import GenerationMode
 
 from tests.deployments.keyed_app import FUZZ_KEY as KEY
 from tests.deployments.keyed_app import MAX_TOKENS
+from tests.tiny_models import TINY_SERVED_NAME
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = TINY_SERVED_NAME
 POST_PATHS = ("/v1/chat/completions", "/v1/completions")
 # cases per (method, path, mode); GET operations not listed get GET_CASES each
 PLAN = {
