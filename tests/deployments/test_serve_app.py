@@ -307,7 +307,7 @@ def test_chat_logprobs_streamed(url):
 
 
 def test_duplicate_client_request_id_is_refused_while_in_flight(base_url):
-    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    long = {"model": MODEL, "messages": QUESTION, "max_tokens": 64, "ignore_eos": True, "stream": True}
     short = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
     headers = {"X-Request-Id": "same-id"}
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=long, headers=headers, timeout=60) as first:
