@@ -1,6 +1,7 @@
 """Requests across Ray nodes: ``disagg_app`` on a three-node cluster on this machine
 (``app.local_cluster``: a head, a ``prefill_node`` worker and a ``decode_node`` worker), with
-the KV between the pools forced onto TCP (``UCX_TLS=tcp`` in both pools' replicas).
+the KV between the pools forced onto TCP (``UCX_TLS=tcp`` in both pools' replicas). It serves
+the tiny model of tests/tiny_models.py, whose tokens change with any misplaced KV block.
 
 One cluster serves both modes: pull first, then the application is redeployed in push mode,
 with each pool asking for half of its node's resource (a fractional ``<pool>.resources``).
@@ -32,12 +33,13 @@ from app.local_cluster import APP_NAME, POOL_RESOURCES, LocalCluster, deploy, lo
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.params import SamplingParams
+from tests.tiny_models import TINY_SERVED_NAME
 
 PORT = 18445
-MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 32
-# about 80 tokens: 3.7 MB of KV (46,080 bytes per token in float32)
-PROMPT = "The river ran past the old mill, and the miller counted the sacks of grain. " * 5
+# about 380 tokens: 1.2 MB of KV (3,072 bytes per token in float32), far above any other
+# traffic between the two replica processes
+PROMPT = "The river ran past the old mill, and the miller counted the sacks of grain. " * 24
 ARGS = {
     **ucx_args("tcp"),
     "model.max_model_len": "512",
@@ -79,9 +81,9 @@ def cluster(own_cluster) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="module")
-def reference(smol) -> dict:
+def reference(tiny_served) -> dict:
     """The engine alone, in this process: the same model, prompt and greedy sampling."""
-    core = EngineCore(smol, EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20))
+    core = EngineCore(tiny_served.loaded, EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20))
     request = core.make_request(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     core.add_request(request)
     outputs = []
@@ -95,12 +97,13 @@ def reference(smol) -> dict:
 
 
 @pytest.fixture(scope="module", params=["pull", "push"])
-def served(request, cluster) -> Served:
+def served(request, cluster, tiny_served) -> Served:
     mode = request.param
     # replaces the previous mode's app
-    url = deploy(pinned_args({**ARGS, **MODE_ARGS[mode], "transport.mode": mode}), port=PORT)
+    args = {**ARGS, **tiny_served.args, **MODE_ARGS[mode], "transport.mode": mode}
+    url = deploy(pinned_args(args), port=PORT)
     assert httpx.get(f"{url}/ready").json()["mode"] == f"disaggregated-{mode}"
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"model": TINY_SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
 
