@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from engine.loader import LoadedModel, ModelSpec, load_model
 from tests.serving import SharedServe
-from tests.tiny_models import save_tiny_served
+from tests.tiny_models import TinyServed, save_tiny_served
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 
@@ -28,15 +27,6 @@ def smol_reference() -> LoadedModel:
     loaded = load_model(ModelSpec())
     loaded.model.generation_config.eos_token_id = None  # compare a fixed number of tokens
     return loaded
-
-
-@dataclass(frozen=True)
-class TinyServed:
-    """tests/tiny_models.py's ``save_tiny_served``: the arguments that serve it, and the same
-    weights loaded here (for the engine references served outputs are compared with)."""
-
-    args: dict[str, str]
-    loaded: LoadedModel
 
 
 @pytest.fixture(scope="session")

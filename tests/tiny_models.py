@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,6 +57,16 @@ def random_ids(num_tokens: int, seed: int, vocab_size: int = 512) -> list[int]:
 TINY_SERVED_NAME = "tiny-smollm2"  # the name clients send to an app serving save_tiny_served
 
 
+@dataclass(frozen=True)
+class TinyServed:
+    """``save_tiny_served``'s model: the app arguments that serve it, and the same weights
+    loaded in the test process (for the engine references served outputs are compared with);
+    the ``tiny_served`` fixture of tests/conftest.py."""
+
+    args: dict[str, str]
+    loaded: LoadedModel
+
+
 def save_tiny_served(folder: Path, default: LoadedModel) -> dict[str, str]:
     """A tiny random-weight Llama with the default model's (``default``) tokenizer, vocabulary
     and chat template, saved in ``folder`` as a model directory an app serves
@@ -63,9 +74,9 @@ def save_tiny_served(folder: Path, default: LoadedModel) -> dict[str, str]:
 
     8 layers of width 96, 6 query heads sharing 3 KV heads (split over 3 tensor-parallel ranks
     as the default model's are), near one-hot attention (``SHARP``): a wrong or missing KV
-    block changes its tokens. For served tests of failures, limits and parallelism, where the
-    default model's ~50 ms per decoded token on one core only adds time; the default model's
-    own served output is tested in tests/deployments/test_serve_app.py."""
+    block changes its tokens. For served tests whose subject is not the model (failures, API
+    keys, parallelism, placement), where the default model's decoding only adds time; the
+    default model's own served output is tested in tests/deployments/test_serve_app.py."""
     config = copy.deepcopy(default.model.config)
     config.update(
         {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 8, "head_dim": 16}

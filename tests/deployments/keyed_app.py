@@ -2,8 +2,8 @@
 deployment kept between the two modules (tests/serving.py), so its settings are theirs
 together: the tiny served model (tests/tiny_models.py: what is tested here is the HTTP
 layer, not the model), a key file and inline keys, and a small ``limits.max_tokens`` that
-keeps each fuzzed request short (auth's requests ask for fewer tokens than that). The last of its
-users (in the order pytest runs them) deletes it: an idle replica still costs CPU."""
+keeps each fuzzed request short (auth's requests ask for fewer tokens than that). The last
+of its users (in the order pytest runs them) deletes it: an idle replica still costs CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.serving import SMALL_COLOCATED, ServeApp, SharedServe
+from tests.tiny_models import TinyServed
 
 FILE_KEY = "sk-tandem-file-7f3c9a1e5b2d"
 INLINE_KEY = "sk-tandem-inline-2d8e4b6f0a"
@@ -30,7 +31,9 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def keyed_url(request: pytest.FixtureRequest, shared_serve: SharedServe, tiny_served, key_file: Path) -> Iterator[str]:
+def keyed_url(
+    request: pytest.FixtureRequest, shared_serve: SharedServe, tiny_served: TinyServed, key_file: Path
+) -> Iterator[str]:
     from app.config import colocated_app
 
     args = {
