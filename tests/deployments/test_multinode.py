@@ -37,8 +37,8 @@ from tests.tiny_models import TINY_SERVED_NAME
 
 PORT = 18445
 MAX_TOKENS = 32
-# about 380 tokens: 1.2 MB of KV (3,072 bytes per token in float32), far above any other
-# traffic between the two replica processes
+# 457 tokens (of the 512 context, 32 generated): 1.4 MB of KV (3,072 bytes per token in
+# float32), far above any other traffic between the two replica processes
 PROMPT = "The river ran past the old mill, and the miller counted the sacks of grain. " * 24
 ARGS = {
     **ucx_args("tcp"),

@@ -1,7 +1,7 @@
 """``disagg_app`` of the tiny served model (tests/tiny_models.py) with a tensor-parallel prefill
 pool (3 ranks, its 3 KV heads one per rank, as the default model's would be) and a one-rank
-decode pool, pull: each request's KV is read head by head from
-the three prefill ranks (``kv_transport.sharded``). Through the official ``openai`` client."""
+decode pool, pull: each request's KV is read head by head from the three prefill ranks
+(``kv_transport.sharded``). Through the official ``openai`` client."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ PROMPTS = [
     "Write a short poem about the sea. The sea",
     "In 1969, the first humans landed on the Moon. The mission was",
 ]
-NUM_TOKENS = 96  # about a second of decoding each: the killed rank finds requests in flight
+NUM_TOKENS = 96  # long enough that the killed rank finds requests in flight
 SETTLE_S = 90.0  # a replaced group starts (three ranks load the model) and leases run out
 ARGS = {
     "model.max_model_len": "512",
