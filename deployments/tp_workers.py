@@ -20,8 +20,6 @@ from engine.loader import ModelSpec
 from engine.tensor_parallel import Rendezvous
 from engine.tp_worker import Launcher, RankExtension, run_worker
 
-STOP_WAIT_S = 10.0
-
 
 class _Rank:
     """One rank's actor: ``run`` lasts as long as the engine."""
@@ -67,8 +65,9 @@ class RayWorkers:
                 return f"tensor-parallel rank {rank} exited: {type(exc).__name__}: {exc}"
         return None
 
-    def stop(self) -> None:
-        ray.wait(self._runs, num_returns=len(self._runs), timeout=STOP_WAIT_S)
+    def stop(self, grace_s: float) -> None:
+        if grace_s > 0:
+            ray.wait(self._runs, num_returns=len(self._runs), timeout=grace_s)
         for actor in self.actors:
             ray.kill(actor)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,7 @@ from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import RankGroup, Rendezvous, leader, shard_for, shard_model
 
 logger = logging.getLogger(__name__)
+STOP_GRACE_S = 10.0  # how long the ranks may take to end after rank 0's stop
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ class Workers(Protocol):
     def problem(self) -> str | None:
         """Why a rank is gone (None: all alive)."""
 
-    def stop(self) -> None:
-        """Wait a little for the ranks to end after rank 0's stop, then end what is left."""
+    def stop(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` in all for the ranks to end after rank 0's stop, then end what
+        is left (0 when no stop was sent: the ranks wait for a plan that will not come)."""
 
 
 # (rank 0's rendezvous, the settings every rank builds from) -> the started workers
@@ -153,9 +156,11 @@ class LocalWorkers:
                 return f"tensor-parallel rank {rank} exited (code {process.exitcode})"
         return None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
         for process in self._processes:
-            process.join(timeout=10)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -174,7 +179,7 @@ class Leader:
         try:
             self.group = join(self.workers.problem)  # waits for every rank to connect
         except RuntimeError:
-            self.workers.stop()
+            self.workers.stop(grace_s=0.0)  # the others wait for a rank that will not join
             raise
         self.failure: str | None = None
 
@@ -236,9 +241,11 @@ class Leader:
             raise RankLostError(problem)
 
     def close(self) -> None:
+        grace_s = 0.0  # with a rank gone the others wait for a plan that will not come: end them
         if self.problem() is None:
             try:
                 self.group.send(None)
+                grace_s = STOP_GRACE_S
             except Exception:  # a rank went away meanwhile; stop() ends the rest
                 logger.warning("a tensor-parallel rank did not take the stop")
-        self.workers.stop()
+        self.workers.stop(grace_s)

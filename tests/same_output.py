@@ -79,8 +79,9 @@ def assert_same_output(expected: GreedyTrace, actual: GreedyTrace, exact: bool, 
 
 
 def engine_text_traces(loaded, prompts: Sequence[Sequence[int]], num_tokens: int, max_model_len: int = 512) -> list:
-    """The engine alone, one request at a time, greedy with the top-5: each prompt's trace as
-    the tokens' texts (what the HTTP API returns), the reference of the served tests."""
+    """The engine alone, greedy with the top-5, the prompts in one batch: each prompt's trace as
+    the tokens' texts (what the HTTP API returns), the reference of the served tests (compared
+    by the batched rule: a server batches its requests too)."""
     from deployments.openai_format import token_text_of
     from engine.config import EngineConfig
     from engine.core import EngineCore
@@ -88,13 +89,14 @@ def engine_text_traces(loaded, prompts: Sequence[Sequence[int]], num_tokens: int
 
     core = EngineCore(loaded, EngineConfig(max_model_len=max_model_len, kv_cache_bytes=64 << 20))
     text_of = token_text_of(loaded.tokenizer)
-    traces = []
-    for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
-        core.add_request(GenerationRequest(f"ref-{i}", tuple(prompt), sampling))
-        outputs = []
-        while core.has_work():
-            outputs += core.step()
-        trace = trace_from_outputs(outputs)
-        traces.append(GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, t)) for t in trace.top)))
-    return traces
+    sampling = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    outputs: dict[str, list] = {f"ref-{i}": [] for i in range(len(prompts))}
+    for request_id, prompt in zip(outputs, prompts):
+        core.add_request(GenerationRequest(request_id, tuple(prompt), sampling))
+    while core.has_work():
+        for output in core.step():
+            outputs[output.request_id].append(output)
+    texts = []
+    for trace in map(trace_from_outputs, outputs.values()):
+        texts.append(GreedyTrace(tuple(map(text_of, trace.tokens)), tuple(tuple(map(text_of, t)) for t in trace.top)))
+    return texts

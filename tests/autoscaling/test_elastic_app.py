@@ -47,7 +47,7 @@ def model_and_prompts(smol):
 
 @pytest.fixture(scope="module")
 def reference(model_and_prompts) -> list[GreedyTrace]:
-    """The engine alone, one request at a time, as the tokens' texts (what the API returns)."""
+    """The engine alone, the prompts in one batch, as the tokens' texts (what the API returns)."""
     loaded, prompts = model_and_prompts
     return engine_text_traces(loaded, prompts, NUM_TOKENS)
 

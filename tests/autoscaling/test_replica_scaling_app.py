@@ -70,7 +70,7 @@ def prompts(smol) -> tuple[list[int], list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def reference(smol, prompts) -> list[GreedyTrace]:
-    """The engine alone, one long prompt at a time, as the tokens' texts the API returns."""
+    """The engine alone, the long prompts in one batch, as the tokens' texts the API returns."""
     return engine_text_traces(smol, prompts[1], LONG_TOKENS)
 
 

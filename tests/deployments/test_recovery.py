@@ -83,7 +83,7 @@ BUSY_ARGS = {  # one sequence at a time: a second request waits with no output
 
 @pytest.fixture(scope="module")
 def reference(tiny_served) -> list[GreedyTrace]:
-    """The engine alone, one request at a time, as the tokens' texts (what the API returns);
+    """The engine alone, the prompts in one batch, as the tokens' texts (what the API returns);
     the prompts' token ids go in ``PROMPT_IDS`` (what the requests send)."""
     loaded = tiny_served.loaded
     PROMPT_IDS[:] = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]

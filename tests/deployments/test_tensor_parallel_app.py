@@ -39,9 +39,9 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def reference(tiny_served) -> list[GreedyTrace]:
-    """One engine of one rank in this process, one request at a time (transformers' greedy
-    tokens: ``tests/engine``; unlike ``generate`` with ``min_new_tokens`` it keeps EOS among
-    the candidates, as the served engine does with ``ignore_eos``), as the tokens' texts."""
+    """One engine of one rank in this process, the prompts in one batch, as the tokens' texts
+    (the engine, not ``generate``: with ``ignore_eos`` it keeps EOS among the candidates, as
+    the served engine does, where ``min_new_tokens`` would mask it)."""
     loaded = tiny_served.loaded
     return engine_text_traces(loaded, [loaded.tokenizer(p).input_ids for p in PROMPTS], NUM_TOKENS)
 

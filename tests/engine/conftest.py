@@ -10,11 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, ModelSpec, load_model
 from engine.params import GenerationRequest, RequestOutput, SamplingParams
 from tests import same_output
 from tests.same_output import GreedyTrace
-from tests.tiny_models import tiny_config
+from tests.tiny_models import TinyServed, tiny_config
 from workloads.corpus import CHAT_QUESTIONS, prompt_of_length
 
 NUM_COMPARED = 32
@@ -80,6 +80,16 @@ def smol_prompts(smol: LoadedModel) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def smol_hf_traces(smol_reference: LoadedModel, smol_prompts: list[list[int]]) -> list[GreedyTrace]:
     return [hf_greedy(smol_reference, p) for p in smol_prompts]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_traces(tiny_served: TinyServed, smol_prompts: list[list[int]]) -> list[GreedyTrace]:
+    """``smol_prompts``' references on the tiny model of the default model's architecture and
+    tokenizer (``tiny_served.loaded`` is its engine copy): for the batched and chunked variants,
+    whose subject is the scheduling (the default model's own tokens: ``smol_hf_traces``)."""
+    reference = load_model(ModelSpec(source=tiny_served.args["model.source"]))
+    reference.model.generation_config.eos_token_id = None
+    return [hf_greedy(reference, p) for p in smol_prompts]
 
 
 def tiny_loaded(family: str, seed: int = 0, initializer_range: float = 0.02) -> tuple[LoadedModel, LoadedModel]:

@@ -1,4 +1,10 @@
-"""Greedy output of the engine against transformers' ``generate`` (see tests/same_output.py)."""
+"""Greedy output of the engine against transformers' ``generate`` (see tests/same_output.py).
+
+The default model one request at a time and in one batch, over every prompt length; the
+chunked and staggered variants on the tiny model of its architecture and tokenizer (the same
+prompts, a fraction of the compute: their subject is the scheduling, and the tiny model's
+near one-hot attention turns any misplaced KV block into other tokens).
+"""
 
 from __future__ import annotations
 
@@ -33,17 +39,17 @@ def test_one_continuous_batch(smol, smol_prompts, smol_hf_traces, make_engine):
     _check(run_to_completion(core, {0: requests}), requests, smol_hf_traces, exact=False, label="batch")
 
 
-def test_chunked_prefill(smol, smol_prompts, smol_hf_traces, make_engine):
-    core = make_engine(smol, enable_chunked_prefill=True, max_num_batched_tokens=192)
+def test_chunked_prefill(tiny_served, smol_prompts, tiny_hf_traces, make_engine):
+    core = make_engine(tiny_served.loaded, enable_chunked_prefill=True, max_num_batched_tokens=192)
     requests = _requests(smol_prompts, "chunked")
-    _check(run_to_completion(core, {0: requests}), requests, smol_hf_traces, exact=False, label="chunked")
+    _check(run_to_completion(core, {0: requests}), requests, tiny_hf_traces, exact=False, label="chunked")
 
 
-def test_requests_arriving_while_others_decode(smol, smol_prompts, smol_hf_traces, make_engine):
-    core = make_engine(smol, enable_chunked_prefill=True, max_num_batched_tokens=512)
+def test_requests_arriving_while_others_decode(tiny_served, smol_prompts, tiny_hf_traces, make_engine):
+    core = make_engine(tiny_served.loaded, enable_chunked_prefill=True, max_num_batched_tokens=512)
     requests = _requests(smol_prompts, "arrive")
     arrivals = {3 * i: [r] for i, r in enumerate(requests)}
-    _check(run_to_completion(core, arrivals), requests, smol_hf_traces, exact=False, label="arrivals")
+    _check(run_to_completion(core, arrivals), requests, tiny_hf_traces, exact=False, label="arrivals")
 
 
 def test_preemption_under_a_tiny_pool_keeps_greedy_tokens(smol, smol_prompts, smol_hf_traces, make_engine):

@@ -119,12 +119,16 @@ def test_replicated_kv_heads_in_a_lent_prefill_engine_then_a_lost_rank(tmp_path)
         core.close()
 
 
-def test_default_model_tp_3_gives_tp_1_s_tokens(smol_prompts):
-    arrivals = {0: [GenerationRequest(f"p{i}", tuple(p), greedy()) for i, p in enumerate(smol_prompts[:3])]}
-    reference = _run(_engine(ModelSpec(), 1, max_model_len=512, kv_cache_bytes=32 << 20), arrivals)
-    core = _engine(ModelSpec(), 3, max_model_len=512, kv_cache_bytes=32 << 20)
+def test_the_default_architecture_at_tp_3_gives_tp_1_s_tokens(tiny_served, smol_prompts):
+    """The tiny model of the default model's architecture (tests/tiny_models.py: its 3 KV heads,
+    one per rank as the default model's, and its tied embeddings), loaded by each rank from its
+    model directory; the default model's own degrees are checked below."""
+    spec = ModelSpec(source=tiny_served.args["model.source"])
+    arrivals = {0: [GenerationRequest(f"p{i}", tuple(p), greedy()) for i, p in enumerate(smol_prompts[:4])]}
+    reference = _run(_engine(spec, 1, max_model_len=512, kv_cache_bytes=32 << 20), arrivals)
+    core = _engine(spec, 3, max_model_len=512, kv_cache_bytes=32 << 20)
     assert core.layout.num_kv_heads == 1
-    _assert_same(reference, _run(core, arrivals), "default model TP 3")
+    _assert_same(reference, _run(core, arrivals), "default architecture TP 3")
 
 
 @pytest.mark.parametrize(
