@@ -19,7 +19,7 @@ from bench.engine import drain, greedy_request, prefilled
 from bench.host import engine_core, machine, medians, seconds, ticks_between, tokenizer, tree_ticks, worker_json
 from bench.report import arguments, command_line, read_json
 from bench.serve import Target, run, run_checked, uncontended
-from planner.costs import DEFAULT_CALIBRATION, load_calibration, save_calibration
+from planner.costs import DEFAULT_CALIBRATION, calibrated_cost, load_calibration, save_calibration
 from workloads import BenchRequest, PromptBuilder
 
 NAME = "bench.calibrate_planner"
@@ -210,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
             kind.update(fit_stack(kind))
     else:  # the serving stack's share per system kind, against the engine fits
         from bench.compare import system_server
-        from planner.costs import calibrated_cost
 
         print("serving stack (through the served app)...", file=sys.stderr, flush=True)
         cost, kinds = calibrated_cost(data), {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.host import machine, tokenizer
 from bench.ray_local import Server
-from bench.report import arguments, command_line, publish, read_json, subset, table, write_json
+from bench.report import arguments, cells, command_line, publish, read_json, subset, table, write_json
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
 from workloads import BenchRequest, make_requests, median_request
@@ -172,11 +172,9 @@ def render(summary: dict) -> list[str]:
             for system, sweep in systems.items():
                 mid, ratio = _middle_point(sweep), ratio_text(sweep, systems.get("colocated"))
                 attained = " / ".join(f"{p['attainment']:.0%}" for p in sweep["points"])
-                split = ", ".join(f"{k} {v:.3f}" for k, v in mid["server_ttft_split_s"].items())
-                figures = [f"{mid['ttft_s']['p90']:.2f}", f"{mid['tpot_s']['p90'] * 1e3:.0f}"]
-                rows.append(
-                    [system, sweep["goodput"]["text"], ratio, attained, *figures, f"{split} (at {mid['rate']:.3g}/s)"]
-                )
+                split = {"split": ", ".join(f"{k} {v:.3f}" for k, v in mid["server_ttft_split_s"].items())}
+                figures = cells("{ttft_s[p90]:.2f} | {tpot_s[p90]:ms.0f} | {split} (at {rate:.3g}/s)", mid | split)
+                rows.append([system, sweep["goodput"]["text"], ratio, attained, figures])
             lines += [f"### {workload}", "", *table(f"{header} | server TTFT split, mean (s)", rows), ""]
             lines += [f"![TTFT and TPOT CDFs, {workload}](goodput_cdf_{workload}.png)", ""]
     if summary["crosscheck"]:

@@ -24,7 +24,7 @@ from bench.calibrate_planner import core as served_engine  # the engine as bench
 from bench.compare import COMMON, ELASTIC, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.engine import drain, greedy_request, prefilled
-from bench.host import cpu_ticks, machine, tokenizer, worker_json
+from bench.host import cpu_ticks, machine, timed, tokenizer, worker_json
 from bench.ray_local import Server
 from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
@@ -129,10 +129,8 @@ def make_trace(words, phases: tuple[Phase, ...], seed: int) -> list[tuple[int, f
 
 
 def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequest]]:
-    classes: dict[str, list[BenchRequest]] = {}
-    for index, _, request in trace:
-        classes.setdefault(phases[index].kind, []).append(request)
-    return classes
+    kinds = dict.fromkeys(phases[index].kind for index, _, _ in trace)  # in the order they come
+    return {kind: [r for index, _, r in trace if phases[index].kind == kind] for kind in kinds}
 
 
 def system_args(system: str, calibration: Calibration | None, record: Path | None = None) -> dict[str, str]:
@@ -234,9 +232,8 @@ def _timed_steps(core, num: int, busy_cores: list[float]) -> list[float]:
     """``num`` decode steps' seconds; the machine's busy cores meanwhile appended (a stranger shows)."""
     times, (busy0, total0, _) = [], cpu_ticks()
     for _ in range(num):
-        start = time.perf_counter()
-        outputs = core.step()
-        times.append(time.perf_counter() - start)
+        outputs, took = timed(core.step)
+        times.append(took)
         if len(outputs) != FLOOR_BATCH:
             raise RuntimeError(f"decode step made {len(outputs)} tokens, expected {FLOOR_BATCH}")
     busy1, total1, _ = cpu_ticks()
@@ -310,10 +307,9 @@ def save_raw(raw: Path, name: str, data) -> None:
 def load_raw(raw: Path) -> dict:
     """The report's input, as the stages left it in ``raw`` (each part None or empty until its stage ran)."""
     found, ranges = {path.stem: read_json(path) for path in raw.glob("*.json")}, ("prompt_tokens", "output_tokens")
-    trace, calibration = found.get("trace", {}), found.get("calibration")
+    trace, calibration = found.get("trace", {}), found.get("calibration") and Calibration(**found["calibration"])
     phases = tuple(Phase(**p | {k: tuple(p[k]) for k in ranges}) for p in trace.get("phases", []))
     runs = {s: SystemRun(**found[f"system_{s}"]) for s in SYSTEMS if f"system_{s}" in found}
-    calibration = calibration and Calibration(**calibration)
     return {"phases": phases, "seed": trace.get("seed", 0), "command": trace.get("command", ""),
             "calibration": calibration, "runs": runs, "floor": found.get("floor")}  # fmt: skip
 
@@ -341,11 +337,8 @@ def phase_scores(run: SystemRun, phases: tuple[Phase, ...], calibration: Calibra
 
 def binned(rows: list[tuple[float, bool]], bin_s: float, bins: int, empty: float | None = math.nan) -> list:
     """(arrival, met) -> the share met among the arrivals in each ``bin_s`` from 0; ``empty`` for none."""
-    shares = []
-    for k in range(bins):
-        mine = [met for arrival, met in rows if k * bin_s <= arrival < (k + 1) * bin_s]
-        shares.append(sum(mine) / len(mine) if mine else empty)
-    return shares
+    groups = [[met for arrival, met in rows if k * bin_s <= arrival < (k + 1) * bin_s] for k in range(bins)]
+    return [sum(mine) / len(mine) if mine else empty for mine in groups]
 
 
 def attainment_bins(
@@ -383,14 +376,11 @@ def targets(scores: dict[str, dict[str, dict]], burst: str) -> list[tuple[str, f
 
 def write_report(report: dict, out: Path) -> None:
     """elastic.json (what the page shows, without the per-request records), elastic.md's block, elastic.png."""
-    out.mkdir(parents=True, exist_ok=True)
     calibration, phases, runs, scores, slo_s = report["calibration"], report["phases"], report["runs"], {}, None
     if calibration is not None:
         scores = {s: phase_scores(run, phases, calibration) for s, run in runs.items()}
         slo_s = {k: {"ttft": calibration.slo(k).ttft_s, "tpot": calibration.slo(k).tpot_s} for k in calibration.classes}
         slo_s["controller"] = slo_s["prompt"]  # as system_args gives the elastic controller
-        if runs:
-            plot_timeline(report, out / "elastic.png")
     burst = next((p.name for p in phases if p.kind == "burst"), "burst")
     summary = {
         "command": report["command"], "machine": machine(), "seed": report["seed"],
@@ -402,6 +392,8 @@ def write_report(report: dict, out: Path) -> None:
         "floor": report["floor"],
     }  # fmt: skip
     publish(out, "elastic", NAME, summary, render(summary), "# Elastic prefill/decode: a phase-changing trace")
+    if calibration is not None and runs:
+        plot_timeline(report, out / "elastic.png")
 
 
 def render(summary: dict) -> list[str]:
@@ -456,10 +448,8 @@ def _trace_lines(summary: dict) -> list[str]:
     if summary["calibration"] is None:
         return lines
     x, controller = summary["slo_multiples"], slo_s["controller"]
-    row = (
-        "{k} | {c[prompt_tokens]} | {c[ttft_s]:.3f} s | {c[tpot_s]:ms.1f} ms | {slo[ttft]:.2f} s | {slo[tpot]:ms.0f} ms"
-    )
-    rows = [cells(row, {"k": k, "c": c, "slo": slo_s[k]}) for k, c in summary["calibration"].items()]
+    row = "{k} | {c[prompt_tokens]} | {c[ttft_s]:.3f} s | {c[tpot_s]:ms.1f} ms | {s[ttft]:.2f} s | {s[tpot]:ms.0f} ms"
+    rows = [cells(row, {"k": k, "c": c, "s": slo_s[k]}) for k, c in summary["calibration"].items()]
     header = "class | median prompt (tokens) | uncontended TTFT | uncontended TPOT | TTFT SLO | TPOT SLO"
     return lines + [
         f"SLOs from the idle colocated system, one request at a time (32 output tokens, median of 3): TTFT SLO "

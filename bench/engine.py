@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from bench.host import engine_core, seconds, worker_json
+from bench.host import engine_core, seconds, timed, worker_json
 from bench.report import arguments, cells, command_line, publish, table
+from engine.params import GenerationRequest, SamplingParams
 from workloads.corpus import CORPUS
 
 NUM_STEPS = 60
@@ -55,8 +56,6 @@ def corpus_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
 
 def greedy_request(request_id: str, prompt: Sequence[int], max_tokens: int, ignore_eos: bool = True):
     """A greedy request (the benchmarks' every request), by default to exactly ``max_tokens`` tokens."""
-    from engine.params import GenerationRequest, SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     return GenerationRequest(request_id, tuple(prompt), params)
 
@@ -123,9 +122,7 @@ def hf_generation(model, prompts: list[list[int]]) -> dict[str, float]:
     generate = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # noqa: E731
     one_s = statistics.median(seconds(generate) for _ in range(2))
     config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-    start = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config)
-    batch_s = time.perf_counter() - start
+    results, batch_s = timed(lambda: model.generate_batch(inputs=prompts, generation_config=config))
     batch_tokens = sum(len(r.generated_tokens) for r in results.values())
     return {"hf_generate_tokens_per_s": NEW_TOKENS / one_s, "hf_generate_batch_32_tokens_per_s": batch_tokens / batch_s}
 
@@ -140,9 +137,7 @@ def worker(threads: int) -> dict[str, float]:
         core.add_request(greedy_request(f"c{i}", prompt, NEW_TOKENS))
     decode_tokens, decode_s, total_tokens, start = 0, 0.0, 0, time.perf_counter()
     while core.has_work():
-        step_start = time.perf_counter()
-        outputs = core.step()
-        elapsed = time.perf_counter() - step_start
+        outputs, elapsed = timed(core.step)
         total_tokens += len(outputs)
         if core.stats().num_running == len(prompts) and all(o.num_output_tokens > 1 for o in outputs):
             decode_tokens, decode_s = decode_tokens + len(outputs), decode_s + elapsed

@@ -59,9 +59,13 @@ def ticks_between(before: dict[int, int], after: dict[int, int]) -> int:
 
 
 def seconds(fn: Callable[[], object]) -> float:
+    return timed(fn)[1]
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    """``fn()``'s result and the seconds it took."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return fn(), time.perf_counter() - start
 
 
 def medians(kinds: Sequence, repeats: int, once: Callable[[object, int], float]) -> dict:

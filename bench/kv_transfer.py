@@ -14,12 +14,17 @@ import time
 import ray
 import torch
 
+from bench.engine import corpus_ids, greedy_request
+from bench.engine_actor import EngineActor
 from bench.gpu_kv import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
 from bench.ray_local import start_local_ray
 from bench.report import arguments, cells, command_line, figure, publish, table
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
+from kv_transport.nixl_transport import NixlTransport
+from kv_transport.object_store import ObjectStoreTransport
+from kv_transport.registry import RayPeerRegistry
 
 SIZES_MB, REPEATS, PIPELINE_REPEATS = (1, 16, 64, 256), 21, 5
 LAYOUT = KVLayout(dtype="float32", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)  # the default model's
@@ -47,10 +52,6 @@ class TransferActor(KVSide):
 
     def __init__(self, engine_id: str) -> None:
         torch.set_num_threads(1)
-        from kv_transport.nixl_transport import NixlTransport
-        from kv_transport.object_store import ObjectStoreTransport
-        from kv_transport.registry import RayPeerRegistry
-
         # pull and push on their own NIXL agents, as a deployment runs one mode (kv_transfer.md)
         transports = {"nixl": NixlTransport(engine_id, LAYOUT, RayPeerRegistry()),
                       "push": NixlTransport(f"{engine_id}-push", LAYOUT, RayPeerRegistry()),
@@ -114,9 +115,6 @@ def size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, float
 
 def pipelining(prompt_len: int = 2048) -> dict[str, float]:
     """Medians of the push tails (pipelined or not) and of the pull after prefill, one decode engine."""
-    from bench.engine import corpus_ids, greedy_request
-    from bench.engine_actor import EngineActor
-
     prompt = corpus_ids(tokenizer(), prompt_len)
     # every repetition prefills (and moves) the whole prompt: the same prompt again must not hit a prefix cache
     config = {"max_model_len": 4096, "kv_cache_bytes": 256 << 20, "max_num_batched_tokens": 4096,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.calibrate_planner import NO_PREFIX_CACHE, probe_stack
 from bench.compare import MAX_MODEL_LEN, system_server
+from bench.host import machine, timed, tokenizer
 from bench.report import arguments, command_line, figure, publish, read_json, table, write_json
 from bench.serve import Target, run, uncontended
 from bench.slo import summarize
@@ -50,8 +51,6 @@ def system_spec(system: str, calibration: Path, stack: dict | None = None) -> Sy
 
 def measure(options: argparse.Namespace) -> dict:
     """Per system in one server: idle latency, the stack probed, ``--runs`` runs per goodput share."""
-    from bench.host import machine, tokenizer
-
     goodputs, started = read_json(GOODPUT)["results"][options.workload], time.time()
     fractions, cost = [float(f) for f in options.fractions.split(",")], load_calibration(options.calibration)
     requests = make_requests(options.workload, tokenizer(), MAX_MODEL_LEN, options.num_requests, options.seed)
@@ -97,9 +96,7 @@ def compare_point(runs: list[dict], predicted: dict) -> list[dict]:
 def simulator_speed(calibration: Path) -> dict:
     """Seconds for simulate() on 1,000 replicas of this machine's cost (400 prefill + 600 decode), chatbot traffic."""
     cost, requests = load_calibration(calibration), sim_requests("chatbot", 250.0, 20_000, MAX_MODEL_LEN, seed=0)
-    start = time.perf_counter()
-    result = simulate(SystemSpec("disaggregated", 400, 600, cost, cost), requests)
-    seconds = time.perf_counter() - start
+    result, seconds = timed(lambda: simulate(SystemSpec("disaggregated", 400, 600, cost, cost), requests))
     return {"replicas": 1000, "requests": len(requests), "rate": 250.0,
             "output_tokens": sum(r.output_tokens for r in requests), "seconds": seconds,
             "ttft_p90_s": result.percentiles()["ttft_s"]["p90"]}  # fmt: skip

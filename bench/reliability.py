@@ -297,7 +297,7 @@ class Prompts:
 
 async def soak(client: Client, prompts: Prompts, watch: KVWatch, opts: argparse.Namespace) -> list[KillEvent]:
     """Poisson traffic for ``soak_s``, with the stalls and kills at their times; returns the kills."""
-    start, rng, kills, tasks = client.now(), random.Random(opts.seed + 1), [], set()
+    start, rng, kills, tasks = client.now(), random.Random(opts.seed + 1), [], []
     every = {"kill": opts.kill_every_s, "stall": opts.stall_every_s}  # at 1, 2, ... periods, strictly before the end
     events = [(start + k * t, what) for what, t in every.items() for k in range(1, math.ceil(opts.soak_s / t))]
     at = start
@@ -313,11 +313,9 @@ async def soak(client: Client, prompts: Prompts, watch: KVWatch, opts: argparse.
             kind = ("prefill", "decode")[len(kills) % 2]
             kills.append(KillEvent(kind, f"kill-{kind}-{n}"))
             event = kill_replica(client, prompts, watch, kills[-1])
-        tasks.add(task := asyncio.ensure_future(event))
-        task.add_done_callback(tasks.discard)
-    if tasks:  # what is in flight (each request is bounded by the read timeout)
-        await asyncio.wait(set(tasks), timeout=HANG_S + 240)
-    for task in list(tasks):  # past every bound: counted as hangs by their absence
+        tasks.append(asyncio.ensure_future(event))
+    _, pending = await asyncio.wait(tasks, timeout=HANG_S + 240) if tasks else ((), ())  # each has a read timeout
+    for task in pending:  # past every bound: counted as hangs by their absence
         task.cancel()
     return kills
 
@@ -389,9 +387,8 @@ class KVWatch:
 
     def leak_check(self) -> dict[str, Any]:
         live = [e for e in self.view["replicas"] if e["live"]]
-        held = sum(e["num_in_use_blocks"] for e in live)
-        return {"held_blocks": held, "settled_s": None, "ok": bool(self.view["ok"]),
-                "live": sorted({e["deployment"] for e in live})}  # fmt: skip
+        return {"held_blocks": sum(e["num_in_use_blocks"] for e in live), "settled_s": None,
+                "ok": bool(self.view["ok"]), "live": sorted({e["deployment"] for e in live})}  # fmt: skip
 
     async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> dict[str, Any]:
         """The leak check once both pools' live replicas hold no block (leases end in ``TIMEOUT_S``), or at timeout."""

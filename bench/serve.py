@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
@@ -103,9 +102,7 @@ async def run(target: Target, requests: list[BenchRequest], offsets: list[float]
     async with client() as http:
 
         async def one(request: BenchRequest, offset: float) -> RequestRecord:
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             record = await send(http, target, request)
             bar.update(1)
             return record
@@ -145,12 +142,9 @@ def scrape(metrics_url: str | None) -> dict[str, tuple[float, float]]:
 
 
 def split_means(before: dict, after: dict) -> dict[str, float]:
-    means = {}
-    for key, (total, count) in after.items():
-        total0, count0 = before.get(key, (0.0, 0.0))
-        if count > count0:
-            means[key] = (total - total0) / (count - count0)
-    return means
+    """Each histogram's mean over what it counted between two ``scrape`` readings."""
+    deltas = {key: [a - b for a, b in zip(sums, before.get(key, (0.0, 0.0)))] for key, sums in after.items()}
+    return {key: total / count for key, (total, count) in deltas.items() if count > 0}
 
 
 def sweep(target: Target, requests: list[BenchRequest], rates: list[float], slo: SLO, process: str = "poisson",
@@ -251,8 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--max-model-len is needed: the server does not report its context")
     tokenizer = load_tokenizer(args.tokenizer)
     target = Target(args.url, args.model or info["id"], args.prompt_format, tokenizer)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
     if args.trace:
         requests = load_trace(args.trace, tokenizer)
@@ -269,11 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         rates = [float(r) for r in args.rates.split(",")]
         points = sweep(target, requests, rates, slo, args.arrival, args.cv, args.seed, args.metrics_url, args.workload)
         result = {"workload": args.workload, "model": target.model, "uncontended": base, **points}
-        plot_attainment({args.workload: {"this server": result}}, out / "attainment.png")
-        plot_cdfs({"this server": result["points"][-1]}, out / "cdf.png", args.workload)
-    write_json(out / "results.json", result)
+        plot_attainment({args.workload: {"this server": result}}, args.out / "attainment.png")
+        plot_cdfs({"this server": result["points"][-1]}, args.out / "cdf.png", args.workload)
+    write_json(args.out / "results.json", result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("points", "records")}, indent=1))
-    print(f"wrote {out / 'results.json'}", file=sys.stderr)
+    print(f"wrote {args.out / 'results.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -185,11 +186,11 @@ def test_json_schema_and_penalties_across_paths(base_url):
     body = {**JSON_ASK, "temperature": 0, "max_tokens": 40, "frequency_penalty": 0.5, "logit_bias": {"28": -5}}
     body["response_format"] = _json_schema(PERSON)
     contents = []
-    for path in ("", "/push", "/colo"):
-        r = _post(base_url + path, CHAT, body)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["finish_reason"] == "stop"
-        contents.append(r.json()["choices"][0]["message"]["content"])
+    with ThreadPoolExecutor(3) as pool:  # three applications: their replicas run side by side
+        for r in pool.map(lambda path: _post(base_url + path, CHAT, body), ("", "/push", "/colo")):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "stop"
+            contents.append(r.json()["choices"][0]["message"]["content"])
     document = json.loads(contents[0])
     assert set(document) == {"name", "age"} and isinstance(document["age"], int)
     assert contents[1:] == contents[:1] * 2
