@@ -85,8 +85,8 @@ def smol_hf_traces(smol_reference: LoadedModel, smol_prompts: list[list[int]]) -
 @pytest.fixture(scope="session")
 def tiny_hf_traces(tiny_served: TinyServed, smol_prompts: list[list[int]]) -> list[GreedyTrace]:
     """``smol_prompts``' references on the tiny model of the default model's architecture and
-    tokenizer (``tiny_served.loaded`` is its engine copy): for the batched and chunked variants,
-    whose subject is the scheduling (the default model's own tokens: ``smol_hf_traces``)."""
+    tokenizer (``tiny_served.loaded`` is its engine copy): for the chunked and staggered
+    variants, whose subject is the scheduling (the default model's own tokens: ``smol_hf_traces``)."""
     reference = load_model(ModelSpec(source=tiny_served.args["model.source"]))
     reference.model.generation_config.eos_token_id = None
     return [hf_greedy(reference, p) for p in smol_prompts]
