@@ -129,8 +129,10 @@ def make_trace(words, phases: tuple[Phase, ...], seed: int) -> list[tuple[int, f
 
 
 def by_class(trace: list, phases: tuple[Phase, ...]) -> dict[str, list[BenchRequest]]:
-    kinds = dict.fromkeys(phases[index].kind for index, _, _ in trace)  # in the order they come
-    return {kind: [r for index, _, r in trace if phases[index].kind == kind] for kind in kinds}
+    classes: dict[str, list[BenchRequest]] = {}
+    for index, _, request in trace:
+        classes.setdefault(phases[index].kind, []).append(request)
+    return classes
 
 
 def system_args(system: str, calibration: Calibration | None, record: Path | None = None) -> dict[str, str]:

@@ -387,8 +387,9 @@ class KVWatch:
 
     def leak_check(self) -> dict[str, Any]:
         live = [e for e in self.view["replicas"] if e["live"]]
-        return {"held_blocks": sum(e["num_in_use_blocks"] for e in live), "settled_s": None,
-                "ok": bool(self.view["ok"]), "live": sorted({e["deployment"] for e in live})}  # fmt: skip
+        held = sum(e["num_in_use_blocks"] for e in live)
+        return {"held_blocks": held, "settled_s": None, "ok": bool(self.view["ok"]),
+                "live": sorted({e["deployment"] for e in live})}  # fmt: skip
 
     async def settle(self, timeout_s: float = TIMEOUT_S + 70) -> dict[str, Any]:
         """The leak check once both pools' live replicas hold no block (leases end in ``TIMEOUT_S``), or at timeout."""

@@ -102,7 +102,9 @@ async def run(target: Target, requests: list[BenchRequest], offsets: list[float]
     async with client() as http:
 
         async def one(request: BenchRequest, offset: float) -> RequestRecord:
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             record = await send(http, target, request)
             bar.update(1)
             return record
