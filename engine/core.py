@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import random
 import statistics
@@ -52,6 +53,8 @@ from engine.structured import GrammarCache, GrammarMatcher, apply_grammar_masks
 from engine.tensor_parallel import HEARTBEAT_S, check_degree, shard_for
 from engine.tokenization import ChatMessage, encode_prompt, eos_token_ids
 from engine.tp_worker import Launcher, Leader, build_rank, local_launcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -109,6 +112,12 @@ class EngineCore:
             self.tp.ready(True)
         self.pool = self.runner.pool
         self.role = config.role
+        if config.speculative.enabled and self.device.type == "cuda":
+            logger.warning(
+                "speculative decoding on CUDA verifies its proposals in eager steps, each costing "
+                "several decode steps replayed from CUDA graphs (docs/benchmarks/gpu.md): it pays "
+                "only where most proposals are accepted"
+            )
         self._eos_ids = eos_token_ids(model, self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._pinned: dict[str, list[int]] = {}

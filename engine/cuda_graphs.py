@@ -198,6 +198,11 @@ class DecodeGraphs:
         self.num_replays += 1
         return captured.logits[: len(chunks)].clone()  # the next replay overwrites the static output
 
+    def replay_again(self, key: GraphKey) -> None:
+        """Replay ``key``'s graph on its last step's inputs once more: the device's step alone,
+        for a benchmark to time (it rewrites that step's K/V into the same slots, the same values)."""
+        self._graphs[key].graph.replay()
+
     def _capture(self, key: GraphKey, host: torch.Tensor) -> _Captured:
         """Capture ``key``'s graph on this step's inputs; warm-up runs and the replay below
         write this step's K/V into its own slots, the same values each time."""

@@ -42,7 +42,8 @@ class FusedLinear(nn.Module):
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None, width: int, shared: _Shared, others: int):
         super().__init__()
-        # [in, sum(out)], contiguous: the fused weight, column-major
+        # [in, sum(out)]: the fused weight, column-major (contiguous) on CPU, a view of the
+        # row-major [sum(out), in] on CUDA (cuBLAS's usual layout for nn.Linear)
         self.register_buffer("weight_t", weight_t, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.in_features, self.out_features = weight_t.shape[0], width
@@ -80,7 +81,7 @@ class FusedSlice(nn.Module):
         return F.linear(x, self.weight_t.t(), self.bias)
 
 
-def _fuse_group(parent: nn.Module, first: str, others: tuple[str, ...]) -> bool:
+def _fuse_group(parent: nn.Module, first: str, others: tuple[str, ...], column_major: bool) -> bool:
     names = (first, *others)
     linears = [getattr(parent, n, None) for n in names]
     if not all(isinstance(m, nn.Linear) for m in linears):
@@ -88,7 +89,8 @@ def _fuse_group(parent: nn.Module, first: str, others: tuple[str, ...]) -> bool:
     if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
         return False
     with torch.no_grad():
-        weight_t = torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
+        weight = torch.cat([m.weight.detach() for m in linears])  # [sum(out), in]
+        weight_t = weight.t().contiguous() if column_major else weight.t()
         bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears]).contiguous()
     shared = _Shared()
     setattr(parent, first, FusedLinear(weight_t, bias, linears[0].out_features, shared, len(others)))
@@ -99,10 +101,12 @@ def _fuse_group(parent: nn.Module, first: str, others: tuple[str, ...]) -> bool:
     return True
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse every q/k/v and gate/up group found in ``model``; returns the number fused."""
+def fuse_projections(model: nn.Module, column_major: bool = True) -> int:
+    """Fuse every q/k/v and gate/up group found in ``model``; returns the number fused.
+    ``column_major``: the fused weight laid out ``[in, out]`` (CPU's fast one-row layout);
+    False keeps nn.Linear's ``[out, in]`` rows (CUDA)."""
     fused = 0
     for module in list(model.modules()):
         for first, others in GROUPS:
-            fused += _fuse_group(module, first, others)
+            fused += _fuse_group(module, first, others, column_major)
     return fused

@@ -5,7 +5,9 @@ function is swapped for ``engine.attention.paged_attention_forward``. No HF cach
 is used: K/V live in the paged pool.
 
 On CUDA, pure decode steps replay from CUDA graphs (``engine.cuda_graphs``) at the batch
-sizes given; every other step, and every step on CPU, runs eagerly as below.
+sizes given; every other step, and every step on CPU, runs eagerly as below. Each device
+gets its own layout first: ``engine.weights.optimize_cpu_layout`` on CPU,
+``optimize_cuda_layout`` (fewer kernels per layer) on CUDA.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from engine.attention import PagedAttentionMetadata, PrefillSegment, VerifyBatch
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, BaseGraph, DecodeGraphs, StaticDecode
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledChunk
-from engine.weights import optimize_cpu_layout, packed_bytes
+from engine.weights import optimize_cpu_layout, optimize_cuda_layout, packed_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class ModelRunner:
                     "(engine.cpu_packed_weights=false to skip)",
                     packed_bytes(model) / 2**20,
                 )
+        elif self.device.type == "cuda":
+            optimize_cuda_layout(model)
         self._decoder = getattr(model, model.base_model_prefix)
         # query heads per KV head (``engine.tensor_parallel`` sets it on a rank's shard)
         self._group = self._decoder.layers[0].self_attn.num_key_value_groups

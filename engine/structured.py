@@ -34,9 +34,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import llguidance
-
 if TYPE_CHECKING:  # the ingress checks schemas with this module: it never loads torch for them
+    import llguidance  # imported where used: an engine that never sees a grammar never loads it
     import torch
     from transformers import PreTrainedTokenizerBase
 
@@ -51,6 +50,8 @@ _MAX_CACHED_SCHEMAS = 64
 def _grammar(text: str, field: str = "response_format", kind: str = "json") -> str:
     """llguidance's grammar for a JSON schema's text (``kind`` json) or a Lark grammar's (lark);
     ``FieldError`` naming ``field`` if unusable."""
+    import llguidance
+
     noun = "the JSON schema" if kind == "json" else "the grammar"
     try:
         if kind == "json":
@@ -159,6 +160,8 @@ class GrammarCache:
         return self._lltokenizer
 
     def _compile(self, text: str, kind: str) -> llguidance.LLMatcher:
+        import llguidance
+
         grammar = _grammar(text, kind=kind) if kind == "json" else lark_grammar(text)
         matcher = llguidance.LLMatcher(self._tokenizer_view(), grammar, log_level=0)
         if matcher.is_error():
@@ -171,6 +174,8 @@ class GrammarCache:
     def executor(self) -> llguidance.LLExecutor:
         """Fills a batch's masks on several threads (the GIL released)."""
         if self._executor is None:
+            import llguidance
+
             self._executor = llguidance.LLExecutor()
         return self._executor
 

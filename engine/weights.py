@@ -23,6 +23,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from engine import cpu_matmul
@@ -54,6 +55,28 @@ def optimize_cpu_layout(model: PreTrainedModel, packed_weights: bool = False) ->
                     module.packed_weight = cpu_matmul.pack(module.weight)
             elif packed_weights and isinstance(module, FusedLinear) and module.packed_weight is None:
                 module.packed_weight = cpu_matmul.pack(module.weight_t.t())
+    return changed
+
+
+# RMSNorms computed as ``weight * normalize(x in float32).to(x's dtype)`` (their forward, read)
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def _rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon).to(x.dtype)
+
+
+def optimize_cuda_layout(model: PreTrainedModel) -> int:
+    """Fewer kernels per decoder layer on a GPU, where a decode step replayed from a CUDA
+    graph runs one small kernel after another: the sibling projections fused (4 products
+    instead of 7, weights kept row-major) and each RMSNorm as PyTorch's fused ``rms_norm``
+    (the same arithmetic in float32). Returns the number of modules changed. The figures:
+    docs/benchmarks/gpu.md."""
+    changed = fuse_projections(model, column_major=False)
+    for module in model.modules():
+        if type(module).__name__ in RMS_NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+            changed += 1
     return changed
 
 

@@ -12,6 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.fused_linear import FusedLinear
 from tests.gpu.test_cuda_engine import DTYPES, requests, run_to_completion, tiny_pair
 from tests.same_output import assert_same_output
 from tests.same_output import trace_from_outputs as trace_of
@@ -45,10 +46,14 @@ def test_graph_replayed_decode_gives_the_eager_tokens(cuda, family, dtype):
     torch.cuda.synchronize()
 
 
-def test_graphs_are_on_by_default_on_cuda_and_padding_rows_touch_no_other_block(cuda):
+def test_graphs_and_fused_kernels_are_on_by_default_on_cuda_and_padding_rows_touch_no_other_block(cuda):
     loaded, _ = tiny_pair("llama", torch.bfloat16, cuda)
     core = EngineCore(loaded, EngineConfig(**CONFIG))
     assert core.runner.graphs is not None
+    # engine.weights.optimize_cuda_layout: the engine's comparisons with transformers (test_cuda_engine.py) run on it
+    layer = core.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, FusedLinear) and isinstance(layer.mlp.gate_proj, FusedLinear)
+    assert layer.input_layernorm.forward.__func__.__name__ == "_rms_norm_forward"
     before = core.pool.tensor.clone()
     batch = requests("pad")[:3]  # three sequences: padded to 4 by repeating the first
     outputs = run_to_completion(core, batch)
