@@ -86,6 +86,7 @@ class TransferStats:
     num_descriptors: int
     layer_times: tuple[LayerTiming, ...] = ()
     rank_bytes: tuple[int, ...] = ()  # a tensor-parallel consumer: what each rank read, by rank
+    notice_sent: float | None = None  # a push: when its completion notice went (unix s)
 
 
 @dataclass(frozen=True)

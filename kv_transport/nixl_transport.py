@@ -8,7 +8,8 @@ Layer pushes, polling and completion run on the progress thread of
 ``nixl_worker.NixlWorker`` and a pull's READ is posted by its caller (see there why); all
 agent calls hold its lock. Notices (``kv_transport.notices``: release, push complete, push
 failed) always go between the two processes' notice agents, never attached to a transfer
-(see ``NixlWorker``).
+(see ``NixlWorker``); a push's completion notice goes from the progress thread the moment it
+sees the push's last WRITE complete.
 
 With ``staging="host"`` NIXL sees a host buffer instead of the pool (``kv_transport.staging``
 says who copies what); every method keeps its contract. On CUDA a pushed layer's WRITE waits
@@ -55,6 +56,7 @@ from kv_transport.registry import BasePeerRegistry, PeerInfo
 logger = logging.getLogger(__name__)
 
 PEER_CHECK_INTERVAL_S = 5.0  # a cached peer is re-confirmed in the registry at most this often
+NOTICE_SEND_WAIT_S = 1.0  # bounds finish_push's wait for a notice another thread is sending
 
 
 @dataclass
@@ -83,6 +85,7 @@ class _PushOut:
     num_bytes: int = 0
     num_descriptors: int = 0
     slots: list[int] = field(default_factory=list)  # staging: one per destination block after skip_blocks
+    notice_sent: float | None = None  # unix s
 
 
 @dataclass(frozen=True)
@@ -443,19 +446,29 @@ class NixlTransport(BaseKVTransport):
     async def _complete_push(
         self, push: _PushOut, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None
     ) -> TransferStats:
+        """Await the push's WRITEs; the done notice goes as soon as the last is seen complete,
+        from the thread that sees it (``_notify_when_written``), the failure notice if one fails."""
         peer_id = push.destination.engine_id
+        sent = threading.Lock()  # taken by whoever sends this push's notice, done or failed
+        notified = threading.Event()  # the done notice went from a WRITE's callback
         try:
             if self.faults:
                 await self.faults.hit_async("finish_push", request_id, peer_id)
+            done_notice = notices.PushDoneNotice(
+                request_id=request_id, first_token=first_token, first_logprobs=first_logprobs
+            )
+            self._notify_when_written(push, done_notice, sent, notified)
             timeout = max(0.0, min(self.timeout_s, push.destination.seconds_left()))
             done = [await self._await_xfer(f, timeout, request_id, peer_id, "WRITE") for f in push.futures]
         except BaseException:
-            self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
+            if sent.acquire(blocking=False):
+                self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
             raise
-        done_notice = notices.PushDoneNotice(
-            request_id=request_id, first_token=first_token, first_logprobs=first_logprobs
-        )
-        self._notify(push.peer, done_notice)
+        if sent.acquire(blocking=False):  # no WRITE left to complete (none was posted)
+            self._notify(push.peer, done_notice)
+            push.notice_sent = time.time()
+        else:  # the last WRITE's callback is sending it (microseconds): returned, it has gone
+            notified.wait(NOTICE_SEND_WAIT_S)
         layer_times = tuple(
             LayerTiming(layer=r.layer, compute_end=r.compute_end, posted=r.posted_at.unix_s, done=d)
             for r, d in zip(push.layers, done)
@@ -467,7 +480,33 @@ class NixlTransport(BaseKVTransport):
             seconds=last - first,
             num_descriptors=push.num_descriptors,
             layer_times=layer_times,
+            notice_sent=push.notice_sent,
         )
+
+    def _notify_when_written(
+        self, push: _PushOut, notice: notices.PushDoneNotice, sent: threading.Lock, notified: threading.Event
+    ) -> None:
+        """Send ``notice`` from the callback of the push's last WRITE to complete, if every one
+        ended DONE: the progress thread sends it the moment it sees that, with no trip through
+        the event loop (docs/benchmarks/gpu.md, push tail). ``sent`` makes it the only notice;
+        ``notified`` is set once it went."""
+        futures = list(push.futures)
+        remaining = [len(futures)]
+        count = threading.Lock()
+
+        def written(_: concurrent.futures.Future) -> None:
+            with count:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last and all(_wrote(f) for f in futures) and sent.acquire(blocking=False):
+                try:
+                    self._notify(push.peer, notice)
+                    push.notice_sent = time.time()
+                finally:
+                    notified.set()
+
+        for future in futures:
+            future.add_done_callback(written)
 
     async def finish_heads(
         self,
@@ -738,6 +777,11 @@ class NixlTransport(BaseKVTransport):
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)
+
+
+def _wrote(future: concurrent.futures.Future) -> bool:
+    """A completed transfer's future ended DONE."""
+    return future.exception() is None and future.result()[0] == "DONE"
 
 
 def _wait_all(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.0001  # transfers in flight
 WAIT_POLL_S = 0.001  # only waiting for a notice
+# UCX turns cuda_ipc's GET off where it finds no NVLink, and a READ of GPU memory then goes by
+# TCP at under 1 GB/s instead of a device copy (docs/benchmarks/gpu.md); a user's own setting wins
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 IDLE_POLL_S = 0.005
 # after this long with nothing in flight, queued or expected, the thread polls this far
 # apart: an idle replica's polls cost a few percent of a core at IDLE_POLL_S; whatever
@@ -145,6 +149,8 @@ class NixlWorker:
         # that spins a whole core per process. This thread progresses UCX instead (each
         # get_new_notifs / check_xfer_state call does), at the poll intervals above.
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        for key, value in UCX_DEFAULTS.items():  # read by UCX when an agent makes its context
+            os.environ.setdefault(key, value)
         self.agent = nixl_agent(name, config)
         # Notices (release, push done, push failed) go between a second pair of agents. Once
         # a notice has gone over the connection that carries the data, UCX completes the
@@ -161,7 +167,9 @@ class NixlWorker:
         # (docs/benchmarks/kv_transfer_probes.md)
         self._xfer_dlist = nixlBind.nixlXferDList
         self._segments = self.agent.nixl_mems
-        self.lock = threading.Lock()
+        # reentrant: a push's done notice goes from the callback of its last WRITE's future,
+        # which may run inside ``_start`` (the lock held) when UCX finished it within the post
+        self.lock = threading.RLock()
         self._outbox = PostQueue()
         # work a pull leaves for this thread: handles of READs that ended inline, notices
         # (deque appends are atomic; nothing is woken, a round comes within IDLE_POLL_S)

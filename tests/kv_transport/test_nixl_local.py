@@ -120,6 +120,26 @@ def test_push_writes_layers_and_notifies(pair):
     assert all(t.compute_end <= t.posted <= t.done for t in stats.layer_times)
 
 
+def test_the_done_notice_goes_from_the_last_write_s_callback(pair):
+    """The producer sends the done notice the moment its last WRITE is seen complete (the
+    callback of that WRITE's future), not after a trip through its event loop; ``finish_push``
+    returns once it has gone."""
+    producer, consumer, *_ = pair
+
+    async def run():
+        dest = consumer.destination("cb", [4, 5], num_tokens=6)
+        producer.begin_push(dest)
+        for layer in range(3):
+            producer.push_layer("cb", layer, [6, 7], start_index=0)
+        stats = await producer.finish_push("cb", first_token=3)
+        done = await consumer.wait_push(dest)
+        return stats, done
+
+    stats, done = asyncio.run(run())
+    assert done.first_token == 3
+    assert stats.notice_sent is not None and stats.notice_sent >= max(t.done for t in stats.layer_times)
+
+
 def test_push_wait_times_out_with_a_typed_error(pair):
     _, consumer, *_ = pair
     dest = consumer.destination("never", [0], 2)
