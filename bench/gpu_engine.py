@@ -2,8 +2,11 @@
 
 The floors first (copy bandwidth, bf16 matmul rate), then per Llama config (1B- and 8B-class,
 random bfloat16 weights made on the GPU): decode tok/s through ``EngineCore`` at batch 1 and 64,
-replayed from CUDA graphs and eager, against the weights' HBM floor, and prefill tok/s against
-the FLOP floor. A failed row says so and the rest go on; ``--tiny``: tiny sizes on the CPU."""
+replayed from CUDA graphs and eager, against the weights' HBM floor; the graph's replay alone
+(the device's step without the host's); the kernels of one step by kind (cuBLAS products,
+attention, copies, the rest), profiled; prefill tok/s against the FLOP floor; and, for the
+first model, speculative decoding's verify steps against plain ones. A failed row says so and
+the rest go on; ``--tiny``: tiny sizes on the CPU."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from transformers import LlamaConfig
 from bench.engine import decode_weight_bytes, drain, greedy_request, prefilled
 from bench.host import seconds, synchronize
 from bench.report import arguments, cells, table, write_json
-from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig
+from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES, EngineConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.loader import LoadedModel, ModelSpec, load_model
 
@@ -53,6 +56,12 @@ MODELS = (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B))
 GPU_SIZES = Sizes("cuda", 2 << 30, 8192, 10, MODELS, (1, 64), 128, 64, 2048, 3, 4 << 30)
 TINY_MODELS = tuple((f"tiny-{kind}", TINY | {"tie_word_embeddings": kind == "tied"}) for kind in ("tied", "untied"))
 TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, max_model_len=512)
+# cuBLAS's product kernels (nvjet: CUDA 13's), attention, copies; any other kernel is "other"
+KERNEL_KINDS = (
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas")),
+    ("attention", ("fmha", "flash", "attention", "softmax")),
+    ("copy", ("memcpy", "memset", "index", "gather", "scatter", "cat")),
+)
 HEADER = "\n".join(table("measurement | value | unit | time ms | floor ms | time / floor | notes", []))
 
 
@@ -152,17 +161,22 @@ def run_decode(core: EngineCore, requests: list) -> tuple[float, int, int]:
     return time.perf_counter() - start, steps, tokens
 
 
-def decode_row(label: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row, graphs: bool) -> Row:
-    """Decode at ``batch``, from CUDA graphs or eager; the floor: the weights' bytes / the copy's
-    bandwidth counted read + written (the lower floor; KV reads left out)."""
+def hbm_floor_ms(weight_bytes: int, copy: Row) -> float | None:
+    """The weights' bytes / the copy's bandwidth counted read + written (the lower floor; KV reads left out)."""
+    return weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
+
+
+def decode_row(
+    label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, graphs: bool
+) -> Row:
+    """Decode at ``batch``, from CUDA graphs or eager, against ``hbm_floor_ms``."""
     if graphs and core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA graphs need CUDA")
     core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
     # the warm-up (context prompt + 4) shares the timed run's padded sizes: it captures every graph replayed
     run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
     decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
-    weight_bytes = decode_weight_bytes(core.runner.model)
-    floor_ms = weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
+    floor_ms = hbm_floor_ms(weight_bytes, copy)
     notes = f"{steps} steps, ctx {sizes.prompt_len}-{sizes.prompt_len + sizes.new_tokens}; "
     notes += f"floor: {weight_bytes / 1e6:,.1f} MB of weights / copy GB/s (read+written)"
     if core.runner.graphs is not None:
@@ -171,7 +185,86 @@ def decode_row(label: str, core: EngineCore, batch: int, sizes: Sizes, copy: Row
     return Row(label, tokens / decode_s, "tok/s", decode_s / steps * 1e3, floor_ms, notes)
 
 
-def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
+def replay_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row) -> Row:
+    """The last graph-replayed decode step's graph replayed again, timed on the device: the
+    step without the host's scheduling, input copy and sampling around it."""
+    graphs = core.runner.graphs
+    keys = [k for k in graphs.captured if k.batch >= batch] if graphs else []
+    if not keys:
+        return Row(label, notes="n/a: no graph was captured")
+    key = min(keys, key=lambda k: (k.batch, -k.num_blocks))
+    ms = median_ms(lambda: graphs.replay_again(key), 20, sizes.device)
+    return Row(
+        label, 1e3 / ms * batch, "tok/s", ms, hbm_floor_ms(weight_bytes, copy), f"graph {key.batch}x{key.num_blocks}"
+    )
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, graphs: bool):
+    """The GPU kernels of a few decode steps (torch.profiler, CUDA activity): per step, their
+    count and busy time by ``kernel_kind``; the time is the kernels' own, gaps left out."""
+    if core.device.type != "cuda":
+        return Row(label, notes="n/a: CUDA only")
+    from torch.profiler import ProfilerActivity, profile
+
+    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
+    run_decode(core, make_requests(core, "kernels-warm", batch, sizes.prompt_len, 4))
+    prefilled(core, make_requests(core, "kernels", batch, sizes.prompt_len, 9))
+    synchronize(core.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps = 0
+        while core.has_work():
+            core.step()
+            steps += 1
+        synchronize(core.device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return Row(label, notes=f"no kernel recorded in {steps} steps (graphs: {graphs})")
+    by_kind: dict[str, list[float]] = {}
+    for event in kernels:
+        by_kind.setdefault(kernel_kind(event.name), []).append(event.time_range.elapsed_us())
+    busy_ms = sum(map(sum, by_kind.values())) / 1e3 / steps
+    notes = "; ".join(
+        f"{k}: {len(v) / steps:.0f} kernels, {sum(v) / 1e3 / steps:.3f} ms" for k, v in sorted(by_kind.items())
+    )
+    return Row(label, len(kernels) / steps, "kernels/step", busy_ms, hbm_floor_ms(weight_bytes, copy), notes)
+
+
+def speculative_row(label: str, loaded: LoadedModel, config: EngineConfig, sizes: Sizes) -> Row:
+    """Batch-1 decode with n-gram speculation (k=4) on a prompt that repeats a 16-token phrase:
+    the median step that verified proposals against the median plain one (random weights accept
+    what they happen to repeat; the acceptance is in the notes)."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4)
+    core = EngineCore(loaded, config.model_copy(update={"speculative": spec, "max_num_seqs": 1}))
+    phrase = make_requests(core, "spec-phrase", 1, 16, 1)[0].prompt_token_ids
+    prompt = (phrase * (sizes.prompt_len // 16 + 1))[: sizes.prompt_len]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for tag in ("warm", "timed"):
+        prefilled(core, [greedy_request(f"spec-{tag}", prompt, sizes.new_tokens)])
+        while core.has_work():
+            drafts = core.spec_counters.num_drafts
+            start = time.perf_counter()
+            core.step()
+            times[core.spec_counters.num_drafts > drafts].append(time.perf_counter() - start)
+    counters = core.spec_counters
+    verify_ms = statistics.median(times[True]) * 1e3 if times[True] else None
+    plain = f"{statistics.median(times[False]) * 1e3:.3f}" if times[False] else "none"
+    notes = f"{len(times[True])} verify steps, {len(times[False])} plain ({plain} ms median); "
+    notes += f"{counters.num_accepted_tokens} of {counters.num_draft_tokens} proposed tokens accepted"
+    del core
+    return Row(label, verify_ms and 1e3 / verify_ms, "verify steps/s", verify_ms, notes=notes)
+
+
+def layer_parameters(model: torch.nn.Module) -> int:
+    """The decoder layers' parameters (count them before the runner fuses some into buffers)."""
+    return sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters())
+
+
+def prefill_row(name: str, core: EngineCore, sizes: Sizes, layer_params: int, matmul: Row) -> Row:
     """One prompt's prefill; the floor: 2 x decoder-layer parameters x tokens / the matmul rate
     (the LM head and the attention scores left out)."""
 
@@ -182,37 +275,56 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, matmul: Row) -> Row:
 
     once("prefill-warm")
     prefill_s = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
-    model = core.runner.model
-    flops = 2 * sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters()) * sizes.prefill_len
+    flops = 2 * layer_params * sizes.prefill_len
     floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
     notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
     tokens = sizes.prefill_len
     return Row(f"{name} prefill {tokens} tokens", tokens / prefill_s, "tok/s", prefill_s * 1e3, floor_ms, notes)
 
 
-def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row) -> Iterator[Row]:
-    """The build row, then decode at each batch size (graphs, eager) and prefill, each guarded."""
+def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row, speculate: bool) -> Iterator[Row]:
+    """The build row; decode at each batch size, from graphs (then the graph's replay alone and
+    the step's kernels) and eager (at batch 1 its kernels too); prefill; the speculative row
+    (``speculate``); each guarded."""
     built: list[LoadedModel] = []
     yield guarded(f"{name} dummy weights", lambda: build_model(name, overrides, sizes, built))
     # every batch's prompts in one step, so all its requests decode from the same step on
     max_tokens = max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len)
     config = EngineConfig(max_model_len=sizes.max_model_len, kv_cache_bytes=sizes.kv_cache_bytes,
                           max_num_seqs=max(sizes.decode_batches), max_num_batched_tokens=max_tokens)  # fmt: skip
+    loaded = built.pop() if built else None
+    # before the runner fuses some weights into buffers
+    weight_bytes, layer_params = (
+        (decode_weight_bytes(loaded.model), layer_parameters(loaded.model)) if loaded else (0, 0)
+    )
     try:
-        core = EngineCore(built.pop(), config) if built else None
+        core = EngineCore(loaded, config) if loaded else None
     except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
         core = None
         yield error_row(f"{name} engine", exc)
-    for batch in sizes.decode_batches if core else ():
+    if core is None:
+        return
+    for batch in sizes.decode_batches:
         for graphs in (True, False):
-            label = f"{name} decode batch {batch}, {'CUDA graphs' if graphs else 'eager'}"
-            yield guarded(label, functools.partial(decode_row, label, core, batch, sizes, copy, graphs))
+            variant = "CUDA graphs" if graphs else "eager"
+            label = f"{name} decode batch {batch}, {variant}"
+            args = (core, batch, sizes, weight_bytes, copy)
+            yield guarded(label, functools.partial(decode_row, label, *args, graphs))
             core.abort_all()  # a failed row must not leave requests behind for the next
-    if core:
-        core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
-        yield guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, matmul))
-        core.abort_all()
-    core = None  # its memory back (the model with it) before the next model is made
+            if graphs and core.device.type == "cuda":
+                replay_label = f"{name} graph replay alone, batch {batch}"
+                yield guarded(replay_label, functools.partial(replay_row, replay_label, *args))
+            if graphs or batch == 1:
+                kernels_label = f"{name} kernels of a decode step, batch {batch}, {variant}"
+                yield guarded(kernels_label, functools.partial(kernels_row, kernels_label, *args, graphs))
+                core.abort_all()
+    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
+    yield guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, layer_params, matmul))
+    core.abort_all()
+    if speculate:
+        spec_label = f"{name} speculative decode, batch 1"
+        yield guarded(spec_label, lambda: speculative_row(spec_label, loaded, config, sizes))
+    core = loaded = None  # its memory back (the model with it) before the next model is made
     gc.collect()
     torch.cuda.empty_cache()  # a no-op where CUDA was never used
 
@@ -220,8 +332,8 @@ def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row)
 def run(sizes: Sizes) -> Iterator[Row]:
     yield (copy := guarded("copy bandwidth", lambda: copy_bandwidth(sizes)))
     yield (matmul := guarded("bf16 matmul", lambda: matmul_flops(sizes)))
-    for name, overrides in sizes.models:
-        yield from model_rows(name, overrides, sizes, copy, matmul)
+    for i, (name, overrides) in enumerate(sizes.models):
+        yield from model_rows(name, overrides, sizes, copy, matmul, speculate=i == 0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ or hung row kills both and the next starts a fresh pair. ``--cpu``: CPU pools an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import contextlib
@@ -60,26 +61,28 @@ class Plan:
     staging_sizes_mb: tuple[int, ...] = ()  # pulls through the staging transports
     num_staged_repeats: int = 5  # each export holds its staging slots until fetched
     staging_bytes: int = 1 << 30  # each staging transport's pinned buffer
+    stagings: tuple[str, ...] = ("none", "host")  # the sections run (``SECTIONS``)
+    push: bool = True  # each section's push row
+    notice_poll_s: float | None = None  # the transports' (None: NixlTransport's default)
 
     def blocks_for(self, size_mb: float) -> int:
         return max(1, round(size_mb * 2**20 / self.layout.bytes_per_block))
 
     @property
     def pool_blocks(self) -> int:
-        return max(self.push_blocks, *(self.blocks_for(size) for size in self.sizes_mb)) + 8
+        return max([self.push_blocks, *(self.blocks_for(size) for size in self.sizes_mb)]) + 8
 
     @property
     def raw_bytes(self) -> int:
         """Twice the largest size: a READ split into pieces leaves a gap after each (or they might merge)."""
-        return 2 * max(self.blocks_for(size) for size in self.sizes_mb) * self.layout.bytes_per_block
+        return 2 * max([1, *(self.blocks_for(size) for size in self.sizes_mb)]) * self.layout.bytes_per_block
 
 
-# An 8B-class model's KV (32 layers x 8 KV heads of 128, bfloat16: 2 MB per 16-token block). Pulls of 16 and
-# 64 MB, 12 each (256 MB left out: its READ went over TCP and outlived the lease, docs/benchmarks/gpu.md); a
-# 2,048-token prompt (128 blocks) pushed 5 times behind a 1 ms forward per layer (about one layer of its
-# prefill); 45 s to start, 20 s a row, 60 s in all (the GPU check's section has 75); staged pulls of 16 and
-# 64 MB, 5 each, through 768 MB of pinned memory per side (6 exports of 64 MB, or a push's 256 MB).
-GPU_PLAN = Plan("cuda", KVLayout(32, 8, 128, 16, "bfloat16"), (16, 64), 12, 128, 5, 1.0, 45.0, 20.0, 60.0,
+# An 8B-class model's KV (32 layers x 8 KV heads of 128, bfloat16: 2 MB per 16-token block). Pulls of 16, 64
+# and 256 MB, 12 each; a 2,048-token prompt (128 blocks) pushed 5 times behind a 1 ms forward per layer (about
+# one layer of its prefill); 45 s to start, 20 s a row, 70 s in all (the GPU check's section has 75); staged
+# pulls of 16 and 64 MB, 5 each, through 768 MB of pinned memory per side (6 exports of 64 MB, or a push's 256 MB).
+GPU_PLAN = Plan("cuda", KVLayout(32, 8, 128, 16, "bfloat16"), (16, 64, 256), 12, 128, 5, 1.0, 45.0, 20.0, 70.0,
                 staging_sizes_mb=(16, 64), num_staged_repeats=5, staging_bytes=768 << 20)  # fmt: skip
 CPU_PLAN = Plan("cpu", KVLayout(8, 2, 64, 16, "bfloat16"), (1, 4), 8, 16, 3, 2.0, 30.0, 10.0, 50.0, 20.0, (1, 4), 3,
                 64 << 20)  # fmt: skip
@@ -92,9 +95,10 @@ PULL = (
 )
 PUSH = (
     "staging | forward per layer, measured (ms) | one layer's write (ms) | tail to notice (ms)"
-    " | tail / one layer (<= 2) | tail to last write (ms) | last write / one layer | bytes ok",
+    " | tail / one layer (<= 2) | tail to last write (ms) | last write / one layer | tail to notice sent (ms)"
+    " | bytes ok",
     "{staging} | {compute_per_layer_ms:.3f} | {one_layer_ms:.3f} | {tail_to_notice_ms:.3f} | {tail_in_layers:.2f}"
-    " | {tail_to_last_write_ms:.3f} | {last_write_in_layers:.2f} | {ok}",
+    " | {tail_to_last_write_ms:.3f} | {last_write_in_layers:.2f} | {tail_to_notice_sent_ms:.3f} | {ok}",
 )
 LAYER = "{layer} | {compute_end_ms:.3f} | {push_layer_called_ms:.3f} | {posted_ms:.3f} | {done_ms:.3f}"
 
@@ -110,11 +114,13 @@ class BandwidthResult:
 
 @dataclasses.dataclass(frozen=True)
 class PushRun:
-    """The transport's layer timings (``compute_end``: ``push_layer``'s call) and each forward's real end (unix s)."""
+    """The transport's layer timings (``compute_end``: ``push_layer``'s call), each forward's real end and
+    when the push's completion notice went (unix s)."""
 
     layer_times: tuple[LayerTiming, ...]
     compute_end: tuple[float, ...]
     num_bytes: int
+    notice_sent: float | None = None
 
 
 class SharedDictRegistry(LocalPeerRegistry):
@@ -185,9 +191,16 @@ class _Side(KVSide):
             pool.copy_(_pattern(plan))
         synchronize(plan.device)  # written before anyone reads it
         registry, staged = SharedDictRegistry(entries), {"staging": "host", "staging_bytes": plan.staging_bytes}
+        if plan.notice_poll_s is not None:
+            staged["notice_poll_s"] = plan.notice_poll_s
+        kinds = (
+            ("none", role, {k: v for k, v in staged.items() if k == "notice_poll_s"}),
+            ("host", f"{role}-staged", staged),
+        )
         transports = {
             kind: NixlTransport(name, plan.layout, registry, kv_transfer_timeout_s=plan.kv_transfer_timeout_s, **extra)
-            for kind, name, extra in (("none", role, {}), ("host", f"{role}-staged", staged))
+            for kind, name, extra in kinds
+            if kind in plan.stagings
         }
         if plan.device == "cuda":
             raw = torch.ones(plan.raw_bytes, dtype=torch.uint8, device="cuda")
@@ -216,7 +229,7 @@ class _Side(KVSide):
             with self.compute.layer():  # on CUDA push_layer records its event on the compute stream
                 transport.push_layer(request_id, layer, blocks, 0)
         stats = await transport.finish_push(request_id, first_token=1)
-        return PushRun(stats.layer_times, self.compute.ends(), stats.num_bytes)
+        return PushRun(stats.layer_times, self.compute.ends(), stats.num_bytes, stats.notice_sent)
 
     async def bandwidth(self, handles: list, raw_peer: tuple, num_bytes: int, num_pieces: int, staging: str):
         """Per handle our pull, a raw READ of the bytes and one in ``num_pieces`` (staged: pulls alone)."""
@@ -456,6 +469,7 @@ def push_figures(run: PushRun, notice_at: float) -> dict:
     ]  # fmt: skip
     return {"layer_bytes": run.num_bytes // len(times), "one_layer_ms": one_layer * 1e3,
             "tail_to_notice_ms": to_notice * 1e3, "tail_to_last_write_ms": to_last_write * 1e3,
+            "tail_to_notice_sent_ms": None if run.notice_sent is None else (run.notice_sent - last_end) * 1e3,
             "tail_in_layers": to_notice / one_layer, "last_write_in_layers": to_last_write / one_layer,
             "compute_per_layer_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
             "posted_after_compute_ms": statistics.median(t.posted - e for t, e in zip(times, ends)) * 1e3,
@@ -524,11 +538,32 @@ def render(result: dict) -> list[str]:
     return [*lines, "", *table(["UCX protocol (UCX_PROTO_INFO)"], found or ["not reported: no tables in the logs"])]
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(size) for size in text.split(",") if size.strip())
+
+
+def _stagings(text: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    if not kinds or set(kinds) - {"none", "host"}:
+        raise argparse.ArgumentTypeError(f"expected 'none', 'host' or both, got {text!r}")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arguments("bench.gpu_kv", __doc__.splitlines()[0], help="write the figures as JSON here")
     parser.add_argument("--cpu", action="store_true", help="CPU pools (DRAM) and small sizes: a dry run")
+    parser.add_argument("--sizes", type=_sizes, help="unstaged pull sizes in MB, comma-separated ('' for none)")
+    parser.add_argument("--staged-sizes", type=_sizes, help="staged pull sizes in MB, likewise")
+    parser.add_argument("--staging", type=_stagings, help="'none', 'host' or 'none,host' (the default)")
+    parser.add_argument("--no-push", action="store_true", help="pulls only")
+    parser.add_argument("--notice-poll-ms", type=float, help="the transports' notice poll (default NixlTransport's)")
     args = parser.parse_args(argv)
     plan = CPU_PLAN if args.cpu else GPU_PLAN
+    changes = {"stagings": args.staging, "push": False if args.no_push else None}
+    changes |= {"sizes_mb": args.sizes, "staging_sizes_mb": args.staged_sizes}
+    if args.notice_poll_ms is not None:
+        changes["notice_poll_s"] = args.notice_poll_ms / 1e3
+    plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     result: dict = {"plan": dataclasses.asdict(plan)}
     if plan.device == "cuda" and not torch.cuda.is_available():
         print("| gpu_kv | skipped: no CUDA (use --cpu for the dry run) |")
@@ -539,9 +574,12 @@ def main(argv: list[str] | None = None) -> None:
             pair, deadline = _Pair(plan, manager.dict(), Path(log_dir)), time.monotonic() + plan.budget_s
             try:  # the pulls against the raw READ per size and the push, then the same through host staging
                 for (staging, pulls, push), sizes in zip(SECTIONS, (plan.sizes_mb, plan.staging_sizes_mb)):
+                    if staging not in plan.stagings:
+                        continue
                     rows = [guarded(pair, deadline, functools.partial(pull_row, pair, size, staging)) for size in sizes]
                     result[pulls] = [{"requested_mb": size} | row for size, row in zip(sizes, rows)]
-                    result[push] = guarded(pair, deadline, functools.partial(push_row, pair, staging))
+                    if plan.push:
+                        result[push] = guarded(pair, deadline, functools.partial(push_row, pair, staging))
             finally:
                 pair.close()
             result["ucx_transports"] = ucx_transports(Path(log_dir))

@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh --size   # here, before sending: what would travel, and what to drop
 #   bash scripts/gpu_check.sh          # there: install the carried wheels, then every section
+#   ONLY="env engine" bash scripts/gpu_check.sh   # those sections alone
 #
 # The machine is expected to have python3 with torch (CUDA), transformers and cupy; what it
 # lacks (nixl, nixl-cu13, pydantic and its three dependencies) travels as wheels in .whl/
@@ -13,10 +14,12 @@
 # (default /tmp/gpu_check), at most 8 files.
 #
 # Sections: env; tests_gpu (pytest tests/gpu: engine vs transformers, CUDA-graph decode vs
-# eager, VRAM and pinned-host-staged KV over NIXL); engine (copy and matmul floors, decode
-# tok/s at batch 1 and 64 with and without CUDA graphs, prefill, for a 1B- and an 8B-class
-# Llama); kv (NIXL VRAM -> VRAM pull against raw READ, push tail, and the same pull and push
-# staged through pinned host buffers, transport.staging=host).
+# eager, speculative decoding, VRAM and pinned-host-staged KV over NIXL); engine (copy and
+# matmul floors, decode tok/s at batch 1 and 64 with and without CUDA graphs, the graph's
+# replay alone, the kernels of a step, prefill, speculation, for a 1B- and an 8B-class Llama);
+# kv (NIXL VRAM -> VRAM pull against raw READ, push tail, and the same pull and push staged
+# through pinned host buffers, transport.staging=host); kv_read_ucx_default (a pull with UCX's
+# own cuda_ipc setting); tensor_parallel (2 GPUs or more).
 set -u
 cd "$(dirname "$0")/.."
 STARTED=$(date +%s)
@@ -64,6 +67,10 @@ echo "|---|---|---|" >> "$SUMMARY"
 section() {
   local name=$1 limit=$2 start rc result left
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    echo "| $name | not run (ONLY=$ONLY) | 0 |" >> "$SUMMARY"
+    return
+  fi
   start=$(date +%s)
   left=$((STARTED + TOTAL_S - start - 5))
   if [ "$left" -lt 10 ]; then
@@ -90,8 +97,11 @@ section env 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version 
   python3 -c "import cupy; print(\"cupy\", cupy.__version__, \"CUDA runtime\", cupy.cuda.runtime.runtimeGetVersion())" \
     || echo "no cupy: staging uses torch pinned memory and streams"'
 section tests_gpu 90 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
-section engine 70 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
+section engine 100 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
 section kv 75 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
+# the same READ with UCX's own setting for cuda_ipc's GET (the transport sets it on: kv_transport/nixl_worker.py)
+section kv_read_ucx_default 35 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto python3 -m bench.gpu_kv --staging none --sizes 64 \
+  --no-push --out "$OUT/gpu_kv_read_ucx_default.json"
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 if [ "$GPUS" -ge 2 ]; then  # NCCL refuses two ranks on one GPU
   section tensor_parallel 60 python3 -m pytest tests/gpu/test_cuda_tensor_parallel.py -q -p no:cacheprovider
@@ -107,7 +117,7 @@ tail -20 "$OUT/env.log"
 echo
 echo "### tests_gpu"
 grep -E 'passed|failed|skipped|FAILED|ERROR|Error' "$OUT/tests_gpu.log" | tail -25
-for name in engine kv; do
+for name in engine kv kv_read_ucx_default; do
   echo
   echo "### $name"
   grep -E '^\||^## |failed|Error' "$OUT/$name.log" | tail -60

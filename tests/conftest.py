@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from engine.loader import LoadedModel, ModelSpec, load_model
-from tests.serving import SharedServe
 from tests.tiny_models import TinyServed, save_tiny_served
+
+if TYPE_CHECKING:  # tests/serving.py imports Ray, which the GPU check's machine has not (tests/gpu)
+    from tests.serving import SharedServe
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 
@@ -36,13 +39,15 @@ def tiny_served(smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> 
     return TinyServed(args, load_model(ModelSpec(source=args["model.source"])))
 
 
-SHARED = pytest.StashKey[SharedServe]()
+SHARED = pytest.StashKey["SharedServe"]()
 
 
 @pytest.fixture(scope="session")
 def shared_serve(request: pytest.FixtureRequest) -> Iterator[SharedServe]:
     """The session's one Ray and Serve (tests/serving.py), started at first use and stopped
     once no test after it needs them (``pytest_runtest_teardown``)."""
+    from tests.serving import SharedServe
+
     shared = request.config.stash[SHARED] = SharedServe()
     yield shared
     shared.stop()

@@ -48,10 +48,17 @@ def test_the_dry_run_measures_every_row_of_a_tiny_model():
         "bf16 matmul",
         "tiny-untied dummy weights on cpu",
         "tiny-untied decode batch 2, CUDA graphs",
+        "tiny-untied kernels of a decode step, batch 2, CUDA graphs",
         "tiny-untied decode batch 2, eager",
         "tiny-untied prefill 256 tokens",
+        "tiny-untied speculative decode, batch 1",  # the first model's
     ]
     assert rows["tiny-untied decode batch 2, CUDA graphs"].notes == "n/a: CUDA graphs need CUDA"
+    assert rows["tiny-untied kernels of a decode step, batch 2, CUDA graphs"].notes == "n/a: CUDA only"
+    spec = rows["tiny-untied speculative decode, batch 1"]
+    assert (
+        spec.unit == "verify steps/s" and " verify steps, " in spec.notes and "proposed tokens accepted" in spec.notes
+    )
     decode = rows["tiny-untied decode batch 2, eager"]
     assert decode.unit == "tok/s" and decode.value > 0 and decode.notes.startswith("7 steps, ctx 16-24")
     assert decode.floor_ms > 0 and rows["tiny-untied prefill 256 tokens"].floor_ms > 0

@@ -5,6 +5,7 @@ tables (from the committed run's JSON), and the simulated forward on CPU."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from bench import gpu_kv
 from bench.gpu_kv import (
     CPU_PLAN,
+    GPU_PLAN,
     BandwidthResult,
     PushRun,
     SharedDictRegistry,
@@ -176,13 +178,19 @@ def test_ucx_transports_reads_the_rma_tables_gpu_first(tmp_path):
     ]
 
 
-def test_render_prints_the_committed_run_its_failed_row_included():
+def test_render_prints_the_committed_run():
     text = "\n".join(render(json.loads(COMMITTED.read_text())))
-    assert "| none | 16.0 | 8 | 64 | 0.4 | 0.4 | 0.40 | 0.99 | 1.02 | yes |" in text
-    assert "| none | 256 | failed: RuntimeError: consumer: KVTransferTimeout" in text
-    assert "| none | 1.002 | 0.052 | 0.958 | 19.64 | 0.195 | 4.00 | yes |" in text  # the push, tail / one layer
-    assert "| 31 | 0.000 | -27.805 | 0.117 | 0.161 |" in text and "| median of all layers | 0 | -14.090 |" in text
-    assert "ucp_get*(multi) into cuda/GPU0 from cuda/dev[1]: software emulation via tcp/lo" in text
+    assert "| none | 256.0 | 128 | 64 | 1758.4 | 537.5 | 489.47 | 0.28 | 0.91 | yes |" in text
+    assert "| host | 64.0 | 32 | 64 |  |  | 3.13 |  |  | yes |" in text  # a staged row: no raw READ beside it
+    # the push: tail / one layer, and when the notice went
+    assert "| none | 1.002 | 0.079 | 0.926 | 13.05 | 0.361 | 4.43 | 0.475 | yes |" in text
+    assert "| 31 | 0.000 | -27.391 | 0.305 | 0.385 |" in text and "| median of all layers | 0 | -13.989 |" in text
+    assert "ucp_get*(multi) into cuda/GPU0 from cuda/dev[1]: zero-copy via cuda_ipc/cuda" in text
+
+
+def test_render_prints_a_failed_row_as_its_error():
+    result = {"plan": dataclasses.asdict(GPU_PLAN), "pull_vs_raw": [{"requested_mb": 256, "error": "failed: Timeout"}]}
+    assert "| none | 256 | failed: Timeout |" in render(result)
 
 
 def test_the_simulated_forward_on_cpu_ends_each_layer_after_its_duration():
