@@ -1,8 +1,8 @@
 """A GPU replica's cost: the device's roofline, and the host's time to drive each layer.
 
 An eager engine is bound by the host at decode: it launches every layer's kernels from Python
-one after another, and the GPU waits (docs/benchmarks/gpu.md: a 1B-class decode step takes
-22.8 ms whatever the batch while its weights stream in 0.6 ms). So a step takes the longer of
+one after another, and the GPU waits (docs/benchmarks/gpu.md: the first run's decode steps took
+many times their weights' streaming time, whatever the batch). So a step takes the longer of
 the device's time (``planner.roofline.RooflineCost``, its fixed per-step overhead left out:
 the host term replaces it) and the host's, which grows with the layers:
 
@@ -12,11 +12,13 @@ the host term replaces it) and the host's, which grows with the layers:
 
 The calibration file (``planner/calibration/<gpu>-<engine>.json``, format ``gpu-host/1``)
 holds the measured steps (``rows``: model shape, kind, batch or prompt tokens, context, step
-seconds), the engine they were measured with (``eager``; CUDA graphs as another file), and
+seconds), the engine they were measured with (``eager``: every step launched from Python;
+``graphs``: decode replayed from CUDA graphs, the default on a GPU), and
 the host terms fitted from them (``host``). A row counts for the host fit only when it took at
 least ``HOST_BOUND`` x the device's time: a slower row that is not that far above the device
 says more about the roofline's efficiencies than about the host. ``python -m planner.gpu_cost
-docs/benchmarks/gpu_engine.json --gpu h200`` writes the file from ``bench.gpu_engine``'s rows.
+docs/benchmarks/gpu_engine.json --gpu h200 --engine graphs`` writes the file from
+``bench.gpu_engine``'s rows (``h200-eager``: from ``gpu_engine_eager.json``, the first run).
 
 ``HostBoundCost(..., host=None, device_factor=1.2)``: an engine at 1.2x the roofline with no
 host term, what a CUDA-graph engine near the memory floor reaches.
@@ -186,14 +188,16 @@ def load_gpu_calibration(path: str | Path) -> GpuCalibration:
 
 
 def rows_from_gpu_engine(data: dict[str, Any], engine: str = "eager") -> list[StepRow]:
-    """``bench.gpu_engine``'s decode and prefill rows of ``engine`` (rows named ``..., CUDA
-    graphs`` are the ``graphs`` engine; unnamed ones ``eager``); models by their shapes' names."""
+    """``bench.gpu_engine``'s decode and prefill rows of ``engine`` (decode rows named ``..., CUDA
+    graphs`` are the ``graphs`` engine, the others ``eager``; prefill runs eagerly in both, so its
+    rows count for either); models by their shapes' names."""
     rows = []
     for row in data["rows"]:
         match = ROW_NAME.match(row["name"])
         if match is None or row.get("error") or row.get("time_ms") is None:
             continue
-        if ("graphs" if "graph" in row["name"].lower() else "eager") != engine:
+        decode_engine = "graphs" if "graph" in row["name"].lower() else "eager"
+        if match["kind"] == "decode" and decode_engine != engine:
             continue
         model = match["model"].lower()
         if not (MODELS_DIR / f"{model}.json").exists():

@@ -1,6 +1,7 @@
-"""The GPU cost: the roofline plus the host's measured time per layer, fitted from the H200 run
-(docs/benchmarks/gpu_engine.json) into planner/calibration/h200-eager.json, and checked across
-model sizes."""
+"""The GPU cost: the roofline plus the host's measured time per layer, fitted from the H200 runs
+into planner/calibration/h200-eager.json (the first run, docs/benchmarks/gpu_engine_eager.json)
+and h200-graphs.json (CUDA graphs, docs/benchmarks/gpu_engine.json), and checked across model
+sizes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from planner.gpu_cost import (
 from planner.roofline import load_hardware, model_shape
 
 ROOT = Path(__file__).parents[2]
-GPU_ENGINE = json.loads((ROOT / "docs" / "benchmarks" / "gpu_engine.json").read_text())
+GPU_ENGINE = json.loads((ROOT / "docs" / "benchmarks" / "gpu_engine_eager.json").read_text())
+GPU_ENGINE_GRAPHS = json.loads((ROOT / "docs" / "benchmarks" / "gpu_engine.json").read_text())
 
 
 def _approx(value: object) -> object:
@@ -43,11 +45,25 @@ def test_the_shipped_calibration_is_what_the_h200_rows_give():
         ("llama-8b", "decode", 1), ("llama-8b", "decode", 64), ("llama-8b", "prefill", 2048),
     ]  # fmt: skip
     assert rows[1].context_tokens == 64 * 160 and rows[0].step_s == pytest.approx(0.022756, rel=1e-4)
-    refit = calibration(rows, "h200", "eager", "docs/benchmarks/gpu_engine.json")
+    refit = calibration(rows, "h200", "eager", "docs/benchmarks/gpu_engine_eager.json")
     # equal up to the last bits of a least-squares fit, which differ between CPUs' BLAS kernels
     assert _approx(refit.to_json()) == json.loads((ROOT / "planner" / "calibration" / "h200-eager.json").read_text())
     assert _approx(vars(shipped.host)) == vars(refit.host)
     assert 1.4e-3 < shipped.host.decode_layer_s < 1.6e-3  # "about 1.4-1.6 ms of host cost per layer-step"
+
+
+def test_the_shipped_graphs_calibration_is_what_the_cuda_graph_rows_give():
+    """Decode rows replayed from CUDA graphs, and the prefill rows (eager in either engine)."""
+    rows = rows_from_gpu_engine(GPU_ENGINE_GRAPHS, "graphs")
+    assert [(r.model, r.kind, r.batch) for r in rows] == [
+        ("llama-1b", "decode", 1), ("llama-1b", "decode", 64), ("llama-1b", "prefill", 2048),
+        ("llama-8b", "decode", 1), ("llama-8b", "decode", 64), ("llama-8b", "prefill", 2048),
+    ]  # fmt: skip
+    refit = calibration(rows, "h200", "graphs", "docs/benchmarks/gpu_engine.json")
+    shipped = json.loads((ROOT / "planner" / "calibration" / "h200-graphs.json").read_text())
+    assert _approx(refit.to_json()) == shipped
+    # graphs take the per-layer cost from about 1.5 ms to under 0.2 ms
+    assert load_gpu_calibration("h200-graphs").host.decode_layer_s < 0.2e-3
 
 
 def test_one_model_predicts_the_other_within_the_errors_the_calibration_reports():
