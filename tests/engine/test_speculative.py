@@ -82,9 +82,10 @@ def test_greedy_batch_1_is_transformers_token_for_token(smol, smol_prompts, smol
 def test_a_batch_of_16_with_rows_that_do_not_speculate(smol, smol_prompts, smol_hf_traces, make_engine):
     """16 requests arriving while others decode, chunked prompts in the same steps; the corpus
     ones copy text (proposals), the chat ones mostly do not. Compared by tests/same_output.py's
-    batched rule (float32 kernels differ between batch shapes), not token for token."""
+    batched rule (float32 kernels differ between batch shapes), not token for token. The prompts
+    up to 640 tokens (three chunks of 256): the two longest add prefill time, not cases."""
     core = make_engine(smol, speculative=_spec(), enable_chunked_prefill=True, max_num_batched_tokens=256)
-    picked = [i % len(smol_prompts) for i in range(16)]
+    picked = [i % 6 for i in range(16)]
     requests = [GenerationRequest(f"b-{n}", tuple(smol_prompts[i]), greedy()) for n, i in enumerate(picked)]
     outputs = run_to_completion(core, {step: requests[4 * step : 4 * step + 4] for step in range(4)})
     for request, i in zip(requests, picked):
