@@ -191,12 +191,8 @@ class _Side(KVSide):
             pool.copy_(_pattern(plan))
         synchronize(plan.device)  # written before anyone reads it
         registry, staged = SharedDictRegistry(entries), {"staging": "host", "staging_bytes": plan.staging_bytes}
-        if plan.notice_poll_s is not None:
-            staged["notice_poll_s"] = plan.notice_poll_s
-        kinds = (
-            ("none", role, {k: v for k, v in staged.items() if k == "notice_poll_s"}),
-            ("host", f"{role}-staged", staged),
-        )
+        poll = {} if plan.notice_poll_s is None else {"notice_poll_s": plan.notice_poll_s}
+        kinds = (("none", role, poll), ("host", f"{role}-staged", staged | poll))
         transports = {
             kind: NixlTransport(name, plan.layout, registry, kv_transfer_timeout_s=plan.kv_transfer_timeout_s, **extra)
             for kind, name, extra in kinds

@@ -491,14 +491,10 @@ class NixlTransport(BaseKVTransport):
         the event loop (docs/benchmarks/gpu.md, push tail). ``sent`` makes it the only notice;
         ``notified`` is set once it went."""
         futures = list(push.futures)
-        remaining = [len(futures)]
-        count = threading.Lock()
 
         def written(_: concurrent.futures.Future) -> None:
-            with count:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last and all(_wrote(f) for f in futures) and sent.acquire(blocking=False):
+            # layers complete in order: an early callback stops at the next layer's future
+            if all(f.done() for f in futures) and all(_wrote(f) for f in futures) and sent.acquire(blocking=False):
                 try:
                     self._notify(push.peer, notice)
                     push.notice_sent = time.time()

@@ -5,7 +5,10 @@ cross-process tests with engines are in test_disaggregated.py."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +19,8 @@ from kv_transport.base import KVTransferError, KVTransferTimeout, LayoutMismatch
 from kv_transport.faults import FaultPoints
 from kv_transport.handle import RankPeer
 from kv_transport.heads import HeadPush
-from kv_transport.nixl_transport import NixlTransport
+from kv_transport.nixl_transport import NixlTransport, _PushOut
+from kv_transport.notices import PushDoneNotice
 from kv_transport.registry import LocalPeerRegistry
 from tests.kv_transport.pairs import transport_pair
 from tests.waiting import CallRecorder
@@ -120,10 +124,8 @@ def test_push_writes_layers_and_notifies(pair):
     assert all(t.compute_end <= t.posted <= t.done for t in stats.layer_times)
 
 
-def test_the_done_notice_goes_from_the_last_write_s_callback(pair):
-    """The producer sends the done notice the moment its last WRITE is seen complete (the
-    callback of that WRITE's future), not after a trip through its event loop; ``finish_push``
-    returns once it has gone."""
+def test_the_push_s_done_notice_is_timed_after_its_writes(pair):
+    """``finish_push`` returns once the done notice has gone, and says when (after every WRITE)."""
     producer, consumer, *_ = pair
 
     async def run():
@@ -138,6 +140,40 @@ def test_the_done_notice_goes_from_the_last_write_s_callback(pair):
     stats, done = asyncio.run(run())
     assert done.first_token == 3
     assert stats.notice_sent is not None and stats.notice_sent >= max(t.done for t in stats.layer_times)
+
+
+@pytest.mark.parametrize("fail", [None, 1])
+def test_the_done_notice_goes_once_from_the_thread_that_completes_the_last_write(pair, fail):
+    """Real futures completed out of order by another thread (as the progress thread does): the
+    done notice goes once, from that thread, when the last one ends, and not at all when a
+    WRITE failed (``finish_push`` then sends the failure notice)."""
+    producer, *_ = pair
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    push = _PushOut(destination=None, peer="peer", remote_ids=[], futures=futures)
+    sent_from: list[tuple[str, str]] = []
+    producer._notify = lambda peer, notice: sent_from.append((peer, threading.current_thread().name))
+    sent, notified = threading.Lock(), threading.Event()
+    producer._notify_when_written(push, PushDoneNotice(request_id="r", first_token=1), sent, notified)
+
+    sent_after: list[int] = []  # notices sent after each completion
+
+    def complete() -> None:
+        for i in (2, 0, 1):
+            if i == fail:
+                futures[i].set_exception(KVTransferError("lost", "r", "peer"))
+            else:
+                futures[i].set_result(("DONE", time.time()))
+            sent_after.append(len(sent_from))
+
+    worker = threading.Thread(target=complete, name="progress")
+    worker.start()
+    worker.join()
+    assert sent_after[:2] == [0, 0]  # nothing before the last
+    if fail is None:
+        assert sent_from == [("peer", "progress")] and notified.is_set() and push.notice_sent is not None
+        assert not sent.acquire(blocking=False)  # taken: finish_push sends nothing more
+    else:
+        assert sent_from == [] and not notified.is_set() and sent.acquire(blocking=False)
 
 
 def test_push_wait_times_out_with_a_typed_error(pair):
