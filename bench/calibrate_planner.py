@@ -131,10 +131,9 @@ def probe_stack(target, cost, kind: str) -> dict:
 
 
 def fit_stack(kind: dict) -> dict:
-    """``planner.costs.ServingStack``'s fields from one kind's probes and load run: TTFT = hops +
-    factor x engine TTFT (least squares; a factor below 1, noise, is taken as 1 with the hops the
-    median excess), TPOT = factor x engine step (median ratio), and per batched probe its TPOT over
-    the engine's step at that batch (never below 1 either)."""
+    """``planner.costs.ServingStack``'s fields from one kind's probes and load run: TTFT = hops + factor x engine TTFT
+    (least squares; a factor below 1, noise, is taken as 1 with the hops the median excess), TPOT = factor x engine step
+    (median ratio), and per batched probe its TPOT over the engine's step at that batch (never below 1 either)."""
     probes = kind["probes"]
     engine, served = [p["ttft_s"] - p["ttft_extra_s"] for p in probes], [p["ttft_s"] for p in probes]
     slope, hops = (float(c) for c in np.polyfit(engine, served, 1)) if len(probes) > 1 else (1.0, 0.0)

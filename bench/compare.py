@@ -1,9 +1,8 @@
 """Goodput of disaggregated against colocated serving: ``python -m bench.compare``.
 
-Each system (``SYSTEMS``, 2 engine replicas of one torch thread in all) runs the same rate sweep
-of each workload in a fresh local Ray; SLOs (TTFT 5x, TPOT 2x, Splitwise's rule) and rates come
-from the idle colocated system. The report is rewritten after every sweep (``--merge`` keeps
-the last one's other workloads)."""
+Each system (``SYSTEMS``, 2 engine replicas of one torch thread in all) runs the same rate sweep of each workload in a
+fresh local Ray; SLOs (TTFT 5x, TPOT 2x, Splitwise's rule) and rates come from the idle colocated system. The report is
+rewritten after every sweep (``--merge`` keeps the last one's other workloads)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Engine benchmark: ``python -m bench.engine`` (docs/benchmarks/engine.md, the block between its markers).
 
-Our engine against transformers on the same model, per torch thread count in a fresh process: the
-batch-1 decode step against the memory-bandwidth floor, 32 concurrent requests, a 2,048-token
-prefill, and our peak RSS."""
+Our engine against transformers on the same model, per torch thread count in a fresh process: the batch-1 decode step
+against the memory-bandwidth floor, 32 concurrent requests, a 2,048-token prefill, and our peak RSS."""
 
 from __future__ import annotations
 

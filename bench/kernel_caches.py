@@ -1,9 +1,8 @@
 """A replica's memory against PyTorch's per-shape CPU kernel caches: ``python -m bench.kernel_caches``.
 
-One engine prefills prompts of random lengths one at a time (its resident memory every 50 prompts),
-then a decode-heavy mix, per cache setting in a fresh subprocess (both caches read their capacity
-at the first oneDNN call). ``default``: PyTorch's own capacities; a number: ``CACHES`` set to it
-(figures in docs/reliability.md)."""
+One engine prefills prompts of random lengths one at a time (its resident memory every 50 prompts), then a decode-heavy
+mix, per cache setting in a fresh subprocess (both caches read their capacity at the first oneDNN call). ``default``:
+PyTorch's own capacities; a number: ``CACHES`` set to it (figures in docs/reliability.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """KV transfer between two processes: ``python -m bench.kv_transfer`` (docs/benchmarks/kv_transfer.md).
 
-Bytes/s of our NIXL pull and push, the object store, raw NIXL reads and a torch copy over blocks
-of the default model's KV layout; then the tail of a layer-pipelined push on a real prefill.
-"""
+Bytes/s of our NIXL pull and push, the object store, raw NIXL reads and a torch copy over blocks of the default model's
+KV layout; then the tail of a layer-pipelined push on a real prefill."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Load generator for any OpenAI-compatible server: ``python -m bench.serve`` (or ``tandem-bench``).
 
-Streams ``/v1/completions`` (prompts as token ids of exact lengths, or ``--prompt-format text``;
-``ignore_eos``) at Poisson, gamma (``--cv``) or traced arrivals; per rate TTFT / TPOT / ITL / E2E,
-throughput and SLO attainment, and the goodput (``bench.slo``), as JSON and plots. SLOs are fixed
-(``--slo-ttft-ms``, ``--slo-tpot-ms``) or multiples of the idle server's latency (``--slo-scale``).
+Streams ``/v1/completions`` (prompts as token ids of exact lengths, or ``--prompt-format text``; ``ignore_eos``) at
+Poisson, gamma (``--cv``) or traced arrivals; per rate TTFT / TPOT / ITL / E2E, throughput and SLO attainment, and the
+goodput (``bench.slo``), as JSON and plots. SLOs are fixed (``--slo-ttft-ms``, ``--slo-tpot-ms``) or multiples of the
+idle server's latency (``--slo-scale``).
 
-  python -m bench.serve --url http://127.0.0.1:8000 --workload summarization --rates 0.2,0.4,0.6
-"""
+  python -m bench.serve --url http://127.0.0.1:8000 --workload summarization --rates 0.2,0.4,0.6"""
 
 from __future__ import annotations
 
@@ -203,9 +202,8 @@ async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.
 
 
 def polled(url: str, load, poll: bool = True, extra=None, linger_s: float = 0.0) -> tuple:
-    """``asyncio.run`` of ``load(t0)`` (``t0``: its start, ``perf_counter``) with, when ``poll``, the
-    autoscaler polled until ``linger_s`` after it: (its result, ``poll_autoscaler``'s samples and
-    decisions, the start on both clocks)."""
+    """``asyncio.run`` of ``load(t0)`` (``t0``: its start, ``perf_counter``) with, when ``poll``, the autoscaler polled
+    until ``linger_s`` after it: (its result, ``poll_autoscaler``'s samples and decisions, the start on both clocks)."""
 
     async def both() -> tuple:
         stop, started = asyncio.Event(), (time.perf_counter(), time.time())

@@ -1,11 +1,9 @@
 """Latency metrics, SLO attainment and goodput, as the published methods define them.
 
-Per request (``vllm bench serve``): TTFT = first content chunk - send; E2E = last chunk - send;
-TPOT = (E2E - TTFT) / (output tokens - 1); ITL = each gap between content chunks. Attainment
-(DistServe): the share of requests sent that finished within both SLOs (a failure misses; a
-one-token output has no TPOT and meets that half). Goodput: the highest rate whose attainment
-is still >= the target (90%), read off a rate sweep.
-"""
+Per request (``vllm bench serve``): TTFT = first content chunk - send; E2E = last chunk - send; TPOT = (E2E - TTFT) /
+(output tokens - 1); ITL = each gap between content chunks. Attainment (DistServe): the share of requests sent that
+finished within both SLOs (a failure misses; a one-token output has no TPOT and meets that half). Goodput: the highest
+rate whose attainment is still >= the target (90%), read off a rate sweep."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Tensor parallelism on this CPU: ``python -m bench.tensor_parallel``.
 
-``--stage decode``: a decode step of the default model at TP 1 and TP 3 (local ranks, one torch thread each),
-batch 1 and 16, and the share of rank 0's step in all-reduces. ``--stage transfer``: one request's KV (16 and
-64 MB of an 8B-class layout) read and written over NIXL between two agents of this process: whole blocks,
-re-sharded 1 -> 2 (a descriptor per token), and heads-major (a descriptor per block). Writes
-``<out>/tensor_parallel.{json,png}`` and ``<out>/tensor_parallel.md``'s block (a stage keeps the other's results).
-"""
+``--stage decode``: a decode step of the default model at TP 1 and TP 3 (local ranks, one torch thread each), batch 1
+and 16, and the share of rank 0's step in all-reduces. ``--stage transfer``: one request's KV (16 and 64 MB of an
+8B-class layout) read and written over NIXL between two agents of this process: whole blocks, re-sharded 1 -> 2 (a
+descriptor per token), and heads-major (a descriptor per block). Writes ``<out>/tensor_parallel.{json,png}`` and
+``<out>/tensor_parallel.md``'s block (a stage keeps the other's results)."""
 
 from __future__ import annotations
 

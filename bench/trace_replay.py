@@ -1,12 +1,11 @@
-"""The Azure conversation trace through the served app on this machine, beside the simulator's
-prediction of the same replay: ``python -m bench.trace_replay``.
+"""The Azure conversation trace through the served app on this machine, beside the simulator's prediction of the same
+replay: ``python -m bench.trace_replay``.
 
-A window of ``workloads/traces/azure_llm_2023_conv.csv``, lengths scaled to the default model (``scaled``: the
-median request, 1,020 + 129 tokens, becomes 128 + 32), thinned to one request in ``m`` at the trace's own times,
-``m`` the smallest keeping the mean load under ``--load`` of 1 + 1's measured goodput (``planner.json``). Systems
-``static``, ``colocated`` and ``elastic`` (counts fixed), each in its own local Ray, SLOs as bench.compare's;
-beside each the simulator's prediction, and bench.drift's shapes timed before and after (the machine's drift).
-"""
+A window of ``workloads/traces/azure_llm_2023_conv.csv``, lengths scaled to the default model (``scaled``: the median
+request, 1,020 + 129 tokens, becomes 128 + 32), thinned to one request in ``m`` at the trace's own times, ``m`` the
+smallest keeping the mean load under ``--load`` of 1 + 1's measured goodput (``planner.json``). Systems ``static``,
+``colocated`` and ``elastic`` (counts fixed), each in its own local Ray, SLOs as bench.compare's; beside each the
+simulator's prediction, and bench.drift's shapes timed before and after (the machine's drift)."""
 
 from __future__ import annotations
 
