@@ -68,11 +68,10 @@ LOG_KINDS = {  # the JSON's key of each kind of line not expected, and its title
 }
 SERVE_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d [\d:,]+ (\S+) ")
 RULE_KEYS = {k: i for i, k in enumerate(("point", "action", "probability", "seconds", "request_id_prefix"))}
-PHASE_LINE = (
-    "**{name}**: {requests} requests in {duration_s:.0f} s; completed: median E2E {median_e2e_s}, p90 {p90_e2e_s}, "
-    "median TTFT {median_ttft_s}; hangs (no byte for > {hang_bound_s:g} s): {hangs}; long silences (> "
-    "{long_silence_s:g} s): {long_silences}; longest silence {max_silence_s}."
-)
+PHASE_LINE = ("**{name}**: {requests} requests in {duration_s:.0f} s; completed: median E2E "
+              "{median_e2e_s}, p90 {p90_e2e_s}, median TTFT {median_ttft_s}; hangs (no byte for > "
+              "{hang_bound_s:g} s): {hangs}; long silences (> {long_silence_s:g} s): {long_silences}; "
+              "longest silence {max_silence_s}.")  # fmt: skip
 TARGET_ROW, YES = "{check} | {target} | {measured} | {met}", {True: "yes", False: "**NO**"}
 DISCONNECT = {"name": "client disconnect", "kind": "disconnect", "rules": [], "effect": "by design"}
 KILLS = ("# | replica | request | its client saw | others in flight or sent before the restart | restart | first OK "

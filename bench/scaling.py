@@ -43,15 +43,13 @@ class Step:
 # each step outlasts the policy's delays plus a replica's start; 16 clients ask for a replica the
 # 2 CPUs cannot place, so the give-up path runs too (docs/benchmarks/elastic.md)
 STEPS = (Step(2, 45.0), Step(8, 75.0), Step(16, 100.0), Step(8, 60.0), Step(2, 75.0))
-STEP_ROW = (
-    "{start_s:.0f}-{end_s:.0f} | {concurrency} | {requests} | {lost} | {ttft_p50_s:.2f} / {ttft_p90_s:.2f} | "
-    "{tpot_p50_s:ms.0f} / {tpot_p90_s:ms.0f} | {tokens_per_s:.1f} | {decode_reporting_mean:.2f} / "
-    "{decode_reporting_max} | {decode_target_max} | {prefill_lent_share:.0%} | {busy_cores:.2f} ({other_cores:.2f})"
-)
-STEP_HEADER = (
-    "step (s) | clients | requests | lost | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) | tokens/s | decode replicas "
-    "reporting (mean / max) | decode target (max) | prefill lent (share of polls) | busy cores (other processes)"
-)
+STEP_ROW = ("{start_s:.0f}-{end_s:.0f} | {concurrency} | {requests} | {lost} | {ttft_p50_s:.2f} / "
+            "{ttft_p90_s:.2f} | {tpot_p50_s:ms.0f} / {tpot_p90_s:ms.0f} | {tokens_per_s:.1f} | "
+            "{decode_reporting_mean:.2f} / {decode_reporting_max} | {decode_target_max} | "
+            "{prefill_lent_share:.0%} | {busy_cores:.2f} ({other_cores:.2f})")  # fmt: skip
+STEP_HEADER = ("step (s) | clients | requests | lost | TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) | "
+               "tokens/s | decode replicas reporting (mean / max) | decode target (max) | prefill lent "
+               "(share of polls) | busy cores (other processes)")  # fmt: skip
 SYSTEMS = {"scaling": {**ELASTIC, "autoscaling.replica_scaling": "true"}, "lending": ELASTIC}  # disagg_app's, on COMMON
 DEPLOYMENTS = {"prefill": "PrefillServer", "decode": "DecodeServer"}  # the engine deployments, by pool
 LOG_LINE = re.compile(  # Serve log lines kept: decisions, replicas added / removed / not placed / stopped, errors
