@@ -3,21 +3,9 @@ transport tests and benchmarks (the Serve deployments wrap the same link)."""
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import ray
 
 from bench.host import engine_core
-
-
-def _calls(name: str, stream: bool = False, on: str = "link"):
-    """An actor method calling ``self.<on>.<name>(*args)``: awaited, or with ``stream`` its outputs as a list."""
-
-    async def method(self, *args):
-        call = attrgetter(f"{on}.{name}")(self)
-        return [o async for o in call(*args)] if stream else await call(*args)
-
-    return method
 
 
 @ray.remote(num_cpus=0.5)
@@ -51,10 +39,35 @@ class EngineActor:
         self.link = KVEngineLink(engine, transport, push_pipelined=self.push_pipelined)
         return transport.incarnation
 
-    prefill_pull, prefill_push, abort = map(_calls, ("prefill_pull", "prefill_push", "abort"))
-    decode_pull, decode_push = _calls("decode_pull", True), _calls("decode_push", True)
-    reserve_push, generate = _calls("reserve_push"), _calls("generate", True, "link.engine")
-    reserve, release, stats = (_calls(name, on="link.engine") for name in ("reserve", "release", "stats"))
+    async def prefill_pull(self, request):
+        return await self.link.prefill_pull(request)
+
+    async def decode_pull(self, request, handle, first_logprobs=None):
+        return [o async for o in self.link.decode_pull(request, handle, first_logprobs)]
+
+    async def reserve_push(self, request):
+        return await self.link.reserve_push(request)
+
+    async def prefill_push(self, request, destination):
+        return await self.link.prefill_push(request, destination)
+
+    async def decode_push(self, request, destination):
+        return [o async for o in self.link.decode_push(request, destination)]
+
+    async def generate(self, request):
+        return [o async for o in self.link.engine.generate(request)]
+
+    async def reserve(self, request_id, num_tokens):
+        return await self.link.engine.reserve(request_id, num_tokens)
+
+    async def release(self, request_id):
+        await self.link.engine.release(request_id)
+
+    async def stats(self):
+        return await self.link.engine.stats()
+
+    async def abort(self, request_id):
+        await self.link.abort(request_id)
 
     def set_faults(self, delay_s=None, fail=(), drop_release=False):
         from kv_transport.faults import FaultPoints
