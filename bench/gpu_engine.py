@@ -2,7 +2,8 @@
 
 The floors first (copy bandwidth, bf16 matmul rate), then per Llama config (1B- and 8B-class,
 random bfloat16 weights made on the GPU): decode tok/s through ``EngineCore`` at batch 1 and 64,
-replayed from CUDA graphs and eager, against the weights' HBM floor; the graph's replay alone
+replayed from CUDA graphs on the fused kernels, from graphs of the model's forward, and eager,
+against the weights' HBM floor; the graph's replay alone
 (the device's step without the host's); the kernels of one step by kind (cuBLAS products,
 attention, copies, the rest), profiled; prefill tok/s against the FLOP floor; and, for the
 first model, speculative decoding's verify steps against plain ones. A failed row says so and
@@ -49,19 +50,23 @@ class Sizes:
     prefill_len: int
     prefill_reps: int
     kv_cache_bytes: int
+    long_prompt_len: int
     max_model_len: int = 4096
 
 
 MODELS = (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B))
-GPU_SIZES = Sizes("cuda", 2 << 30, 8192, 10, MODELS, (1, 64), 128, 64, 2048, 3, 4 << 30)
+GPU_SIZES = Sizes("cuda", 2 << 30, 8192, 10, MODELS, (1, 64), 128, 64, 2048, 3, 4 << 30, 3968)
 TINY_MODELS = tuple((f"tiny-{kind}", TINY | {"tie_word_embeddings": kind == "tied"}) for kind in ("tied", "untied"))
-TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, max_model_len=512)
+TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, 400, max_model_len=512)
 # cuBLAS's product kernels (nvjet: CUDA 13's), attention, copies; any other kernel is "other"
 KERNEL_KINDS = (
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas")),
-    ("attention", ("fmha", "flash", "attention", "softmax")),
+    ("attention", ("fmha", "flash", "attention", "softmax", "paged")),
     ("copy", ("memcpy", "memset", "index", "gather", "scatter", "cat")),
 )
+# decode modes (``use_mode``) and their rows' names; the graph replay rows of ``graphs`` keep their first name
+MODES = {"fused": "CUDA graphs, fused kernels", "graphs": "CUDA graphs", "eager": "eager"}
+REPLAY_SUFFIX = {"fused": ", fused kernels", "graphs": ""}
 HEADER = "\n".join(table("measurement | value | unit | time ms | floor ms | time / floor | notes", []))
 
 
@@ -166,18 +171,29 @@ def hbm_floor_ms(weight_bytes: int, copy: Row) -> float | None:
     return weight_bytes / (copy.value * 1e9) * 1e3 if copy.value else None
 
 
+def use_mode(core: EngineCore, mode: str) -> None:
+    """Decode steps from now on: ``fused`` (graphs on the fused kernels, the default on a GPU),
+    ``graphs`` (graphs of the model's own forward) or ``eager``."""
+    kernels = core.runner.triton_decode_kernels() if mode == "fused" else None
+    if mode == "fused" and kernels is None:
+        raise RuntimeError("the fused decode kernels cannot run here (the engine's log says why)")
+    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if mode != "eager" else None, kernels=kernels)
+
+
 def decode_row(
-    label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, graphs: bool
+    label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, mode: str, prompt_len: int = 0
 ) -> Row:
-    """Decode at ``batch``, from CUDA graphs or eager, against ``hbm_floor_ms``."""
-    if graphs and core.device.type != "cuda":
+    """Decode at ``batch`` in ``mode`` (``use_mode``) after prompts of ``prompt_len`` tokens
+    (0: ``sizes.prompt_len``), against ``hbm_floor_ms``."""
+    if mode != "eager" and core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA graphs need CUDA")
-    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
+    use_mode(core, mode)
+    prompt_len = prompt_len or sizes.prompt_len
     # the warm-up (context prompt + 4) shares the timed run's padded sizes: it captures every graph replayed
-    run_decode(core, make_requests(core, "warm", batch, sizes.prompt_len, 4))
-    decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, sizes.prompt_len, sizes.new_tokens))
+    run_decode(core, make_requests(core, "warm", batch, prompt_len, 4))
+    decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, prompt_len, sizes.new_tokens))
     floor_ms = hbm_floor_ms(weight_bytes, copy)
-    notes = f"{steps} steps, ctx {sizes.prompt_len}-{sizes.prompt_len + sizes.new_tokens}; "
+    notes = f"{steps} steps, ctx {prompt_len}-{prompt_len + sizes.new_tokens}; "
     notes += f"floor: {weight_bytes / 1e6:,.1f} MB of weights / copy GB/s (read+written)"
     if core.runner.graphs is not None:
         captured = ", ".join(f"{k.batch}x{k.num_blocks}" for k in core.runner.graphs.captured)
@@ -204,14 +220,14 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
 
 
-def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, graphs: bool):
+def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, mode: str):
     """The GPU kernels of a few decode steps (torch.profiler, CUDA activity): per step, their
     count and busy time by ``kernel_kind``; the time is the kernels' own, gaps left out."""
     if core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA only")
     from torch.profiler import ProfilerActivity, profile
 
-    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if graphs else None)
+    use_mode(core, mode)
     run_decode(core, make_requests(core, "kernels-warm", batch, sizes.prompt_len, 4))
     prefilled(core, make_requests(core, "kernels", batch, sizes.prompt_len, 9))
     synchronize(core.device)
@@ -223,7 +239,7 @@ def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_b
         synchronize(core.device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
-        return Row(label, notes=f"no kernel recorded in {steps} steps (graphs: {graphs})")
+        return Row(label, notes=f"no kernel recorded in {steps} steps ({mode})")
     by_kind: dict[str, list[float]] = {}
     for event in kernels:
         by_kind.setdefault(kernel_kind(event.name), []).append(event.time_range.elapsed_us())
@@ -305,20 +321,24 @@ def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row,
     if core is None:
         return
     for batch in sizes.decode_batches:
-        for graphs in (True, False):
-            variant = "CUDA graphs" if graphs else "eager"
+        for mode, variant in MODES.items():
             label = f"{name} decode batch {batch}, {variant}"
             args = (core, batch, sizes, weight_bytes, copy)
-            yield guarded(label, functools.partial(decode_row, label, *args, graphs))
+            yield guarded(label, functools.partial(decode_row, label, *args, mode))
             core.abort_all()  # a failed row must not leave requests behind for the next
-            if graphs and core.device.type == "cuda":
-                replay_label = f"{name} graph replay alone, batch {batch}"
+            if mode != "eager" and core.device.type == "cuda":
+                replay_label = f"{name} graph replay alone, batch {batch}{REPLAY_SUFFIX[mode]}"
                 yield guarded(replay_label, functools.partial(replay_row, replay_label, *args))
-            if graphs or batch == 1:
+            if mode != "eager" or batch == 1:
                 kernels_label = f"{name} kernels of a decode step, batch {batch}, {variant}"
-                yield guarded(kernels_label, functools.partial(kernels_row, kernels_label, *args, graphs))
+                yield guarded(kernels_label, functools.partial(kernels_row, kernels_label, *args, mode))
                 core.abort_all()
-    core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if core.device.type == "cuda" else None)
+    for mode in ("fused", "graphs"):  # one long context: the fused attention splits it into parts
+        label = f"{name} decode batch 1, {MODES[mode]}, context {sizes.long_prompt_len}"
+        args = (core, 1, sizes, weight_bytes, copy, mode, sizes.long_prompt_len)
+        yield guarded(label, functools.partial(decode_row, label, *args))
+        core.abort_all()
+    core.runner.use_cuda_graphs(None)  # prefill runs eagerly in every mode
     yield guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, layer_params, matmul))
     core.abort_all()
     if speculate:

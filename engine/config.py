@@ -44,6 +44,10 @@ class EngineSettings(BaseModel):
     cuda_graphs: bool = Field(
         True, description="CUDA: replay decode steps from CUDA graphs captured per batch size (no effect on CPU)"
     )
+    cuda_decode_kernels: bool = Field(
+        True,
+        description="CUDA: decode graphs run fused Triton kernels (Llama, Qwen2, Mistral); off: the model's forward",
+    )
     cuda_graph_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = Field(
         DEFAULT_CUDA_GRAPH_BATCH_SIZES,
         min_length=1,

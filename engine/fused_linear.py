@@ -52,10 +52,14 @@ class FusedLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # cpu_matmul.pack of the fused weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w_t = self.weight_t
-        out = cpu_matmul.linear(x, w_t.t(), w_t, self.bias, self.packed_weight).view(*x.shape[:-1], -1)
+        out = self.fused(x)
         self._shared.input, self._shared.output, self._shared.pending = x, out, self._others
         return out[..., : self.out_features]
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole group's output (its projections' columns side by side), kept nowhere."""
+        w_t = self.weight_t
+        return cpu_matmul.linear(x, w_t.t(), w_t, self.bias, self.packed_weight).view(*x.shape[:-1], -1)
 
 
 class FusedSlice(nn.Module):

@@ -5,7 +5,8 @@ function is swapped for ``engine.attention.paged_attention_forward``. No HF cach
 is used: K/V live in the paged pool.
 
 On CUDA, pure decode steps replay from CUDA graphs (``engine.cuda_graphs``) at the batch
-sizes given; every other step, and every step on CPU, runs eagerly as below. Each device
+sizes given, on fused Triton kernels where the model allows (``engine.fused_decode``); every
+other step, and every step on CPU, runs eagerly as below. Each device
 gets its own layout first: ``engine.weights.optimize_cpu_layout`` on CPU,
 ``optimize_cuda_layout`` (fewer kernels per layer) on CUDA.
 """
@@ -21,6 +22,8 @@ from transformers import PreTrainedModel
 
 from engine.attention import PagedAttentionMetadata, PrefillSegment, VerifyBatch, register_paged_attention
 from engine.cuda_graphs import DEFAULT_BATCH_SIZES, BaseGraph, DecodeGraphs, StaticDecode
+from engine.decode_kernels import DecodeKernels, triton_available
+from engine.fused_decode import FusedDecode, unsupported
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledChunk
 from engine.weights import optimize_cpu_layout, optimize_cuda_layout, packed_bytes
@@ -39,10 +42,13 @@ class ModelRunner:
         packed_weights: bool = False,
         cuda_graph_batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
         logits: bool = True,
+        decode_kernels: bool = True,
     ) -> None:
         """``cuda_graph_batch_sizes``: on CUDA, decode steps replay from graphs captured at these
-        batch sizes (None or empty: always eager); ignored on CPU. ``logits``: False on a
-        tensor-parallel rank other than 0, which runs no LM head (``execute`` returns None)."""
+        batch sizes (None or empty: always eager); ignored on CPU. ``decode_kernels``: those
+        graphs run the fused Triton kernels where the model allows (False: the model's own
+        forward). ``logits``: False on a tensor-parallel rank other than 0, which runs no LM
+        head (``execute`` returns None)."""
         self.model = model
         self.pool = pool
         self.device = pool.tensor.device
@@ -66,17 +72,35 @@ class ModelRunner:
         self._chunks: Sequence[ScheduledChunk] = ()  # the step being executed, for the layer hooks
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.graphs: DecodeGraphs | None = None
+        self.fused_decode: FusedDecode | None = None
         if self.device.type == "cuda":
-            self.use_cuda_graphs(cuda_graph_batch_sizes)
+            kernels = self.triton_decode_kernels() if decode_kernels else None
+            self.use_cuda_graphs(cuda_graph_batch_sizes, kernels=kernels)
+
+    def triton_decode_kernels(self) -> DecodeKernels | None:
+        """The fused Triton kernels, or None (and why, logged) when they cannot run this model."""
+        reason = unsupported(self._decoder) if self._lm_head is not None else "no LM head on this rank"
+        reason = reason or (None if triton_available() else "Triton is not installed")
+        if reason is not None:
+            logger.info("decode graphs run the model's own forward, not the fused kernels: %s", reason)
+            return None
+        return DecodeKernels(triton=True)
 
     def use_cuda_graphs(
-        self, batch_sizes: Sequence[int] | None, graph_type: Callable[[object], BaseGraph] | None = None
+        self,
+        batch_sizes: Sequence[int] | None,
+        graph_type: Callable[[object], BaseGraph] | None = None,
+        kernels: DecodeKernels | None = None,
     ) -> None:
         """Replay decode steps from graphs at ``batch_sizes`` from now on (None or empty: eager).
-        ``graph_type``: see ``DecodeGraphs`` (tests replay on CPU with a fake)."""
+        ``graph_type``: see ``DecodeGraphs`` (tests replay on CPU with a fake). ``kernels``: the
+        graphs' steps run ``engine.fused_decode`` on them (None: the model's own forward)."""
         self.graphs = None
+        self.fused_decode = None
         if batch_sizes:
             forward = self._graph_forward
+            if kernels is not None:
+                forward = self.fused_decode = FusedDecode(self._decoder, self._lm_head, self.pool, kernels)
             self.graphs = DecodeGraphs(
                 forward, self.device, self.block_size, self.pool.num_blocks, batch_sizes, graph_type
             )

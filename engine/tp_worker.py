@@ -77,7 +77,9 @@ def build_rank(model: torch.nn.Module, config: EngineConfig, rank: int, group: R
     layout = layout_for(model.config, config.block_size, model.dtype, shard)
     pool = KVPool(layout, config.num_blocks, model.device)
     graphs = config.graph_batch_sizes() if degree == 1 else None  # graphs capture one rank's work only
-    return ModelRunner(model, pool, config.cpu_packed_weights, graphs, logits=rank == 0)
+    return ModelRunner(
+        model, pool, config.cpu_packed_weights, graphs, logits=rank == 0, decode_kernels=config.cuda_decode_kernels
+    )
 
 
 def run_worker(

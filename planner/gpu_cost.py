@@ -13,11 +13,12 @@ the host term replaces it) and the host's, which grows with the layers:
 The calibration file (``planner/calibration/<gpu>-<engine>.json``, format ``gpu-host/1``)
 holds the measured steps (``rows``: model shape, kind, batch or prompt tokens, context, step
 seconds), the engine they were measured with (``eager``: every step launched from Python;
-``graphs``: decode replayed from CUDA graphs, the default on a GPU), and
+``graphs``: decode replayed from CUDA graphs of the model's forward; ``fused``: from graphs on
+the fused kernels of ``engine.fused_decode``, the default on a GPU), and
 the host terms fitted from them (``host``). A row counts for the host fit only when it took at
 least ``HOST_BOUND`` x the device's time: a slower row that is not that far above the device
 says more about the roofline's efficiencies than about the host. ``python -m planner.gpu_cost
-docs/benchmarks/gpu_engine.json --gpu h200 --engine graphs`` writes the file from
+docs/benchmarks/gpu_engine.json --gpu h200 --engine fused`` writes the file from
 ``bench.gpu_engine``'s rows (``h200-eager``: from ``gpu_engine_eager.json``, the first run).
 
 ``HostBoundCost(..., host=None, device_factor=1.2)``: an engine at 1.2x the roofline with no
@@ -189,14 +190,16 @@ def load_gpu_calibration(path: str | Path) -> GpuCalibration:
 
 def rows_from_gpu_engine(data: dict[str, Any], engine: str = "eager") -> list[StepRow]:
     """``bench.gpu_engine``'s decode and prefill rows of ``engine`` (decode rows named ``..., CUDA
-    graphs`` are the ``graphs`` engine, the others ``eager``; prefill runs eagerly in both, so its
+    graphs, fused kernels`` are the ``fused`` engine, ``..., CUDA graphs`` ``graphs``, the others
+    ``eager``; prefill runs eagerly in both, so its
     rows count for either); models by their shapes' names."""
     rows = []
     for row in data["rows"]:
         match = ROW_NAME.match(row["name"])
         if match is None or row.get("error") or row.get("time_ms") is None:
             continue
-        decode_engine = "graphs" if "graph" in row["name"].lower() else "eager"
+        name = row["name"].lower()
+        decode_engine = "fused" if "fused" in name else "graphs" if "graph" in name else "eager"
         if match["kind"] == "decode" and decode_engine != engine:
             continue
         model = match["model"].lower()
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner.gpu_cost", description=__doc__.split("\n")[0])
     parser.add_argument("source", type=Path, help="bench.gpu_engine's JSON (docs/benchmarks/gpu_engine.json)")
     parser.add_argument("--gpu", required=True, help="the GPU it was measured on (a planner/hardware name)")
-    parser.add_argument("--engine", default="eager", choices=("eager", "graphs"))
+    parser.add_argument("--engine", default="eager", choices=("eager", "graphs", "fused"))
     parser.add_argument("--out", type=Path, help="default planner/calibration/<gpu>-<engine>.json")
     args = parser.parse_args(argv)
     rows = rows_from_gpu_engine(json.loads(args.source.read_text()), args.engine)

@@ -62,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         default="roofline",
-        help="the GPU engine's speed: roofline (the planner's), a gpu-host calibration (h200-graphs, h200-eager or a "
-        "path: the roofline plus the host's measured time per layer), or a factor on the roofline (1.2x)",
+        help="the GPU engine's speed: roofline (the planner's), a gpu-host calibration (h200-fused, h200-graphs,"
+        " h200-eager or a path: the roofline plus the host's time per layer measured) or a factor on it (1.2x)",
     )
     p.add_argument("--calibration", type=Path, help="a measured CPU calibration instead of --model/--gpu")
     p.add_argument("--policy", help="autoscaling policy: a shipped name (default, ...) or a YAML path; none: static")

@@ -2,10 +2,10 @@
 production trace (docs/benchmarks/elastic_at_scale.md).
 
 The Azure conversation trace (one hour) at ``--rate-scale`` K, an 8B-class model
-(``planner/models/llama-8b.json``) on H100s, one engine profile (``--engine``: ``h200-graphs``,
-this engine as measured; ``h200-eager``, its first, eager run; ``1.2x``, an engine at 1.2x the
-roofline), and seven systems, each on
-the same requests (``planner.replay``'s simulation, the autoscaler's own functions):
+(``planner/models/llama-8b.json``) on H100s, one engine profile (``--engine``: ``h200-fused``,
+this engine as it ships on a GPU, measured; ``h200-graphs``, its CUDA graphs of the model's own
+forward; ``h200-eager``, its first, eager run; ``1.2x``, an engine at 1.2x the roofline), and
+seven systems, each on the same requests (``planner.replay``'s simulation, the autoscaler's own functions):
 
 * ``a`` colocated with chunked prefill: the fewest replicas that hold the target over the hour;
 * ``b`` static P/D sized for the busiest 5-minute window (the fewest P, then D, that hold it);
@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engine",
         default="1.2x",
-        help="h200-graphs (this engine as measured on an H200), h200-eager (its first, eager run) or 1.2x "
-        "(the roofline's)",
+        help="h200-fused (this engine as measured on an H200), h200-graphs (graphs of the model's forward), "
+        "h200-eager (its first, eager run) or 1.2x (the roofline's)",
     )
     parser.add_argument("--profile", help="the profile's name in the report (default: the engine)")
     parser.add_argument("--rate-scale", type=int, default=50, help="K: the trace's rate x K")

@@ -14,8 +14,9 @@
 # (default /tmp/gpu_check), at most 8 files.
 #
 # Sections: env; tests_gpu (pytest tests/gpu: engine vs transformers, CUDA-graph decode vs
-# eager, speculative decoding, VRAM and pinned-host-staged KV over NIXL); engine (copy and
-# matmul floors, decode tok/s at batch 1 and 64 with and without CUDA graphs, the graph's
+# eager, the fused decode kernels, speculative decoding, VRAM and pinned-host-staged KV over
+# NIXL); engine (copy and matmul floors, decode tok/s at batch 1 and 64 from CUDA graphs on the
+# fused kernels, from graphs of the model's forward, and eager, the graph's
 # replay alone, the kernels of a step, prefill, speculation, for a 1B- and an 8B-class Llama);
 # kv (NIXL VRAM -> VRAM pull against raw READ, push tail, and the same pull and push staged
 # through pinned host buffers, transport.staging=host); kv_read_ucx_default (a pull with UCX's
@@ -95,9 +96,10 @@ section env 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version 
   transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")";
   python3 -c "import nixl._api, pydantic; print(\"nixl\", nixl.__file__, \"pydantic\", pydantic.VERSION)";
   python3 -c "import cupy; print(\"cupy\", cupy.__version__, \"CUDA runtime\", cupy.cuda.runtime.runtimeGetVersion())" \
-    || echo "no cupy: staging uses torch pinned memory and streams"'
-section tests_gpu 90 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
-section engine 100 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
+    || echo "no cupy: staging uses torch pinned memory and streams";
+  python3 -c "import triton; print(\"triton\", triton.__version__)" || echo "no triton: decode graphs run the model forward"'
+section tests_gpu 120 python3 -m pytest tests/gpu -q -m "gpu or not gpu" -p no:cacheprovider
+section engine 130 python3 -m bench.gpu_engine --out "$OUT/gpu_engine.json"
 section kv 75 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
 # the same READ with UCX's own setting for cuda_ipc's GET (the transport sets it on: kv_transport/nixl_worker.py)
 section kv_read_ucx_default 35 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto python3 -m bench.gpu_kv --staging none --sizes 64 \

@@ -47,9 +47,13 @@ def test_the_dry_run_measures_every_row_of_a_tiny_model():
         "copy bandwidth",
         "bf16 matmul",
         "tiny-untied dummy weights on cpu",
+        "tiny-untied decode batch 2, CUDA graphs, fused kernels",
+        "tiny-untied kernels of a decode step, batch 2, CUDA graphs, fused kernels",
         "tiny-untied decode batch 2, CUDA graphs",
         "tiny-untied kernels of a decode step, batch 2, CUDA graphs",
         "tiny-untied decode batch 2, eager",
+        "tiny-untied decode batch 1, CUDA graphs, fused kernels, context 400",
+        "tiny-untied decode batch 1, CUDA graphs, context 400",
         "tiny-untied prefill 256 tokens",
         "tiny-untied speculative decode, batch 1",  # the first model's
     ]

@@ -7,13 +7,18 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from engine.config import EngineConfig, EngineSettings
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, GraphKey, batch_bucket, blocks_bucket, decode_inputs, graph_key
+from engine.decode_kernels import DecodeKernels
+from engine.fused_decode import FusedDecode, unsupported
+from engine.fused_linear import fuse_projections
 from engine.params import GenerationRequest
 from engine.scheduler import ScheduledChunk
 from tests.engine.conftest import greedy, run_to_completion, tiny_loaded
+from tests.tiny_models import SHARP
 
 SIZES = (1, 2, 4, 8)
 
@@ -124,3 +129,38 @@ def test_with_a_layer_hook_prompt_steps_run_eagerly_and_decode_steps_replay(make
     core.runner.use_cuda_graphs(None)
     assert core.runner.graphs is None
     assert EngineConfig().cuda_graphs is True
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_decode_steps_give_the_eager_tokens(make_engine, family):
+    """``engine.fused_decode`` on ``DecodeKernels(triton=False)`` (the arithmetic the Triton kernels are
+    tested against in tests/gpu): the same replayed steps as above, the eager engine's tokens,
+    and the K/V it wrote into the pool are the eager engine's too."""
+    loaded, twin = tiny_loaded(family, initializer_range=SHARP)
+    prompts = [[(5 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 14, 28))]
+    num_tokens = [8, 16, 24]
+    eager_core = make_engine(twin, block_size=8, max_model_len=256)
+    eager = _generate(eager_core, prompts, num_tokens)
+    core = make_engine(loaded, block_size=8, max_model_len=256)
+    core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph, kernels=DecodeKernels(triton=False))
+    assert core.runner.fused_decode is not None
+    fused = _generate(core, prompts, num_tokens)
+    assert fused == eager
+    assert core.runner.graphs.num_replays == core.num_model_steps - 1
+    torch.testing.assert_close(core.pool.tensor, eager_core.pool.tensor, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_names_what_it_cannot_run():
+    qwen3 = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    decoder = AutoModelForCausalLM.from_config(qwen3).model  # q and k are normed: not what the kernels compute
+    assert (
+        unsupported(decoder)
+        == "Qwen3DecoderLayer is not one of LlamaDecoderLayer, Qwen2DecoderLayer, MistralDecoderLayer"
+    )
+    llama, _ = tiny_loaded("llama")
+    assert unsupported(llama.model.model) == "projections not fused"  # before the engine's layout
+    fuse_projections(llama.model)
+    assert unsupported(llama.model.model) is None
+    with pytest.raises(ValueError, match="fused decode kernels cannot run this model: Qwen3DecoderLayer"):
+        FusedDecode(decoder, llama.model.lm_head, None, DecodeKernels(triton=False))

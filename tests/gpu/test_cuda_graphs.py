@@ -22,14 +22,17 @@ pytestmark = pytest.mark.cuda
 CONFIG = dict(max_model_len=512, block_size=8, kv_cache_bytes=16 << 20, max_num_seqs=8)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "model-forward"])
 @pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16")])
-def test_graph_replayed_decode_gives_the_eager_tokens(cuda, family, dtype):
+def test_graph_replayed_decode_gives_the_eager_tokens(cuda, family, dtype, fused):
     loaded, _ = tiny_pair(family, DTYPES[dtype], cuda)
     twin = copy.deepcopy(loaded)
     eager = EngineCore(twin, EngineConfig(**CONFIG))
     eager.runner.use_cuda_graphs(None)
     graphed = EngineCore(loaded, EngineConfig(**CONFIG))
-    graphed.runner.use_cuda_graphs((1, 2, 4, 8))
+    kernels = graphed.runner.triton_decode_kernels() if fused else None
+    assert (kernels is not None) == fused
+    graphed.runner.use_cuda_graphs((1, 2, 4, 8), kernels=kernels)
     batch = requests(f"{family}-eager")
     expected = run_to_completion(eager, batch)
     got = run_to_completion(graphed, requests(f"{family}-eager"))
@@ -54,6 +57,7 @@ def test_graphs_and_fused_kernels_are_on_by_default_on_cuda_and_padding_rows_tou
     layer = core.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, FusedLinear) and isinstance(layer.mlp.gate_proj, FusedLinear)
     assert layer.input_layernorm.forward.__func__.__name__ == "_rms_norm_forward"
+    assert core.runner.fused_decode is not None  # engine.fused_decode on the Triton kernels
     before = core.pool.tensor.clone()
     batch = requests("pad")[:3]  # three sequences: padded to 4 by repeating the first
     outputs = run_to_completion(core, batch)

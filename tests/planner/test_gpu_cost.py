@@ -1,7 +1,7 @@
 """The GPU cost: the roofline plus the host's measured time per layer, fitted from the H200 runs
 into planner/calibration/h200-eager.json (the first run, docs/benchmarks/gpu_engine_eager.json)
-and h200-graphs.json (CUDA graphs, docs/benchmarks/gpu_engine.json), and checked across model
-sizes."""
+and h200-fused.json / h200-graphs.json (decode from CUDA graphs, on the fused kernels or of the
+model's forward: docs/benchmarks/gpu_engine.json), and checked across model sizes."""
 
 from __future__ import annotations
 
@@ -52,18 +52,22 @@ def test_the_shipped_calibration_is_what_the_h200_rows_give():
     assert 1.4e-3 < shipped.host.decode_layer_s < 1.6e-3  # "about 1.4-1.6 ms of host cost per layer-step"
 
 
-def test_the_shipped_graphs_calibration_is_what_the_cuda_graph_rows_give():
-    """Decode rows replayed from CUDA graphs, and the prefill rows (eager in either engine)."""
-    rows = rows_from_gpu_engine(GPU_ENGINE_GRAPHS, "graphs")
-    assert [(r.model, r.kind, r.batch) for r in rows] == [
-        ("llama-1b", "decode", 1), ("llama-1b", "decode", 64), ("llama-1b", "prefill", 2048),
-        ("llama-8b", "decode", 1), ("llama-8b", "decode", 64), ("llama-8b", "prefill", 2048),
+@pytest.mark.parametrize("engine", ["fused", "graphs"])
+def test_the_shipped_graph_calibrations_are_what_their_rows_give(engine):
+    """Decode rows replayed from CUDA graphs on the fused kernels (``fused``, the engine as it ships
+    on a GPU) or of the model's forward (``graphs``), one run; the prefill rows (eager in both)."""
+    rows = rows_from_gpu_engine(GPU_ENGINE_GRAPHS, engine)
+    assert [(r.model, r.kind, r.batch, r.context_tokens) for r in rows] == [
+        ("llama-1b", "decode", 1, 160), ("llama-1b", "decode", 64, 64 * 160), ("llama-1b", "decode", 1, 4000),
+        ("llama-1b", "prefill", 2048, 0),
+        ("llama-8b", "decode", 1, 160), ("llama-8b", "decode", 64, 64 * 160), ("llama-8b", "decode", 1, 4000),
+        ("llama-8b", "prefill", 2048, 0),
     ]  # fmt: skip
-    refit = calibration(rows, "h200", "graphs", "docs/benchmarks/gpu_engine.json")
-    shipped = json.loads((ROOT / "planner" / "calibration" / "h200-graphs.json").read_text())
+    refit = calibration(rows, "h200", engine, "docs/benchmarks/gpu_engine.json")
+    shipped = json.loads((ROOT / "planner" / "calibration" / f"h200-{engine}.json").read_text())
     assert _approx(refit.to_json()) == shipped
-    # graphs take the per-layer cost from about 1.5 ms to under 0.2 ms
-    assert load_gpu_calibration("h200-graphs").host.decode_layer_s < 0.2e-3
+    # graphs take the per-layer cost from about 1.5 ms to about 0.2 ms, the fused kernels to under 0.1 ms
+    assert load_gpu_calibration(f"h200-{engine}").host.decode_layer_s < {"graphs": 0.25e-3, "fused": 0.1e-3}[engine]
 
 
 def test_one_model_predicts_the_other_within_the_errors_the_calibration_reports():
