@@ -1,9 +1,9 @@
 """The engine on one GPU: ``python3 -m bench.gpu_engine [--out PATH] [--tiny]``.
 
-The floors first (copy bandwidth, bf16 matmul rate), then per Llama config (1B- and 8B-class,
-random bfloat16 weights made on the GPU): decode tok/s through ``EngineCore`` at batch 1 and 64,
-replayed from CUDA graphs on the fused kernels, from graphs of the model's forward, and eager,
-against the weights' HBM floor; the graph's replay alone
+The floors first (copy bandwidth, bf16 matmul rate), then per model config (Llama 1B- and
+8B-class, Qwen3 8B-class; random bfloat16 weights made on the GPU): decode tok/s through
+``EngineCore`` at batch 1 and 64, replayed from CUDA graphs on the fused kernels, from graphs of
+the model's forward, and eager, against the weights' HBM floor; the graph's replay alone
 (the device's step without the host's); the kernels of one step by kind (cuBLAS products,
 attention, copies, the rest), profiled; prefill tok/s against the FLOP floor; and, for the
 first model, speculative decoding's verify steps against plain ones. A failed row says so and
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig
 
 from bench.engine import decode_weight_bytes, drain, greedy_request, prefilled
 from bench.host import seconds, synchronize
@@ -33,6 +33,9 @@ from engine.loader import LoadedModel, ModelSpec, load_model
 LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 LLAMA_1B = LLAMA | dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, tie_word_embeddings=True)
 LLAMA_8B = LLAMA | dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, tie_word_embeddings=False)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                tie_word_embeddings=False)  # fmt: skip
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=512)  # fmt: skip
 
@@ -54,7 +57,7 @@ class Sizes:
     max_model_len: int = 4096
 
 
-MODELS = (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B))
+MODELS = (("llama-1B", LLAMA_1B), ("llama-8B", LLAMA_8B), ("qwen3-8B", QWEN3_8B))
 GPU_SIZES = Sizes("cuda", 2 << 30, 8192, 10, MODELS, (1, 64), 128, 64, 2048, 3, 4 << 30, 3968)
 TINY_MODELS = tuple((f"tiny-{kind}", TINY | {"tie_word_embeddings": kind == "tied"}) for kind in ("tied", "untied"))
 TINY_SIZES = Sizes("cpu", 64 << 20, 256, 5, TINY_MODELS, (1, 8), 16, 8, 256, 2, 16 << 20, 400, max_model_len=512)
@@ -138,7 +141,8 @@ def matmul_flops(sizes: Sizes) -> Row:
 
 def build_model(name: str, overrides: dict, sizes: Sizes, built: list[LoadedModel]) -> Row:
     """Random bfloat16 weights made on the device itself, through the engine's loader (into ``built``)."""
-    config = LlamaConfig(**overrides, max_position_embeddings=sizes.max_model_len)
+    fields = {"model_type": "llama"} | overrides  # a Llama unless named
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, max_position_embeddings=sizes.max_model_len)
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         synchronize(sizes.device)

@@ -30,10 +30,13 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, HAS_RES: tl.cons
 
 @triton.jit
 def rope_write_kv_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, q_ptr,
+    qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_ptr, v_ptr, q_ptr, q_norm_ptr, k_norm_ptr, eps,
     qkv_stride, rope_stride, num_heads, kv_heads,
     DIM: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr, DIM_P: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):  # fmt: skip
+    """``QK_NORM``: each q and k head RMS-normed over its dimensions first (Qwen3's q_norm and
+    k_norm), rounded as those modules round."""
     row = tl.program_id(0)
     half = DIM // 2
     h = tl.arange(0, HEADS_P)[:, None]  # q heads then k heads
@@ -47,9 +50,18 @@ def rope_write_kv_kernel(
     s1 = tl.load(sin_ptr + row * rope_stride + d, mask=d < half, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + row * rope_stride + half + d, mask=d < half, other=0.0).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
+    is_q = h < num_heads
+    if QK_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DIM + eps)[:, None]
+        w1 = tl.where(
+            is_q, tl.load(q_norm_ptr + d, mask=d < half, other=0.0), tl.load(k_norm_ptr + d, mask=d < half, other=0.0)
+        )
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + half + d, mask=d < half, other=0.0),
+                      tl.load(k_norm_ptr + half + d, mask=d < half, other=0.0))  # fmt: skip
+        x1 = (w1.to(tl.float32) * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2.to(tl.float32) * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o1 = (x1 * c1 - x2 * s1).to(dtype)  # rotate_half(x) = (-x2, x1)
     o2 = (x2 * c2 + x1 * s2).to(dtype)
-    is_q = h < num_heads
     q_dst = q_ptr + (row * num_heads + h) * DIM + d
     tl.store(q_dst, o1, mask=keep & is_q)
     tl.store(q_dst + half, o2, mask=keep & is_q)

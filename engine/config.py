@@ -46,7 +46,7 @@ class EngineSettings(BaseModel):
     )
     cuda_decode_kernels: bool = Field(
         True,
-        description="CUDA: decode graphs run fused Triton kernels (Llama, Qwen2, Mistral); off: the model's forward",
+        description="CUDA: decode graphs run fused Triton kernels (Llama, Qwen2/3, Mistral); off: the model's forward",
     )
     cuda_graph_batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] = Field(
         DEFAULT_CUDA_GRAPH_BATCH_SIZES,

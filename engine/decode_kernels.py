@@ -24,6 +24,7 @@ step's structure on a machine without Triton (tests/engine). The kernels themsel
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,14 @@ PART = 256  # context tokens per attention program when a context is split (engi
 def triton_available() -> bool:
     """Triton is importable (it comes with PyTorch's CUDA builds on Linux)."""
     return importlib.util.find_spec("triton") is not None
+
+
+class QKNorm(NamedTuple):
+    """Qwen3's per-head RMSNorms of q and k: their weights ``[D]`` and epsilon."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    eps: float
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -77,24 +86,34 @@ class DecodeKernels:
         k_slots: torch.Tensor,
         v_slots: torch.Tensor,
         num_heads: int,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         """``qkv`` ``[rows, (H + 2 KVH) * D]`` (q heads, k heads, v heads); ``cos``/``sin``
         ``[rows, D]``; writes rotated k and v at ``slots`` of ``k_slots``/``v_slots``
-        ``[num_slots, KVH, D]``; returns rotated q ``[rows, H, D]``."""
+        ``[num_slots, KVH, D]``; returns rotated q ``[rows, H, D]``. ``qk_norm``: each q and k
+        head RMS-normed first (Qwen3)."""
         rows = qkv.shape[0]
         kv_heads, dim = k_slots.shape[1:]
         if self._k is None:
             heads = qkv.view(rows, num_heads + 2 * kv_heads, dim)
-            qk = heads[:, : num_heads + kv_heads].float()
+            qk = heads[:, : num_heads + kv_heads]
+            if qk_norm is not None:
+                normed = F.rms_norm(qk.float(), (dim,), eps=qk_norm.eps).to(qk.dtype)
+                weights = torch.cat((qk_norm.q.expand(num_heads, dim), qk_norm.k.expand(kv_heads, dim)))
+                qk = weights * normed
+            qk = qk.float()
             rotated = torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1)
             qk = (qk * cos[:, None].float() + rotated * sin[:, None].float()).to(qkv.dtype)
             k_slots.index_copy_(0, slots, qk[:, num_heads:])
             v_slots.index_copy_(0, slots, heads[:, num_heads + kv_heads :])
             return qk[:, :num_heads].contiguous()
         q = torch.empty(rows, num_heads, dim, dtype=qkv.dtype, device=qkv.device)
+        norm = qk_norm or QKNorm(q, q, 0.0)  # the kernel reads no weight without QK_NORM
         self._k.rope_write_kv_kernel[(rows,)](
-            qkv, cos, sin, slots, k_slots, v_slots, q, qkv.stride(0), cos.stride(0), num_heads, kv_heads, DIM=dim,
+            qkv, cos, sin, slots, k_slots, v_slots, q, norm.q, norm.k, norm.eps,
+            qkv.stride(0), cos.stride(0), num_heads, kv_heads, DIM=dim,
             HALF_P=_pow2(dim // 2), HEADS_P=_pow2(num_heads + kv_heads), KV_P=_pow2(kv_heads), DIM_P=_pow2(dim),
+            QK_NORM=qk_norm is not None,
         )  # fmt: skip
         return q
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from engine.loader import LoadedModel
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+# families built here but not in every comparison that runs over FAMILIES
+MORE_FAMILIES = {"qwen3": Qwen3Config}
 
 
 SHARP = 1.0  # an initializer range that makes attention near one-hot: see tiny_config
@@ -25,13 +27,14 @@ def tiny_config(family: str, initializer_range: float = 0.02) -> PretrainedConfi
     wrong or missing KV block barely moves a token; with ``SHARP`` each query attends to few
     keys and the logits lie far apart, so such a mix-up changes the tokens (tests of the KV
     machinery use it)."""
-    config = FAMILIES[family](
+    config = (FAMILIES | MORE_FAMILIES)[family](
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=16,  # Qwen3's default is 128, not hidden / heads
         max_position_embeddings=1024,
         initializer_range=initializer_range,
     )

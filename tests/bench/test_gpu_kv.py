@@ -180,11 +180,11 @@ def test_ucx_transports_reads_the_rma_tables_gpu_first(tmp_path):
 
 def test_render_prints_the_committed_run():
     text = "\n".join(render(json.loads(COMMITTED.read_text())))
-    assert "| none | 256.0 | 128 | 64 | 1758.4 | 537.5 | 489.47 | 0.28 | 0.91 | yes |" in text
-    assert "| host | 64.0 | 32 | 64 |  |  | 3.13 |  |  | yes |" in text  # a staged row: no raw READ beside it
+    assert "| none | 256.0 | 128 | 64 | 1823.0 | 678.1 | 558.30 | 0.31 | 0.82 | yes |" in text
+    assert "| host | 64.0 | 32 | 64 |  |  | 4.08 |  |  | yes |" in text  # a staged row: no raw READ beside it
     # the push: tail / one layer, and when the notice went
-    assert "| none | 1.002 | 0.079 | 0.926 | 13.05 | 0.361 | 4.43 | 0.475 | yes |" in text
-    assert "| 31 | 0.000 | -27.391 | 0.305 | 0.385 |" in text and "| median of all layers | 0 | -13.989 |" in text
+    assert "| none | 1.002 | 0.059 | 1.133 | 19.21 | 0.327 | 4.70 | 0.524 | yes |" in text
+    assert "| 31 | 0.000 | -29.231 | 0.320 | 0.375 |" in text and "| median of all layers | 0 | -14.785 |" in text
     assert "ucp_get*(multi) into cuda/GPU0 from cuda/dev[1]: zero-copy via cuda_ipc/cuda" in text
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, Phi3Config
 
 from engine.config import EngineConfig, EngineSettings
 from engine.core import EngineCore
@@ -131,7 +131,7 @@ def test_with_a_layer_hook_prompt_steps_run_eagerly_and_decode_steps_replay(make
     assert EngineConfig().cuda_graphs is True
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_decode_steps_give_the_eager_tokens(make_engine, family):
     """``engine.fused_decode`` on ``DecodeKernels(triton=False)`` (the arithmetic the Triton kernels are
     tested against in tests/gpu): the same replayed steps as above, the eager engine's tokens,
@@ -151,16 +151,19 @@ def test_fused_decode_steps_give_the_eager_tokens(make_engine, family):
 
 
 def test_fused_decode_names_what_it_cannot_run():
-    qwen3 = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    decoder = AutoModelForCausalLM.from_config(qwen3).model  # q and k are normed: not what the kernels compute
-    assert (
-        unsupported(decoder)
-        == "Qwen3DecoderLayer is not one of LlamaDecoderLayer, Qwen2DecoderLayer, MistralDecoderLayer"
+    phi3 = Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
+    decoder = AutoModelForCausalLM.from_config(phi3).model
+    assert unsupported(decoder) == (
+        "Phi3DecoderLayer is not one of LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer"
     )
     llama, _ = tiny_loaded("llama")
     assert unsupported(llama.model.model) == "projections not fused"  # before the engine's layout
     fuse_projections(llama.model)
     assert unsupported(llama.model.model) is None
-    with pytest.raises(ValueError, match="fused decode kernels cannot run this model: Qwen3DecoderLayer"):
+    gelu, _ = tiny_loaded("qwen3")
+    gelu.model.config.hidden_act = "gelu"
+    fuse_projections(gelu.model)
+    assert unsupported(gelu.model.model) == "activation 'gelu'"
+    with pytest.raises(ValueError, match="fused decode kernels cannot run this model: Phi3DecoderLayer"):
         FusedDecode(decoder, llama.model.lm_head, None, DecodeKernels(triton=False))

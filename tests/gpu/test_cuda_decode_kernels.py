@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.decode_kernels import DecodeKernels, triton_available
+from engine.decode_kernels import DecodeKernels, QKNorm, triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs Triton")
 TRITON = DecodeKernels(triton=True) if triton_available() else None
@@ -40,9 +40,10 @@ def test_add_rms_norm_and_silu_mul(cuda, dtype, hidden):
     _close(TRITON.silu_mul(gate_up), REF.silu_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
 @pytest.mark.parametrize("dtype", DTYPE_IDS.values(), ids=DTYPE_IDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), SHAPES)
-def test_rope_write_kv_writes_only_the_rows_slots(cuda, dtype, heads, kv_heads, dim, block_size):
+def test_rope_write_kv_writes_only_the_rows_slots(cuda, dtype, heads, kv_heads, dim, block_size, qk_norm):
     gen = torch.Generator(device=cuda).manual_seed(dim)
     rows, num_slots = 6, 64 * block_size
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen, device=cuda, dtype=dtype)
@@ -51,8 +52,11 @@ def test_rope_write_kv_writes_only_the_rows_slots(cuda, dtype, heads, kv_heads, 
     qkv[5] = qkv[0]
     cos[5], sin[5] = cos[0], sin[0]
     pools = [torch.zeros(num_slots, kv_heads, dim, device=cuda, dtype=dtype) for _ in range(4)]
-    want_q = REF.rope_write_kv(qkv, cos, sin, slots, pools[0], pools[1], heads)
-    got_q = TRITON.rope_write_kv(qkv, cos, sin, slots, pools[2], pools[3], heads)
+    norm = None
+    if qk_norm:  # Qwen3's per-head norms of q and k, each its own weights
+        norm = QKNorm(*(torch.randn(dim, generator=gen, device=cuda, dtype=dtype) for _ in range(2)), 1e-6)
+    want_q = REF.rope_write_kv(qkv, cos, sin, slots, pools[0], pools[1], heads, norm)
+    got_q = TRITON.rope_write_kv(qkv, cos, sin, slots, pools[2], pools[3], heads, norm)
     _close(got_q, want_q, dtype)
     _close(pools[2], pools[0], dtype)
     assert torch.equal(pools[3], pools[1])  # v is copied, not computed

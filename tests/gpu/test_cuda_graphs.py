@@ -23,7 +23,9 @@ CONFIG = dict(max_model_len=512, block_size=8, kv_cache_bytes=16 << 20, max_num_
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-kernels", "model-forward"])
-@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16")])
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "bfloat16"), ("qwen3", "bfloat16")]
+)
 def test_graph_replayed_decode_gives_the_eager_tokens(cuda, family, dtype, fused):
     loaded, _ = tiny_pair(family, DTYPES[dtype], cuda)
     twin = copy.deepcopy(loaded)
