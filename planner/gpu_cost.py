@@ -115,13 +115,14 @@ def device_s(row: StepRow, hardware: Hardware) -> float:
 
 def fit_host(rows: list[StepRow], hardware: Hardware) -> HostCost:
     """The host terms from the host-bound rows: least squares of seconds per layer on the batch
-    for decode (one row or one batch size: no per-row term), the median per layer for prefill."""
+    for decode (one row or one batch size: no per-row term; none: no decode host term, the
+    steps are the device's), the median per layer for prefill."""
     bound = [r for r in rows if r.step_s >= HOST_BOUND * device_s(r, hardware)]
     per_layer = [(r, r.step_s / model_shape(r.model).num_layers) for r in bound]
     decode = [(r.batch, s) for r, s in per_layer if r.kind == "decode"]
     if not decode:
-        raise ValueError("no host-bound decode row: the host terms cannot be fitted")
-    if len({b for b, _ in decode}) > 1:
+        slope, intercept = 0.0, 0.0
+    elif len({b for b, _ in decode}) > 1:
         slope, intercept = np.polyfit([b for b, _ in decode], [s for _, s in decode], 1)
     else:
         slope, intercept = 0.0, float(np.mean([s for _, s in decode]))

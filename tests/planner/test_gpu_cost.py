@@ -5,6 +5,7 @@ model's forward: docs/benchmarks/gpu_engine.json), and checked across model size
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from planner.gpu_cost import (
     StepRow,
     calibration,
     device_cost,
+    device_s,
+    fit_host,
     load_gpu_calibration,
     rows_from_gpu_engine,
 )
@@ -105,3 +108,12 @@ def test_graph_rows_are_another_engine_and_unknown_shapes_are_left_out():
     ]}  # fmt: skip
     assert rows_from_gpu_engine(data) == [StepRow("llama-1b", "decode", 1, 150, 0.02)]
     assert rows_from_gpu_engine(data, "graphs") == [StepRow("llama-1b", "decode", 1, 150, 0.002)]
+
+
+def test_rows_at_the_devices_time_fit_no_decode_host_term():
+    """The fused engine's 8B-class decode steps are within 1.5x of the roofline: nothing of them
+    is the host's, so a fit on them alone has no decode host term and predicts the device's time."""
+    h200 = load_hardware("h200")
+    at_device = StepRow("llama-8b", "decode", 1, 160, 0.0)
+    at_device = dataclasses.replace(at_device, step_s=1.2 * device_s(at_device, h200))
+    assert fit_host([at_device], h200) == HostCost(0.0, 0.0, None)
