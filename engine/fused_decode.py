@@ -41,10 +41,10 @@ def unsupported(decoder: nn.Module) -> str | None:
     """Why ``FusedDecode`` cannot run ``decoder`` (a transformers base model after
     ``engine.weights.optimize_cuda_layout``), or None when it can."""
     layer = decoder.layers[0]
-    attn, mlp, config = layer.self_attn, layer.mlp, decoder.config
-    rope = getattr(config, "rope_parameters", None) or {}
     if type(layer).__name__ not in LAYERS:  # the checks below read these layers' modules
         return f"{type(layer).__name__} is not one of {', '.join(LAYERS)}"
+    attn, mlp, config = layer.self_attn, layer.mlp, decoder.config
+    rope = getattr(config, "rope_parameters", None) or {}
     checks = (
         (isinstance(attn.q_proj, FusedLinear) and isinstance(mlp.gate_proj, FusedLinear), "projections not fused"),
         (type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear, "a tensor-parallel shard"),
