@@ -6,8 +6,9 @@ and block gathers, SiLU, residual adds: docs/benchmarks/gpu.md). These four repl
 a layer runs its four products and four kernels (``engine.fused_decode``):
 
 * ``add_rms_norm``: the residual add and the next RMSNorm, one pass over the row;
-* ``rope_write_kv``: rotary embedding of the new token's q and k, k and v written into the
-  paged pool at the token's slot, q written out contiguous;
+* ``rope_write_kv``: rotary embedding of the new token's q and k (Qwen3's per-head q and k
+  RMSNorms first), k and v written into the paged pool at the token's slot, q written out
+  contiguous;
 * ``paged_decode_attention``: each sequence's query heads over its context, read from the
   pool's blocks in place through the block table (no gathered copy, no mask tensor); a long
   context is split into parts attended in parallel, then merged;
