@@ -410,9 +410,12 @@ def render(summary: dict) -> list[str]:
         lines += ["### SLO attainment", "", *table(["system", *names, "overall", "failed", "run (min)"], rows)]
         lines += ["", "p90 latencies per phase, TTFT (s) / TPOT (ms):", ""]
         lines += [*table(["system", *names], [[s, *(cells(p90, per[n]) for n in names)] for s, per in results.items()])]
-        known = [t | {"result": "ok" if t["value"] >= t["bar"] - 1e-9 else "MISSED"} if None not in (t["value"],
-                 t["bar"]) else t | {"value": None, "result": None} for t in summary["targets"]]  # fmt: skip
-        rows = [cells("{target} | {value:.0%} | {bar:.0%} | {result}", t) for t in known]
+        rows = []
+        for t in summary["targets"]:
+            known = t["value"] is not None and t["bar"] is not None
+            result = ("ok" if t["value"] >= t["bar"] - 1e-9 else "MISSED") if known else None
+            value = t["value"] if known else None
+            rows.append(cells("{target} | {value:.0%} | {bar:.0%} | {result}", t | {"value": value, "result": result}))
         caption = ("the elastic prefill replica's role, with its decisions; attainment of the requests arriving in "
                    f"each {BIN_S:g} s; requests in flight (client side)")  # fmt: skip
         lines += ["", *table("target | elastic | bar | result", rows), "", f"![timeline: {caption}](elastic.png)", ""]

@@ -5,7 +5,6 @@ against the memory-bandwidth floor, 32 concurrent requests, a 2,048-token prefil
 
 from __future__ import annotations
 
-import operator
 import resource
 import statistics
 import sys
@@ -165,13 +164,20 @@ def ratios(run: dict[str, float]) -> dict[str, float]:
 
 
 def render(summary: dict) -> list[str]:
-    runs, meets = summary["runs"], {"<=": operator.le, ">=": operator.ge}
+    runs = summary["runs"]
     threads = [f"{r['threads']} thread(s)" for r in runs]
-    rows = [[name, f"{op} {bound}", *(f"{v:.2f} {'ok' if meets[op](v, bound) else 'MISSED'}" for v in
-             (ratios(r)[name] for r in runs))] for name, (op, bound, _) in TARGETS.items()]  # fmt: skip
-    return [f"Command: `{summary['command']}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own "
-            "process).", "", *table(["metric", *threads], [[label, *(cells(f, r) for r in runs)] for label, f in ROWS]),
-            "", *table(["ratio", "target", *threads], rows)]  # fmt: skip
+    rows = []
+    for name, (op, bound, _) in TARGETS.items():
+        values = [ratios(r)[name] for r in runs]
+        met = [value <= bound if op == "<=" else value >= bound for value in values]
+        rows.append([name, f"{op} {bound}", *(f"{v:.2f} {'ok' if ok else 'MISSED'}" for v, ok in zip(values, met))])
+    return [
+        f"Command: `{summary['command']}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process).",
+        "",
+        *table(["metric", *threads], [[label, *(cells(f, r) for r in runs)] for label, f in ROWS]),
+        "",
+        *table(["ratio", "target", *threads], rows),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

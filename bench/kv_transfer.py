@@ -155,9 +155,11 @@ def render(summary: dict) -> list[str]:
     large, one = [r for r in rows if r["size_mb"] >= 15], pipe["pipelined_one_layer_ms"]
     targets = "".join(text + ", ".join(f"{r['size_mb']:.0f} MB {r[num] / r[den]:.2f}{suffix}" for r in large)
                       for text, num, den, suffix in TARGETS)  # fmt: skip
-    modes = (("push, pipelined", pipe["pipelined_tail_ms"], pipe["pipelined_tail_in_layers"]),
-             ("push, all layers after the forward", pipe["not_pipelined_tail_ms"], pipe["not_pipelined_tail_ms"] / one),
-             ("pull (fetch after prefill)", pipe["pull_after_prefill_ms"], pipe["pull_in_layers"]))  # fmt: skip
+    modes = (
+        ("push, pipelined", pipe["pipelined_tail_ms"], pipe["pipelined_tail_in_layers"]),
+        ("push, all layers after the forward", pipe["not_pipelined_tail_ms"], pipe["not_pipelined_tail_ms"] / one),
+        ("pull (fetch after prefill)", pipe["pull_after_prefill_ms"], pipe["pull_in_layers"]),
+    )
     return [
         f"Command: `{summary['command']}` (setup below). GB/s = bytes / median time of {REPEATS} repetitions after",
         f"one warm-up; the {len(METHODS)} kinds take turns, each repetition starting with the next one.", "",

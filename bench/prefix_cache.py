@@ -14,8 +14,6 @@ import re
 import subprocess
 import sys
 import time
-from functools import reduce
-from operator import getitem
 from pathlib import Path
 
 import httpx
@@ -184,12 +182,15 @@ def summarize(raw: dict) -> dict:
 
 def ratios(on: dict, off: dict) -> dict[str, float]:
     """off / on for latencies and bytes (above 1: caching is better), on / off for throughput."""
-    both = lambda *path: [reduce(getitem, path, s) for s in (off, on)]  # noqa: E731 (off's figure, on's)
-    pairs = {"ttft_turns2_5_p50_off_on": both("ttft_turns2_5_s", "p50"), "ttft_turns2_5_p90_off_on":
-             both("ttft_turns2_5_s", "p90"), "ttft_turn1_p50_off_on": both("ttft_turn1_s", "p50"), "tpot_p50_off_on":
-             both("tpot_s", "p50"), "kv_bytes_per_request_off_on": both("kv_bytes_per_request"),
-             "output_tokens_per_s_on_off": both("output_tokens_per_s")[::-1], "duration_off_on":
-             both("duration_s")}  # fmt: skip
+    pairs = {
+        "ttft_turns2_5_p50_off_on": (off["ttft_turns2_5_s"]["p50"], on["ttft_turns2_5_s"]["p50"]),
+        "ttft_turns2_5_p90_off_on": (off["ttft_turns2_5_s"]["p90"], on["ttft_turns2_5_s"]["p90"]),
+        "ttft_turn1_p50_off_on": (off["ttft_turn1_s"]["p50"], on["ttft_turn1_s"]["p50"]),
+        "tpot_p50_off_on": (off["tpot_s"]["p50"], on["tpot_s"]["p50"]),
+        "kv_bytes_per_request_off_on": (off["kv_bytes_per_request"], on["kv_bytes_per_request"]),
+        "output_tokens_per_s_on_off": (on["output_tokens_per_s"], off["output_tokens_per_s"]),
+        "duration_off_on": (off["duration_s"], on["duration_s"]),
+    }
     return {key: a / b if b else float("nan") for key, (a, b) in pairs.items()}
 
 
