@@ -303,9 +303,9 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, layer_params: int, ma
 
 
 def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row, speculate: bool) -> Iterator[Row]:
-    """The build row; decode at each batch size, from graphs (then the graph's replay alone and
-    the step's kernels) and eager (at batch 1 its kernels too); prefill; the speculative row
-    (``speculate``); each guarded."""
+    """The build row; decode at each batch size in each of ``MODES`` (from graphs, then the
+    graph's replay alone and the step's kernels; eager, at batch 1 its kernels too); batch 1 at a
+    long context, fused and graphs; prefill; the speculative row (``speculate``); each guarded."""
     built: list[LoadedModel] = []
     yield guarded(f"{name} dummy weights", lambda: build_model(name, overrides, sizes, built))
     # every batch's prompts in one step, so all its requests decode from the same step on

@@ -105,7 +105,7 @@ def paged_attention_forward(
         num_heads, (num_kv_heads, head_dim) = query.shape[1], k_slots.shape[1:]
         # query heads grouped by the KV head they read: head h reads KV head h // group
         q = query[0, :, :nd].transpose(0, 1).reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        k, v = _gather_blocks(meta.pool, layer, meta.decode_blocks)
+        k, v = gather_blocks(meta.pool.key_blocks(layer), meta.pool.value_blocks(layer), meta.decode_blocks)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)  # [nd, KVH, G, D]
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     if meta.verify is not None:
@@ -123,13 +123,16 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def _gather_blocks(pool: KVPool, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[rows, KVH, blocks * block_size, D]`` of each row's block table: an
-    ``index_select`` of whole blocks, one contiguous block_size-token run each."""
-    rows, ctx = tables.shape[0], tables.shape[1] * pool.layout.block_size
+def gather_blocks(
+    k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[rows, KVH, blocks * block_size, D]`` of each row's block table, from a layer's
+    ``[num_blocks, block_size, KVH, D]`` blocks: an ``index_select`` of whole blocks, one
+    contiguous block_size-token run each."""
+    rows, ctx = tables.shape[0], tables.shape[1] * k_blocks.shape[1]
     blocks = tables.view(-1)
-    k = pool.key_blocks(layer).index_select(0, blocks)
-    v = pool.value_blocks(layer).index_select(0, blocks)
+    k = k_blocks.index_select(0, blocks)
+    v = v_blocks.index_select(0, blocks)
     shape = (rows, ctx, *k.shape[-2:])
     return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
 
@@ -140,7 +143,7 @@ def _verify_attention(
     """Verify rows as one SDPA: queries ``[rows, KVH, G * Q, D]`` (grouped by KV head as decode)."""
     num_heads, head_dim = query.shape[1], query.shape[3]
     rows, nq = verify.blocks.shape[0], verify.num_queries
-    k, v = _gather_blocks(pool, layer, verify.blocks)
+    k, v = gather_blocks(pool.key_blocks(layer), pool.value_blocks(layer), verify.blocks)
     num_kv_heads, group = k.shape[1], num_heads // k.shape[1]
     q = query[0].transpose(0, 1).index_select(0, verify.query_index)  # [rows * Q, H, D]
     q = q.view(rows, nq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(rows, num_kv_heads, -1, head_dim)

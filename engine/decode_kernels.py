@@ -30,7 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-PART = 256  # context tokens per attention program when a context is split (engine._triton_decode.PART)
+from engine.attention import gather_blocks
+from engine.weights import rms_norm
+
+PART = 256  # context tokens per attention program when a context is split
 
 
 def triton_available() -> bool:
@@ -55,7 +58,6 @@ class DecodeKernels:
     tensors under ``TRITON_INTERPRET=1``), else the same arithmetic runs as torch ops."""
 
     def __init__(self, triton: bool) -> None:
-        self.triton = triton
         self._k = None
         if triton:
             from engine import _triton_decode  # Triton is imported only where it is used
@@ -71,7 +73,7 @@ class DecodeKernels:
             if residual is not None:
                 residual.add_(x)
                 x = residual
-            return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+            return rms_norm(x, weight, eps)
         rows, n = x.shape
         out = torch.empty_like(x, dtype=weight.dtype)
         res = x if residual is None else residual
@@ -99,9 +101,8 @@ class DecodeKernels:
             heads = qkv.view(rows, num_heads + 2 * kv_heads, dim)
             qk = heads[:, : num_heads + kv_heads]
             if qk_norm is not None:
-                normed = F.rms_norm(qk.float(), (dim,), eps=qk_norm.eps).to(qk.dtype)
                 weights = torch.cat((qk_norm.q.expand(num_heads, dim), qk_norm.k.expand(kv_heads, dim)))
-                qk = weights * normed
+                qk = rms_norm(qk, weights, qk_norm.eps)
             qk = qk.float()
             rotated = torch.cat((-qk[..., dim // 2 :], qk[..., : dim // 2]), dim=-1)
             qk = (qk * cos[:, None].float() + rotated * sin[:, None].float()).to(qkv.dtype)
@@ -133,8 +134,7 @@ class DecodeKernels:
         block_size, kv_heads = k_blocks.shape[1:3]
         context = block_tables.shape[1] * block_size
         if self._k is None:
-            k, v = (b.index_select(0, block_tables.view(-1)).view(rows, context, kv_heads, dim).transpose(1, 2)
-                    for b in (k_blocks, v_blocks))  # fmt: skip
+            k, v = gather_blocks(k_blocks, v_blocks, block_tables)
             grouped = q.view(rows, kv_heads, num_heads // kv_heads, dim)
             mask = (torch.arange(context, device=q.device)[None, :] < lengths[:, None]).view(rows, 1, 1, context)
             out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)

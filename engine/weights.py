@@ -62,8 +62,14 @@ def optimize_cpu_layout(model: PreTrainedModel, packed_weights: bool = False) ->
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Those modules' arithmetic: normalized over the last dimension in float32, rounded to
+    ``x``'s dtype, then times ``weight`` (which broadcasts)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 def _rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon).to(x.dtype)
+    return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def optimize_cuda_layout(model: PreTrainedModel) -> int:
