@@ -33,10 +33,12 @@ serve: install bytecode
 generate: install bytecode
 	$(PY) -m app.cli generate "$(PROMPT)"
 
+# two pytest-xdist workers: one runs the tests on Ray (mostly waiting on replicas), the other
+# the rest (tests/conftest.py groups them); a plain `pytest` runs them all in one process
 test: install bytecode
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest --durations=20
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=20
 
 # ruff (style, imports, complexity C901 <= 12) and import-linter (the package layering)
 lint: install

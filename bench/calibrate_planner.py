@@ -168,10 +168,9 @@ def _stack_cpu(target, requests) -> dict:
 def calibrate(command: str) -> dict:
     """Engine steps and a decode batch beside a prefilling process (each in a fresh process), then our NIXL pull
     between two Ray actors (medians of ``REPEATS`` after a warm-up)."""
-    import ray
 
     from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure
-    from bench.ray_local import start_local_ray
+    from bench.ray_local import start_local_ray, stop_local_ray
 
     started = time.time()
     print("engine steps, a decode batch beside a prefilling process, NIXL pull...", file=sys.stderr, flush=True)
@@ -182,7 +181,7 @@ def calibrate(command: str) -> dict:
         pull = lambda blocks, rep: measure("nixl_pull", producer, consumer, f"{blocks}-{rep}", blocks)  # noqa: E731
         found = medians(TRANSFER_BLOCKS, REPEATS, pull)
     finally:
-        ray.shutdown()
+        stop_local_ray()
     transfer = [{"blocks": b, "bytes": b * BYTES_PER_BLOCK, "seconds": s} for b, s in found.items()]
     slowdown = floor["decode_step_with_prefill_ms"] / floor["decode_step_idle_ms"] - 1
     source = "batch-8 decode step beside a process prefilling distinct 400-token prompts / alone - 1"

@@ -17,7 +17,7 @@ from bench.engine import corpus_ids, greedy_request
 from bench.engine_actor import EngineActor
 from bench.gpu_kv import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
-from bench.ray_local import start_local_ray
+from bench.ray_local import start_local_ray, stop_local_ray
 from bench.report import arguments, cells, command_line, figure, publish, table
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.kill(consumer)
         pipe = pipelining()
     finally:
-        ray.shutdown()
+        stop_local_ray()
     summary = {"command": command_line("bench.kv_transfer", argv), "bandwidth_gb_per_s": rows, "push_pipelining": pipe}
     publish(args.out, "kv_transfer", "bench.kv_transfer", summary, render(summary), "# KV transfer benchmark")
     with figure(args.out / "kv_transfer.png", 1, 1, (6, 4), dpi=100, legend={}) as (ax, _):  # the JSON's folder

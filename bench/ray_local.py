@@ -20,12 +20,25 @@ HTTP_PORT = 18480
 METRICS_PORT = 18490  # + the server's index: a fresh cluster's metrics never mix with the last one's
 
 
+_TEMP_DIRS: list[str] = []  # of the clusters this process started: stop_local_ray removes them
+
+
 def start_local_ray(num_cpus: int = 2, **kwargs) -> None:
     """``kwargs`` go to ``ray.init`` (e.g. ``object_store_memory``, ``_metrics_export_port``). Workers
     inherit the driver's environment: this checkout goes on ``PYTHONPATH`` so they import its packages."""
     os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False, **kwargs)
+    _TEMP_DIRS.append(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=_TEMP_DIRS[-1], log_to_driver=False, **kwargs)
+
+
+def stop_local_ray(keep_logs: bool = False) -> None:
+    """Ray down, then the temp dirs (sockets and logs) of the clusters started here removed,
+    unless ``keep_logs``."""
+    ray.shutdown()
+    while _TEMP_DIRS:
+        temp_dir = _TEMP_DIRS.pop()
+        if not keep_logs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class Server:
@@ -77,6 +90,7 @@ class Server:
         if self.keep_logs is not None and self.log_dir is not None:
             shutil.rmtree(self.keep_logs, ignore_errors=True)
             shutil.copytree(self.log_dir, self.keep_logs, ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+        stop_local_ray()
         time.sleep(2)
 
 

@@ -15,7 +15,9 @@ from tests.tiny_models import TinyServed, save_tiny_served
 if TYPE_CHECKING:  # tests/serving.py imports Ray, which the GPU check's machine has not (tests/gpu)
     from tests.serving import SharedServe
 
-torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+# one torch thread beside pytest-xdist's other worker (its Ray replicas take the other core:
+# two threads each would oversubscribe the two cores and slow replica starts several times)
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2")))
 
 
 @pytest.fixture(scope="session")
@@ -62,11 +64,15 @@ def own_cluster(shared_serve: SharedServe) -> None:
 ON_RAY = pytest.StashKey[set[str]]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with a cluster of their own run first, then the modules on the shared Ray, so it
     starts only once, then the modules without Ray (its idle processes would take CPU from
     them); a module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just
-    before it."""
+    before it. Under pytest-xdist's ``--dist loadgroup`` (``make test``: ``-n 2``) the tests on
+    Ray are one group and the others another, so one worker runs every Ray test in this order
+    (one Ray at a time) while the other runs the rest: most of a Ray test's time is waiting on
+    replicas, which leaves a core to the other worker."""
     first: dict[str, int] = {}
     on_ray = config.stash[ON_RAY] = set()  # modules with a test on the shared Ray
     for index, item in enumerate(items):
@@ -80,6 +86,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return "own_cluster" not in item.fixturenames, module not in on_ray, first.get(module, 0), anchor is None
 
     items.sort(key=order)
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group("ray" if item.module.__name__ in on_ray else "no-ray"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Two workers each starting the shared Ray would fight over its port: fail at once if
+    pytest-xdist did not take the groups (it marks each test's id with its group)."""
+    if getattr(session.config.option, "loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests: pytest must be < 9.2")
 
 
 @pytest.hookimpl(wrapper=True)

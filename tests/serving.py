@@ -29,6 +29,7 @@ after the last one on it, which stops it: its idle processes would take CPU from
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from ray import serve
 from ray.serve.api import RunTarget
 from ray.serve.handle import DeploymentHandle
 
-from bench.ray_local import start_local_ray
+from bench.ray_local import start_local_ray, stop_local_ray
 from tests.waiting import wait_until
 
 HOST = "127.0.0.1"
@@ -190,8 +191,8 @@ class SharedServe:
         if ray.is_initialized():
             try:
                 serve.shutdown()
-            finally:
-                ray.shutdown()
+            finally:  # TANDEM_KEEP_CLUSTER_LOGS=1 keeps Ray's temp dir (its logs)
+                stop_local_ray(keep_logs=bool(os.environ.get("TANDEM_KEEP_CLUSTER_LOGS")))
         self._running.clear()
         self._kept.clear()
 

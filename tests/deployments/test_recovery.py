@@ -9,9 +9,10 @@ a stalled fetch (both end at the KV lease); and, on a busy colocated app of the 
 (whose long request outlasts the bound), a request left without output past the stream idle
 bound.
 Requests with no token sent yet complete with the engine's output (tests/same_output.py's
-rule); a stream that had tokens ends with an error event within ``peer_check_interval_s`` +
-5 s of the kill; the service answers again after the restart; afterwards ``GET /admin/kv``
-shows every live replica's invariants holding and no block held.
+rule); a stream that had tokens ends with an error event, not left hanging (within
+``peer_check_interval_s`` + 30 s of the kill, far below the client's 120 s); the service
+answers again after the restart; afterwards ``GET /admin/kv`` shows every live replica's
+invariants holding and no block held.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ BUSY = "/busy"
 NUM_TOKENS = MIN_COMPARED_TOKENS
 TIMEOUT_S = 10.0
 PEER_CHECK_S = 5.0
-ERROR_DEADLINE_S = PEER_CHECK_S + 5.0
+ERROR_DEADLINE_S = PEER_CHECK_S + 30.0  # a slack no busy machine exceeds, far below the client timeout
 PROMPTS = (
     "Write a long story about a lighthouse keeper.",
     "Explain how a steam engine works, step by step.",
@@ -254,7 +255,7 @@ def test_prefill_killed_after_its_push_the_stream_completes(base_url, reference)
 
 def test_decode_killed_mid_stream(base_url, reference):
     """The decode replica dies after a stream's 8th token. Streams the ingress had passed an
-    output of end with an error event (then ``[DONE]``): within ``peer_check_interval_s`` + 5 s
+    output of end with an error event (then ``[DONE]``): within ``ERROR_DEADLINE_S``
     of the last token when their decode call was on the killed replica, at the KV's lease when
     it was queued for the restarted one (pull sends the prefill's first token at once); a
     request with no output yet is retried on the restarted replica (or
