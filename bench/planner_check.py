@@ -147,15 +147,17 @@ def _count(report: dict, key: str = "rows") -> tuple[int, int]:
 def render(report: dict) -> list[str]:
     r = report
     (within, total), (file_within, file_total) = _count(report), _count(report, "rows_file")
+    runs = len(next(iter(r["systems"].values()))["points"][0]["runs"])  # per rate, as --runs asked
+    times, the_runs = ("twice", "the two runs") if runs == 2 else (f"{runs} times", f"the {runs} runs")
     headline = f"**{within} of {total} predictions within their bound**" + (
         f" with the serving stack probed on each app just before its runs; {file_within} of {file_total} with the"
         " calibration file's stack" if file_total else "")  # fmt: skip
     lines = [
         "", f"Command: `{r['command']}` ({r.get('elapsed_s', 0) / 60:.0f} min). Machine: {r['machine']}.",
         f"Workload `{r['workload']}` ({r['num_requests']} requests a run, seed {r['seed']}, context 512);",
-        "each rate run twice with the same requests and arrivals. Predictions: `planner.simulator.simulate` on",
+        f"each rate run {times} with the same requests and arrivals. Predictions: `planner.simulator.simulate` on",
         f"`{report['calibration']}` (no measurement of this check feeds it), same lengths and arrivals.",
-        "Error = (predicted - mean of the two runs) / that mean; bound = max(15%, 2 x spread of the runs).",
+        f"Error = (predicted - mean of {the_runs}) / that mean; bound = max(15%, 2 x spread of the runs).",
         "", headline + ".", "", *_calibration_lines(ROOT / report["calibration"]),
     ]  # fmt: skip
     for system, data in report["systems"].items():
@@ -185,7 +187,8 @@ def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:
                         + [f"{row['predicted'] * scale:.3g} {unit}", f"{row['error']:+.0%}", f"{row['bound']:.0%}"]
                         + ["yes" if row["within"] else "no"])  # fmt: skip
             ratios.setdefault(row["metric"], []).append(row["mean"] / row["predicted"])
-    header = "rate (share of goodput) | metric | run 1 | run 2 | spread | predicted | error | bound | within"
+    run_columns = " | ".join(f"run {n + 1}" for n in range(len(data["points"][0]["runs"])))
+    header = f"rate (share of goodput) | metric | {run_columns} | spread | predicted | error | bound | within"
     cells_ = ", ".join(f"{metric} {statistics.median(values):.2f}x" for metric, values in ratios.items())
     return [*lines, *table(header, rows), "", f"Measured / predicted (median over the rates): {cells_}."]
 

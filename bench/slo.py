@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
-PERCENTILES = (50, 90, 99)
+from planner.sim_types import distribution
 
 
 @dataclass
@@ -71,14 +69,6 @@ class SLO:
 
     def met(self, record: RequestRecord) -> bool:
         return record.ok and record.ttft <= self.ttft_s and (record.tpot is None or record.tpot <= self.tpot_s)
-
-
-def distribution(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90, p99 (numpy's linear percentiles, as vllm bench serve)."""
-    if not values:
-        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
-    array = np.asarray(values, dtype=float)
-    return {"mean": float(array.mean()), **{f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES}}
 
 
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:

@@ -73,8 +73,9 @@ class SimRecord:
         return self.ttft_s <= ttft_slo_s and (self.tpot_s is None or self.tpot_s <= tpot_slo_s)
 
 
-def _distribution(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90, p99 with numpy's linear percentiles (as ``bench.slo.distribution``)."""
+def distribution(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 (numpy's linear percentiles, as ``vllm bench serve``): the benchmarks'
+    figures too (``bench.slo``)."""
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
     array = np.asarray(values, dtype=float)
@@ -135,7 +136,7 @@ class SimResult:
 
     def percentiles(self) -> dict[str, dict[str, float]]:
         return {
-            "ttft_s": _distribution([r.ttft_s for r in self.records]),
-            "tpot_s": _distribution([r.tpot_s for r in self.records if r.tpot_s is not None]),
-            "e2e_s": _distribution([r.e2e_s for r in self.records]),
+            "ttft_s": distribution([r.ttft_s for r in self.records]),
+            "tpot_s": distribution([r.tpot_s for r in self.records if r.tpot_s is not None]),
+            "e2e_s": distribution([r.e2e_s for r in self.records]),
         }

@@ -91,11 +91,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("ray" if item.module.__name__ in on_ray else "no-ray"))
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Two workers each starting the shared Ray would fight over its port: fail at once if
-    pytest-xdist did not take the groups (it marks each test's id with its group)."""
-    if getattr(session.config.option, "loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
-        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests: pytest must be < 9.2")
+def pytest_configure(config: pytest.Config) -> None:
+    """Two workers each starting the shared Ray would fight over its port: refuse the pytest
+    on which pytest-xdist 3.8 drops the groups (pytest-dev/pytest-xdist#1386)."""
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple >= (9, 2):
+        raise pytest.UsageError("--dist loadgroup needs pytest < 9.2 (pyproject.toml's [dev] extra pins it)")
 
 
 @pytest.hookimpl(wrapper=True)
