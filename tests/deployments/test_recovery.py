@@ -72,9 +72,10 @@ COMMON = {
 PULL_ARGS = {**COMMON, "faults": json.dumps(PULL_FAULTS)}
 PUSH_ARGS = {**COMMON, "transport.mode": "push", "faults": json.dumps(PUSH_FAULTS)}
 IDLE_S = 4.0
+BUSY_CONTEXT = 2048
 BUSY_ARGS = {  # one sequence at a time: a second request waits with no output
-    "model.max_model_len": "512",
-    "engine.kv_cache_bytes": str(64 << 20),
+    "model.max_model_len": str(BUSY_CONTEXT),
+    "engine.kv_cache_bytes": str(128 << 20),  # one whole context (46 KB a token)
     "engine.max_num_seqs": "1",
     "colocated.num_replicas": "1",
     "colocated.num_cpus": "0.25",
@@ -323,24 +324,38 @@ def test_dropped_release_and_stalled_fetch_end_at_the_lease(base_url, reference)
     _assert_nothing_held(base_url, "")  # both freed at their lease's end
 
 
-def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url):
-    """A replica that runs one sequence at a time, busy with a long one: a second request
-    gets no output past ``limits.stream_idle_timeout_s`` (4 s), is aborted with an error
-    event (code ``timeout``) and frees its blocks; the long one completes."""
+def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url, reference):
+    """A replica that runs one sequence at a time, busy with a long one (up to its whole
+    context: far more tokens than any CPU makes within the bound): a second request gets no
+    output past ``limits.stream_idle_timeout_s`` (4 s), is aborted with an error event (code
+    ``timeout``) and frees its blocks; the long one streams on, and once its client hangs up it
+    is aborted too, so the replica ends with nothing held."""
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": PROMPT_IDS[0], "max_tokens": BUSY_CONTEXT - len(PROMPT_IDS[0]),
+            "ignore_eos": True, "logprobs": 1, "stream": True}  # fmt: skip
 
-    async def running(client: httpx.AsyncClient) -> bool:
-        view = (await client.get("/busy/admin/kv")).json()
-        return any(r["num_requests"] > 0 for r in _live(view, "ColocatedServer"))
-
-    async def main() -> tuple[Streamed, Streamed]:
+    async def main() -> tuple[Streamed, int, Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            long = asyncio.ensure_future(_complete(client, BUSY, "busy-long", max_tokens=250))
-            await wait_until_async(lambda: running(client), 60, "the long request running on the busy replica")
-            waiting = await _stream(client, BUSY, "busy-idle", 0)
-            return await long, waiting
+            headers = {"X-Request-Id": "busy-long"}
+            async with client.stream("POST", BUSY + "/v1/completions", json=body, headers=headers) as response:
+                long = Streamed(response.status_code)
 
-    long, idle = asyncio.run(main())
-    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 250, long.text
+                async def read() -> None:  # as the tokens come: none waits in a buffer
+                    async for line in response.aiter_lines():
+                        _take(long, line)
+
+                reader = asyncio.ensure_future(read())
+                try:
+                    await wait_until_async(lambda: long.tokens or reader.done(), 120, "the long request's first token")
+                    waiting = await _stream(client, BUSY, "busy-idle", 0)
+                    before = len(long.tokens)
+                    await wait_until_async(lambda: len(long.tokens) >= before + 8 or reader.done(), 60,
+                                           "8 more tokens of the long request")  # fmt: skip
+                finally:
+                    reader.cancel()
+            return long, before, waiting  # the stream closed under the long request: its client hung up
+
+    long, before, idle = asyncio.run(main())
+    assert long.status == 200 and long.error is None and len(long.tokens) >= before + 8, long
     assert idle.status == 200 and idle.tokens == [] and idle.done, idle
     assert idle.error["code"] == "timeout" and "limits.stream_idle_timeout_s" in idle.error["message"], idle.error
 
@@ -349,8 +364,3 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url):
         return replica["ok"] and replica["num_in_use_blocks"] == 0 and replica["num_requests"] == 0
 
     wait_until(idle_replica, 30, "the busy replica idle, nothing held")
-
-
-async def _complete(client: httpx.AsyncClient, path: str, request_id: str, max_tokens: int) -> httpx.Response:
-    body = {"model": _model(path), "prompt": PROMPT_IDS[0], "max_tokens": max_tokens, "ignore_eos": True}
-    return await client.post(path + "/v1/completions", json=body, headers={"X-Request-Id": request_id})
