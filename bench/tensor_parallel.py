@@ -82,14 +82,13 @@ def _rows(base: int, blocks: int, pool_blocks: int, heads: int, first: int | Non
     one per block, or one per token (``first`` heads of ``heads``)."""
     import numpy as np
 
-    from kv_transport.descriptors import head_rows
+    from kv_transport.descriptors import PoolGeometry, head_rows
 
     head_bytes = HEAD_DIM * 4
     if first is not None or per_block:
         return head_rows(base, LAYERS, pool_blocks, BLOCK, heads, head_bytes, 0, range(blocks), first, count)
-    block_bytes = BLOCK * heads * head_bytes
-    starts = base + np.arange(2 * LAYERS, dtype=np.int64) * pool_blocks * block_bytes
-    return np.stack([starts, np.full_like(starts, blocks * block_bytes), np.zeros_like(starts)], axis=1)
+    geometry = PoolGeometry(base, LAYERS, pool_blocks, BLOCK * heads * head_bytes, 0)  # the transport's own rows
+    return np.asarray(geometry.descs([(0, blocks)]), dtype=np.int64)
 
 
 def _time(op: str, initiator, peer, local, remote) -> float:
