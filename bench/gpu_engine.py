@@ -68,8 +68,15 @@ KERNEL_KINDS = (
     ("copy", ("memcpy", "memset", "index", "gather", "scatter", "cat")),
 )
 # decode modes (``use_mode``) and their rows' names; the graph replay rows of ``graphs`` keep their first name
-MODES = {"fused": "CUDA graphs, fused kernels", "graphs": "CUDA graphs", "eager": "eager"}
+MODES = {
+    "fused": "CUDA graphs, fused kernels",
+    "fused-sync": "CUDA graphs, fused kernels, synchronous steps",
+    "fused-lt": "CUDA graphs, fused kernels, cuBLASLt products",
+    "graphs": "CUDA graphs",
+    "eager": "eager",
+}
 REPLAY_SUFFIX = {"fused": ", fused kernels", "graphs": ""}
+DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()  # PyTorch's choice, restored after "fused-lt"
 HEADER = "\n".join(table("measurement | value | unit | time ms | floor ms | time / floor | notes", []))
 
 
@@ -176,11 +183,17 @@ def hbm_floor_ms(weight_bytes: int, copy: Row) -> float | None:
 
 
 def use_mode(core: EngineCore, mode: str) -> None:
-    """Decode steps from now on: ``fused`` (graphs on the fused kernels, the default on a GPU),
-    ``graphs`` (graphs of the model's own forward) or ``eager``."""
-    kernels = core.runner.triton_decode_kernels() if mode == "fused" else None
-    if mode == "fused" and kernels is None:
+    """Decode steps from now on: ``fused`` (graphs on the fused kernels, steps overlapped by the
+    asynchronous scheduling: the default on a GPU), ``fused-sync`` (the same, one step at a
+    time), ``fused-lt`` (the same as ``fused`` with PyTorch told to prefer cuBLASLt for the
+    products), ``graphs`` (graphs of the model's own forward) or ``eager``."""
+    fused = mode.startswith("fused")
+    kernels = core.runner.triton_decode_kernels() if fused else None
+    if fused and kernels is None:
         raise RuntimeError("the fused decode kernels cannot run here (the engine's log says why)")
+    core.config = core.config.model_copy(update={"async_scheduling": "off" if mode == "fused-sync" else "auto"})
+    if core.device.type == "cuda":  # before the graphs are captured: they keep the kernels chosen then
+        torch.backends.cuda.preferred_blas_library("cublaslt" if mode == "fused-lt" else DEFAULT_BLAS)
     core.runner.use_cuda_graphs(DEFAULT_CUDA_GRAPH_BATCH_SIZES if mode != "eager" else None, kernels=kernels)
 
 
@@ -197,12 +210,17 @@ def decode_row(
     run_decode(core, make_requests(core, "warm", batch, prompt_len, 4))
     decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, prompt_len, sizes.new_tokens))
     floor_ms = hbm_floor_ms(weight_bytes, copy)
+    step_ms = decode_s / (tokens / batch) * 1e3  # per token of each sequence (a step in flight lands later)
     notes = f"{steps} steps, ctx {prompt_len}-{prompt_len + sizes.new_tokens}; "
     notes += f"floor: {weight_bytes / 1e6:,.1f} MB of weights / copy GB/s (read+written)"
+    kv_bytes = batch * (prompt_len + sizes.new_tokens // 2) * core.layout.bytes_per_token
+    with_kv = hbm_floor_ms(weight_bytes + kv_bytes, copy)
+    if with_kv:
+        notes += f"; with the K/V read ({kv_bytes / 1e6:,.1f} MB): {with_kv:.3f} ms, x{step_ms / with_kv:.2f}"
     if core.runner.graphs is not None:
         captured = ", ".join(f"{k.batch}x{k.num_blocks}" for k in core.runner.graphs.captured)
         notes += f"; graphs (batch x blocks): {captured}; {core.runner.graphs.num_replays} replays"
-    return Row(label, tokens / decode_s, "tok/s", decode_s / steps * 1e3, floor_ms, notes)
+    return Row(label, tokens / decode_s, "tok/s", step_ms, floor_ms, notes)
 
 
 def replay_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row) -> Row:
@@ -330,10 +348,10 @@ def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row,
             args = (core, batch, sizes, weight_bytes, copy)
             yield guarded(label, functools.partial(decode_row, label, *args, mode))
             core.abort_all()  # a failed row must not leave requests behind for the next
-            if mode != "eager" and core.device.type == "cuda":
+            if mode in REPLAY_SUFFIX and core.device.type == "cuda":
                 replay_label = f"{name} graph replay alone, batch {batch}{REPLAY_SUFFIX[mode]}"
                 yield guarded(replay_label, functools.partial(replay_row, replay_label, *args))
-            if mode != "eager" or batch == 1:
+            if mode in REPLAY_SUFFIX or (mode == "eager" and batch == 1):
                 kernels_label = f"{name} kernels of a decode step, batch {batch}, {variant}"
                 yield guarded(kernels_label, functools.partial(kernels_row, kernels_label, *args, mode))
                 core.abort_all()

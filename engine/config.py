@@ -54,6 +54,12 @@ class EngineSettings(BaseModel):
         description="CUDA: batch sizes with a decode graph; a batch is padded up to the next, larger ones run eagerly",
     )
 
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="prepare the next decode step while the device runs this one (engine.overlap); "
+        "auto: where decode steps replay from CUDA graphs; on: everywhere (no gain on CPU)",
+    )
+
     def graph_batch_sizes(self) -> tuple[int, ...] | None:
         """What ``ModelRunner`` takes: the graph batch sizes, or None when graphs are off."""
         return tuple(sorted(set(self.cuda_graph_batch_sizes))) if self.cuda_graphs else None

@@ -14,6 +14,7 @@ recomputed here unless ``EngineConfig.recompute_remote_kv``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -33,6 +34,7 @@ from engine.config import EngineConfig, resolve_limits
 from engine.detokenizer import TextStream
 from engine.kv_pool import layout_for
 from engine.loader import LoadedModel, ModelSpec, load_model
+from engine.overlap import PLACEHOLDER, FedTokens, InFlight
 from engine.params import (
     ContextLimits,
     EngineStats,
@@ -46,8 +48,15 @@ from engine.params import (
     TokenLogprobs,
     check_fits,
 )
-from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties, sample_batch, token_logprobs
-from engine.scheduler import ScheduledChunk, Scheduler, SequenceState
+from engine.sampling import (
+    TokenHistory,
+    apply_logit_bias,
+    apply_penalties,
+    sample_batch,
+    sample_tokens,
+    token_logprobs,
+)
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerPlan, SequenceState
 from engine.speculative import SpecCounters, SpecState, propose_ngram
 from engine.structured import GrammarCache, GrammarMatcher, apply_grammar_masks
 from engine.tensor_parallel import HEARTBEAT_S, check_degree, shard_for
@@ -70,6 +79,17 @@ class _Request:
     history: TokenHistory | None = None  # token counts, for penalties
     grammar: GrammarMatcher | None = None  # response_format's position, advanced by each token
     spec: SpecState | None = None  # speculative decoding's recent acceptance (None: it never proposes)
+    in_flight: int = 0  # placeholders ending ``seq.token_ids``: sampled in steps not landed (engine.overlap)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated and known on the host (placeholders not counted)."""
+        return self.seq.num_output_tokens - self.in_flight
+
+    @property
+    def plain(self) -> bool:
+        """Its sampling needs nothing from its tokens on the host (``engine.overlap``)."""
+        return not self.prefill_only and self.history is None and self.grammar is None and self.spec is None
 
 
 class EngineCore:
@@ -124,6 +144,7 @@ class EngineCore:
         self._reserved: dict[str, list[int]] = {}
         self._held_since: dict[str, float] = {}  # pinned or reserved request -> since (monotonic)
         self._pending: list[RequestOutput] = []
+        self._inflight: InFlight | None = None  # a launched step not landed yet (engine.overlap)
         # sampling runs where the logits are, so the generators live on the model's device
         self._default_generator = torch.Generator(device=self.device).manual_seed(random.getrandbits(63))
         self._ids = itertools.count()
@@ -269,6 +290,11 @@ class EngineCore:
         for request_id in [*self._requests, *self._pinned, *self._reserved]:
             self.abort(request_id)
         self._pending.clear()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            with contextlib.suppress(Exception):  # a failed step: its blocks are freed all the same
+                inflight.wait()
+            self.allocator.free(inflight.free_after)
 
     def set_role(self, role: Role) -> None:
         self.role = Role(role)
@@ -317,34 +343,129 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending) or self._inflight is not None or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, sample; returns what each touched request produced.
 
         Outputs made between steps (a decode's first token from ``add_decode``) are returned
         by a step of their own, without running the model, so they never wait for a forward pass.
+        With asynchronous scheduling (``engine.overlap``) a decode step may be left in flight:
+        it returns nothing, and the next ``step()`` launches the one after before returning
+        its outputs.
         """
         if self._pending:
             outputs, self._pending = self._pending, []
             return outputs
-        outputs = []
+        if self._inflight is not None:
+            return self._step_ahead()
         self._propose()
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            return outputs
+            return []
         start = time.perf_counter()
         logits = self._execute(plan.chunks)
+        self._count_computed(plan, start, cache=True)
+        sampled = [c for c in plan.chunks if c.sample]
+        if self._may_overlap(plan):
+            self._launch(logits, sampled, start)
+            return []
+        outputs = self._sample(logits, sampled)
+        self._step_times.append(time.perf_counter() - start)
+        self.num_model_steps += 1
+        return outputs
+
+    def _count_computed(self, plan: SchedulerPlan, start: float, cache: bool) -> None:
+        """After a step's forward: its tokens' KV is computed (proposals: once accepted), the
+        full blocks go to the prefix cache (``cache``: not while a placeholder is in them)."""
         for seq, chunk in zip(plan.scheduled, plan.chunks):
-            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft  # proposals: once accepted
-            if not chunk.num_draft:
+            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft
+            if cache and not chunk.num_draft:
                 self.scheduler.cache_computed(seq)
             state = self._requests[chunk.request_id]
             if state.scheduled_at is None:
                 state.scheduled_at = start
-        outputs += self._sample(logits, [c for c in plan.chunks if c.sample])
-        self._step_times.append(time.perf_counter() - start)
+
+    # ---- asynchronous scheduling (engine.overlap) --------------------------------------
+
+    def _overlap_enabled(self) -> bool:
+        mode = self.config.async_scheduling
+        if mode == "off" or self.tp is not None or self.config.speculative.enabled:
+            return False
+        return mode == "on" or self.runner.graphs is not None
+
+    def _may_overlap(self, plan: SchedulerPlan) -> bool:
+        """Whether this step may stay in flight: every running request decodes one token in
+        it, with a sampling that needs nothing from the host, and nothing waits."""
+        scheduler = self.scheduler
+        if not self._overlap_enabled() or plan.preempted or scheduler.waiting:
+            return False
+        if len(plan.chunks) != len(scheduler.running):
+            return False
+        return all(
+            c.is_decode and c.sample and not c.in_prompt and not c.num_draft and self._requests[c.request_id].plain
+            for c in plan.chunks
+        )
+
+    def _may_continue(self, landing: InFlight) -> bool:
+        """Whether the next step may be launched before ``landing``'s tokens are read: nothing
+        waits, every running request was sampled in ``landing`` (so its next token is there),
+        one at least may go on past it, and the step takes no block from anyone."""
+        scheduler, running = self.scheduler, self.scheduler.running
+        if not self._overlap_enabled() or scheduler.waiting or not running:
+            return False
+        if len(running) > scheduler.max_num_batched_tokens:
+            return False
+        states = [self._requests[seq.request_id] for seq in running]
+        if any(id(state) not in landing.row_of for state in states):
+            return False
+        if all(s.seq.num_output_tokens >= s.request.sampling.max_tokens for s in states):
+            return False  # each ends when its token lands
+        needed = sum(self.allocator.blocks_needed(seq.num_tokens) - len(seq.block_ids) for seq in running)
+        return self.allocator.can_allocate(needed)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """With a step in flight: launch the next one if the batch allows (its tokens fed on the
+        device from the one in flight), then land the one in flight."""
+        landing, self._inflight = self._inflight, None
+        if self._may_continue(landing):
+            plan = self.scheduler.schedule()
+            start = time.perf_counter()
+            rows = [landing.row_of[id(self._requests[c.request_id])] for c in plan.chunks]
+            logits = self.runner.execute(plan.chunks, FedTokens(landing.tokens, rows))
+            self._count_computed(plan, start, cache=False)  # cached as their tokens land
+            self._launch(logits, list(plan.chunks), start)
+        return self._land(landing)
+
+    def _launch(self, logits: torch.Tensor, chunks: list[ScheduledChunk], start: float) -> None:
+        """Sample ``chunks``' tokens on the device and leave the step in flight: each request
+        holds a placeholder until they land."""
+        states = [self._requests[c.request_id] for c in chunks]
+        processed = self._processed_logits(logits, states)
+        tokens = sample_tokens(processed, [s.request.sampling for s in states], [s.generator for s in states])
+        for state in states:
+            state.seq.token_ids.append(PLACEHOLDER)
+            state.in_flight += 1
+        self._inflight = InFlight.launch(states, tokens, logits, start)
         self.num_model_steps += 1
+
+    def _land(self, landing: InFlight) -> list[RequestOutput]:
+        """Wait for ``landing``'s tokens, free the blocks that waited for it, and append each
+        token in its placeholder's place: the outputs of that step."""
+        tokens = landing.wait()
+        self.allocator.free(landing.free_after)
+        outputs = []
+        for row, (state, token) in enumerate(zip(landing.states, tokens)):
+            if self._requests.get(state.request.request_id) is not state:
+                continue  # it ended while the step ran: aborted, or ended by its previous token
+            seq = state.seq
+            seq.token_ids[len(seq.token_ids) - state.in_flight] = token
+            state.in_flight -= 1
+            self.scheduler.cache_computed(seq)
+            num_top = state.request.sampling.logprobs
+            logprobs = token_logprobs(landing.logits[row], token, num_top) if num_top is not None else None
+            outputs.append(self._took_token(state, token, logprobs))
+        self._step_times.append(time.perf_counter() - landing.started)
         return outputs
 
     def _execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -455,8 +576,12 @@ class EngineCore:
     def _append_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """Add one sampled token (or a decode's first token, sampled elsewhere): advance the
         request's sampling state by it, then end the request if it must end here."""
-        seq, sp = state.seq, state.request.sampling
-        seq.token_ids.append(token)
+        state.seq.token_ids.append(token)
+        return self._took_token(state, token, logprobs)
+
+    def _took_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """``_append_token`` once the token is in ``seq.token_ids``."""
+        sp = state.request.sampling
         lps = (logprobs,) if logprobs is not None else ()
         if state.history is not None:
             state.history.add(token)
@@ -468,7 +593,7 @@ class EngineCore:
         if hit_stop or complete or token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos):
             # the held-back tail too (nothing is held back after a stop string: it was cut there)
             return self._finish(state, FinishReason.STOP, text + state.stream.flush(), (token,), logprobs=lps)
-        if seq.num_output_tokens >= sp.max_tokens:
+        if state.num_output_tokens >= sp.max_tokens:
             return self._finish(state, FinishReason.LENGTH, text + state.stream.flush(), (token,), logprobs=lps)
         if state.prefill_only:
             return self._pin(state, text, token, lps)
@@ -491,7 +616,14 @@ class EngineCore:
         error: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> RequestOutput:
-        self.scheduler.remove(state.seq)
+        if state.in_flight:  # tokens sampled after this one are dropped
+            del state.seq.token_ids[-state.in_flight :]
+            state.in_flight = 0
+        blocks = self.scheduler.remove(state.seq, free_blocks=False)
+        if self._inflight is not None and self._inflight.holds(state):
+            self._inflight.free_after += blocks  # the device may still write its K/V
+        else:
+            self.allocator.free(blocks)
         del self._requests[state.request.request_id]
         return self._output(state, tokens, text, True, reason, logprobs, error=error)
 
@@ -508,7 +640,7 @@ class EngineCore:
     ) -> RequestOutput:
         seq = state.seq
         timing = None
-        if tokens and seq.num_output_tokens == 1 and state.scheduled_at is not None and not seq.remote_kv:
+        if tokens and state.num_output_tokens == 1 and state.scheduled_at is not None and not seq.remote_kv:
             timing = (state.scheduled_at - state.admitted_at, time.perf_counter() - state.scheduled_at)
         return RequestOutput(
             request_id=state.request.request_id,
@@ -517,7 +649,7 @@ class EngineCore:
             finished=finished,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=state.num_output_tokens,
             logprobs=logprobs,
             error=error,
             pinned_block_ids=pinned,
@@ -538,6 +670,8 @@ class EngineCore:
             problems.append(str(exc))
         holders = [state.seq.block_ids for state in self._requests.values()]
         holders += [*self._pinned.values(), *self._reserved.values()]
+        if self._inflight is not None:
+            holders.append(self._inflight.free_after)  # ended requests' blocks, the step in flight's
         owners = Counter(block for blocks in holders for block in blocks)
         references = allocator.references()
         orphans = [b for b, count in enumerate(references) if count > owners[b]]

@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES as DEFAULT_BATCH_SIZES
+from engine.overlap import FedTokens
 from engine.scheduler import ScheduledChunk
 
 WARMUP_RUNS = 2  # eager runs before a capture (lazy initialisations, allocator state)
@@ -71,14 +72,18 @@ def graph_key(chunks: Sequence[ScheduledChunk], block_size: int, batch_sizes: Se
     return GraphKey(batch, num_blocks)
 
 
-def decode_inputs(chunks: Sequence[ScheduledChunk], key: GraphKey, block_size: int) -> list[int]:
+def decode_inputs(
+    chunks: Sequence[ScheduledChunk], key: GraphKey, block_size: int, fed: FedTokens | None = None
+) -> list[int]:
     """The step's flat static inputs (layout in the module docstring), padded to ``key``:
-    rows past ``len(chunks)`` repeat row 0, tables past a sequence's blocks hold block 0."""
-    rows = list(chunks) + [chunks[0]] * (key.batch - len(chunks))
-    ids, positions, slots, lengths, tables = [], [], [], [], []
+    rows past ``len(chunks)`` repeat row 0, tables past a sequence's blocks hold block 0. With
+    ``fed``, the token ids' place holds each row's index into ``fed.tokens`` instead."""
+    padding = key.batch - len(chunks)
+    rows = list(chunks) + [chunks[0]] * padding
+    ids = [c.token_ids[0] for c in rows] if fed is None else [*fed.rows, *[fed.rows[0]] * padding]
+    positions, slots, lengths, tables = [], [], [], []
     for c in rows:
         pos = c.start_pos
-        ids.append(c.token_ids[0])
         positions.append(pos)
         slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
         lengths.append(pos + 1)
@@ -182,18 +187,20 @@ class DecodeGraphs:
     def captured(self) -> list[GraphKey]:
         return list(self._graphs)
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+    def run(self, chunks: Sequence[ScheduledChunk], fed: FedTokens | None = None) -> torch.Tensor | None:
         """The step's logits ``[len(chunks), vocab]`` (float32, chunk order) from a graph, or
-        None when this step must run eagerly."""
+        None when this step must run eagerly. ``fed``: the input tokens come from the device."""
         key = graph_key(chunks, self.block_size, self.batch_sizes, self.max_blocks)
         if key is None:
             return None
-        host = torch.tensor(decode_inputs(chunks, key, self.block_size), dtype=torch.int64)
+        # pinned on CUDA: the copy is queued behind a step still in flight, not waited for
+        pinned = self._device.type == "cuda"
+        host = torch.tensor(decode_inputs(chunks, key, self.block_size, fed), dtype=torch.int64, pin_memory=pinned)
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._capture(key, host)
+            captured = self._capture(key, host, fed)
         else:
-            captured.static.inputs.copy_(host, non_blocking=True)
+            _fill(captured.static, host, fed)
             captured.graph.replay()
         self.num_replays += 1
         return captured.logits[: len(chunks)].clone()  # the next replay overwrites the static output
@@ -203,14 +210,22 @@ class DecodeGraphs:
         for a benchmark to time (it rewrites that step's K/V into the same slots, the same values)."""
         self._graphs[key].graph.replay()
 
-    def _capture(self, key: GraphKey, host: torch.Tensor) -> _Captured:
+    def _capture(self, key: GraphKey, host: torch.Tensor, fed: FedTokens | None) -> _Captured:
         """Capture ``key``'s graph on this step's inputs; warm-up runs and the replay below
         write this step's K/V into its own slots, the same values each time."""
         static = StaticDecode(key, self.block_size, self._device)
-        static.inputs.copy_(host)
+        _fill(static, host, fed)
         graph = self._graph_type(self._pool)
         logits = graph.capture(lambda: self._forward(static))
         captured = _Captured(static, graph, logits)
         graph.replay()  # capture records the kernels without running them
         self._graphs[key] = captured
         return captured
+
+
+def _fill(static: StaticDecode, host: torch.Tensor, fed: FedTokens | None) -> None:
+    """Copy a step's inputs into a graph's static buffer; ``fed``: then swap the row indices in
+    the token ids' place for the tokens there (on the device, nothing read back)."""
+    static.inputs.copy_(host, non_blocking=True)
+    if fed is not None:
+        static.token_ids.copy_(fed.gather(static.token_ids))

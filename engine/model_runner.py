@@ -25,6 +25,7 @@ from engine.cuda_graphs import DEFAULT_BATCH_SIZES, BaseGraph, DecodeGraphs, Sta
 from engine.decode_kernels import DecodeKernels, triton_available
 from engine.fused_decode import FusedDecode, unsupported
 from engine.kv_pool import KVPool
+from engine.overlap import FedTokens
 from engine.scheduler import ScheduledChunk
 from engine.weights import optimize_cpu_layout, optimize_cuda_layout, packed_bytes
 
@@ -133,20 +134,23 @@ class ModelRunner:
             hook(idx, self._chunks)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+    def execute(self, chunks: Sequence[ScheduledChunk], fed: FedTokens | None = None) -> torch.Tensor | None:
         """Run one step; returns float32 logits ``[sum of num_sampled, vocab]``: each sampled
-        chunk's rows (``ScheduledChunk.num_sampled``) in ``chunks`` order.
+        chunk's rows (``ScheduledChunk.num_sampled``) in ``chunks`` order. ``fed``: every chunk
+        is one decode token, taken on the device from the step before (``engine.overlap``).
 
-        Every index tensor is built from Python lists and copied to the device before the
-        forward is queued: on CUDA each such copy waits for the stream, which is idle then
-        (the previous step ended reading its sampled tokens)."""
+        In an eager step every index tensor is built from Python lists and copied to the
+        device before the forward is queued: on CUDA each such copy waits for the stream (a
+        graph-replayed step's inputs are queued behind it instead)."""
         if self.graphs is not None and not (self._layer_hooks and any(c.in_prompt for c in chunks)):
-            logits = self.graphs.run(chunks)
+            logits = self.graphs.run(chunks, fed)
             if logits is not None:
                 return logits
         order = sorted(range(len(chunks)), key=lambda i: _row_kind(chunks[i]))
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, first_row = self._build(ordered)
+        if fed is not None:  # all decode: one packed row per chunk, in ``order``
+            input_ids = fed.gather(torch.tensor([fed.rows[i] for i in order], device=self.device))
         sampled_rows = {order[i]: first_row[i] for i in range(len(ordered))}
         # each sampled chunk's rows in ``chunks`` order: its last token's, then one per proposal
         rows = [r for i, c in enumerate(chunks) for r in range(sampled_rows[i], sampled_rows[i] + c.num_sampled)]

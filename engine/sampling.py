@@ -86,6 +86,17 @@ def sample_batch(
     """One token per row; greedy rows in one argmax, the others row by row with their generator.
     A row with a proposal (``drafts[i]`` not None) that samples goes through ``verify_token``.
     The ids are read back from the logits' device once, at the end (one sync on CUDA)."""
+    return sample_tokens(logits, params, generators, drafts).tolist()
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    drafts: Sequence[int | None] = (),
+) -> torch.Tensor:
+    """``sample_batch``'s tokens as an int64 tensor on the logits' device; without proposals
+    nothing is read back (the asynchronous scheduling's path: ``engine.overlap``)."""
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
@@ -95,7 +106,7 @@ def sample_batch(
             tokens[i] = sample_row(logits[i], p, generators[i])
         else:
             tokens[i] = verify_token(sampling_probs(logits[i], p), draft, generators[i])
-    return tokens.tolist()
+    return tokens
 
 
 def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

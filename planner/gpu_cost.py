@@ -192,7 +192,7 @@ def load_gpu_calibration(path: str | Path) -> GpuCalibration:
 def rows_from_gpu_engine(data: dict[str, Any], engine: str = "eager") -> list[StepRow]:
     """``bench.gpu_engine``'s decode and prefill rows of ``engine`` (decode rows named ``..., CUDA
     graphs, fused kernels`` are the ``fused`` engine, ``..., CUDA graphs`` ``graphs``, the others
-    ``eager``; prefill runs eagerly in both, so its
+    ``eager``, but for the comparisons with synchronous steps or cuBLASLt; prefill runs eagerly in both, so its
     rows count for either); models by their shapes' names."""
     rows = []
     for row in data["rows"]:
@@ -200,6 +200,8 @@ def rows_from_gpu_engine(data: dict[str, Any], engine: str = "eager") -> list[St
         if match is None or row.get("error") or row.get("time_ms") is None:
             continue
         name = row["name"].lower()
+        if "synchronous" in name or "cublaslt" in name:
+            continue  # the benchmark's comparisons against the engine as shipped
         decode_engine = "fused" if "fused" in name else "graphs" if "graph" in name else "eager"
         if match["kind"] == "decode" and decode_engine != engine:
             continue

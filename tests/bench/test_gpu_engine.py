@@ -49,6 +49,8 @@ def test_the_dry_run_measures_every_row_of_a_tiny_model():
         "tiny-untied dummy weights on cpu",
         "tiny-untied decode batch 2, CUDA graphs, fused kernels",
         "tiny-untied kernels of a decode step, batch 2, CUDA graphs, fused kernels",
+        "tiny-untied decode batch 2, CUDA graphs, fused kernels, synchronous steps",
+        "tiny-untied decode batch 2, CUDA graphs, fused kernels, cuBLASLt products",
         "tiny-untied decode batch 2, CUDA graphs",
         "tiny-untied kernels of a decode step, batch 2, CUDA graphs",
         "tiny-untied decode batch 2, eager",
@@ -66,3 +68,4 @@ def test_the_dry_run_measures_every_row_of_a_tiny_model():
     decode = rows["tiny-untied decode batch 2, eager"]
     assert decode.unit == "tok/s" and decode.value > 0 and decode.notes.startswith("7 steps, ctx 16-24")
     assert decode.floor_ms > 0 and rows["tiny-untied prefill 256 tokens"].floor_ms > 0
+    assert "; with the K/V read (0.0 MB): " in decode.notes  # 2 x 20 tokens x 512 bytes

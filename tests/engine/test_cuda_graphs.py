@@ -141,7 +141,8 @@ def test_fused_decode_steps_give_the_eager_tokens(make_engine, family):
     num_tokens = [8, 16, 24]
     eager_core = make_engine(twin, block_size=8, max_model_len=256)
     eager = _generate(eager_core, prompts, num_tokens)
-    core = make_engine(loaded, block_size=8, max_model_len=256)
+    # synchronous steps: an asynchronous one also writes a finished request's last token's K/V
+    core = make_engine(loaded, block_size=8, max_model_len=256, async_scheduling="off")
     core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph, kernels=DecodeKernels(triton=False))
     assert core.runner.fused_decode is not None
     fused = _generate(core, prompts, num_tokens)

@@ -69,3 +69,34 @@ def test_graphs_and_fused_kernels_are_on_by_default_on_cuda_and_padding_rows_tou
     changed = (core.pool.tensor != before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
     used = -(-(1 + 32) // 8) + -(-(5 + 32) // 8) + -(-(40 + 32) // 8)
     assert len(changed) <= used
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_in_flight_give_the_synchronous_tokens_and_an_abort_waits_for_its_step(cuda, dtype):
+    """``engine.overlap`` on the GPU (pinned token copies, events, tokens fed into the next
+    graph on the device): the synchronous engine's tokens; a request aborted while a step
+    holding it is in flight leaves the KV accounting whole, and every block is free at the end.
+    CPU tests of the bookkeeping: tests/engine/test_overlap.py."""
+    loaded, _ = tiny_pair("llama", DTYPES[dtype], cuda)
+    sync = EngineCore(copy.deepcopy(loaded), EngineConfig(**CONFIG, async_scheduling="off"))
+    core = EngineCore(loaded, EngineConfig(**CONFIG))
+    assert core.config.async_scheduling == "auto" and core.runner.graphs is not None
+    expected = run_to_completion(sync, requests("overlap"))
+    got = run_to_completion(core, requests("overlap"))
+    for rid, outputs in expected.items():
+        assert_same_output(trace_of(outputs), trace_of(got[rid]), exact=False, label=f"llama {dtype} {rid}")
+    first, second = requests("abort")[:2]
+    core.add_request(first)
+    core.add_request(second)
+    left_in_flight = [bool(core.step()) for _ in range(2)]  # the prompts, then a decode step in flight
+    assert left_in_flight == [True, False]
+    assert core.abort(first.request_id)
+    assert core.kv_report().problems == ()
+    tokens = [t for _ in range(4) for out in core.step() for t in out.token_ids if out.request_id == first.request_id]
+    assert tokens == []  # nothing after the abort, not even the token in flight
+    assert core.abort(second.request_id)
+    while core.has_work():
+        core.step()
+    report = core.kv_report()
+    assert report.problems == () and report.num_in_use_blocks == 0
+    torch.cuda.synchronize()
