@@ -145,6 +145,7 @@ class EngineCore:
         self._held_since: dict[str, float] = {}  # pinned or reserved request -> since (monotonic)
         self._pending: list[RequestOutput] = []
         self._inflight: InFlight | None = None  # a launched step not landed yet (engine.overlap)
+        self._last_landed = 0.0  # perf_counter when the last step in flight landed
         # sampling runs where the logits are, so the generators live on the model's device
         self._default_generator = torch.Generator(device=self.device).manual_seed(random.getrandbits(63))
         self._ids = itertools.count()
@@ -294,6 +295,8 @@ class EngineCore:
         if inflight is not None:
             with contextlib.suppress(Exception):  # a failed step: its blocks are freed all the same
                 inflight.wait()
+                if self.device.type == "cuda":  # and a step launched after it, if one failed there
+                    torch.cuda.synchronize(self.device)
             self.allocator.free(inflight.free_after)
 
     def set_role(self, role: Role) -> None:
@@ -428,13 +431,17 @@ class EngineCore:
         """With a step in flight: launch the next one if the batch allows (its tokens fed on the
         device from the one in flight), then land the one in flight."""
         landing, self._inflight = self._inflight, None
-        if self._may_continue(landing):
-            plan = self.scheduler.schedule()
-            start = time.perf_counter()
-            rows = [landing.row_of[id(self._requests[c.request_id])] for c in plan.chunks]
-            logits = self.runner.execute(plan.chunks, FedTokens(landing.tokens, rows))
-            self._count_computed(plan, start, cache=False)  # cached as their tokens land
-            self._launch(logits, list(plan.chunks), start)
+        try:
+            if self._may_continue(landing):
+                plan = self.scheduler.schedule()
+                start = time.perf_counter()
+                rows = [landing.row_of[id(self._requests[c.request_id])] for c in plan.chunks]
+                logits = self.runner.execute(plan.chunks, FedTokens(landing.tokens, rows))
+                self._count_computed(plan, start, cache=False)  # cached as their tokens land
+                self._launch(logits, list(plan.chunks), start)
+        except BaseException:
+            self._inflight = landing  # ``abort_all`` waits for it and frees what waited for it
+            raise
         return self._land(landing)
 
     def _launch(self, logits: torch.Tensor, chunks: list[ScheduledChunk], start: float) -> None:
@@ -452,8 +459,10 @@ class EngineCore:
     def _land(self, landing: InFlight) -> list[RequestOutput]:
         """Wait for ``landing``'s tokens, free the blocks that waited for it, and append each
         token in its placeholder's place: the outputs of that step."""
-        tokens = landing.wait()
-        self.allocator.free(landing.free_after)
+        try:
+            tokens = landing.wait()
+        finally:  # a failed step: its blocks go back all the same (the requests are aborted next)
+            self.allocator.free(landing.free_after)
         outputs = []
         for row, (state, token) in enumerate(zip(landing.states, tokens)):
             if self._requests.get(state.request.request_id) is not state:
@@ -465,7 +474,9 @@ class EngineCore:
             num_top = state.request.sampling.logprobs
             logprobs = token_logprobs(landing.logits[row], token, num_top) if num_top is not None else None
             outputs.append(self._took_token(state, token, logprobs))
-        self._step_times.append(time.perf_counter() - landing.started)
+        now = time.perf_counter()  # a step in flight took from its launch or the last landing, the later
+        self._step_times.append(now - max(landing.started, self._last_landed))
+        self._last_landed = now
         return outputs
 
     def _execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:

@@ -148,3 +148,27 @@ def test_a_pool_too_small_for_every_request_is_scheduled_synchronously(make_engi
     _assert_same(run_to_completion(core, {0: _requests(params, prompts)}), expected)
     assert sync.scheduler.num_preemptions > 0
     assert core.scheduler.num_preemptions == sync.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_a_step_that_fails_while_another_is_in_flight_loses_no_block(make_engine, mode):
+    """The next step's forward raises with a step in flight: ``abort_all`` (what the engine
+    thread does after a failed step) waits for the one in flight and frees every block."""
+    core = _engine(make_engine, mode)
+    for request in _requests([_greedy(20), _greedy(20), _greedy(20)]):
+        core.add_request(request)
+    core.step()  # the prompts
+    assert core.step() == []  # a decode step in flight
+    assert core.abort("r2")  # its blocks wait for that step
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    core.runner.execute = broken
+    assert [o.finish_reason for o in core.step()] == [FinishReason.ABORT]  # r2's output first
+    with pytest.raises(RuntimeError, match="injected"):
+        core.step()
+    core.abort_all()
+    assert not core.has_work()
+    report = core.kv_report()
+    assert report.problems == () and report.num_in_use_blocks == 0
