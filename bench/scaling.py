@@ -14,6 +14,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -401,13 +402,13 @@ def main(argv: list[str] | None = None) -> None:
         builder = PromptBuilder(tokenizer())
         for index, system in enumerate(options.systems):
             started, args = time.time(), {**COMMON, **SYSTEMS[system]}
-            with Server("disagg", args, index) as server:
-                target = Target(server.url, server.model())
-                warm_up(target, [request(builder, 0, 10_000)])
-                load, cpu = partial(closed_loop, target, options.steps, builder), CpuMeter().read
-                (rows, duration), timeline, decisions, (_, wall0) = polled(target.url, load, extra=cpu, linger_s=2.0)
-                logs = server.log_dir
-            kept = scaling_lines(logs) if logs is not None else []
+            with tempfile.TemporaryDirectory() as logs:  # the cluster's logs, kept past its end
+                with Server("disagg", args, index, keep_logs=Path(logs)) as server:
+                    target = Target(server.url, server.model())
+                    warm_up(target, [request(builder, 0, 10_000)])
+                    load, cpu = partial(closed_loop, target, options.steps, builder), CpuMeter().read
+                    (rows, duration), timeline, decisions, (_, wall0) = polled(target.url, load, extra=cpu, linger_s=2)
+                kept = scaling_lines(Path(logs))
             base = (system, command, time.time() - started, duration, rows, timeline, decisions)  # SystemRun's fields
             result = ScalingRun(*base, args=args, steps=options.steps, log_lines=kept, wall0=wall0)
             save_run(options.raw, result)
