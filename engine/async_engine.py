@@ -262,14 +262,14 @@ class AsyncEngine:
         results = self._apply_commands()
         outputs: list[RequestOutput] = []
         error = None
-        model_steps = core.num_model_steps
+        progress = (core.num_model_steps, core.num_landings)  # a step that ran the model or landed one
         if core.has_work():
             try:
                 outputs = core.step()
             except Exception as exc:  # a bug in the step: fail loudly, keep serving new requests
                 core.abort_all()
                 error = exc
-        stepped = core.num_model_steps != model_steps
+        stepped = (core.num_model_steps, core.num_landings) != progress
         if results or outputs or error is not None or stepped:
             self._latest_stats = core.stats()  # before delivery: an answered command is in it
         if results or outputs or error is not None:

@@ -52,6 +52,8 @@ from engine.sampling import (
     TokenHistory,
     apply_logit_bias,
     apply_penalties,
+    batch_logprobs,
+    on_device,
     sample_batch,
     sample_tokens,
     token_logprobs,
@@ -146,6 +148,7 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         self._inflight: InFlight | None = None  # a launched step not landed yet (engine.overlap)
         self._last_landed = 0.0  # perf_counter when the last step in flight landed
+        self.num_landings = 0  # steps in flight landed (each is a step that made progress)
         # sampling runs where the logits are, so the generators live on the model's device
         self._default_generator = torch.Generator(device=self.device).manual_seed(random.getrandbits(63))
         self._ids = itertools.count()
@@ -287,16 +290,16 @@ class EngineCore:
         return self.release(request_id)
 
     def abort_all(self) -> None:
-        """Abort every request and drop pinned and reserved blocks (after a failed step)."""
+        """Abort every request and drop pinned and reserved blocks (after a failed step). On
+        CUDA it first waits for the device: a step still queued there may write their blocks."""
+        if self.device.type == "cuda":
+            with contextlib.suppress(Exception):  # a failed step: its blocks are freed all the same
+                torch.cuda.synchronize(self.device)
+        inflight, self._inflight = self._inflight, None
         for request_id in [*self._requests, *self._pinned, *self._reserved]:
             self.abort(request_id)
         self._pending.clear()
-        inflight, self._inflight = self._inflight, None
         if inflight is not None:
-            with contextlib.suppress(Exception):  # a failed step: its blocks are freed all the same
-                inflight.wait()
-                if self.device.type == "cuda":  # and a step launched after it, if one failed there
-                    torch.cuda.synchronize(self.device)
             self.allocator.free(inflight.free_after)
 
     def set_role(self, role: Role) -> None:
@@ -401,7 +404,7 @@ class EngineCore:
         """Whether this step may stay in flight: every running request decodes one token in
         it, with a sampling that needs nothing from the host, and nothing waits."""
         scheduler = self.scheduler
-        if not self._overlap_enabled() or plan.preempted or scheduler.waiting:
+        if not self._overlap_enabled() or plan.preempted or self._admissible():
             return False
         if len(plan.chunks) != len(scheduler.running):
             return False
@@ -410,12 +413,16 @@ class EngineCore:
             for c in plan.chunks
         )
 
+    def _admissible(self) -> bool:
+        """A request waits that the next step might admit (none while ``max_num_seqs`` run)."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
+
     def _may_continue(self, landing: InFlight) -> bool:
         """Whether the next step may be launched before ``landing``'s tokens are read: nothing
         waits, every running request was sampled in ``landing`` (so its next token is there),
         one at least may go on past it, and the step takes no block from anyone."""
         scheduler, running = self.scheduler, self.scheduler.running
-        if not self._overlap_enabled() or scheduler.waiting or not running:
+        if not self._overlap_enabled() or self._admissible() or not running:
             return False
         if len(running) > scheduler.max_num_batched_tokens:
             return False
@@ -434,6 +441,8 @@ class EngineCore:
         try:
             if self._may_continue(landing):
                 plan = self.scheduler.schedule()
+                if plan.preempted or len(plan.chunks) != len(self.scheduler.running):
+                    raise RuntimeError(f"a step scheduled ahead must decode every request once: {plan}")
                 start = time.perf_counter()
                 rows = [landing.row_of[id(self._requests[c.request_id])] for c in plan.chunks]
                 logits = self.runner.execute(plan.chunks, FedTokens(landing.tokens, rows))
@@ -450,19 +459,22 @@ class EngineCore:
         states = [self._requests[c.request_id] for c in chunks]
         processed = self._processed_logits(logits, states)
         tokens = sample_tokens(processed, [s.request.sampling for s in states], [s.generator for s in states])
+        num_top = [s.request.sampling.logprobs for s in states if s.request.sampling.logprobs is not None]
+        logprobs = batch_logprobs(logits, tokens, max(num_top)) if num_top else ()  # raw logits, as ``_sample``
         for state in states:
             state.seq.token_ids.append(PLACEHOLDER)
             state.in_flight += 1
-        self._inflight = InFlight.launch(states, tokens, logits, start)
+        self._inflight = InFlight.launch(states, tokens, logprobs, start)
         self.num_model_steps += 1
 
     def _land(self, landing: InFlight) -> list[RequestOutput]:
         """Wait for ``landing``'s tokens, free the blocks that waited for it, and append each
         token in its placeholder's place: the outputs of that step."""
         try:
-            tokens = landing.wait()
+            tokens, logprobs_of = landing.wait()
         finally:  # a failed step: its blocks go back all the same (the requests are aborted next)
             self.allocator.free(landing.free_after)
+        self.num_landings += 1
         outputs = []
         for row, (state, token) in enumerate(zip(landing.states, tokens)):
             if self._requests.get(state.request.request_id) is not state:
@@ -472,7 +484,7 @@ class EngineCore:
             state.in_flight -= 1
             self.scheduler.cache_computed(seq)
             num_top = state.request.sampling.logprobs
-            logprobs = token_logprobs(landing.logits[row], token, num_top) if num_top is not None else None
+            logprobs = logprobs_of(row, num_top) if num_top is not None else None
             outputs.append(self._took_token(state, token, logprobs))
         now = time.perf_counter()  # a step in flight took from its launch or the last landing, the later
         self._step_times.append(now - max(landing.started, self._last_landed))
@@ -566,8 +578,8 @@ class EngineCore:
             apply_logit_bias(processed, params)
             apply_penalties(processed, params, [s.history for s in sampled])
             if held:
-                rows = [row for row, ids in held for _ in ids]
-                processed[rows, [t for _, ids in held for t in ids]] = float("-inf")
+                rows = on_device([row for row, ids in held for _ in ids], self.device)
+                processed[rows, on_device([t for _, ids in held for t in ids], self.device)] = float("-inf")
             grammars = [s.grammar for s in sampled]
             if any(grammars):
                 apply_grammar_masks(processed, grammars, self.grammars.executor)

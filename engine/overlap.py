@@ -21,11 +21,13 @@ writing its K/V.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+
+from engine.params import TokenLogprobs
 
 PLACEHOLDER = -1  # a token sampled on the device, not read back yet
 
@@ -45,26 +47,29 @@ class FedTokens:
 @dataclass(eq=False)
 class InFlight:
     """A launched step whose sampled tokens the host has not read: ``states[i]`` (the engine's
-    per-request state) sampled ``tokens[i]``; ``logits`` kept for the requests' logprobs."""
+    per-request state) sampled ``tokens[i]``. What the host reads back, the tokens and the
+    log-probabilities that requests asked for (``engine.sampling.batch_logprobs``), is copied
+    to pinned host memory behind the step; ``ready`` is recorded after those copies."""
 
     states: list
     tokens: torch.Tensor
-    logits: torch.Tensor
     started: float
-    host: torch.Tensor  # the tokens' copy on the host (pinned on CUDA), filled behind the step
+    host: list[torch.Tensor]  # tokens; then, with logprobs, the token's, the top ids and values
     ready: torch.cuda.Event | None
     free_after: list[int] = field(default_factory=list)  # blocks of requests that ended while it ran
 
     @classmethod
-    def launch(cls, states: list, tokens: torch.Tensor, logits: torch.Tensor, started: float) -> InFlight:
-        """Queue the copy of ``tokens`` to the host behind the step (no wait on CUDA)."""
+    def launch(cls, states: list, tokens: torch.Tensor, logprobs: Sequence[torch.Tensor], started: float) -> InFlight:
+        """Queue the copies to the host behind the step (no wait on CUDA)."""
         if tokens.device.type != "cuda":
-            return cls(states, tokens, logits, started, tokens.cpu(), None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(states, tokens, started, [t.cpu() for t in (tokens, *logprobs)], None)
+        host = []
+        for tensor in (tokens, *logprobs):
+            host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
+            host[-1].copy_(tensor, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
-        return cls(states, tokens, logits, started, host, ready)
+        ready.record(torch.cuda.current_stream(tokens.device))
+        return cls(states, tokens, started, host, ready)
 
     @cached_property
     def row_of(self) -> dict[int, int]:
@@ -74,8 +79,18 @@ class InFlight:
     def holds(self, state: object) -> bool:
         return any(s is state for s in self.states)
 
-    def wait(self) -> list[int]:
-        """The sampled tokens, once the step is done (the copy follows its last kernel)."""
+    def wait(self) -> tuple[list[int], Callable[[int, int], TokenLogprobs] | None]:
+        """The sampled tokens, and a function giving row i's ``TokenLogprobs`` with its top n
+        (None without logprobs), once the step and its copies are done."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        tokens = self.host[0].tolist()
+        if len(self.host) == 1:
+            return tokens, None
+        chosen, top_ids, top_values = (t.tolist() for t in self.host[1:])
+
+        def logprobs(row: int, num_top: int) -> TokenLogprobs:
+            top = tuple(zip(top_ids[row][:num_top], top_values[row][:num_top]))
+            return TokenLogprobs(token_id=tokens[row], logprob=chosen[row], top=top)
+
+        return tokens, logprobs

@@ -53,7 +53,14 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     back (``generator``, when given, lives on that device)."""
     if params.greedy:
         return torch.argmax(logits)
-    return torch.multinomial(sampling_probs(logits, params), 1, generator=generator)[0]
+    return draw(sampling_probs(logits, params), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index drawn from ``probs``: argmax of p / q, q ~ Exp(1), what ``torch.multinomial``
+    does for one sample (the same draws from the same generator), without its checks of the
+    probabilities, which read them back: on CUDA a wait for everything queued before."""
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1, generator=generator))
 
 
 def verify_token(
@@ -107,6 +114,17 @@ def sample_tokens(
         else:
             tokens[i] = verify_token(sampling_probs(logits[i], p), draft, generators[i])
     return tokens
+
+
+def batch_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` of every row at once, on the logits' device, nothing read back: each
+    row's token's log-probability ``[rows]``, and its ``num_top`` most likely tokens' ids and
+    log-probabilities ``[rows, num_top]``."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(logprobs, num_top, dim=-1)
+    return logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top.indices, top.values
 
 
 def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
@@ -172,8 +190,16 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     if not rows:
         return
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
-    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    index = (on_device(rows, device), on_device(ids, device))
+    logits.index_put_(index, on_device(values, device, logits.dtype), accumulate=True)
+
+
+def on_device(values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` as a tensor on ``device``; on CUDA copied from pinned memory, queued behind
+    the work in flight instead of waiting for it (``engine.overlap``)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def apply_penalties(

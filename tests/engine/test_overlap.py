@@ -172,3 +172,17 @@ def test_a_step_that_fails_while_another_is_in_flight_loses_no_block(make_engine
     assert not core.has_work()
     report = core.kv_report()
     assert report.problems == () and report.num_in_use_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_a_full_batch_goes_on_in_flight_while_a_request_waits_for_room(make_engine, mode):
+    """With ``max_num_seqs`` requests running, a waiting request cannot be admitted anyway: the
+    steps stay in flight until one ends, then its prompt runs and they go on again."""
+    params, prompts = [_greedy(6), _greedy(14), _greedy(9)], PROMPTS[:3]
+    sync = _engine(make_engine, "sync", max_num_seqs=2)
+    expected = run_to_completion(sync, {0: _requests(params, prompts)})
+    core = _engine(make_engine, mode, max_num_seqs=2)
+    steps = []
+    core.step = _counted(core.step, steps)
+    _assert_same(run_to_completion(core, {0: _requests(params, prompts)}), expected)
+    assert steps.count(0) == 2  # from r0 and r1's first decode step on; from r1 and r2's after r2's prompt
