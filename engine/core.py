@@ -136,9 +136,9 @@ class EngineCore:
         self.role = config.role
         if config.speculative.enabled and self.device.type == "cuda":
             logger.warning(
-                "speculative decoding on CUDA verifies its proposals in eager steps, each costing "
-                "several decode steps replayed from CUDA graphs (docs/benchmarks/gpu.md): it pays "
-                "only where most proposals are accepted"
+                "speculative decoding on CUDA: verify steps replay from CUDA graphs of the model's "
+                "own forward, not the fused decode kernels, and cost more than a plain step; it "
+                "pays only where enough proposals are accepted (docs/benchmarks/gpu.md)"
             )
         self._eos_ids = eos_token_ids(model, self.tokenizer)
         self._requests: dict[str, _Request] = {}

@@ -12,17 +12,21 @@ padded up to fixed sizes:
 
 One step's static inputs are one flat int64 device tensor (one host-to-device copy)::
 
-    [ token ids (B) | positions (B) | slots (B) | lengths (B) | block tables (B x num_blocks) ]
+    [ token ids (BQ) | positions (BQ) | slots (BQ) | lengths (BQ) | block tables (B x num_blocks) ]
 
-Padding rows repeat row 0: the same token at the same position writes the same K/V to the
-same slot, so the duplicate writes of ``index_copy_`` agree and no other sequence's KV is
-touched (the pool has no scratch block). Their logits are computed and dropped.
+with Q queries per row (BQ = B x Q): 1 in a decode step; in a speculative verify step (a last
+token and its proposals per row) the longest row's count rounded up to a power of two, each
+shorter row repeating its last query. Padding rows repeat row 0: the same token at the same
+position writes the same K/V to the same slot, so the duplicate writes of ``index_copy_``
+agree and no other sequence's KV is touched (the pool has no scratch block). Their logits are
+computed and dropped.
 
-Only pure decode steps replay (every chunk one sampled token over cached context; with
-layer hooks, none computing a prompt token: a push's per-layer hook must run in Python, and
+Only steps of sampled chunks over cached context replay: decode steps, and verify steps where
+a verify forward is given (decode rows in them are verify rows without proposals); with
+layer hooks, none computing a prompt token (a push's per-layer hook must run in Python, and
 ``ModelRunner`` checks that). Anything else, or a batch or context beyond the largest size,
-runs eagerly. Graphs are captured on first use of each (batch,
-blocks) size, after warm-up runs on a side stream, into one memory pool shared by all.
+runs eagerly. Graphs are captured on first use of each (batch, blocks, queries) size, after
+warm-up runs on a side stream, into one memory pool shared by all.
 """
 
 from __future__ import annotations
@@ -59,17 +63,29 @@ def blocks_bucket(num_blocks: int, max_blocks: int) -> int | None:
 class GraphKey:
     batch: int
     num_blocks: int
+    num_queries: int = 1  # per row: 1 in a decode step, more in a verify step
 
 
-def graph_key(chunks: Sequence[ScheduledChunk], block_size: int, batch_sizes: Sequence[int], max_blocks: int):
-    """The graph a step replays on, or None when it must run eagerly (see the module docstring)."""
-    if not chunks or not all(c.is_decode and c.sample for c in chunks):
+def graph_key(
+    chunks: Sequence[ScheduledChunk], block_size: int, batch_sizes: Sequence[int], max_blocks: int, verify: bool = False
+) -> GraphKey | None:
+    """The graph a step replays on, or None when it must run eagerly (see the module docstring);
+    ``verify``: verify steps replay too."""
+    if not chunks or not all(c.sample and (c.is_decode or _verifies(c)) for c in chunks):
+        return None
+    longest = max(len(c.token_ids) for c in chunks)
+    if longest > 1 and not verify:
         return None
     batch = batch_bucket(len(chunks), batch_sizes)
-    num_blocks = blocks_bucket(-(-max(c.start_pos + 1 for c in chunks) // block_size), max_blocks)
+    num_blocks = blocks_bucket(-(-max(c.start_pos + len(c.token_ids) for c in chunks) // block_size), max_blocks)
     if batch is None or num_blocks is None:
         return None
-    return GraphKey(batch, num_blocks)
+    return GraphKey(batch, num_blocks, 1 << (longest - 1).bit_length())
+
+
+def _verifies(chunk: ScheduledChunk) -> bool:
+    """A decoding sequence's last token and its proposals."""
+    return chunk.num_draft > 0 and len(chunk.token_ids) == chunk.num_draft + 1 and not chunk.in_prompt
 
 
 def decode_inputs(
@@ -80,15 +96,19 @@ def decode_inputs(
     ``fed``, the token ids' place holds each row's index into ``fed.tokens`` instead."""
     padding = key.batch - len(chunks)
     rows = list(chunks) + [chunks[0]] * padding
-    ids = [c.token_ids[0] for c in rows] if fed is None else [*fed.rows, *[fed.rows[0]] * padding]
-    positions, slots, lengths, tables = [], [], [], []
+    ids, positions, slots, lengths, tables = [], [], [], [], []
     for c in rows:
-        pos = c.start_pos
-        positions.append(pos)
-        slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
-        lengths.append(pos + 1)
+        for q in range(key.num_queries):  # a row shorter than num_queries repeats its last query
+            i = min(q, len(c.token_ids) - 1)
+            pos = c.start_pos + i
+            ids.append(c.token_ids[i])
+            positions.append(pos)
+            slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
+            lengths.append(pos + 1)
         table = list(c.block_ids[: key.num_blocks])
         tables.extend(table + [0] * (key.num_blocks - len(table)))
+    if fed is not None:  # decode steps only
+        ids = [*fed.rows, *[fed.rows[0]] * padding]
     return ids + positions + slots + lengths + tables
 
 
@@ -96,11 +116,13 @@ class StaticDecode:
     """One graph's static inputs on the device, as views of one flat buffer."""
 
     def __init__(self, key: GraphKey, block_size: int, device: torch.device) -> None:
-        b, n = key.batch, key.num_blocks
+        b, n, bq = key.batch, key.num_blocks, key.batch * key.num_queries
         self.key = key
-        self.inputs = torch.zeros(4 * b + b * n, dtype=torch.int64, device=device)
-        self.token_ids, self.positions, self.slots, self.lengths = (self.inputs[i * b : (i + 1) * b] for i in range(4))
-        self.block_tables = self.inputs[4 * b :].view(b, n)
+        self.inputs = torch.zeros(4 * bq + b * n, dtype=torch.int64, device=device)
+        per_query = (self.inputs[i * bq : (i + 1) * bq] for i in range(4))
+        self.token_ids, self.positions, self.slots, self.lengths = per_query
+        self.block_tables = self.inputs[4 * bq :].view(b, n)
+        self.queries = torch.arange(bq, device=device)  # a verify step's queries, in order
         self.context = torch.arange(n * block_size, device=device)
         # a 4-D mask makes transformers' mask builder return at once: it would otherwise look
         # for packed sequences in the positions, a host sync (paged attention masks by itself)
@@ -110,6 +132,14 @@ class StaticDecode:
         """``[batch, 1, 1, num_blocks * block_size]``: True at each sequence's own positions."""
         b = self.key.batch
         return (self.context[None, :] < self.lengths[:, None]).view(b, 1, 1, -1)
+
+    def verify_mask(self, group: int) -> torch.Tensor:
+        """``[batch, 1, group * num_queries, num_blocks * block_size]``: each query of a verify row
+        (``engine.attention.VerifyBatch``'s order, ``group`` query heads per KV head) sees its
+        row's context up to its own position."""
+        b, nq = self.key.batch, self.key.num_queries
+        seen = (self.context[None, :] < self.lengths[:, None]).view(b, 1, 1, nq, -1)
+        return seen.expand(-1, -1, group, -1, -1).reshape(b, 1, group * nq, -1)
 
 
 class BaseGraph(Protocol):
@@ -149,15 +179,16 @@ class TorchCudaGraph:
 class _Captured:
     static: StaticDecode
     graph: BaseGraph
-    logits: torch.Tensor  # [batch, vocab] float32, refilled by each replay
+    logits: torch.Tensor  # [batch * num_queries, vocab] float32, refilled by each replay
 
 
 class DecodeGraphs:
     """Decode steps replayed from graphs, one per ``GraphKey``, captured on first use.
 
     ``forward(static)`` runs the model and LM head on a ``StaticDecode`` (the runner gives
-    it); ``graph_type(pool)`` makes a graph (default ``TorchCudaGraph``; CPU tests give a
-    fake, as there is no GPU there).
+    it); ``verify_forward`` the same for verify steps (None: they run eagerly);
+    ``graph_type(pool)`` makes a graph (default ``TorchCudaGraph``; CPU tests give a fake, as
+    there is no GPU there).
     """
 
     def __init__(
@@ -168,6 +199,7 @@ class DecodeGraphs:
         max_blocks: int,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         graph_type: Callable[[object], BaseGraph] | None = None,
+        verify_forward: Callable[[StaticDecode], torch.Tensor] | None = None,
     ) -> None:
         if graph_type is None and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
@@ -177,6 +209,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self._forward = forward
+        self._verify_forward = verify_forward
         self._device = device
         self._graph_type = graph_type or TorchCudaGraph
         self._pool = torch.cuda.graph_pool_handle() if graph_type is None else None
@@ -188,9 +221,11 @@ class DecodeGraphs:
         return list(self._graphs)
 
     def run(self, chunks: Sequence[ScheduledChunk], fed: FedTokens | None = None) -> torch.Tensor | None:
-        """The step's logits ``[len(chunks), vocab]`` (float32, chunk order) from a graph, or
-        None when this step must run eagerly. ``fed``: the input tokens come from the device."""
-        key = graph_key(chunks, self.block_size, self.batch_sizes, self.max_blocks)
+        """The step's logits ``[sum of num_sampled, vocab]`` (float32, chunk order, as
+        ``ModelRunner.execute``) from a graph, or None when this step must run eagerly.
+        ``fed``: the input tokens come from the device."""
+        verify = self._verify_forward is not None
+        key = graph_key(chunks, self.block_size, self.batch_sizes, self.max_blocks, verify)
         if key is None:
             return None
         # pinned on CUDA: the copy is queued behind a step still in flight, not waited for
@@ -203,7 +238,11 @@ class DecodeGraphs:
             _fill(captured.static, host, fed)
             captured.graph.replay()
         self.num_replays += 1
-        return captured.logits[: len(chunks)].clone()  # the next replay overwrites the static output
+        nq = key.num_queries  # the next replay overwrites the static output: a copy is returned
+        if nq == 1:
+            return captured.logits[: len(chunks)].clone()
+        rows = [i * nq + q for i, c in enumerate(chunks) for q in range(c.num_sampled)]
+        return captured.logits.index_select(0, torch.tensor(rows, device=self._device))
 
     def replay_again(self, key: GraphKey) -> None:
         """Replay ``key``'s graph on its last step's inputs once more: the device's step alone,
@@ -216,7 +255,8 @@ class DecodeGraphs:
         static = StaticDecode(key, self.block_size, self._device)
         _fill(static, host, fed)
         graph = self._graph_type(self._pool)
-        logits = graph.capture(lambda: self._forward(static))
+        forward = self._forward if key.num_queries == 1 else self._verify_forward
+        logits = graph.capture(lambda: forward(static))
         captured = _Captured(static, graph, logits)
         graph.replay()  # capture records the kernels without running them
         self._graphs[key] = captured

@@ -103,8 +103,9 @@ class ModelRunner:
             if kernels is not None:
                 forward = self.fused_decode = FusedDecode(self._decoder, self._lm_head, self.pool, kernels)
             self.graphs = DecodeGraphs(
-                forward, self.device, self.block_size, self.pool.num_blocks, batch_sizes, graph_type
-            )
+                forward, self.device, self.block_size, self.pool.num_blocks, batch_sizes, graph_type,
+                verify_forward=self._graph_forward,
+            )  # fmt: skip
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         """Call ``hook(layer_idx, chunks)`` after each decoder layer's forward (its K/V is in the
@@ -172,15 +173,21 @@ class ModelRunner:
         return self._lm_head(hidden.index_select(0, index)).float()
 
     def _graph_forward(self, static: StaticDecode) -> torch.Tensor:
-        """A decode step on a graph's static inputs (captured, then replayed): logits of every row."""
-        meta = PagedAttentionMetadata(
-            pool=self.pool,
-            slot_mapping=static.slots,
-            num_decode=static.key.batch,
-            decode_blocks=static.block_tables,
-            decode_mask=static.decode_mask(),
-            prefill_segments=(),
-        )
+        """A decode or verify step on a graph's static inputs (captured, then replayed): logits
+        of every row (a verify step's: of every query, ``num_queries`` per row)."""
+        if static.key.num_queries == 1:
+            meta = PagedAttentionMetadata(
+                pool=self.pool,
+                slot_mapping=static.slots,
+                num_decode=static.key.batch,
+                decode_blocks=static.block_tables,
+                decode_mask=static.decode_mask(),
+                prefill_segments=(),
+            )
+        else:  # every query a verify row's, in order: the indices are the identity
+            mask, every = static.verify_mask(self._group), static.queries
+            verify = VerifyBatch(static.key.num_queries, every, static.block_tables, mask, None, every)
+            meta = PagedAttentionMetadata(self.pool, static.slots, 0, None, None, (), verify)
         hidden = self._decoder(
             input_ids=static.token_ids.unsqueeze(0),
             position_ids=static.positions.unsqueeze(0),

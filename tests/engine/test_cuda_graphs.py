@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Phi3Config
 
-from engine.config import EngineConfig, EngineSettings
+from engine.config import EngineConfig, EngineSettings, SpeculativeConfig
 from engine.core import EngineCore
 from engine.cuda_graphs import DecodeGraphs, GraphKey, batch_bucket, blocks_bucket, decode_inputs, graph_key
 from engine.decode_kernels import DecodeKernels
@@ -77,6 +77,24 @@ def test_static_inputs_are_padded_with_row_zero_and_block_zero():
     assert flat[16:] == [3, 4, 0, 0, 9, 0, 0, 0, 1, 2, 6, 0, 3, 4, 0, 0]  # tables, 4 blocks each
 
 
+def test_verify_steps_replay_with_their_queries_padded_to_a_power_of_two():
+    """A last token and three proposals (positions 20-23) beside a plain decode row: 4 queries
+    per row, the decode row repeating its one query; without verify graphs it runs eagerly."""
+    verify = ScheduledChunk("v", (5, 6, 7, 8), 20, (3, 4), sample=True, num_draft=3)
+    decode = _decode("d", 9, (8,), token=11)
+    assert graph_key([verify, decode], 16, SIZES, 100) is None
+    key = graph_key([verify, decode], 16, SIZES, 100, verify=True)
+    assert key == GraphKey(batch=2, num_blocks=2, num_queries=4)
+    flat = decode_inputs([verify, decode], key, 16)
+    assert flat[:8] == [5, 6, 7, 8, 11, 11, 11, 11]  # token ids
+    assert flat[8:16] == [20, 21, 22, 23, 9, 9, 9, 9]  # positions
+    assert flat[16:24] == [4 * 16 + 4, 4 * 16 + 5, 4 * 16 + 6, 4 * 16 + 7] + [8 * 16 + 9] * 4  # slots
+    assert flat[24:32] == [21, 22, 23, 24, 10, 10, 10, 10]  # each query sees up to its own position
+    assert flat[32:] == [3, 4, 8, 0]
+    three = ScheduledChunk("w", (1, 2, 3), 40, (1, 2, 5), sample=True, num_draft=2)
+    assert graph_key([three], 16, SIZES, 100, verify=True) == GraphKey(batch=1, num_blocks=4, num_queries=4)
+
+
 def test_graphs_need_a_cuda_device_or_a_given_graph_type_and_valid_sizes():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
         DecodeGraphs(lambda s: s, torch.device("cpu"), 16, 10)
@@ -113,6 +131,24 @@ def test_replayed_decode_gives_the_eager_tokens(make_engine, family):
     assert {k.batch for k in graphs.captured} == {4, 2, 1}
     assert {k.num_blocks for k in graphs.captured} == {4, 8}  # the longest context: 29 to 51 tokens
     assert graphs.num_replays == core.num_model_steps - 1  # every step but the prompts' one
+
+
+def test_verify_steps_replay_and_give_the_eager_speculative_tokens(make_engine):
+    """Speculative decoding with every step after the prompts replayed, verify steps included
+    (rows with and without proposals, three and fewer): the eager engine's tokens and the same
+    proposals accepted."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    prompts = [[1, 2, 3, 4, 5, 6] * 4, [(5 * j) % 97 + 1 for j in range(13)], [7, 8, 9] * 5]
+    num_tokens = [20, 24, 16]
+    loaded, twin = tiny_loaded("llama", initializer_range=SHARP)
+    eager_core = make_engine(twin, block_size=8, max_model_len=256, speculative=spec)
+    eager = _generate(eager_core, prompts, num_tokens)
+    core = make_engine(loaded, block_size=8, max_model_len=256, speculative=spec)
+    core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph)
+    assert _generate(core, prompts, num_tokens) == eager
+    assert core.spec_counters == eager_core.spec_counters and core.spec_counters.num_drafts > 0
+    assert {k.num_queries for k in core.runner.graphs.captured} >= {1, 4}
+    assert core.runner.graphs.num_replays == core.num_model_steps - 1
 
 
 def test_with_a_layer_hook_prompt_steps_run_eagerly_and_decode_steps_replay(make_engine):

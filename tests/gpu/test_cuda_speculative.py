@@ -1,6 +1,6 @@
-"""Speculative decoding on CUDA: verify steps (run eagerly) between graph-replayed decode
-steps give transformers' greedy tokens (tests/same_output.py's rule), and every block comes
-back. The CPU tests of the same paths: tests/engine/test_speculative.py."""
+"""Speculative decoding on CUDA: verify steps and decode steps, both replayed from CUDA graphs,
+give transformers' greedy tokens (tests/same_output.py's rule), and every block comes back. The
+CPU tests of the same paths: tests/engine/test_speculative.py, tests/engine/test_cuda_graphs.py."""
 
 from __future__ import annotations
 
@@ -31,5 +31,6 @@ def test_speculative_decode_on_cuda_gives_the_greedy_tokens(cuda, make_engine): 
     outputs = run_to_completion(core, batch)
     counters = core.spec_counters
     assert counters.num_drafts > 0 and counters.num_draft_tokens >= counters.num_accepted_tokens, counters
+    assert any(key.num_queries > 1 for key in core.runner.graphs.captured)  # verify steps replayed
     for request, trace in zip(batch, expected):
         assert_same_output(trace, trace_of(outputs[request.request_id]), exact=False, label=request.request_id)
