@@ -227,7 +227,7 @@ def replay_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_by
     """The last graph-replayed decode step's graph replayed again, timed on the device: the
     step without the host's scheduling, input copy and sampling around it."""
     graphs = core.runner.graphs
-    keys = [k for k in graphs.captured if k.batch >= batch] if graphs else []
+    keys = [k for k in graphs.captured if k.batch >= batch and k.num_queries == 1] if graphs else []
     if not keys:
         return Row(label, notes="n/a: no graph was captured")
     key = min(keys, key=lambda k: (k.batch, -k.num_blocks))

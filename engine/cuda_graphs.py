@@ -32,6 +32,7 @@ warm-up runs on a side stream, into one memory pool shared by all.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,7 +41,10 @@ import torch
 
 from engine.config import DEFAULT_CUDA_GRAPH_BATCH_SIZES as DEFAULT_BATCH_SIZES
 from engine.overlap import FedTokens
+from engine.sampling import on_device
 from engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2  # eager runs before a capture (lazy initialisations, allocator state)
 
@@ -67,20 +71,21 @@ class GraphKey:
 
 
 def graph_key(
-    chunks: Sequence[ScheduledChunk], block_size: int, batch_sizes: Sequence[int], max_blocks: int, verify: bool = False
+    chunks: Sequence[ScheduledChunk], block_size: int, batch_sizes: Sequence[int], max_blocks: int, max_queries: int = 1
 ) -> GraphKey | None:
-    """The graph a step replays on, or None when it must run eagerly (see the module docstring);
-    ``verify``: verify steps replay too."""
+    """The graph a step replays on, or None when it must run eagerly (see the module docstring).
+    ``max_queries``: a verify step's most queries per row (``num_speculative_tokens`` + 1; 1: verify
+    steps run eagerly); its rows are padded to a power of two, or to ``max_queries`` if less."""
     if not chunks or not all(c.sample and (c.is_decode or _verifies(c)) for c in chunks):
         return None
     longest = max(len(c.token_ids) for c in chunks)
-    if longest > 1 and not verify:
+    if longest > max_queries:
         return None
     batch = batch_bucket(len(chunks), batch_sizes)
     num_blocks = blocks_bucket(-(-max(c.start_pos + len(c.token_ids) for c in chunks) // block_size), max_blocks)
     if batch is None or num_blocks is None:
         return None
-    return GraphKey(batch, num_blocks, 1 << (longest - 1).bit_length())
+    return GraphKey(batch, num_blocks, min(1 << (longest - 1).bit_length(), max_queries))
 
 
 def _verifies(chunk: ScheduledChunk) -> bool:
@@ -107,7 +112,9 @@ def decode_inputs(
             lengths.append(pos + 1)
         table = list(c.block_ids[: key.num_blocks])
         tables.extend(table + [0] * (key.num_blocks - len(table)))
-    if fed is not None:  # decode steps only
+    if fed is not None:
+        if key.num_queries != 1:
+            raise ValueError("tokens are fed from the device to decode steps only")
         ids = [*fed.rows, *[fed.rows[0]] * padding]
     return ids + positions + slots + lengths + tables
 
@@ -186,7 +193,8 @@ class DecodeGraphs:
     """Decode steps replayed from graphs, one per ``GraphKey``, captured on first use.
 
     ``forward(static)`` runs the model and LM head on a ``StaticDecode`` (the runner gives
-    it); ``verify_forward`` the same for verify steps (None: they run eagerly);
+    it); ``verify_forward`` the same for verify steps of at most ``max_queries`` queries per row
+    (None: they run eagerly, as after a verify graph failed to capture);
     ``graph_type(pool)`` makes a graph (default ``TorchCudaGraph``; CPU tests give a fake, as
     there is no GPU there).
     """
@@ -200,6 +208,7 @@ class DecodeGraphs:
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         graph_type: Callable[[object], BaseGraph] | None = None,
         verify_forward: Callable[[StaticDecode], torch.Tensor] | None = None,
+        max_queries: int = 1,
     ) -> None:
         if graph_type is None and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
@@ -210,9 +219,11 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self._forward = forward
         self._verify_forward = verify_forward
+        self.max_queries = max_queries if verify_forward is not None else 1
         self._device = device
         self._graph_type = graph_type or TorchCudaGraph
         self._pool = torch.cuda.graph_pool_handle() if graph_type is None else None
+        self._pinned = device.type == "cuda"
         self._graphs: dict[GraphKey, _Captured] = {}
         self.num_replays = 0
 
@@ -224,16 +235,16 @@ class DecodeGraphs:
         """The step's logits ``[sum of num_sampled, vocab]`` (float32, chunk order, as
         ``ModelRunner.execute``) from a graph, or None when this step must run eagerly.
         ``fed``: the input tokens come from the device."""
-        verify = self._verify_forward is not None
-        key = graph_key(chunks, self.block_size, self.batch_sizes, self.max_blocks, verify)
+        key = graph_key(chunks, self.block_size, self.batch_sizes, self.max_blocks, self.max_queries)
         if key is None:
             return None
         # pinned on CUDA: the copy is queued behind a step still in flight, not waited for
-        pinned = self._device.type == "cuda"
-        host = torch.tensor(decode_inputs(chunks, key, self.block_size, fed), dtype=torch.int64, pin_memory=pinned)
+        host = on_device(decode_inputs(chunks, key, self.block_size, fed), torch.device("cpu"), pinned=self._pinned)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._capture(key, host, fed)
+            if captured is None:  # a verify graph that cannot be captured: verify steps run eagerly
+                return None
         else:
             _fill(captured.static, host, fed)
             captured.graph.replay()
@@ -242,21 +253,30 @@ class DecodeGraphs:
         if nq == 1:
             return captured.logits[: len(chunks)].clone()
         rows = [i * nq + q for i, c in enumerate(chunks) for q in range(c.num_sampled)]
-        return captured.logits.index_select(0, torch.tensor(rows, device=self._device))
+        return captured.logits.index_select(0, on_device(rows, self._device))
 
     def replay_again(self, key: GraphKey) -> None:
         """Replay ``key``'s graph on its last step's inputs once more: the device's step alone,
-        for a benchmark to time (it rewrites that step's K/V into the same slots, the same values)."""
+        for a benchmark to time (a decode key's rewrites that step's K/V into the same slots, the
+        same values; a verify key's may write proposals' slots given back since)."""
         self._graphs[key].graph.replay()
 
-    def _capture(self, key: GraphKey, host: torch.Tensor, fed: FedTokens | None) -> _Captured:
+    def _capture(self, key: GraphKey, host: torch.Tensor, fed: FedTokens | None) -> _Captured | None:
         """Capture ``key``'s graph on this step's inputs; warm-up runs and the replay below
-        write this step's K/V into its own slots, the same values each time."""
+        write this step's K/V into its own slots, the same values each time. A verify graph that
+        fails to capture turns verify graphs off (None: this step runs eagerly, rewriting them)."""
         static = StaticDecode(key, self.block_size, self._device)
         _fill(static, host, fed)
         graph = self._graph_type(self._pool)
         forward = self._forward if key.num_queries == 1 else self._verify_forward
-        logits = graph.capture(lambda: forward(static))
+        try:
+            logits = graph.capture(lambda: forward(static))
+        except Exception:
+            if key.num_queries == 1:
+                raise
+            logger.warning("verify steps run eagerly: their CUDA graph failed to capture", exc_info=True)
+            self._verify_forward, self.max_queries = None, 1
+            return None
         captured = _Captured(static, graph, logits)
         graph.replay()  # capture records the kernels without running them
         self._graphs[key] = captured

@@ -4,9 +4,10 @@ The model is the transformers model itself (any decoder-only family); only its a
 function is swapped for ``engine.attention.paged_attention_forward``. No HF cache object
 is used: K/V live in the paged pool.
 
-On CUDA, pure decode steps replay from CUDA graphs (``engine.cuda_graphs``) at the batch
-sizes given, on fused Triton kernels where the model allows (``engine.fused_decode``); every
-other step, and every step on CPU, runs eagerly as below. Each device
+On CUDA, decode steps replay from CUDA graphs (``engine.cuda_graphs``) at the batch sizes
+given, on fused Triton kernels where the model allows (``engine.fused_decode``), and so do
+speculative verify steps (the model's own forward); every other step, and every step on CPU,
+runs eagerly as below. Each device
 gets its own layout first: ``engine.weights.optimize_cpu_layout`` on CPU,
 ``optimize_cuda_layout`` (fewer kernels per layer) on CUDA.
 """
@@ -44,14 +45,17 @@ class ModelRunner:
         cuda_graph_batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
         logits: bool = True,
         decode_kernels: bool = True,
+        verify_queries: int = 1,
     ) -> None:
         """``cuda_graph_batch_sizes``: on CUDA, decode steps replay from graphs captured at these
         batch sizes (None or empty: always eager); ignored on CPU. ``decode_kernels``: those
         graphs run the fused Triton kernels where the model allows (False: the model's own
         forward). ``logits``: False on a tensor-parallel rank other than 0, which runs no LM
-        head (``execute`` returns None)."""
+        head (``execute`` returns None). ``verify_queries``: the most queries a speculative verify
+        row has (``num_speculative_tokens`` + 1; 1: no speculation), what verify graphs hold."""
         self.model = model
         self.pool = pool
+        self.verify_queries = verify_queries
         self.device = pool.tensor.device
         self.block_size = pool.layout.block_size
         model.set_attn_implementation(register_paged_attention())
@@ -93,7 +97,7 @@ class ModelRunner:
         graph_type: Callable[[object], BaseGraph] | None = None,
         kernels: DecodeKernels | None = None,
     ) -> None:
-        """Replay decode steps from graphs at ``batch_sizes`` from now on (None or empty: eager).
+        """Replay decode and verify steps from graphs at ``batch_sizes`` from now on (None or empty: eager).
         ``graph_type``: see ``DecodeGraphs`` (tests replay on CPU with a fake). ``kernels``: the
         graphs' steps run ``engine.fused_decode`` on them (None: the model's own forward)."""
         self.graphs = None
@@ -104,7 +108,7 @@ class ModelRunner:
                 forward = self.fused_decode = FusedDecode(self._decoder, self._lm_head, self.pool, kernels)
             self.graphs = DecodeGraphs(
                 forward, self.device, self.block_size, self.pool.num_blocks, batch_sizes, graph_type,
-                verify_forward=self._graph_forward,
+                verify_forward=self._graph_forward, max_queries=self.verify_queries,
             )  # fmt: skip
 
     def add_layer_hook(self, hook: LayerHook) -> None:

@@ -194,11 +194,14 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     logits.index_put_(index, on_device(values, device, logits.dtype), accumulate=True)
 
 
-def on_device(values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def on_device(
+    values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.long, pinned: bool = False
+) -> torch.Tensor:
     """``values`` as a tensor on ``device``; on CUDA copied from pinned memory, queued behind
-    the work in flight instead of waiting for it (``engine.overlap``)."""
+    the work in flight instead of waiting for it (``engine.overlap``). ``pinned``: on the host,
+    in pinned memory (to be copied so)."""
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
+        return torch.tensor(values, dtype=dtype, device=device, pin_memory=pinned)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

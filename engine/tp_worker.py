@@ -77,8 +77,10 @@ def build_rank(model: torch.nn.Module, config: EngineConfig, rank: int, group: R
     layout = layout_for(model.config, config.block_size, model.dtype, shard)
     pool = KVPool(layout, config.num_blocks, model.device)
     graphs = config.graph_batch_sizes() if degree == 1 else None  # graphs capture one rank's work only
+    spec = config.speculative
+    queries = spec.num_speculative_tokens + 1 if spec.enabled else 1
     return ModelRunner(
-        model, pool, config.cpu_packed_weights, graphs, logits=rank == 0, decode_kernels=config.cuda_decode_kernels
+        model, pool, config.cpu_packed_weights, graphs, rank == 0, config.cuda_decode_kernels, verify_queries=queries
     )
 
 

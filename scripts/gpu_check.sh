@@ -16,8 +16,9 @@
 # Sections: env; tests_gpu (pytest tests/gpu: engine vs transformers, CUDA-graph decode vs
 # eager, the fused decode kernels, speculative decoding, VRAM and pinned-host-staged KV over
 # NIXL); engine (copy and matmul floors, decode tok/s at batch 1 and 64 from CUDA graphs on the
-# fused kernels, from graphs of the model's forward, and eager, the graph's
-# replay alone, the kernels of a step, prefill, speculation, for a 1B- and an 8B-class Llama);
+# fused kernels with asynchronous scheduling, the same with synchronous steps and with cuBLASLt,
+# from graphs of the model's forward, and eager, the graph's replay alone, the kernels of a step,
+# prefill, speculation with verify steps in graphs, for 1B- and 8B-class Llamas and a Qwen3 8B);
 # kv (NIXL VRAM -> VRAM pull against raw READ, push tail, and the same pull and push staged
 # through pinned host buffers, transport.staging=host); kv_read_ucx_default (a pull with UCX's
 # own cuda_ipc setting); tensor_parallel (2 GPUs or more).

@@ -15,7 +15,7 @@ from engine.cuda_graphs import DecodeGraphs, GraphKey, batch_bucket, blocks_buck
 from engine.decode_kernels import DecodeKernels
 from engine.fused_decode import FusedDecode, unsupported
 from engine.fused_linear import fuse_projections
-from engine.params import GenerationRequest
+from engine.params import GenerationRequest, SamplingParams
 from engine.scheduler import ScheduledChunk
 from tests.engine.conftest import greedy, run_to_completion, tiny_loaded
 from tests.tiny_models import SHARP
@@ -82,8 +82,9 @@ def test_verify_steps_replay_with_their_queries_padded_to_a_power_of_two():
     per row, the decode row repeating its one query; without verify graphs it runs eagerly."""
     verify = ScheduledChunk("v", (5, 6, 7, 8), 20, (3, 4), sample=True, num_draft=3)
     decode = _decode("d", 9, (8,), token=11)
-    assert graph_key([verify, decode], 16, SIZES, 100) is None
-    key = graph_key([verify, decode], 16, SIZES, 100, verify=True)
+    assert graph_key([verify, decode], 16, SIZES, 100) is None  # no speculation: no verify graphs
+    assert graph_key([verify, decode], 16, SIZES, 100, max_queries=3) is None  # more queries than that
+    key = graph_key([verify, decode], 16, SIZES, 100, max_queries=4)
     assert key == GraphKey(batch=2, num_blocks=2, num_queries=4)
     flat = decode_inputs([verify, decode], key, 16)
     assert flat[:8] == [5, 6, 7, 8, 11, 11, 11, 11]  # token ids
@@ -92,7 +93,14 @@ def test_verify_steps_replay_with_their_queries_padded_to_a_power_of_two():
     assert flat[24:32] == [21, 22, 23, 24, 10, 10, 10, 10]  # each query sees up to its own position
     assert flat[32:] == [3, 4, 8, 0]
     three = ScheduledChunk("w", (1, 2, 3), 40, (1, 2, 5), sample=True, num_draft=2)
-    assert graph_key([three], 16, SIZES, 100, verify=True) == GraphKey(batch=1, num_blocks=4, num_queries=4)
+    assert graph_key([three], 16, SIZES, 100, max_queries=5) == GraphKey(batch=1, num_blocks=4, num_queries=4)
+    five = ScheduledChunk("f", (1, 2, 3, 4, 5), 40, (1, 2, 5), sample=True, num_draft=4)
+    assert graph_key([five], 16, SIZES, 6, max_queries=5).num_queries == 5  # 8 would pass the most there is
+    padded = graph_key([three, decode, verify], 16, SIZES, 6, max_queries=5)
+    assert padded == GraphKey(batch=4, num_blocks=4, num_queries=4)  # 43 tokens: 3 blocks, then 4 (of at most 6)
+    flat = decode_inputs([three, decode, verify], padded, 16)
+    assert flat[:16] == [1, 2, 3, 3, 11, 11, 11, 11, 5, 6, 7, 8, 1, 2, 3, 3]  # the padding row repeats row 0
+    assert flat[-4:] == [1, 2, 5, 0]  # and its table
 
 
 def test_graphs_need_a_cuda_device_or_a_given_graph_type_and_valid_sizes():
@@ -149,6 +157,42 @@ def test_verify_steps_replay_and_give_the_eager_speculative_tokens(make_engine):
     assert core.spec_counters == eager_core.spec_counters and core.spec_counters.num_drafts > 0
     assert {k.num_queries for k in core.runner.graphs.captured} >= {1, 4}
     assert core.runner.graphs.num_replays == core.num_model_steps - 1
+
+
+def test_a_verify_graph_that_fails_to_capture_leaves_verify_steps_eager(make_engine, caplog):
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    prompts, num_tokens = [[1, 2, 3, 4, 5, 6] * 4, [7, 8, 9] * 5], [20, 16]
+    loaded, twin = tiny_loaded("llama", initializer_range=SHARP)
+    eager = _generate(make_engine(twin, block_size=8, max_model_len=256, speculative=spec), prompts, num_tokens)
+    core = make_engine(loaded, block_size=8, max_model_len=256, speculative=spec)
+    core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph)
+
+    def uncapturable(static: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    core.runner.graphs._verify_forward = uncapturable  # as a model whose verify forward syncs the host
+    assert _generate(core, prompts, num_tokens) == eager
+    assert core.spec_counters.num_drafts > 0 and core.runner.graphs.max_queries == 1
+    assert {k.num_queries for k in core.runner.graphs.captured} == {1}  # decode steps still replay
+    assert "verify steps run eagerly: their CUDA graph failed to capture" in caplog.text
+
+
+def test_verify_steps_replay_with_seeded_sampling_and_logprobs(make_engine):
+    """Temperature sampling with a seed and logprobs through verify graphs: the eager engine's
+    tokens, and the same log-probabilities but for the last bits."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    sampling = SamplingParams(max_tokens=24, temperature=0.7, seed=5, ignore_eos=True, logprobs=2)
+    requests = [GenerationRequest(f"s{i}", tuple(p), sampling) for i, p in enumerate(([4, 5, 6] * 6, [9, 8] * 7))]
+    loaded, twin = tiny_loaded("llama", initializer_range=SHARP)
+    eager = run_to_completion(make_engine(twin, block_size=8, max_model_len=256, speculative=spec), {0: requests})
+    core = make_engine(loaded, block_size=8, max_model_len=256, speculative=spec)
+    core.runner.use_cuda_graphs(SIZES, graph_type=FakeCudaGraph)
+    got = run_to_completion(core, {0: requests})
+    assert core.spec_counters.num_drafts > 0 and any(k.num_queries > 1 for k in core.runner.graphs.captured)
+    for rid, outputs in eager.items():
+        assert [o.token_ids for o in got[rid]] == [o.token_ids for o in outputs]
+        values = [lp.logprob for o in got[rid] for lp in o.logprobs]
+        assert values == pytest.approx([lp.logprob for o in outputs for lp in o.logprobs], abs=1e-4)
 
 
 def test_with_a_layer_hook_prompt_steps_run_eagerly_and_decode_steps_replay(make_engine):
