@@ -402,7 +402,8 @@ class EngineCore:
 
     def _may_overlap(self, plan: SchedulerPlan) -> bool:
         """Whether this step may stay in flight: every running request decodes one token in
-        it, with a sampling that needs nothing from the host, and nothing waits."""
+        it, with a sampling that needs nothing from the host, and no waiting request could be
+        admitted next."""
         scheduler = self.scheduler
         if not self._overlap_enabled() or plan.preempted or self._admissible():
             return False
@@ -418,9 +419,10 @@ class EngineCore:
         return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
 
     def _may_continue(self, landing: InFlight) -> bool:
-        """Whether the next step may be launched before ``landing``'s tokens are read: nothing
-        waits, every running request was sampled in ``landing`` (so its next token is there),
-        one at least may go on past it, and the step takes no block from anyone."""
+        """Whether the next step may be launched before ``landing``'s tokens are read: no
+        waiting request could be admitted, every running request was sampled in ``landing`` (so
+        its next token is there), one at least may go on past it, and the step takes no block
+        from anyone."""
         scheduler, running = self.scheduler, self.scheduler.running
         if not self._overlap_enabled() or self._admissible() or not running:
             return False

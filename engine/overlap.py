@@ -13,10 +13,12 @@ sequence holds a *placeholder* (``PLACEHOLDER``) at the end of its token ids unt
 the runner reads step n+1's input tokens from step n's sampled tensor (``FedTokens``). The
 engine keeps a step in flight only while the batch is a steady set of decoding requests whose
 sampling needs nothing from the tokens on the host (no penalties, no grammar, no speculation)
-and nothing else waits; otherwise it lands the step in flight and runs the next one
-synchronously. A request that ends while a step holding it is in flight (its token was a stop,
-or it was aborted) gives its blocks back only once that step is done: the GPU may still be
-writing its K/V.
+and no waiting request could be admitted (none waits, or ``max_num_seqs`` run); otherwise it
+lands the step in flight and runs the next one synchronously. Nothing the host does after a
+launch waits for the device: index tensors are copied from pinned memory, sampling draws without
+reading the probabilities back, and the requested log-probabilities come back with the tokens.
+A request that ends while a step holding it is in flight (its token was a stop, or it was
+aborted) gives its blocks back only once that step is done: the GPU may still write its K/V.
 """
 
 from __future__ import annotations
