@@ -173,10 +173,11 @@ class KVSide:
         handles = [transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)]
         return handles, time.perf_counter() - start
 
-    async def wait_push(self, destination: KVDestination, kind: str) -> float:
-        """When the push's completion notice arrived (unix s; staged: once copied into the pool too)."""
-        await self.transports[kind].wait_push(destination)
-        return time.time()
+    async def wait_push(self, destination: KVDestination, kind: str) -> tuple[float, float | None]:
+        """When the push's completion was seen here (unix s; staged: once copied into the pool
+        too), and when the transport's thread had read its notice."""
+        completion = await self.transports[kind].wait_push(destination)
+        return time.time(), completion.received_at
 
 
 class _Side(KVSide):
@@ -250,9 +251,9 @@ class _Side(KVSide):
         return self.transports[staging].destination(request_id, self._tail_blocks(num_blocks), tokens)
 
     async def wait_push(self, destination: KVDestination, staging: str, verify: bool = False) -> tuple:
-        """The notice's arrival and, if asked, whether the bytes arrived."""
-        seen, blocks = await super().wait_push(destination, staging), destination.block_ids
-        return seen, self._matches(blocks, list(range(len(blocks)))) if verify else None
+        """The notice's arrival, if asked whether the bytes arrived, and when it was read."""
+        (seen, received), blocks = await super().wait_push(destination, staging), destination.block_ids
+        return seen, self._matches(blocks, list(range(len(blocks)))) if verify else None, received
 
 
 class _LayerCompute:
@@ -442,15 +443,16 @@ def push_row(pair: _Pair, staging: str, deadline: float) -> dict:
         dest = pair.call(CONSUMER, "destination", f"push-{staging}-{rep}", plan.push_blocks, staging, deadline=deadline)
         waiting = pair.submit(CONSUMER, "wait_push", dest, staging, rep == 0)  # while the producer pushes
         run = pair.call(PRODUCER, "push", dest, staging, deadline=deadline)
-        notice_at, bytes_ok = pair.wait(waiting, deadline)
-        figures.append(push_figures(run, notice_at) | {"bytes_ok": bytes_ok})
+        notice_at, bytes_ok, *received = pair.wait(waiting, deadline)
+        figures.append(push_figures(run, notice_at, *received) | {"bytes_ok": bytes_ok})
     timed = figures[1:]
     medians = {k: statistics.median(f[k] for f in timed) for k, v in timed[0].items() if isinstance(v, float)}
     return figures[-1] | medians | {"bytes_ok": figures[0]["bytes_ok"], "num_layers": plan.layout.num_layers}
 
 
-def push_figures(run: PushRun, notice_at: float) -> dict:
-    """One push's figures in ms, from one clock (both processes' unix time on one machine)."""
+def push_figures(run: PushRun, notice_at: float, received_at: float | None = None) -> dict:
+    """One push's figures in ms, from one clock (both processes' unix time on one machine);
+    ``received_at``: when the consumer's transport thread read the notice (before its waiter woke)."""
     times, ends, last_end = run.layer_times, run.compute_end, run.compute_end[-1]
     one_layer = max(statistics.median(t.done - t.posted for t in times), 1e-9)
     to_notice, to_last_write = notice_at - last_end, max(t.done for t in times) - last_end
@@ -466,6 +468,7 @@ def push_figures(run: PushRun, notice_at: float) -> dict:
     return {"layer_bytes": run.num_bytes // len(times), "one_layer_ms": one_layer * 1e3,
             "tail_to_notice_ms": to_notice * 1e3, "tail_to_last_write_ms": to_last_write * 1e3,
             "tail_to_notice_sent_ms": None if run.notice_sent is None else (run.notice_sent - last_end) * 1e3,
+            "tail_to_notice_read_ms": None if received_at is None else (received_at - last_end) * 1e3,
             "tail_in_layers": to_notice / one_layer, "last_write_in_layers": to_last_write / one_layer,
             "compute_per_layer_ms": statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3,
             "posted_after_compute_ms": statistics.median(t.posted - e for t, e in zip(times, ends)) * 1e3,

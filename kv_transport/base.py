@@ -92,10 +92,12 @@ class TransferStats:
 @dataclass(frozen=True)
 class PushCompletion:
     """What the consumer learns when a push completes: the first token prefill sampled (and its
-    log-probabilities, when the request asked for them)."""
+    log-probabilities, when the request asked for them), and when the done notice was read
+    (unix s; None where the transport has no notice)."""
 
     first_token: int
     first_logprobs: TokenLogprobs | None = None
+    received_at: float | None = None
 
 
 class BaseKVTransport(ABC):

@@ -769,7 +769,8 @@ class NixlTransport(BaseKVTransport):
         if waiter is None or waiter.done():
             return
         if isinstance(notice, notices.PushDoneNotice):
-            waiter.set_result(PushCompletion(first_token=notice.first_token, first_logprobs=notice.first_logprobs))
+            completion = PushCompletion(notice.first_token, notice.first_logprobs, received_at=time.time())
+            waiter.set_result(completion)
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)

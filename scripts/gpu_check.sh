@@ -11,7 +11,7 @@
 # (git-ignored; `scripts/gpu_wheels.sh` fetches them). Each section has its own timeout, cut
 # to what is left of the whole run's TOTAL_S (so the script ends within 4 minutes); a failing
 # or skipped section is a table row, never the end of the script. Logs and JSON go to $OUT
-# (default /tmp/gpu_check), at most 8 files.
+# (default /tmp/gpu_check), at most 12 files.
 #
 # Sections: env; tests_gpu (pytest tests/gpu: engine vs transformers, CUDA-graph decode vs
 # eager, the fused decode kernels, speculative decoding, VRAM and pinned-host-staged KV over
@@ -21,7 +21,8 @@
 # prefill, speculation with verify steps in graphs, for 1B- and 8B-class Llamas and a Qwen3 8B);
 # kv (NIXL VRAM -> VRAM pull against raw READ, push tail, and the same pull and push staged
 # through pinned host buffers, transport.staging=host); kv_read_ucx_default (a pull with UCX's
-# own cuda_ipc setting); tensor_parallel (2 GPUs or more).
+# own cuda_ipc setting); kv_push_poll (the push tail with the consumer polling notices every
+# 0.1 ms); tensor_parallel (2 GPUs or more).
 set -u
 cd "$(dirname "$0")/.."
 STARTED=$(date +%s)
@@ -105,6 +106,10 @@ section kv 75 python3 -m bench.gpu_kv --out "$OUT/gpu_kv.json"
 # the same READ with UCX's own setting for cuda_ipc's GET (the transport sets it on: kv_transport/nixl_worker.py)
 section kv_read_ucx_default 35 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto python3 -m bench.gpu_kv --staging none --sizes 64 \
   --no-push --out "$OUT/gpu_kv_read_ucx_default.json"
+# the push's tail with the consumer reading notices every 0.1 ms instead of 1 ms (the figures'
+# "notice read" column splits the tail between that poll and the waiter's wake-up)
+section kv_push_poll 30 python3 -m bench.gpu_kv --staging none --sizes "" --notice-poll-ms 0.1 \
+  --out "$OUT/gpu_kv_push_poll.json"
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 if [ "$GPUS" -ge 2 ]; then  # NCCL refuses two ranks on one GPU
   section tensor_parallel 60 python3 -m pytest tests/gpu/test_cuda_tensor_parallel.py -q -p no:cacheprovider
@@ -120,7 +125,7 @@ tail -20 "$OUT/env.log"
 echo
 echo "### tests_gpu"
 grep -E 'passed|failed|skipped|FAILED|ERROR|Error' "$OUT/tests_gpu.log" | tail -25
-for name in engine kv kv_read_ucx_default; do
+for name in engine kv kv_read_ucx_default kv_push_poll; do
   echo
   echo "### $name"
   grep -E '^\||^## |failed|Error' "$OUT/$name.log" | tail -60

@@ -22,6 +22,7 @@ from bench.gpu_kv import (
     _LayerCompute,
     guarded,
     pull_figures,
+    push_figures,
     push_row,
     render,
     side_call,
@@ -111,7 +112,10 @@ def test_push_row_takes_medians_after_a_warm_up_that_checks_the_bytes():
 
 
 def test_push_figures_measure_the_tail_from_the_last_compute_end():
+    read = push_figures(_push_run(1000.0), 1000.0045, received_at=1000.003)
+    assert read["tail_to_notice_ms"] == pytest.approx(2.5) and read["tail_to_notice_read_ms"] == pytest.approx(1.0)
     row = push_row(FakePair(tails=[0.001] * 4), "host", deadline=0.0)
+    assert row["tail_to_notice_read_ms"] is None  # the pair gave no time the notice was read
     assert row["layer_bytes"] == 4096
     assert row["tail_to_last_write_ms"] == pytest.approx(0.4) and row["tail_in_layers"] == pytest.approx(4.0)
     assert row["compute_per_layer_ms"] == pytest.approx(1.0) and row["posted_after_compute_ms"] == pytest.approx(0.1)
