@@ -239,7 +239,8 @@ class DecodeGraphs:
         if key is None:
             return None
         # pinned on CUDA: the copy is queued behind a step still in flight, not waited for
-        host = on_device(decode_inputs(chunks, key, self.block_size, fed), torch.device("cpu"), pinned=self._pinned)
+        inputs = decode_inputs(chunks, key, self.block_size, fed)
+        host = torch.tensor(inputs, dtype=torch.int64, pin_memory=self._pinned)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._capture(key, host, fed)

@@ -79,7 +79,7 @@ class InFlight:
         return {id(state): row for row, state in enumerate(self.states)}
 
     def holds(self, state: object) -> bool:
-        return any(s is state for s in self.states)
+        return id(state) in self.row_of
 
     def wait(self) -> tuple[list[int], Callable[[int, int], TokenLogprobs] | None]:
         """The sampled tokens, and a function giving row i's ``TokenLogprobs`` with its top n

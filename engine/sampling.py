@@ -128,11 +128,12 @@ def batch_logprobs(
 
 
 def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """Log-probability of ``token_id`` and the ``num_top`` most likely tokens (raw model distribution)."""
-    logprobs = torch.log_softmax(logits_row, dim=-1)
-    top = torch.topk(logprobs, num_top) if num_top else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprobs(token_id=token_id, logprob=float(logprobs[token_id]), top=pairs)
+    """Log-probability of ``token_id`` and the ``num_top`` most likely tokens (raw model
+    distribution): ``batch_logprobs`` of one row, read back."""
+    token = torch.tensor([token_id], device=logits_row.device)
+    chosen, top_ids, top_values = batch_logprobs(logits_row[None], token, num_top)
+    top = tuple(zip(top_ids[0].tolist(), top_values[0].tolist()))
+    return TokenLogprobs(token_id=token_id, logprob=float(chosen[0]), top=top)
 
 
 class TokenHistory:
@@ -194,14 +195,11 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     logits.index_put_(index, on_device(values, device, logits.dtype), accumulate=True)
 
 
-def on_device(
-    values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.long, pinned: bool = False
-) -> torch.Tensor:
+def on_device(values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``values`` as a tensor on ``device``; on CUDA copied from pinned memory, queued behind
-    the work in flight instead of waiting for it (``engine.overlap``). ``pinned``: on the host,
-    in pinned memory (to be copied so)."""
+    the work in flight instead of waiting for it (``engine.overlap``)."""
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device, pin_memory=pinned)
+        return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
