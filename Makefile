@@ -33,8 +33,8 @@ serve: install bytecode
 generate: install bytecode
 	$(PY) -m app.cli generate "$(PROMPT)"
 
-# two pytest-xdist workers: one runs the tests on Ray (mostly waiting on replicas), the other
-# the rest (tests/conftest.py groups them); a plain `pytest` runs them all in one process
+# two pytest-xdist workers: one runs the tests of Serve apps (mostly waiting on replicas), the
+# other the rest (tests/conftest.py groups them); a plain `pytest` runs them all in one process
 test: install bytecode
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports

@@ -56,39 +56,60 @@ def shared_serve(request: pytest.FixtureRequest) -> Iterator[SharedServe]:
 
 
 @pytest.fixture(scope="module")
+def shared_ray(shared_serve: SharedServe) -> None:
+    """For a module that starts actors of its own on Ray (no Serve application)."""
+    shared_serve.ray()
+
+
+@pytest.fixture(scope="module")
 def own_cluster(shared_serve: SharedServe) -> None:
     """For a module that starts a Ray cluster of its own: the shared one is stopped first."""
     shared_serve.stop()
 
 
 ON_RAY = pytest.StashKey[set[str]]()
+SERVED, IN_PROCESS, ACTORS, OWN_CLUSTER = range(4)  # the kinds of module, in the order they run
+ON_RAY_RANK = (IN_PROCESS, SERVED, ACTORS, OWN_CLUSTER)  # least to most of Ray
+
+
+def _kind(item: pytest.Item) -> int:
+    names = item.fixturenames
+    if "own_cluster" in names:
+        return OWN_CLUSTER
+    if "shared_ray" in names:
+        return ACTORS
+    return SERVED if "shared_serve" in names else IN_PROCESS
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules with a cluster of their own run first, then the modules on the shared Ray, so it
-    starts only once, then the modules without Ray (its idle processes would take CPU from
-    them); a module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just
-    before it. Under pytest-xdist's ``--dist loadgroup`` (``make test``: ``-n 2``) the tests on
-    Ray are one group and the others another, so one worker runs every Ray test in this order
-    (one Ray at a time) while the other runs the rest: most of a Ray test's time is waiting on
-    replicas, which leaves a core to the other worker."""
+    """Modules with Serve applications on the shared Ray run first, so it starts once; then the
+    modules without Ray (the shared Ray stops before them: its idle processes would take CPU
+    from them); then the modules with actors on Ray, then those with a cluster of their own. A
+    module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it.
+
+    Under pytest-xdist's ``--dist loadgroup`` (``make test``: ``-n 2``) the modules with Serve
+    applications are one group and the rest another: one worker runs the served tests (one
+    Serve at a time, its replicas' memory bounded), mostly waiting on replicas, which leaves a
+    core to the other worker's in-process tests; that worker then runs the modules with Ray
+    actors and clusters of their own, beside the served tests' tail."""
     first: dict[str, int] = {}
-    on_ray = config.stash[ON_RAY] = set()  # modules with a test on the shared Ray
+    kinds: dict[str, int] = {}
     for index, item in enumerate(items):
         first.setdefault(item.module.__name__, index)
-        if "shared_serve" in item.fixturenames:
-            on_ray.add(item.module.__name__)
+        module = item.module.__name__  # a module's kind: that of its test on the most of Ray
+        kinds[module] = max(kinds.get(module, IN_PROCESS), _kind(item), key=ON_RAY_RANK.index)
+    config.stash[ON_RAY] = {module for module, kind in kinds.items() if kind != IN_PROCESS}
 
-    def order(item: pytest.Item) -> tuple[bool, bool, int, bool]:
+    def order(item: pytest.Item) -> tuple[int, int, bool]:
         anchor = getattr(item.module, "SHARES_APPS_WITH", None)
         module = anchor or item.module.__name__
-        return "own_cluster" not in item.fixturenames, module not in on_ray, first.get(module, 0), anchor is None
+        return kinds.get(module, kinds[item.module.__name__]), first.get(module, 0), anchor is None
 
     items.sort(key=order)
     if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
         for item in items:
-            item.add_marker(pytest.mark.xdist_group("ray" if item.module.__name__ in on_ray else "no-ray"))
+            item.add_marker(pytest.mark.xdist_group("served" if kinds[item.module.__name__] == SERVED else "rest"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,10 +21,10 @@ A module that runs on another module's kept application names it in ``SHARES_APP
 tests/conftest.py runs it just before that module, so nothing runs between them that would
 need the room.
 
-Modules that need a cluster of their own (several nodes: ``run_apps`` on ``cluster_utils``)
-ask for the ``own_cluster`` fixture, which stops the shared Ray first; tests/conftest.py runs
-those modules before the others, so the shared Ray starts once, and the modules without Ray
-after the last one on it, which stops it: its idle processes would take CPU from them.
+Modules that only start actors of their own on Ray ask for the ``shared_ray`` fixture (Ray,
+no application). Modules that need a cluster of their own (several nodes: ``run_apps`` on
+``cluster_utils``) ask for the ``own_cluster`` fixture, which stops the shared Ray first.
+tests/conftest.py orders the modules (and splits them between pytest-xdist's workers).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from bench.ray_local import start_local_ray, stop_local_ray
 from tests.waiting import wait_until
 
 HOST = "127.0.0.1"
-SHARED_PORT = 18400
+SHARED_PORT = 18400 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])  # two workers, two ports
 SHARED_NUM_CPUS = 4  # Ray's logical CPUs: room for a module's replicas beside the kept ones
 SMALL_COLOCATED = {  # one small colocated replica: for tests of the ingress's own checks
     "model.max_model_len": "512",

@@ -35,9 +35,8 @@ HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lea
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_serve) -> None:
+def cluster(shared_ray) -> None:
     """The session's Ray: this module's engine actors run on it, closed at the module's end."""
-    shared_serve.ray()
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,9 @@ def spec(tmp_path_factory) -> ModelSpec:
 
 
 @pytest.fixture(scope="module")
-def engines(shared_serve, spec):
+def engines(shared_ray, spec):
     from bench.engine_actor import EngineActor
 
-    shared_serve.ray()
     actors = {
         d: EngineActor.options(num_cpus=0.01).remote(f"tp{d}", "both", spec=spec, tensor_parallel_size=d, **SETTINGS)
         for d in DEGREES
