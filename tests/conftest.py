@@ -68,8 +68,11 @@ def own_cluster(shared_serve: SharedServe) -> None:
 
 
 ON_RAY = pytest.StashKey[set[str]]()
-SERVED, IN_PROCESS, ACTORS, OWN_CLUSTER = range(4)  # the kinds of module, in the order they run
+SERVED, IN_PROCESS, SERVED_BESIDE, ACTORS, OWN_CLUSTER = range(5)  # the kinds of module, in the order they run
 ON_RAY_RANK = (IN_PROCESS, SERVED, ACTORS, OWN_CLUSTER)  # least to most of Ray
+# served modules that run with the in-process ones (in the other pytest-xdist worker), after
+# them: small apps of the tiny model, moved there so that both workers end near the same time
+SERVED_BESIDE_MODULES = frozenset({"tests.deployments.test_tensor_parallel_app"})
 
 
 def _kind(item: pytest.Item) -> int:
@@ -85,20 +88,22 @@ def _kind(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with Serve applications on the shared Ray run first, so it starts once; then the
     modules without Ray (the shared Ray stops before them: its idle processes would take CPU
-    from them); then the modules with actors on Ray, then those with a cluster of their own. A
-    module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it.
+    from them); then a few small served modules (``SERVED_BESIDE_MODULES``), the modules with
+    actors on Ray, and those with a cluster of their own. A module that names another in
+    ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it.
 
     Under pytest-xdist's ``--dist loadgroup`` (``make test``: ``-n 2``) the modules with Serve
     applications are one group and the rest another: one worker runs the served tests (one
     Serve at a time, its replicas' memory bounded), mostly waiting on replicas, which leaves a
-    core to the other worker's in-process tests; that worker then runs the modules with Ray
-    actors and clusters of their own, beside the served tests' tail."""
+    core to the other worker's in-process tests; that worker then runs the rest on Ray beside
+    the served tests' tail."""
     first: dict[str, int] = {}
     kinds: dict[str, int] = {}
     for index, item in enumerate(items):
         first.setdefault(item.module.__name__, index)
         module = item.module.__name__  # a module's kind: that of its test on the most of Ray
         kinds[module] = max(kinds.get(module, IN_PROCESS), _kind(item), key=ON_RAY_RANK.index)
+    kinds.update({module: SERVED_BESIDE for module, kind in kinds.items() if module in SERVED_BESIDE_MODULES})
     config.stash[ON_RAY] = {module for module, kind in kinds.items() if kind != IN_PROCESS}
 
     def order(item: pytest.Item) -> tuple[int, int, bool]:
@@ -113,8 +118,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Two workers each starting the shared Ray would fight over its port: refuse the pytest
-    on which pytest-xdist 3.8 drops the groups (pytest-dev/pytest-xdist#1386)."""
+    """Without the groups both workers would run served modules, each on a Ray of its own, with
+    twice the engine replicas that ``MAX_ENGINE_REPLICAS`` allows: refuse the pytest on which
+    pytest-xdist 3.8 drops the groups (pytest-dev/pytest-xdist#1386)."""
     if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple >= (9, 2):
         raise pytest.UsageError("--dist loadgroup needs pytest < 9.2 (pyproject.toml's [dev] extra pins it)")
 
