@@ -7,28 +7,36 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from engine.loader import LoadedModel, ModelSpec, load_model
-from tests.tiny_models import TinyServed, save_tiny_served
-
-if TYPE_CHECKING:  # tests/serving.py imports Ray, which the GPU check's machine has not (tests/gpu)
+if TYPE_CHECKING:  # imported where a test runs: pytest-xdist's controller never needs torch or Ray
+    from engine.loader import LoadedModel
     from tests.serving import SharedServe
+    from tests.tiny_models import TinyServed
 
-# one torch thread beside pytest-xdist's other worker (its Ray replicas take the other core:
-# two threads each would oversubscribe the two cores and slow replica starts several times)
-torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2")))
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_threads() -> None:
+    """One torch thread beside pytest-xdist's other worker (its Ray replicas take the other core:
+    two threads each would oversubscribe the two cores and slow replica starts several times)."""
+    import torch
+
+    threads = os.environ.get("TANDEM_TEST_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2")
+    torch.set_num_threads(int(threads))
 
 
 @pytest.fixture(scope="session")
 def smol() -> LoadedModel:
     """The default model (SmolLM2-135M-Instruct, float32) for engines under test."""
+    from engine.loader import ModelSpec, load_model
+
     return load_model(ModelSpec())
 
 
 @pytest.fixture(scope="session")
 def smol_reference() -> LoadedModel:
     """A second, untouched copy with transformers' own attention, for ``generate`` references."""
+    from engine.loader import ModelSpec, load_model
+
     loaded = load_model(ModelSpec())
     loaded.model.generation_config.eos_token_id = None  # compare a fixed number of tokens
     return loaded
@@ -36,6 +44,9 @@ def smol_reference() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def tiny_served(smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> TinyServed:
+    from engine.loader import ModelSpec, load_model
+    from tests.tiny_models import TinyServed, save_tiny_served
+
     folder = tmp_path_factory.mktemp("tiny-served")
     args = save_tiny_served(folder, smol)
     return TinyServed(args, load_model(ModelSpec(source=args["model.source"])))
