@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first.setdefault(item.module.__name__, index)
         module = item.module.__name__  # a module's kind: that of its test on the most of Ray
         kinds[module] = max(kinds.get(module, IN_PROCESS), _kind(item), key=ON_RAY_RANK.index)
-    kinds.update({module: SERVED_BESIDE for module, kind in kinds.items() if module in SERVED_BESIDE_MODULES})
+    kinds.update(dict.fromkeys(SERVED_BESIDE_MODULES & kinds.keys(), SERVED_BESIDE))
     config.stash[ON_RAY] = {module for module, kind in kinds.items() if kind != IN_PROCESS}
 
     def order(item: pytest.Item) -> tuple[int, int, bool]:

@@ -32,6 +32,9 @@ LAYERS = 3
 BLOCK_BYTES = 16 * 2 * 16 * 4  # one layer's K (or V) of one block: 16 tokens x 2 heads x 16 x float32
 ENGINE = {"max_model_len": 1024, "kv_cache_bytes": 4 << 20}  # the tiny model's context; 341 blocks
 HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lease is TIMEOUT_S)
+# a fetch held before its READ: its producer is killed within it, and a later call with the dead
+# incarnation's handle comes after it, so the decode side re-checks that peer (PEER_CHECK_INTERVAL_S)
+FETCH_HELD_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -278,18 +281,21 @@ def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
 
 def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference, spawn):
     _, decode = actors
-    victim = spawn("victim", "prefill", timeout_s=SHORT_TIMEOUT_S)
+    victim = spawn("victim", "prefill", timeout_s=TIMEOUT_S)  # its lease outlasts the held fetch
     first_incarnation = ray.get(victim.start.remote())
     handshakes = ray.get(decode.num_handshakes.remote())
     request = _request("killed", 0, prompts[5])
     _, handle = ray.get(victim.prefill_pull.remote(request))
-    with _transport_timeout(SHORT_TIMEOUT_S, decode), _faults(decode, delay_s={"fetch": 1.5}):
+    with _transport_timeout(SHORT_TIMEOUT_S, decode), _faults(decode, delay_s={"fetch": FETCH_HELD_S}):
         fetching = decode.decode_pull.remote(request, handle)
-        # blocks reserved: the fetch has begun and sits in its 1.5 s fault delay, before the READ
+        # blocks reserved: the fetch has begun and is held in its fault delay, before the READ
         _wait_for(
             decode, "decode reserving blocks for the fetch", lambda s: s.num_reserved_blocks == len(handle.block_ids)
         )
         ray.kill(victim)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead: a call after the kill is refused
+            ray.get(victim.stats.remote(), timeout=TIMEOUT_S)
+        assert not ray.wait([fetching], timeout=0)[0], "the fetch ended before its producer died"
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(fetching, timeout=TIMEOUT_S)  # ends: a fetch from a dead peer does not hang
         assert isinstance(info.value.cause, KVTransferError), info.value
