@@ -84,12 +84,15 @@ async def wait_until_async(
 
 class CallRecorder:
     """A callback that records its arguments (e.g. the request ids a transport releases) and
-    sets ``event`` on each call, so a test can wait for the first one."""
+    when it was called (``time.time()``), and sets ``event`` on each call, so a test can wait
+    for the first one."""
 
     def __init__(self) -> None:
         self.ids: list[str] = []
+        self.times: list[float] = []
         self.event = threading.Event()
 
     def __call__(self, request_id: str) -> None:
         self.ids.append(request_id)
+        self.times.append(time.time())
         self.event.set()

@@ -103,7 +103,7 @@ def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_lea
         controller.tick(later)
         answer = await report("d0", Role.DECODE, decoding=14)
         assert answer.target == PoolTarget(num_replicas=3, seq=answer.target.seq)
-        assert answer.target.seq - first.seq == pytest.approx(delay + 0.5, abs=0.05)  # the instants of the decisions
+        assert answer.target.seq - first.seq == pytest.approx(delay + 0.5, abs=0.25)  # the instants of the decisions
         assert controller.scale_state.decided_at == later
         assert (await report("p0", Role.PREFILL)).target == PoolTarget(1, answer.target.seq)  # from the same decision
         view = (await controller.view())["scaling"]

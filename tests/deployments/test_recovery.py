@@ -259,9 +259,9 @@ def test_decode_killed_mid_stream(base_url, reference):
     output of end with an error event (then ``[DONE]``): within ``ERROR_DEADLINE_S``
     of the last token when their decode call was on the killed replica, at the KV's lease when
     it was queued for the restarted one (pull sends the prefill's first token at once); a
-    request with no output yet is retried on the restarted replica (or
-    gets a 503 with ``Retry-After`` once ``recovery.wait_s`` passed); afterwards the service
-    answers with the engine's output."""
+    request with no output yet is retried on the restarted replica (or, a stream being
+    answered already, ends with an error event once ``recovery.wait_s`` passed with no replica
+    back); afterwards the service answers with the engine's output."""
     _assert_nothing_held(base_url, "")
     before = _engine_ids(base_url, "", "DecodeServer")
     requests = [("kill-decode-1", 0, 0.0), ("decode-peer-1", 1, 0.0), ("decode-peer-2", 2, 0.2)]
@@ -275,11 +275,11 @@ def test_decode_killed_mid_stream(base_url, reference):
             assert result.status == 200 and result.done and result.error["type"] == "server_error", result
             if "gone" in result.error["message"]:  # its decode call was on the killed replica: in time
                 assert not seen or result.error_at - max(seen) <= ERROR_DEADLINE_S, result
+            elif "no replica could take the request" in result.error["message"]:  # retried, no replica back
+                assert not result.tokens and "retry later" in result.error["message"], result
             else:  # its first token came from prefill, then its decode call waited in Serve for the
                 # restarted replica, which found the KV's lease over: the transfer's own error
                 assert result.error["code"] == "kv_transfer_failed" and "lease" in result.error["message"], result
-        elif result.status == 503:  # no output, no replica back within recovery.wait_s
-            assert "retry" in result.body.lower()
         else:  # no output yet: retried on the restarted replica
             _assert_same([result], [prompt], reference)
     _restarted(base_url, "", "DecodeServer", before)
@@ -304,19 +304,23 @@ def test_dropped_release_and_stalled_fetch_end_at_the_lease(base_url, reference)
     been reused: never read) and the request is retried, completing with the engine's output."""
     _assert_nothing_held(base_url, "")
 
-    async def both_pinned(client: httpx.AsyncClient) -> dict | None:
-        """The view once the prefill replica holds drop-1's export (no release notice came)
-        and stall-1's (its consumer still asleep), both older than 2 s: neither freed early."""
+    async def both_pinned(client: httpx.AsyncClient, dropped: asyncio.Future) -> dict | None:
+        """The view once drop-1 has streamed and the prefill replica still holds its export (no
+        release notice came) and stall-1's (its consumer still asleep), both older than 2 s:
+        neither freed early."""
+        if not dropped.done():
+            return None
         view = (await client.get("/admin/kv")).json()
-        (prefill,) = _live(view, "PrefillServer")
-        return view if prefill["num_pinned_requests"] == 2 and prefill["oldest_pinned_s"] > 2 else None
+        live = _live(view, "PrefillServer")  # none: its last report is late
+        return view if [(p["num_pinned_requests"], p["oldest_pinned_s"] > 2) for p in live] == [(2, True)] else None
 
     async def main() -> tuple[Streamed, dict, Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
             stalled = asyncio.ensure_future(_stream(client, "", "stall-1", 1))
-            dropped = await _stream(client, "", "drop-1", 0)
-            view = await wait_until_async(lambda: both_pinned(client), TIMEOUT_S / 2, "both exports pinned")
-            return dropped, view, await stalled
+            dropped = asyncio.ensure_future(_stream(client, "", "drop-1", 0))
+            # watched from the start: seen as soon as drop-1 has streamed, well within the leases
+            view = await wait_until_async(lambda: both_pinned(client, dropped), TIMEOUT_S, "both exports pinned")
+            return await dropped, view, await stalled
 
     dropped, view, stalled = asyncio.run(main())
     _assert_same([dropped, stalled], [0, 1], reference)
@@ -335,6 +339,9 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url, 
 
     async def main() -> tuple[Streamed, int, Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            # a warm replica: the long request's first token comes well within the idle bound
+            warm = {"model": DEFAULT_MODEL_NAME, "prompt": PROMPT_IDS[0], "max_tokens": 2}
+            assert (await client.post(BUSY + "/v1/completions", json=warm)).status_code == 200
             headers = {"X-Request-Id": "busy-long"}
             async with client.stream("POST", BUSY + "/v1/completions", json=body, headers=headers) as response:
                 long = Streamed(response.status_code)
@@ -346,6 +353,7 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url, 
                 reader = asyncio.ensure_future(read())
                 try:
                     await wait_until_async(lambda: long.tokens or reader.done(), 120, "the long request's first token")
+                    assert long.error is None and not reader.done(), long  # it streams while the other waits
                     waiting = await _stream(client, BUSY, "busy-idle", 0)
                     before = len(long.tokens)
                     await wait_until_async(lambda: len(long.tokens) >= before + 8 or reader.done(), 60,

@@ -207,7 +207,7 @@ def test_a_shared_prefix_moves_once(actors, mode):
 
 def test_abort_on_either_side_frees_blocks(actors, prompts):
     prefill, decode = actors
-    request = _request("abort-d", 0, prompts[3], max_tokens=400)
+    request = _request("abort-d", 0, prompts[3], max_tokens=850)  # still decoding when cancelled
     _, handle = ray.get(prefill.prefill_pull.remote(request))
     running = decode.decode_pull.remote(request, handle)
     _wait_for(decode, "decode running the request", lambda s: s.num_running == 1)

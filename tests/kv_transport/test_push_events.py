@@ -123,7 +123,7 @@ def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
 
 def test_push_writes_each_layer_only_after_its_event_in_layer_order(no_device_sync):
     events = FakeCudaEvents()
-    with transport_pair(LAYOUT, _pool(6), _pool(6, fill=-1.0), 5.0) as (producer, consumer, src, dst, _, _):
+    with transport_pair(LAYOUT, _pool(6), _pool(6, fill=-1.0), 30.0) as (producer, consumer, src, dst, _, _):
         producer._event_type = events  # what a CUDA pool gets as torch.cuda.Event
         counter = RoundCounter(producer._worker)
 
@@ -143,7 +143,7 @@ def test_push_writes_each_layer_only_after_its_event_in_layer_order(no_device_sy
             assert [r.posted_at.unix_s for r in push.layers] == [None, None, None]  # layer 0 holds them
             assert torch.all(dst == -1.0)
             events.made[0].complete()
-            wait_until(lambda: push.layers[-1].posted_at.unix_s, 5, "the last layer's WRITE posted")
+            wait_until(lambda: push.layers[-1].posted_at.unix_s, 30, "the last layer's WRITE posted")
             stats = await producer.finish_push("p", first_token=5)
             done = await consumer.wait_push(dest)
             return stats, done

@@ -163,12 +163,12 @@ def test_aborted_pushes_hold_their_slots_until_late_writes_cannot_land():
 
 
 def test_a_push_wait_that_times_out_sets_its_slots_aside_then_frees_them():
-    with staged_pair("none", "host", timeout_s=0.5) as (_, consumer, *_):
+    with staged_pair("none", "host", timeout_s=2.0) as (_, consumer, *_):  # set aside for as long
         dest = consumer.destination("late", [0, 1, 2], num_tokens=12)
         with pytest.raises(KVTransferTimeout, match="no push completion"):
             asyncio.run(consumer.wait_push(dest))
         assert consumer.staging.slots.num_free == NUM_SLOTS - 3  # a late WRITE could still land
-        wait_until(lambda: consumer.staging.slots.num_free, 5, "the set-aside slots freed", until=lambda n: n == 12)
+        wait_until(lambda: consumer.staging.slots.num_free, 15, "the set-aside slots freed", until=lambda n: n == 12)
 
 
 def test_bad_staging_values_are_refused_naming_the_setting():
