@@ -38,11 +38,6 @@ FETCH_HELD_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_ray) -> None:
-    """The session's Ray: this module's engine actors run on it, closed at the module's end."""
-
-
-@pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> ModelSpec:
     folder = tmp_path_factory.mktemp("tiny-sharp")
     tiny_config("llama", SHARP).save_pretrained(folder)
@@ -56,7 +51,7 @@ def _engine_actor(spec: ModelSpec, engine_id: str, role: str, timeout_s: float):
 
 
 @pytest.fixture(scope="module")
-def actors(cluster, spec):
+def actors(shared_ray, spec):
     prefill = _engine_actor(spec, "prefill-0", "prefill", TIMEOUT_S)
     decode = _engine_actor(spec, "decode-0", "both", TIMEOUT_S)
     ray.get([prefill.start.remote(), decode.start.remote()])
@@ -122,7 +117,7 @@ def _faults(actor, **faults) -> Iterator[None]:
 
 
 @pytest.fixture
-def spawn(cluster, spec):
+def spawn(shared_ray, spec):
     """Start extra engine actors for one test; all killed at its end, passed or failed."""
     spawned = []
 
@@ -316,7 +311,7 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
     ray.get(restarted.close.remote())
 
 
-def test_object_store_baseline_moves_the_same_bytes(cluster):
+def test_object_store_baseline_moves_the_same_bytes(shared_ray):
     from engine.kv_pool import KVLayout
     from kv_transport.object_store import ObjectStoreTransport
 
