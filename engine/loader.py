@@ -8,11 +8,13 @@ transformers once (slow) and cached as safetensors, so later loads are quick.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -153,23 +155,43 @@ def _load_dummy(source: str, dtype: torch.dtype, seed: int, device: str) -> PreT
 
 def _converted_gguf(gguf_path: Path) -> Path:
     """Dequantize a GGUF once into a safetensors folder keyed by the file's identity."""
-    folder = _gguf_cache_folder(gguf_path)
+
+    def convert(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        _save_plain(model, tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return build_once(_gguf_cache_folder(gguf_path), convert, {"source": str(gguf_path)})
+
+
+def build_once(folder: Path, build: Callable[[Path], None], record: dict[str, str]) -> Path:
+    """``folder``, built by ``build`` (into an empty folder it is given) if no process has yet.
+
+    Processes that start together (a test session's workers, an app's replicas) would each
+    spend the whole conversion: the first to take a lock beside ``folder`` builds it, the
+    others wait, then find it complete. The build goes to a temporary folder renamed into
+    place, so a reader never sees a partial one (nor a process on another host, where the
+    cache is shared and a lock may not hold)."""
     if (folder / "complete").is_file():
         return folder
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _save_plain(model, tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "complete").write_text(json.dumps({"source": str(gguf_path)}))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process finished the same conversion first
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "complete").is_file():
+            return folder
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        build(tmp)
+        (tmp / "complete").write_text(json.dumps(record))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another host finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

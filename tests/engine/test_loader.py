@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -12,9 +13,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.loader import ModelSpec, cache_root, default_gguf_path, load_model, load_tokenizer, resolve_dtype
+from engine.loader import (
+    ModelSpec,
+    build_once,
+    cache_root,
+    default_gguf_path,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+)
 from engine.params import SamplingParams
 from tests.engine.conftest import run_to_completion
+from tests.waiting import wait_until
 
 
 def test_default_model_is_found_without_importing_its_package():
@@ -37,6 +47,34 @@ def test_default_conversion_is_cached(smol_reference):
     assert torch.equal(cached, reference.model.model.layers[3].mlp.down_proj.weight)
     assert reference.model.num_parameters() == 134_515_008
     assert reference.tokenizer.chat_template is not None and reference.name == "SmolLM2-135M-Instruct"
+
+
+def test_processes_that_start_together_build_the_cache_once(tmp_path):
+    """The cache's lock (an flock, which separate opens of one file contend for, in threads as in
+    processes): the second caller waits for the first's build and finds it complete."""
+    folder, built, second_started = tmp_path / "gguf" / "key", [], threading.Event()
+
+    def build(tmp):
+        built.append(tmp)
+        assert second_started.wait(60)  # the second caller is on its way while this one builds
+        (tmp / "model.safetensors").write_bytes(b"weights")
+
+    def second():
+        second_started.set()
+        results.append(build_once(folder, build, {"source": "test"}))
+
+    results = []
+    other = threading.Thread(target=second)
+    first = threading.Thread(target=lambda: results.append(build_once(folder, build, {"source": "test"})))
+    first.start()
+    wait_until(lambda: built, 30, "the first build started")
+    other.start()
+    first.join(60)
+    other.join(60)
+    assert results == [folder, folder] and len(built) == 1
+    assert (folder / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((folder / "complete").read_text()) == {"source": "test"}
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["key", "key.lock"]  # no temporary folder left
 
 
 def _tiny_qwen_config(tmp_path):
