@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,16 +79,22 @@ class ElasticRouting:
         self._task = keep_running(self._task, self._sync_loop)
 
     async def _sync_loop(self) -> None:
+        """Every ``SYNC_PERIOD_S`` while there is news (finished requests, admitted prompts);
+        with none, once per decision interval (the plan changes no more often than that): an
+        idle app's calls cost CPU its neighbours could use."""
+        synced_at = -math.inf
         while True:
-            samples, self._samples = self._samples, []
             admitted = self.book.admitted_prompt_tokens
-            report = IngressReport(tuple(samples), admitted - self._sent_tokens, self.book.seconds_per_prompt_token)
-            try:
-                self.plan = await self.controller.sync.remote(report, self._name)
-                self._sent_tokens = admitted
-            except Exception as exc:  # the controller restarting: route by the last plan
-                logger.warning("autoscaler sync failed: %s", exc)
-                self._samples = samples + self._samples  # sent with the next sync
+            news = bool(self._samples) or admitted != self._sent_tokens
+            if news or time.monotonic() - synced_at >= self.policy.interval_s:
+                samples, self._samples = self._samples, []
+                report = IngressReport(tuple(samples), admitted - self._sent_tokens, self.book.seconds_per_prompt_token)
+                try:
+                    self.plan = await self.controller.sync.remote(report, self._name)
+                    self._sent_tokens, synced_at = admitted, time.monotonic()
+                except Exception as exc:  # the controller restarting: route by the last plan
+                    logger.warning("autoscaler sync failed: %s", exc)
+                    self._samples = samples + self._samples  # sent with the next sync
             await asyncio.sleep(SYNC_PERIOD_S)
 
     async def view(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -54,7 +55,7 @@ def _load_core(config: AppConfig, role: Role, engine_id: str) -> EngineCore:
     return EngineCore(loaded, EngineConfig(**limits, **settings, tensor_parallel_size=degree), launch)
 
 
-REPORT_PERIOD_S = 0.25  # how often a replica reports its load to the autoscaler's controller
+REPORT_PERIOD_S = 0.25  # how often a replica looks for a change of load to report to the autoscaler
 DRAIN_POLL_S = 0.1
 STALL_S = 60.0  # check_health fails when one engine round has run this long (a wedged step)
 AFTER_EXPORT_CRASH_S = 0.05  # an ``after_export`` crash comes this long after the handle went back
@@ -182,11 +183,19 @@ class EngineServer:
 
         context = serve.get_replica_context()
         replica, deployment = context.replica_id.unique_id, context.deployment
+        # an unchanged load is sent once per decision interval (never stale: stale_after_s is
+        # at least that), a changed one at once: an idle app's calls cost CPU others could use
+        quiet_s = self.config.autoscaling.load(self.config.slo.ttft_ms, self.config.slo.tpot_ms).interval_s
         changing: asyncio.Task | None = None
+        sent, sent_at = None, -math.inf
         while True:
+            stats = self.engine.latest_stats()
+            if stats == sent and time.monotonic() - sent_at < quiet_s:
+                await asyncio.sleep(REPORT_PERIOD_S)
+                continue
             try:
-                stats = self.engine.latest_stats()
                 answer = await self._controller.report.remote(ReplicaReport(replica, deployment, self.home, stats))
+                sent, sent_at = stats, time.monotonic()
                 role = answer.role
                 if answer.target is not None:
                     self._target = answer.target
