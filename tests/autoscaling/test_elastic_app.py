@@ -37,6 +37,9 @@ ARGS = {
     "prefill.num_cpus": "0.25",
     "decode.num_cpus": "0.25",
     "autoscaling.replica_scaling": "false",  # lending alone here (replica counts: test_replica_scaling_app)
+    # the idle bound counts from arrival: on a slow machine the burst's last requests queue past
+    # the default 60 s before their first token, which is load, not the stalled stream it bounds
+    "limits.stream_idle_timeout_s": "600",
 }
 
 

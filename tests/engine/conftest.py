@@ -18,7 +18,8 @@ from tests.tiny_models import TinyServed, tiny_config
 from workloads.corpus import CHAT_QUESTIONS, prompt_of_length
 
 NUM_COMPARED = 32
-PROMPT_LENGTHS = (1, 9, 120, 300, 640, 1000, 1500)
+# up to 40 blocks of 16 and over one 512-token chunk; longer prompts add prefill time, not cases
+PROMPT_LENGTHS = (1, 9, 120, 300, 640)
 
 
 def greedy(max_tokens: int = NUM_COMPARED) -> SamplingParams:
@@ -69,7 +70,7 @@ def hf_greedy(loaded: LoadedModel, prompt: list[int], num_tokens: int = NUM_COMP
 
 @pytest.fixture(scope="session")
 def smol_prompts(smol: LoadedModel) -> list[list[int]]:
-    """8 prompts of 1 to 1,500 tokens: corpus slices and a chat-templated question."""
+    """6 prompts of 1 to 640 tokens: corpus slices and a chat-templated question."""
     tok = smol.tokenizer
     prompts = [prompt_of_length(tok, n, offset=17 * i) for i, n in enumerate(PROMPT_LENGTHS)]
     chat = tok.apply_chat_template([{"role": "user", "content": CHAT_QUESTIONS[0]}], add_generation_prompt=True)

@@ -82,8 +82,8 @@ def test_greedy_batch_1_is_transformers_token_for_token(smol, smol_prompts, smol
 def test_a_batch_of_16_with_rows_that_do_not_speculate(smol, smol_prompts, smol_hf_traces, make_engine):
     """16 requests arriving while others decode, chunked prompts in the same steps; the corpus
     ones copy text (proposals), the chat ones mostly do not. Compared by tests/same_output.py's
-    batched rule (float32 kernels differ between batch shapes), not token for token. The prompts
-    up to 640 tokens (three chunks of 256): the two longest add prefill time, not cases."""
+    batched rule (float32 kernels differ between batch shapes), not token for token. All six
+    prompts, the longest (640 tokens) in three chunks of 256."""
     core = make_engine(smol, speculative=_spec(), enable_chunked_prefill=True, max_num_batched_tokens=256)
     picked = [i % 6 for i in range(16)]
     requests = [GenerationRequest(f"b-{n}", tuple(smol_prompts[i]), greedy()) for n, i in enumerate(picked)]
