@@ -84,6 +84,7 @@ ON_RAY_RANK = (IN_PROCESS, SERVED, ACTORS, OWN_CLUSTER)  # least to most of Ray
 # served modules that run with the in-process ones (in the other pytest-xdist worker), after
 # them: small apps of the tiny model, moved there so that both workers end near the same time
 SERVED_BESIDE_MODULES = frozenset({"tests.deployments.test_tensor_parallel_app"})
+DEFAULT_MODEL_FIXTURES = frozenset({"smol", "smol_reference", "tiny_served"})  # tiny_served copies its tokenizer
 
 
 def _kind(item: pytest.Item) -> int:
@@ -99,8 +100,9 @@ def _kind(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with Serve applications on the shared Ray run first, so it starts once; then the
     modules without Ray (the shared Ray stops before them: its idle processes would take CPU
-    from them); then a few small served modules (``SERVED_BESIDE_MODULES``), the modules with
-    actors on Ray, and those with a cluster of their own. A module that names another in
+    from them), those that need no default model first; then a few small served modules
+    (``SERVED_BESIDE_MODULES``), the modules with actors on Ray, and those with a cluster of
+    their own. A module that names another in
     ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it.
 
     Under pytest-xdist's ``--dist loadgroup`` (``make test``: ``-n 2``) the modules with Serve
@@ -117,10 +119,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kinds.update(dict.fromkeys(SERVED_BESIDE_MODULES & kinds.keys(), SERVED_BESIDE))
     config.stash[ON_RAY] = {module for module, kind in kinds.items() if kind != IN_PROCESS}
 
-    def order(item: pytest.Item) -> tuple[int, int, bool]:
+    # in-process modules that need no default model run first: a fresh machine converts it once
+    # (minutes of CPU on a slow one) while they run, not while the worker waits for it
+    on_model = {item.module.__name__ for item in items if DEFAULT_MODEL_FIXTURES & set(item.fixturenames)}
+
+    def order(item: pytest.Item) -> tuple[int, bool, int, bool]:
         anchor = getattr(item.module, "SHARES_APPS_WITH", None)
         module = anchor or item.module.__name__
-        return kinds.get(module, kinds[item.module.__name__]), first.get(module, 0), anchor is None
+        kind = kinds.get(module, kinds[item.module.__name__])
+        return kind, kind == IN_PROCESS and module in on_model, first.get(module, 0), anchor is None
 
     items.sort(key=order)
     if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers

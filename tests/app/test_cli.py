@@ -6,6 +6,7 @@ import pytest
 from app.cli import main
 
 
+@pytest.mark.usefixtures("smol")  # the default model, converted once for the session (tests/conftest.py)
 def test_generate_prints_the_completion(capsys: pytest.CaptureFixture[str]):
     # in this process: a `python -m app.cli` child would import torch and transformers again
     # (seconds of CPU); the module's entry point itself is run by the test below
