@@ -86,7 +86,7 @@ class TransferStats:
     num_descriptors: int
     layer_times: tuple[LayerTiming, ...] = ()
     rank_bytes: tuple[int, ...] = ()  # a tensor-parallel consumer: what each rank read, by rank
-    notice_sent: float | None = None  # a push: when its completion notice went (unix s)
+    notice_sent: float | None = None  # a push: when its completion notice was handed to NIXL (unix s)
 
 
 @dataclass(frozen=True)

@@ -465,8 +465,9 @@ class NixlTransport(BaseKVTransport):
                 self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
             raise
         if sent.acquire(blocking=False):  # no WRITE left to complete (none was posted)
+            sent_at = time.time()  # taken as it is handed over: no reader can see it earlier
             self._notify(push.peer, done_notice)
-            push.notice_sent = time.time()
+            push.notice_sent = sent_at
         else:  # the last WRITE's callback is sending it (microseconds): returned, it has gone
             notified.wait(NOTICE_SEND_WAIT_S)
         layer_times = tuple(
@@ -496,8 +497,9 @@ class NixlTransport(BaseKVTransport):
             # layers complete in order: an early callback stops at the next layer's future
             if all(f.done() for f in futures) and all(_wrote(f) for f in futures) and sent.acquire(blocking=False):
                 try:
+                    sent_at = time.time()  # as in finish_push: before the consumer can read it
                     self._notify(push.peer, notice)
-                    push.notice_sent = time.time()
+                    push.notice_sent = sent_at
                 finally:
                     notified.set()
 
