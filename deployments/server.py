@@ -190,20 +190,18 @@ class EngineServer:
         sent, sent_at = None, -math.inf
         while True:
             stats = self.engine.latest_stats()
-            if stats == sent and time.monotonic() - sent_at < quiet_s:
-                await asyncio.sleep(REPORT_PERIOD_S)
-                continue
-            try:
-                answer = await self._controller.report.remote(ReplicaReport(replica, deployment, self.home, stats))
-                sent, sent_at = stats, time.monotonic()
-                role = answer.role
-                if answer.target is not None:
-                    self._target = answer.target
-                if role is not stats.role and (changing is None or changing.done()):
-                    # applied between engine steps (a step may take seconds): keep reporting meanwhile
-                    changing = asyncio.get_running_loop().create_task(self._apply_role(stats.role, role))
-            except Exception as exc:  # the controller restarting, say: keep the role, retry
-                logger.warning("autoscaler report failed: %s", exc)
+            if stats != sent or time.monotonic() - sent_at >= quiet_s:
+                try:
+                    answer = await self._controller.report.remote(ReplicaReport(replica, deployment, self.home, stats))
+                    sent, sent_at = stats, time.monotonic()
+                    role = answer.role
+                    if answer.target is not None:
+                        self._target = answer.target
+                    if role is not stats.role and (changing is None or changing.done()):
+                        # applied between engine steps (a step may take seconds): keep reporting meanwhile
+                        changing = asyncio.get_running_loop().create_task(self._apply_role(stats.role, role))
+                except Exception as exc:  # the controller restarting, say: keep the role, retry
+                    logger.warning("autoscaler report failed: %s", exc)
             await asyncio.sleep(REPORT_PERIOD_S)
 
     async def _apply_role(self, old: Role, role: Role) -> None:

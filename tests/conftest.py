@@ -102,8 +102,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules without Ray (the shared Ray stops before them: its idle processes would take CPU
     from them), those that need no default model first; then a few small served modules
     (``SERVED_BESIDE_MODULES``), the modules with actors on Ray, and those with a cluster of
-    their own. A module that names another in
-    ``SHARES_APPS_WITH`` (tests/serving.py) runs just before it.
+    their own. A module that names another in ``SHARES_APPS_WITH`` (tests/serving.py) runs
+    just before it.
 
     Under pytest-xdist's ``--dist loadgroup`` (``make test``: ``-n 2``) the modules with Serve
     applications are one group and the rest another: one worker runs the served tests (one
