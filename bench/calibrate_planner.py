@@ -100,9 +100,8 @@ def measure_engine() -> dict:
 
 
 def probe_stack(target, cost, kind: str) -> dict:
-    """One served app's stack (``kind``: ``colocated`` / ``disaggregated``) against ``cost``'s engine fits: one
-    request at a time per length, per batch that many at once (the second of two rounds), a load run, and their
-    fit. The app must run without a prefix cache (the probes repeat their prompts)."""
+    """One served app's stack (``kind``) against ``cost``'s engine fits: one request at a time per length, per batch
+    that many at once (the second of two rounds), a load run, and their fit; the app must run without a prefix cache."""
     assert max(STACK_LENGTHS) + STACK_OUTPUT <= MAX_MODEL_LEN  # bench.compare serves the same context
     builder = PromptBuilder(tokenizer())
 

@@ -536,8 +536,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    options = parse_options(argv)
-    command = command_line(NAME, argv)
+    options, command = parse_options(argv), command_line(NAME, argv)
     options.raw.mkdir(parents=True, exist_ok=True)
     if options.stage in ("all", "floor"):  # the engine's part in a subprocess (no Ray in it), then the static app
         floor = {"command": command, **worker_json(NAME, "engine_floor", options.floor_steps)}

@@ -10,7 +10,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -88,9 +87,7 @@ def interleaved_decode_steps(core, model, prompt: list[int]) -> dict[str, float]
     """Batch-1 decode step, ours and transformers', and ``torch.mv`` bandwidth, in alternating rounds."""
     from transformers import DynamicCache
 
-    core.add_request(greedy_request("b1", prompt, NUM_STEPS + 2))
-    core.step()  # prefill
-    core.step()  # first decode step (warm-up)
+    prefilled(core, [greedy_request("b1", prompt, NUM_STEPS + 2)], warm=1)  # one decode step to warm up
     cache, token = DynamicCache(config=model.config), [torch.tensor([prompt])]
 
     def hf_step() -> None:
@@ -171,13 +168,9 @@ def render(summary: dict) -> list[str]:
         values = [ratios(r)[name] for r in runs]
         met = [value <= bound if op == "<=" else value >= bound for value in values]
         rows.append([name, f"{op} {bound}", *(f"{v:.2f} {'ok' if ok else 'MISSED'}" for v, ok in zip(values, met))])
-    return [
-        f"Command: `{summary['command']}` (SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process).",
-        "",
-        *table(["metric", *threads], [[label, *(cells(f, r) for r in runs)] for label, f in ROWS]),
-        "",
-        *table(["ratio", "target", *threads], rows),
-    ]
+    figures = table(["metric", *threads], [[label, *(cells(f, r) for r in runs)] for label, f in ROWS])
+    setup = "(SmolLM2-135M-Instruct, float32, CPU; each thread count in its own process)"
+    return [f"Command: `{summary['command']}` {setup}.", "", *figures, "", *table(["ratio", "target", *threads], rows)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"running with {threads} torch thread(s)...", file=sys.stderr, flush=True)
         runs.append(worker_json("bench.engine", "worker", threads))
     summary = {"command": command_line("bench.engine", argv), "runs": [{**r, "ratios": ratios(r)} for r in runs]}
-    publish(Path(args.out), "engine", "bench.engine", summary, render(summary), "# Engine benchmark")
+    publish(args.out, "engine", "bench.engine", summary, render(summary), "# Engine benchmark")
 
 
 if __name__ == "__main__":

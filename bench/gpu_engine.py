@@ -1,17 +1,12 @@
 """The engine on one GPU: ``python3 -m bench.gpu_engine [--out PATH] [--tiny]``.
 
-The floors first (copy bandwidth, bf16 matmul rate), then per model config (Llama 1B- and
-8B-class, Qwen3 8B-class; random bfloat16 weights made on the GPU): decode tok/s through
-``EngineCore`` at batch 1 and 64, replayed from CUDA graphs on the fused kernels, from graphs of
-the model's forward, and eager, against the weights' HBM floor; the graph's replay alone
-(the device's step without the host's); the kernels of one step by kind (cuBLAS products,
-attention, copies, the rest), profiled; prefill tok/s against the FLOP floor; and, for the
-first model, speculative decoding's verify steps against plain ones. A failed row says so and
-the rest go on; ``--tiny``: tiny sizes on the CPU."""
+The floors (copy bandwidth, bf16 matmul rate), then per model (random bfloat16 weights made on the GPU): decode
+tok/s at batch 1 and 64 in each of ``MODES`` against the weights' HBM floor, the graph's replay alone, one step's
+kernels by kind, prefill tok/s against the FLOP floor, and for the first model speculative decoding's verify steps.
+A failed row says so and the rest go on; ``--tiny``: tiny sizes on the CPU."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import random
 import statistics
@@ -21,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
 from bench.engine import decode_weight_bytes, drain, greedy_request, prefilled
@@ -103,10 +99,10 @@ class Row:
         return f"| {cells(row, asdict(self), missing='')} |"
 
 
-def guarded(name: str, measure: Callable[[], Row]) -> Row:
-    """Run one measurement; any error becomes its row, so the others still run."""
+def guarded(name: str, measure: Callable[..., Row], *args: object) -> Row:
+    """``measure(*args)``; any error becomes its row, so the others still run."""
     try:
-        return measure()
+        return measure(*args)
     except Exception as exc:  # a benchmark row reports every failure and goes on
         return error_row(name, exc)
 
@@ -183,10 +179,8 @@ def hbm_floor_ms(weight_bytes: int, copy: Row) -> float | None:
 
 
 def use_mode(core: EngineCore, mode: str) -> None:
-    """Decode steps from now on: ``fused`` (graphs on the fused kernels, steps overlapped by the
-    asynchronous scheduling: the default on a GPU), ``fused-sync`` (the same, one step at a
-    time), ``fused-lt`` (the same as ``fused`` with PyTorch told to prefer cuBLASLt for the
-    products), ``graphs`` (graphs of the model's own forward) or ``eager``."""
+    """Decode steps from now on: ``fused`` (graphs on the fused kernels, steps overlapped: the GPU's default),
+    ``fused-sync`` (one step at a time), ``fused-lt`` (preferring cuBLASLt), ``graphs`` (of the forward), ``eager``."""
     fused = mode.startswith("fused")
     kernels = core.runner.triton_decode_kernels() if fused else None
     if fused and kernels is None:
@@ -200,8 +194,7 @@ def use_mode(core: EngineCore, mode: str) -> None:
 def decode_row(
     label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, mode: str, prompt_len: int = 0
 ) -> Row:
-    """Decode at ``batch`` in ``mode`` (``use_mode``) after prompts of ``prompt_len`` tokens
-    (0: ``sizes.prompt_len``), against ``hbm_floor_ms``."""
+    """Decode at ``batch`` in ``mode`` after prompts of ``prompt_len`` tokens (0: ``sizes.prompt_len``)."""
     if mode != "eager" and core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA graphs need CUDA")
     use_mode(core, mode)
@@ -209,7 +202,6 @@ def decode_row(
     # the warm-up (context prompt + 4) shares the timed run's padded sizes: it captures every graph replayed
     run_decode(core, make_requests(core, "warm", batch, prompt_len, 4))
     decode_s, steps, tokens = run_decode(core, make_requests(core, "decode", batch, prompt_len, sizes.new_tokens))
-    floor_ms = hbm_floor_ms(weight_bytes, copy)
     step_ms = decode_s / (tokens / batch) * 1e3  # per token of each sequence (a step in flight lands later)
     notes = f"{steps} steps, ctx {prompt_len}-{prompt_len + sizes.new_tokens}; "
     notes += f"floor: {weight_bytes / 1e6:,.1f} MB of weights / copy GB/s (read+written)"
@@ -220,35 +212,24 @@ def decode_row(
     if core.runner.graphs is not None:
         captured = ", ".join(f"{k.batch}x{k.num_blocks}" for k in core.runner.graphs.captured)
         notes += f"; graphs (batch x blocks): {captured}; {core.runner.graphs.num_replays} replays"
-    return Row(label, tokens / decode_s, "tok/s", step_ms, floor_ms, notes)
+    return Row(label, tokens / decode_s, "tok/s", step_ms, hbm_floor_ms(weight_bytes, copy), notes)
 
 
 def replay_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row) -> Row:
-    """The last graph-replayed decode step's graph replayed again, timed on the device: the
-    step without the host's scheduling, input copy and sampling around it."""
+    """The last decode step's graph replayed again, timed on the device: the step without the host's work."""
     graphs = core.runner.graphs
     keys = [k for k in graphs.captured if k.batch >= batch and k.num_queries == 1] if graphs else []
     if not keys:
         return Row(label, notes="n/a: no graph was captured")
     key = min(keys, key=lambda k: (k.batch, -k.num_blocks))
-    ms = median_ms(lambda: graphs.replay_again(key), 20, sizes.device)
-    return Row(
-        label, 1e3 / ms * batch, "tok/s", ms, hbm_floor_ms(weight_bytes, copy), f"graph {key.batch}x{key.num_blocks}"
-    )
-
-
-def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+    ms, floor_ms = median_ms(lambda: graphs.replay_again(key), 20, sizes.device), hbm_floor_ms(weight_bytes, copy)
+    return Row(label, 1e3 / ms * batch, "tok/s", ms, floor_ms, f"graph {key.batch}x{key.num_blocks}")
 
 
 def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_bytes: int, copy: Row, mode: str):
-    """The GPU kernels of a few decode steps (torch.profiler, CUDA activity): per step, their
-    count and busy time by ``kernel_kind``; the time is the kernels' own, gaps left out."""
+    """Per decode step, the GPU kernels' count and busy time (gaps left out) by ``KERNEL_KINDS``, profiled."""
     if core.device.type != "cuda":
         return Row(label, notes="n/a: CUDA only")
-    from torch.profiler import ProfilerActivity, profile
-
     use_mode(core, mode)
     run_decode(core, make_requests(core, "kernels-warm", batch, sizes.prompt_len, 4))
     prefilled(core, make_requests(core, "kernels", batch, sizes.prompt_len, 9))
@@ -264,7 +245,9 @@ def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_b
         return Row(label, notes=f"no kernel recorded in {steps} steps ({mode})")
     by_kind: dict[str, list[float]] = {}
     for event in kernels:
-        by_kind.setdefault(kernel_kind(event.name), []).append(event.time_range.elapsed_us())
+        name = event.name.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
+        by_kind.setdefault(kind, []).append(event.time_range.elapsed_us())
     busy_ms = sum(map(sum, by_kind.values())) / 1e3 / steps
     notes = "; ".join(
         f"{k}: {len(v) / steps:.0f} kernels, {sum(v) / 1e3 / steps:.3f} ms" for k, v in sorted(by_kind.items())
@@ -273,9 +256,8 @@ def kernels_row(label: str, core: EngineCore, batch: int, sizes: Sizes, weight_b
 
 
 def speculative_row(label: str, loaded: LoadedModel, config: EngineConfig, sizes: Sizes) -> Row:
-    """Batch-1 decode with n-gram speculation (k=4) on a prompt that repeats a 16-token phrase:
-    the median step that verified proposals against the median plain one (random weights accept
-    what they happen to repeat; the acceptance is in the notes)."""
+    """Batch-1 n-gram speculation (k=4) on a prompt repeating a 16-token phrase: the median verify step against
+    the median plain one (random weights accept what they happen to repeat; the notes say how much)."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4)
     core = EngineCore(loaded, config.model_copy(update={"speculative": spec, "max_num_seqs": 1}))
     phrase = make_requests(core, "spec-phrase", 1, 16, 1)[0].prompt_token_ids
@@ -293,18 +275,11 @@ def speculative_row(label: str, loaded: LoadedModel, config: EngineConfig, sizes
     plain = f"{statistics.median(times[False]) * 1e3:.3f}" if times[False] else "none"
     notes = f"{len(times[True])} verify steps, {len(times[False])} plain ({plain} ms median); "
     notes += f"{counters.num_accepted_tokens} of {counters.num_draft_tokens} proposed tokens accepted"
-    del core
     return Row(label, verify_ms and 1e3 / verify_ms, "verify steps/s", verify_ms, notes=notes)
 
 
-def layer_parameters(model: torch.nn.Module) -> int:
-    """The decoder layers' parameters (count them before the runner fuses some into buffers)."""
-    return sum(p.numel() for p in getattr(model, model.base_model_prefix).layers.parameters())
-
-
 def prefill_row(name: str, core: EngineCore, sizes: Sizes, layer_params: int, matmul: Row) -> Row:
-    """One prompt's prefill; the floor: 2 x decoder-layer parameters x tokens / the matmul rate
-    (the LM head and the attention scores left out)."""
+    """One prompt's prefill; the floor: 2 x decoder-layer parameters x tokens / the matmul rate."""
 
     def once(tag: str) -> float:
         core.add_request(make_requests(core, tag, 1, sizes.prefill_len, 1)[0])
@@ -313,67 +288,65 @@ def prefill_row(name: str, core: EngineCore, sizes: Sizes, layer_params: int, ma
 
     once("prefill-warm")
     prefill_s = statistics.median(once(f"prefill-{i}") for i in range(sizes.prefill_reps))
-    flops = 2 * layer_params * sizes.prefill_len
+    tokens = sizes.prefill_len
+    flops = 2 * layer_params * tokens  # the LM head and the attention scores left out
     floor_ms = flops / (matmul.value * 1e12) * 1e3 if matmul.value else None
     notes = f"median of {sizes.prefill_reps}; floor: 2 x layer params x tokens ({flops / 1e9:,.1f} GFLOP) / matmul"
-    tokens = sizes.prefill_len
     return Row(f"{name} prefill {tokens} tokens", tokens / prefill_s, "tok/s", prefill_s * 1e3, floor_ms, notes)
 
 
 def model_rows(name: str, overrides: dict, sizes: Sizes, copy: Row, matmul: Row, speculate: bool) -> Iterator[Row]:
-    """The build row; decode at each batch size in each of ``MODES`` (from graphs, then the
-    graph's replay alone and the step's kernels; eager, at batch 1 its kernels too); batch 1 at a
-    long context, fused and graphs; prefill; the speculative row (``speculate``); each guarded."""
+    """Each guarded: the build; decode at each batch in each of ``MODES`` (from graphs, then the replay alone and the
+    step's kernels; eager at batch 1, its kernels too); batch 1 at a long context; prefill; speculation."""
     built: list[LoadedModel] = []
-    yield guarded(f"{name} dummy weights", lambda: build_model(name, overrides, sizes, built))
+    yield guarded(f"{name} dummy weights", build_model, name, overrides, sizes, built)
+    if not built:
+        return
+    loaded = built.pop()
+    # counted before the runner fuses some weights into buffers
+    weight_bytes = decode_weight_bytes(loaded.model)
+    layer_params = sum(p.numel() for p in getattr(loaded.model, loaded.model.base_model_prefix).layers.parameters())
     # every batch's prompts in one step, so all its requests decode from the same step on
     max_tokens = max(sizes.max_model_len, max(sizes.decode_batches) * sizes.prompt_len)
     config = EngineConfig(max_model_len=sizes.max_model_len, kv_cache_bytes=sizes.kv_cache_bytes,
                           max_num_seqs=max(sizes.decode_batches), max_num_batched_tokens=max_tokens)  # fmt: skip
-    loaded = built.pop() if built else None
-    # before the runner fuses some weights into buffers
-    weight_bytes, layer_params = (
-        (decode_weight_bytes(loaded.model), layer_parameters(loaded.model)) if loaded else (0, 0)
-    )
     try:
-        core = EngineCore(loaded, config) if loaded else None
+        core = EngineCore(loaded, config)
     except Exception as exc:  # e.g. no memory left for the pool: the next model still runs
-        core = None
         yield error_row(f"{name} engine", exc)
-    if core is None:
         return
     for batch in sizes.decode_batches:
         for mode, variant in MODES.items():
             label = f"{name} decode batch {batch}, {variant}"
             args = (core, batch, sizes, weight_bytes, copy)
-            yield guarded(label, functools.partial(decode_row, label, *args, mode))
+            yield guarded(label, decode_row, label, *args, mode)
             core.abort_all()  # a failed row must not leave requests behind for the next
             if mode in REPLAY_SUFFIX and core.device.type == "cuda":
                 replay_label = f"{name} graph replay alone, batch {batch}{REPLAY_SUFFIX[mode]}"
-                yield guarded(replay_label, functools.partial(replay_row, replay_label, *args))
+                yield guarded(replay_label, replay_row, replay_label, *args)
             if mode in REPLAY_SUFFIX or (mode == "eager" and batch == 1):
                 kernels_label = f"{name} kernels of a decode step, batch {batch}, {variant}"
-                yield guarded(kernels_label, functools.partial(kernels_row, kernels_label, *args, mode))
+                yield guarded(kernels_label, kernels_row, kernels_label, *args, mode)
                 core.abort_all()
     for mode in ("fused", "graphs"):  # one long context: the fused attention splits it into parts
         label = f"{name} decode batch 1, {MODES[mode]}, context {sizes.long_prompt_len}"
         args = (core, 1, sizes, weight_bytes, copy, mode, sizes.long_prompt_len)
-        yield guarded(label, functools.partial(decode_row, label, *args))
+        yield guarded(label, decode_row, label, *args)
         core.abort_all()
     core.runner.use_cuda_graphs(None)  # prefill runs eagerly in every mode
-    yield guarded(f"{name} prefill", lambda: prefill_row(name, core, sizes, layer_params, matmul))
+    yield guarded(f"{name} prefill", prefill_row, name, core, sizes, layer_params, matmul)
     core.abort_all()
     if speculate:
-        spec_label = f"{name} speculative decode, batch 1"
-        yield guarded(spec_label, lambda: speculative_row(spec_label, loaded, config, sizes))
+        label = f"{name} speculative decode, batch 1"
+        yield guarded(label, speculative_row, label, loaded, config, sizes)
     core = loaded = None  # its memory back (the model with it) before the next model is made
     gc.collect()
     torch.cuda.empty_cache()  # a no-op where CUDA was never used
 
 
 def run(sizes: Sizes) -> Iterator[Row]:
-    yield (copy := guarded("copy bandwidth", lambda: copy_bandwidth(sizes)))
-    yield (matmul := guarded("bf16 matmul", lambda: matmul_flops(sizes)))
+    yield (copy := guarded("copy bandwidth", copy_bandwidth, sizes))
+    yield (matmul := guarded("bf16 matmul", matmul_flops, sizes))
     for i, (name, overrides) in enumerate(sizes.models):
         yield from model_rows(name, overrides, sizes, copy, matmul, speculate=i == 0)
 

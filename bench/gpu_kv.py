@@ -2,8 +2,7 @@
 
 Our pull against a raw NIXL READ of the same bytes (as one descriptor and as many as ours), the push's tail
 behind the last layer's simulated forward, both also through pinned host staging, and the UCX transports used.
-Each side is a one-worker process pool holding a ``KVSide`` (transports ``staging`` "none" and "host"); a failed
-or hung row kills both and the next starts a fresh pair. ``--cpu``: CPU pools and small sizes (a dry run)."""
+Each side is a one-worker process pool holding a ``KVSide``; a failed or hung row kills both for a fresh pair."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import multiprocessing
 import os
 import re
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.host import synchronize
+from bench.host import synchronize, timed
 from bench.report import arguments, cells, table, write_json
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool
@@ -114,8 +112,7 @@ class BandwidthResult:
 
 @dataclasses.dataclass(frozen=True)
 class PushRun:
-    """The transport's layer timings (``compute_end``: ``push_layer``'s call), each forward's real end and
-    when the push's completion notice went (unix s)."""
+    """The transport's layer timings (``compute_end``: ``push_layer``'s call), each forward's end, the notice's."""
 
     layer_times: tuple[LayerTiming, ...]
     compute_end: tuple[float, ...]
@@ -143,12 +140,10 @@ def side_call(command: str, *args: object) -> object:
     return _WORKER["loop"].run_until_complete(result) if asyncio.iscoroutine(result) else result
 
 
-def _pattern(plan: Plan) -> torch.Tensor:
+def _pattern(pool: torch.Tensor) -> torch.Tensor:
     """The producer's pool contents, reproducible in the consumer to check what arrived."""
-    layout = plan.layout
-    shape = (layout.num_layers, 2, plan.pool_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    generator = torch.Generator(device=plan.device).manual_seed(1234)
-    return torch.randn(shape, generator=generator, device=plan.device).to(getattr(torch, layout.dtype))
+    generator = torch.Generator(device=pool.device).manual_seed(1234)
+    return torch.randn(pool.shape, generator=generator, device=pool.device).to(pool.dtype)
 
 
 class KVSide:
@@ -168,14 +163,12 @@ class KVSide:
 
     def export(self, kind: str, tag: str, num_blocks: int, count: int = 1) -> tuple[list[KVHandle], float]:
         """``count`` exports of the first ``num_blocks`` blocks, and the seconds they took."""
-        transport, start = self.transports[kind], time.perf_counter()
+        transport = self.transports[kind]
         tokens = num_blocks * transport.layout.block_size
-        handles = [transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)]
-        return handles, time.perf_counter() - start
+        return timed(lambda: [transport.export(f"{tag}-{i}", list(range(num_blocks)), tokens, 1) for i in range(count)])
 
     async def wait_push(self, destination: KVDestination, kind: str) -> tuple[float, float | None]:
-        """When the push's completion was seen here (unix s; staged: once copied into the pool
-        too), and when the transport's thread had read its notice."""
+        """When the push's completion was seen here (staged: once in the pool) and its notice read (unix s)."""
         completion = await self.transports[kind].wait_push(destination)
         return time.time(), completion.received_at
 
@@ -189,7 +182,7 @@ class _Side(KVSide):
             torch.cuda.set_device(0)
         pool = KVPool(plan.layout, plan.pool_blocks, plan.device).tensor
         if role == PRODUCER:
-            pool.copy_(_pattern(plan))
+            pool.copy_(_pattern(pool))
         synchronize(plan.device)  # written before anyone reads it
         registry, staged = SharedDictRegistry(entries), {"staging": "host", "staging_bytes": plan.staging_bytes}
         poll = {} if plan.notice_poll_s is None else {"notice_poll_s": plan.notice_poll_s}
@@ -214,7 +207,7 @@ class _Side(KVSide):
         return blocks
 
     def _matches(self, local: list[int], remote: list[int]) -> bool:
-        return torch.equal(self.pool[:, :, local], _pattern(self.plan)[:, :, remote])
+        return torch.equal(self.pool[:, :, local], _pattern(self.pool)[:, :, remote])
 
     async def push(self, destination: KVDestination, staging: str) -> PushRun:
         """Push every layer right after its simulated forward, as the engine's layer hook does."""
@@ -261,15 +254,21 @@ class _LayerCompute:
 
     def __init__(self, plan: Plan) -> None:
         self.seconds, self.cuda, self._ends = plan.compute_ms / 1e3, plan.device == "cuda", []
-        if self.cuda:
-            self.stream, self.cycles = torch.cuda.Stream(), int(self.seconds * _sleep_cycles_per_s())
+        if self.cuda:  # ``torch.cuda._sleep`` spins for a number of GPU cycles: how many make a second
+            self.stream, cycles = torch.cuda.Stream(), 20_000_000
+            torch.cuda._sleep(100_000)  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self.cycles = int(self.seconds * (cycles / (start.elapsed_time(end) / 1e3)))
 
     def start(self) -> None:
         self._ends = []
         if self.cuda:
             torch.cuda.synchronize()
-            # read before the reference event runs: the ends come out late by the launch latency,
-            # never early, so a tail measured from them is never too short
+            # read before the reference event runs: the ends come out late by the launch latency, never early
             self._origin_unix = time.time()
             self._origin = torch.cuda.Event(enable_timing=True)
             self._origin.record(self.stream)
@@ -292,17 +291,6 @@ class _LayerCompute:
             return tuple(self._ends)
         torch.cuda.synchronize()
         return tuple(self._origin_unix + self._origin.elapsed_time(e) / 1e3 for e in self._ends)
-
-
-def _sleep_cycles_per_s() -> float:
-    """``torch.cuda._sleep`` spins for a number of GPU cycles: how many make a second."""
-    torch.cuda._sleep(100_000)  # warm-up
-    start, end, cycles = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 20_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) / 1e3)
 
 
 class RawAgent:
@@ -445,14 +433,12 @@ def push_row(pair: _Pair, staging: str, deadline: float) -> dict:
         run = pair.call(PRODUCER, "push", dest, staging, deadline=deadline)
         notice_at, bytes_ok, *received = pair.wait(waiting, deadline)
         figures.append(push_figures(run, notice_at, *received) | {"bytes_ok": bytes_ok})
-    timed = figures[1:]
-    medians = {k: statistics.median(f[k] for f in timed) for k, v in timed[0].items() if isinstance(v, float)}
+    medians = {k: statistics.median(f[k] for f in figures[1:]) for k, v in figures[1].items() if isinstance(v, float)}
     return figures[-1] | medians | {"bytes_ok": figures[0]["bytes_ok"], "num_layers": plan.layout.num_layers}
 
 
 def push_figures(run: PushRun, notice_at: float, received_at: float | None = None) -> dict:
-    """One push's figures in ms, from one clock (both processes' unix time on one machine);
-    ``received_at``: when the consumer's transport thread read the notice (before its waiter woke)."""
+    """One push's figures in ms by both processes' unix time; ``received_at``: when the notice was read."""
     times, ends, last_end = run.layer_times, run.compute_end, run.compute_end[-1]
     one_layer = max(statistics.median(t.done - t.posted for t in times), 1e-9)
     to_notice, to_last_write = notice_at - last_end, max(t.done for t in times) - last_end
@@ -477,8 +463,8 @@ def push_figures(run: PushRun, notice_at: float, received_at: float | None = Non
 
 
 def ucx_transports(log_dir: Path) -> list[str]:
-    """``<operation>: <protocol> via <transport/device>`` of remote memory access, GPU memory first, from
-    the logs' ``UCX_PROTO_INFO`` tables: a ``| remote memory ... |`` title, then ``| range | protocol | via |`` rows."""
+    """``<operation>: <protocol> via <transport/device>``, GPU memory first, from the logs' ``UCX_PROTO_INFO`` tables
+    of remote memory access: a ``| remote memory ... |`` title, then ``| range | protocol | via |`` rows."""
     found: dict[str, None] = {}  # in order, once each
     for path in sorted(log_dir.glob("*.log")):
         operation = None
@@ -494,8 +480,8 @@ def ucx_transports(log_dir: Path) -> list[str]:
     return sorted(found, key=lambda entry: "cuda" not in entry)
 
 
-def guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict]) -> dict:
-    """``measure(deadline)`` in the row's time; a failure (a hang too) is the row and kills the pair."""
+def guarded(pair: _Pair, budget_deadline: float, measure: Callable[..., dict], *args: object) -> dict:
+    """``measure(*args, deadline)`` in the row's time; a failure (a hang too) is the row and kills the pair."""
     remaining = budget_deadline - time.monotonic()
     if remaining < 1:
         return {"error": "skipped: out of time"}
@@ -503,7 +489,7 @@ def guarded(pair: _Pair, budget_deadline: float, measure: Callable[[float], dict
     try:
         deadline = time.monotonic() + min(limit, remaining)
         pair.ensure_started(deadline)
-        return measure(deadline)
+        return measure(*args, deadline)
     except Exception as exc:
         remote = f"{exc.__cause__}\n" if exc.__cause__ else ""  # a worker's traceback
         print(f"row failed: {type(exc).__name__}: {exc}\n{remote}{pair.log_tails()}", file=sys.stderr, flush=True)
@@ -557,11 +543,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-push", action="store_true", help="pulls only")
     parser.add_argument("--notice-poll-ms", type=float, help="the transports' notice poll (default NixlTransport's)")
     args = parser.parse_args(argv)
-    plan = CPU_PLAN if args.cpu else GPU_PLAN
-    changes = {"stagings": args.staging, "push": False if args.no_push else None}
+    poll_s = None if args.notice_poll_ms is None else args.notice_poll_ms / 1e3
+    changes = dict(stagings=args.staging, push=False if args.no_push else None, notice_poll_s=poll_s)
     changes |= {"sizes_mb": args.sizes, "staging_sizes_mb": args.staged_sizes}
-    if args.notice_poll_ms is not None:
-        changes["notice_poll_s"] = args.notice_poll_ms / 1e3
+    plan = CPU_PLAN if args.cpu else GPU_PLAN
     plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     result: dict = {"plan": dataclasses.asdict(plan)}
     if plan.device == "cuda" and not torch.cuda.is_available():
@@ -575,10 +560,10 @@ def main(argv: list[str] | None = None) -> None:
                 for (staging, pulls, push), sizes in zip(SECTIONS, (plan.sizes_mb, plan.staging_sizes_mb)):
                     if staging not in plan.stagings:
                         continue
-                    rows = [guarded(pair, deadline, functools.partial(pull_row, pair, size, staging)) for size in sizes]
+                    rows = [guarded(pair, deadline, pull_row, pair, size, staging) for size in sizes]
                     result[pulls] = [{"requested_mb": size} | row for size, row in zip(sizes, rows)]
                     if plan.push:
-                        result[push] = guarded(pair, deadline, functools.partial(push_row, pair, staging))
+                        result[push] = guarded(pair, deadline, push_row, pair, staging)
             finally:
                 pair.close()
             result["ucx_transports"] = ucx_transports(Path(log_dir))

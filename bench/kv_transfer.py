@@ -104,8 +104,7 @@ def size_row(producer, consumer, raw: tuple, num_blocks: int) -> dict[str, float
     num_bytes = num_blocks * BYTES_PER_BLOCK
     once = lambda m, rep: measure(m, producer, consumer, f"{num_blocks}-{rep}", num_blocks, raw)  # noqa: E731
     gbps = {method: num_bytes / s / 1e9 for method, s in medians(METHODS, REPEATS, once).items()}
-    src = torch.rand(num_bytes // 4)
-    dst = torch.empty_like(src)
+    src, dst = torch.rand(num_bytes // 4), torch.empty(num_bytes // 4)
     copy_s = medians(["copy"], REPEATS, lambda *_: seconds(lambda: dst.copy_(src)))["copy"]
     print(f"  {num_bytes / 2**20:.0f} MB done", file=sys.stderr, flush=True)
     return {"size_mb": num_bytes / 2**20, "num_blocks": num_blocks, **gbps, "torch_copy": num_bytes / copy_s / 1e9,

@@ -144,9 +144,8 @@ def _count(report: dict, key: str = "rows") -> tuple[int, int]:
     return sum(r["within"] for r in rows), len(rows)
 
 
-def render(report: dict) -> list[str]:
-    r = report
-    (within, total), (file_within, file_total) = _count(report), _count(report, "rows_file")
+def render(r: dict) -> list[str]:
+    (within, total), (file_within, file_total) = _count(r), _count(r, "rows_file")
     runs = len(next(iter(r["systems"].values()))["points"][0]["runs"])  # per rate, as --runs asked
     times, the_runs = ("twice", "the two runs") if runs == 2 else (f"{runs} times", f"the {runs} runs")
     headline = f"**{within} of {total} predictions within their bound**" + (
@@ -156,18 +155,17 @@ def render(report: dict) -> list[str]:
         "", f"Command: `{r['command']}` ({r.get('elapsed_s', 0) / 60:.0f} min). Machine: {r['machine']}.",
         f"Workload `{r['workload']}` ({r['num_requests']} requests a run, seed {r['seed']}, context 512);",
         f"each rate run {times} with the same requests and arrivals. Predictions: `planner.simulator.simulate` on",
-        f"`{report['calibration']}` (no measurement of this check feeds it), same lengths and arrivals.",
+        f"`{r['calibration']}` (no measurement of this check feeds it), same lengths and arrivals.",
         f"Error = (predicted - mean of {the_runs}) / that mean; bound = max(15%, 2 x spread of the runs).",
-        "", headline + ".", "", *_calibration_lines(ROOT / report["calibration"]),
+        "", headline + ".", "", *_calibration_lines(ROOT / r["calibration"]),
     ]  # fmt: skip
-    for system, data in report["systems"].items():
-        lines += _system_lines(system, data, report["fractions"])
-    if speed := report.get("simulator_speed"):
+    for system, data in r["systems"].items():
+        lines += _system_lines(system, data, r["fractions"])
+    if speed := r.get("simulator_speed"):
         lines += ["", f"Simulator speed: `simulate()` on {speed['replicas']} replicas (400 prefill + 600 decode, this",
                   f"machine's costs), {speed['requests']:,} chatbot requests at {speed['rate']:g} req/s "
                   f"({speed['output_tokens']:,} output tokens): {speed['seconds']:.2f} s, pure Python."]  # fmt: skip
-    ordering = _ordering_lines(report.get("goodput_ordering"))
-    return [*lines, *ordering, "", "![predicted against measured](planner.png)", ""]
+    return [*lines, *_ordering_lines(r.get("goodput_ordering")), "", "![predicted against measured](planner.png)", ""]
 
 
 def _system_lines(system: str, data: dict, fractions: list[float]) -> list[str]:

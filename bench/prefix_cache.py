@@ -22,7 +22,7 @@ from ray import serve
 from bench.host import cpu_model, machine, tokenizer
 from bench.ray_local import Server
 from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
-from bench.serve import SAMPLE, client, stream
+from bench.serve import SAMPLE, STREAM, client, stream
 from bench.slo import RequestRecord, distribution
 from workloads import ChatConversation, chat_conversations
 
@@ -63,8 +63,7 @@ TURN = (  # the per-turn table: a, b: the turn with caching on, off; la, lb: the
 
 async def chat_turn(client: httpx.AsyncClient, url: str, model: str, chat: ChatConversation, answers: list) -> dict:
     """One turn of ``chat`` (its messages so far), streamed: the turn's row."""
-    body = {"model": model, "messages": chat.messages(answers), "max_tokens": chat.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {"model": model, "messages": chat.messages(answers), "max_tokens": chat.max_tokens, **STREAM}
     record, texts = RequestRecord(0, chat.max_tokens, time.perf_counter()), []
     usage = await stream(client, url + "/v1/chat/completions", body, record, texts)
     times = (record.ttft, record.tpot, record.e2e) if record.ok else (None, None, None)
@@ -182,15 +181,11 @@ def summarize(raw: dict) -> dict:
 
 def ratios(on: dict, off: dict) -> dict[str, float]:
     """off / on for latencies and bytes (above 1: caching is better), on / off for throughput."""
-    pairs = {
-        "ttft_turns2_5_p50_off_on": (off["ttft_turns2_5_s"]["p50"], on["ttft_turns2_5_s"]["p50"]),
-        "ttft_turns2_5_p90_off_on": (off["ttft_turns2_5_s"]["p90"], on["ttft_turns2_5_s"]["p90"]),
-        "ttft_turn1_p50_off_on": (off["ttft_turn1_s"]["p50"], on["ttft_turn1_s"]["p50"]),
-        "tpot_p50_off_on": (off["tpot_s"]["p50"], on["tpot_s"]["p50"]),
-        "kv_bytes_per_request_off_on": (off["kv_bytes_per_request"], on["kv_bytes_per_request"]),
-        "output_tokens_per_s_on_off": (on["output_tokens_per_s"], off["output_tokens_per_s"]),
-        "duration_off_on": (off["duration_s"], on["duration_s"]),
-    }
+    latencies = (("ttft_turns2_5", "p50"), ("ttft_turns2_5", "p90"), ("ttft_turn1", "p50"), ("tpot", "p50"))
+    pairs = {f"{name}_{p}_off_on": (off[f"{name}_s"][p], on[f"{name}_s"][p]) for name, p in latencies}
+    pairs["kv_bytes_per_request_off_on"] = (off["kv_bytes_per_request"], on["kv_bytes_per_request"])
+    pairs["output_tokens_per_s_on_off"] = (on["output_tokens_per_s"], off["output_tokens_per_s"])
+    pairs["duration_off_on"] = (off["duration_s"], on["duration_s"])
     return {key: a / b if b else float("nan") for key, (a, b) in pairs.items()}
 
 

@@ -129,7 +129,7 @@ class EngineMemory:
     def growth(self) -> float | None:
         if self.warm_rss is None or self.last_rss is None or self.last_seen_s - self.warm_s < MIN_MEMORY_WINDOW_S:
             return None
-        return self.last_rss / self.warm_rss - 1
+        return round(self.last_rss / self.warm_rss - 1, 4)
 
 
 def fault_specs(mode: str) -> list[dict[str, Any]]:
@@ -465,22 +465,20 @@ def _e2e(outcomes: list[Outcome]) -> list[float]:
 
 def phase_summary(outcomes: list[Outcome], leak: dict | None, faults: list[dict], duration_s: float) -> dict:
     """One phase: counts by result and cause, per random fault (not disconnects) and per kind; latencies; silences."""
-    e2e, plain = _e2e(outcomes), _median(_e2e([o for o in outcomes if not o.faults and o.kind == "plain"]))
+    e2e, plain = _e2e(outcomes), _group([o for o in outcomes if not o.faults and o.kind == "plain"])["median_e2e_s"]
     met = {s["name"]: [o for o in outcomes if s["name"] in o.faults and o.kind != "disconnect"] for s in faults
            if s["kind"] == "random"}  # fmt: skip
     kinds = {kind: [o for o in outcomes if o.kind == kind] for kind in ("disconnect", "stall")}
     ttfts = [o.first_token_s - o.sent_s for o in outcomes if o.result == COMPLETED and o.first_token_s is not None]
-    return {
-        "requests": len(outcomes), "duration_s": round(duration_s, 1), "results": result_counts(outcomes),
-        "causes": cause_counts(outcomes),
+    return _group(outcomes) | {
+        "duration_s": round(duration_s, 1), "causes": cause_counts(outcomes), "leak": leak,
         "faults": [_group(mine, fault=name) | {"plain_median_e2e_s": plain} for name, mine in met.items()],
         "kinds": [_group(mine, kind=kind) for kind, mine in kinds.items() if mine],
-        "median_e2e_s": _median(e2e), "p90_e2e_s": round(statistics.quantiles(e2e, n=10)[-1], 3) if e2e[1:] else None,
+        "p90_e2e_s": round(statistics.quantiles(e2e, n=10)[-1], 3) if e2e[1:] else None,
         "median_ttft_s": _median(ttfts), "hangs": sum(o.result == HANG for o in outcomes), "hang_bound_s": HANG_S,
         "long_silences": sum(o.max_silence_s > LONG_S for o in outcomes), "long_silence_s": LONG_S,
         "max_silence_s": round(max((o.max_silence_s for o in outcomes), default=0.0), 3),
         "anomalies": [asdict(o) for o in outcomes if o.result in ANOMALIES],
-        "leak": leak,
     }  # fmt: skip
 
 
@@ -511,17 +509,16 @@ def kill_summary(kill: KillEvent, outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 def memory_rows(engines: list[EngineMemory]) -> list[dict[str, Any]]:
-    engines = sorted(engines, key=lambda e: (e.deployment, e.first_seen_s))
-    return [{**asdict(e), "growth": None if e.growth is None else round(e.growth, 4)} for e in engines]
+    return [asdict(e) | {"growth": e.growth} for e in sorted(engines, key=lambda e: (e.deployment, e.first_seen_s))]
 
 
 def verdict(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The targets against what was measured: (check, target, measured, met)."""
-    phases = [summary[p] for p in ("burst", "soak") if summary.get(p)]
+    phases = [summary["burst"], summary["soak"]]
     leaks = [p["leak"]["held_blocks"] if p["leak"] else None for p in phases]
     growth = max((m["growth"] for m in summary["memory"] if m["growth"] is not None), default=None)
     anomalies, hangs = sum(len(p["anomalies"]) for p in phases), sum(p["hangs"] for p in phases)
-    violations, recovered = len(summary.get("invariant_violations", [])), [k["recover_s"] for k in summary["kills"]]
+    violations, recovered = len(summary["invariant_violations"]), [k["recover_s"] is not None for k in summary["kills"]]
     rows = [
         ("blocks leaked (each phase, after the leases)", "0", "/".join(map(str, leaks)), all(x == 0 for x in leaks)),
         ("invariant violations seen in /admin/kv", "0", str(violations), violations == 0),
@@ -530,7 +527,7 @@ def verdict(summary: dict[str, Any]) -> list[dict[str, Any]]:
         ("memory growth of the replicas, after warm-up to end", f"<= {MEMORY_GROWTH_LIMIT:.0%}",
          "n/a" if growth is None else f"max {growth:+.1%}", growth is not None and growth <= MEMORY_GROWTH_LIMIT),
         ("every kill recovered (a request on the restarted replica completed)", "all",
-         f"{sum(r is not None for r in recovered)} of {len(recovered)}", all(r is not None for r in recovered)),
+         f"{sum(recovered)} of {len(recovered)}", all(recovered)),
     ]  # fmt: skip
     return [{"check": c, "target": t, "measured": m, "met": ok} for c, t, m, ok in rows]
 
@@ -596,7 +593,7 @@ def _span(values: list[float | None]) -> str:
 def _fault_row(summary: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     """A per-fault row: rules, requests met, what the client saw, time to recover, blocks leaked after."""
     killing = spec["kind"].startswith("kill-")
-    phases = [p for p in (("soak",) if killing else ("burst", "soak")) if summary.get(p) and summary[p]["leak"]]
+    phases = [p for p in (("soak",) if killing else ("burst", "soak")) if summary[p]["leak"]]
     leaks = ", ".join(f"{summary[p]['leak']['held_blocks']} ({p})" for p in phases) or "-"
     rules = [", ".join(f"{k}={r[k]}" for k in sorted(r, key=lambda k: (RULE_KEYS.get(k, 9), k)) if r[k] is not None)
              for r in spec["rules"]]  # fmt: skip
@@ -676,7 +673,7 @@ def render_mode(summary: dict[str, Any]) -> list[str]:
         rows = [[f"`{a['request_id']}`", a["result"], a["cause"] or "", secs(a["sent_s"]), secs(a["end_s"]),
                  a["num_tokens"]] for a in anomalies]  # fmt: skip
         lines += table("request | result | cause | sent | ended | text chunks", rows)
-    if violations := summary.get("invariant_violations", []):
+    if violations := summary["invariant_violations"]:
         lines += ["", "Invariant violations seen:", ""]
         lines += [f"- {v['t_s']:.0f} s, {v['deployment']} `{v['engine_id'][:12]}`: {v['problems']}" for v in violations]
     return lines

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 
 from bench.compare import COMMON, ELASTIC
@@ -86,8 +87,7 @@ class ScalingRun(SystemRun):
 
 
 def step_windows(steps: tuple[Step, ...]) -> list[tuple[float, float]]:
-    ends = [sum(s.seconds for s in steps[: i + 1]) for i in range(len(steps))]
-    return [(end - step.seconds, end) for step, end in zip(steps, ends)]
+    return [(end - step.seconds, end) for step, end in zip(steps, accumulate(s.seconds for s in steps))]
 
 
 def request(builder: PromptBuilder, client: int, number: int) -> BenchRequest:
@@ -210,14 +210,13 @@ def scale_timings(run: ScalingRun) -> list[dict]:
         moved = [s for s, n in polls if (n > old if up else n < old)]
         reached = [s for s, n in polls if (n >= new if up else n <= new)]
         timing = {"t": t, "action": d["action"], "pool": d["pool"], "old": old, "new": new, "reason": d["reason"]}
-        timing |= {"first_s": _after(moved, t), "all_s": _after(reached, t)}
-        if up:  # the polls where a replica of the pool that was not there before the decision had work
+        timing |= {"first_s": _after(moved, t), "all_s": _after(reached, t), "load_s": None}
+        if up:  # the first poll where a replica of the pool that was not there before the decision had work
             before, deployment = [s for s in run.timeline if s["t"] <= t], DEPLOYMENTS[d["pool"]]
             known = {r["replica"] for r in (before[-1]["replicas"] if before else []) if r["deployment"] == deployment}
-            fresh = [[r for r in s["replicas"] if r["deployment"] == deployment and r["replica"] not in known]
-                     for s, _ in polls]  # fmt: skip
-            loaded = [s for (s, _), mine in zip(polls, fresh) if any(r["running"] > 0 for r in mine)]
-        timing["load_s"] = _after(loaded, t) if up else None
+            loaded = [s for s, _ in polls if any(r["deployment"] == deployment and r["replica"] not in known
+                                                 and r["running"] > 0 for r in s["replicas"])]  # fmt: skip
+            timing["load_s"] = _after(loaded, t)
         timings.append(timing | log_timing(logs, d, until))
     return timings
 
@@ -237,8 +236,7 @@ def log_timing(events: list[tuple[float, str]], decision: dict, until: float) ->
     out = dict.fromkeys(("serve_s", "init_start_s", "init_done_s", "stopped_s", "stopped"))
 
     def first(pattern: str, since: float) -> tuple[float, str] | None:
-        found = re.compile(pattern)
-        return next(((t, line) for t, line in events if since - 0.1 <= t < until and found.search(line)), None)
+        return next(((t, line) for t, line in events if since - 0.1 <= t < until and re.search(pattern, line)), None)
 
     verb = "Adding" if up else "Removing"
     if (serve := first(rf"{verb} \d+ replicas? (to|from) Deployment\(name='{deployment}'", t0)) is None:

@@ -32,6 +32,7 @@ SPLIT_METRICS = {"ingress_ttft": "ray_tandem_ttft_seconds", "kv_transfer": "ray_
     p: f"ray_tandem_ttft_{p}_seconds" for p in ("prefill_hop", "prefill_queue", "prefill_compute", "decode_queue")
 }
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")  # name, labels, value
+STREAM = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # greedy
 
 
 @dataclass
@@ -45,8 +46,7 @@ class Target:
         prompt = request.prompt
         if self.prompt_format == "text" and not isinstance(prompt, str):
             prompt = self.tokenizer.decode(prompt)
-        return {"model": self.model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        return {"model": self.model, "prompt": prompt, "max_tokens": request.max_tokens, **STREAM}
 
 
 def client(timeout: float | httpx.Timeout = 600.0, **options) -> httpx.AsyncClient:
@@ -77,9 +77,6 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, record: Reques
                     record.error = str(chunk["error"].get("message"))
                     break
                 record.last, usage = now, chunk.get("usage") or usage
-                if chunk.get("usage"):
-                    record.usage_prompt_tokens = usage["prompt_tokens"]
-                    record.usage_output_tokens = usage["completion_tokens"]
                 choices = chunk.get("choices", ())
                 if text := "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices):
                     record.chunks.append(now)
@@ -87,6 +84,8 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, record: Reques
                         texts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
+    if usage:
+        record.usage_prompt_tokens, record.usage_output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
     if record.error is None and not record.chunks:
         record.error = "no tokens received"
     return usage
@@ -97,21 +96,20 @@ async def run(target: Target, requests: list[BenchRequest], offsets: list[float]
     """Send each request at its offset; wait for all. Returns the records and the duration."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr, leave=False)
-    async with client() as http:
+    with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr, leave=False) as bar:
+        async with client() as http:
 
-        async def one(request: BenchRequest, offset: float) -> RequestRecord:
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            record = await send(http, target, request)
-            bar.update(1)
-            return record
+            async def one(request: BenchRequest, offset: float) -> RequestRecord:
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                record = await send(http, target, request)
+                bar.update(1)
+                return record
 
-        start = time.perf_counter()
-        records = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
-        duration = time.perf_counter() - start
-    bar.close()
+            start = time.perf_counter()
+            records = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+            duration = time.perf_counter() - start
     return list(records), duration
 
 
@@ -187,9 +185,8 @@ async def poll_autoscaler(url: str, started: tuple[float, float], stop: asyncio.
                 view = (await client.get(url + "/admin/autoscaler")).json()
                 replicas = [{"deployment": r["deployment"], "replica": r["replica_id"], "role": r["role"], **r["load"]}
                             for r in view.get("replicas", [])]  # fmt: skip
-                in_flight, observed = view.get("ingress", {}).get("in_flight", {}), view.get("observed", {})
-                sample |= {"replicas": replicas, "in_flight": in_flight, "observed": observed}
-                sample["scaling"] = view.get("scaling", {})
+                sample |= {"replicas": replicas, "in_flight": view.get("ingress", {}).get("in_flight", {})}
+                sample |= {"observed": view.get("observed", {}), "scaling": view.get("scaling", {})}
                 for d in view.get("decisions", []):
                     key = (d["monotonic_s"], d["action"], d["replica"], d["role"])
                     decisions[key] = {"t": round(d["time"] - wall0, 2), **d}

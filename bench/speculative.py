@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from bench.engine import greedy_request
-from bench.host import engine_core, machine
+from bench.host import engine_core, machine, tokenizer
 from bench.report import arguments, cells, command_line, figure, publish, read_json, table
+from workloads import BenchRequest, median_request
 from workloads.documents import WORKLOADS, messages
 
 NAME = "bench.speculative"
@@ -91,9 +92,7 @@ def measure(options: argparse.Namespace) -> dict:
 def served(options: argparse.Namespace) -> dict:
     """Goodput without and with speculation through ``disagg_app`` (see the module docstring)."""
     from bench.compare import system_server, without_records, workload_slo
-    from bench.host import tokenizer
     from bench.serve import Target, run_checked, sweep, uncontended
-    from workloads import BenchRequest, median_request
 
     requests = [BenchRequest(p, len(p), SERVED_TOKENS) for p in prompts(tokenizer(), "edit", options.num_requests)]
     on = {f"speculative.{k}": str(v) for k, v in ON.items()}

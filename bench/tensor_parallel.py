@@ -8,13 +8,22 @@ descriptor per token), and heads-major (a descriptor per block). Writes ``<out>/
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from bench.engine import greedy_request, prefilled
 from bench.host import engine_core, machine, seconds
 from bench.report import arguments, cells, command_line, figure, publish, read_json, table
+from engine.kv_pool import KVLayout
+from engine.tensor_parallel import RankGroup, leader
+from kv_transport.descriptors import PoolGeometry, head_rows
+from kv_transport.nixl_transport import NixlTransport
+from kv_transport.registry import LocalPeerRegistry
 
 NAME = "bench.tensor_parallel"
 BATCHES = (1, 16)
@@ -37,19 +46,13 @@ def decode_steps(degree: int, batch: int) -> dict:
         core.abort_all()
     finally:
         core.close()
-    return {"degree": degree, "batch": batch, "step_s": statistics.median(times),
-            "reduce_s": statistics.median(reduce)}  # fmt: skip
+    return {"degree": degree, "batch": batch, "step_s": statistics.median(times), "reduce_s": statistics.median(reduce)}
 
 
 def _probe_rank(rank: int, rendezvous, width: int, rounds: int) -> None:
     """One rank of the all-reduce probe: ``rounds`` sums of a ``[width]`` float32 tensor."""
-    import torch
-
-    from engine.tensor_parallel import RankGroup
-
     torch.set_num_threads(1)
-    group = RankGroup(rank, rendezvous, torch.device("cpu"))
-    tensor = torch.ones(width)
+    group, tensor = RankGroup(rank, rendezvous, torch.device("cpu")), torch.ones(width)
     for _ in range(rounds):
         group.all_reduce(tensor)
 
@@ -57,12 +60,6 @@ def _probe_rank(rank: int, rendezvous, width: int, rounds: int) -> None:
 def all_reduce_alone(batch: int, degree: int = 3, rounds: int = 300) -> float:
     """Seconds per all-reduce of a decode step's ``[batch, hidden]`` among ``degree`` processes doing
     nothing else: the sum and its messages without the wait for another rank's compute."""
-    import multiprocessing
-
-    import torch
-
-    from engine.tensor_parallel import leader
-
     context = multiprocessing.get_context("spawn")
     rendezvous, join = leader(degree, torch.device("cpu"))
     width = batch * 576  # the default model's hidden size
@@ -80,10 +77,6 @@ def all_reduce_alone(batch: int, degree: int = 3, rounds: int = 300) -> float:
 def _rows(base: int, blocks: int, pool_blocks: int, heads: int, first: int | None, count: int, per_block: bool):
     """Rows for ``blocks`` consecutive blocks from block 0: coalesced (one per layer and K/V),
     one per block, or one per token (``first`` heads of ``heads``)."""
-    import numpy as np
-
-    from kv_transport.descriptors import PoolGeometry, head_rows
-
     head_bytes = HEAD_DIM * 4
     if first is not None or per_block:
         return head_rows(base, LAYERS, pool_blocks, BLOCK, heads, head_bytes, 0, range(blocks), first, count)
@@ -105,12 +98,6 @@ def _time(op: str, initiator, peer, local, remote) -> float:
 
 def transfer_case(size_mb: int) -> list[dict]:
     """Each way of moving one request's KV of ``size_mb`` (or a rank's half of it), median of reads."""
-    import torch
-
-    from engine.kv_pool import KVLayout
-    from kv_transport.nixl_transport import NixlTransport
-    from kv_transport.registry import LocalPeerRegistry
-
     blocks = size_mb * 2**20 // (LAYERS * 2 * KV_HEADS * HEAD_DIM * 4 * BLOCK)
     results = []
     for name, heads, first, per_block in (
@@ -151,10 +138,8 @@ def render(data: dict) -> list[str]:
             one, three = decode[(1, batch)]["step_s"], decode[(3, batch)]
             item = {"one": one, "ratio": three["step_s"] / one, "share": three["reduce_s"] / three["step_s"]}
             rows.append(cells(template, three | item))
-        header = (
-            "batch | TP 1 step | TP 3 step | TP 3 / TP 1 | TP 3 rank 0 in its 60 all-reduces | one all-reduce alone, "
-            "3 ranks | one all-reduce alone, 2 ranks"
-        )
+        header = "batch | TP 1 step | TP 3 step | TP 3 / TP 1 | TP 3 rank 0 in its 60 all-reduces"
+        header += " | one all-reduce alone, 3 ranks | one all-reduce alone, 2 ranks"
         lines += ["### Decode step, default model", "", *table(header, rows), ""]
     if data.get("transfer"):
         row = "{size_mb} MB | {case} | {op} | {descriptors} | {bytes:MB.1f} MB | {seconds:ms.2f} ms | {gb_per_s:.2f}"

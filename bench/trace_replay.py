@@ -92,8 +92,7 @@ def thinned(requests: list[SimRequest], load: float, cap: float) -> tuple[list[S
 
 
 def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minutes: int) -> dict[str, Any]:
-    """(arrival, TTFT, TPOT; TTFT None: failed) per request -> attainment (both, TTFT, TPOT),
-    p90s, per minute, and the rows."""
+    """(arrival, TTFT, TPOT; TTFT None: failed) per request -> attainment (both, TTFT, TPOT), p90s, per minute, rows."""
     ttft_ok = [ttft is not None and ttft <= slo.ttft_s for _, ttft, _ in rows]
     tpot_ok = [ttft is not None and (tpot is None or tpot <= slo.tpot_s) for _, ttft, tpot in rows]
     met = [a and b for a, b in zip(ttft_ok, tpot_ok)]
@@ -110,8 +109,7 @@ def outcome(rows: list[tuple[float, float | None, float | None]], slo: SLO, minu
 
 def drift_sample() -> dict[str, float]:
     engine = core()
-    prompts = Prompts(engine.tokenizer)
-    sample(engine, prompts)  # warm-up
+    sample(engine, prompts := Prompts(engine.tokenizer))  # warm-up
     return sample(engine, prompts)
 
 
@@ -145,11 +143,10 @@ def run_all(options: argparse.Namespace, argv: list[str] | None) -> dict[str, An
         measured = [(offset, r.ttft if r.ok else None, r.tpot if r.ok else None) for offset, r in zip(offsets, records)]
         sim = simulate(replay.setup(_sim_args(system, slo)).system, requests)
         predicted = sorted((r.arrival_s, r.ttft_s, r.tpot_s) for r in sim.records)
-        data["systems"][system] = {
+        found = data["systems"][system] = {
             "measured": outcome(measured, slo, minutes) | {"errors": errors, "duration_s": duration},
             "predicted": outcome(predicted, slo, minutes) | {"routes": sim.routes}}  # fmt: skip
-        print(f"{system}: {json.dumps({k: v['attainment'] for k, v in data['systems'][system].items()})}",
-              file=sys.stderr)  # fmt: skip
+        print(f"{system}: {json.dumps({k: v['attainment'] for k, v in found.items()})}", file=sys.stderr)
     data["drift_after"] = drift_sample()
     return data
 
