@@ -8,6 +8,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# Serve's controller reconciles every 0.1 s by default: 4 CPU-seconds a minute of an idle app's
+# 13 on two shared cores. Every test waits on conditions, none on Serve's pace, so the clusters
+# the tests start (they inherit this environment) reconcile every 0.5 s: 1 CPU-second a minute.
+os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+
 if TYPE_CHECKING:  # imported where a test runs: pytest-xdist's controller never needs torch or Ray
     from engine.loader import LoadedModel
     from tests.serving import SharedServe
