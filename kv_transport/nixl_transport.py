@@ -465,9 +465,7 @@ class NixlTransport(BaseKVTransport):
                 self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
             raise
         if sent.acquire(blocking=False):  # no WRITE left to complete (none was posted)
-            sent_at = time.time()  # taken as it is handed over: no reader can see it earlier
-            self._notify(push.peer, done_notice)
-            push.notice_sent = sent_at
+            self._send_done(push, done_notice)
         else:  # the last WRITE's callback is sending it (microseconds): returned, it has gone
             notified.wait(NOTICE_SEND_WAIT_S)
         layer_times = tuple(
@@ -497,9 +495,7 @@ class NixlTransport(BaseKVTransport):
             # layers complete in order: an early callback stops at the next layer's future
             if all(f.done() for f in futures) and all(_wrote(f) for f in futures) and sent.acquire(blocking=False):
                 try:
-                    sent_at = time.time()  # as in finish_push: before the consumer can read it
-                    self._notify(push.peer, notice)
-                    push.notice_sent = sent_at
+                    self._send_done(push, notice)
                 finally:
                     notified.set()
 
@@ -735,6 +731,13 @@ class NixlTransport(BaseKVTransport):
 
     def _notify(self, peer: _Peer, notice: notices.Notice) -> None:
         self._worker.notify(peer.notice_agent, notices.encode(notice))
+
+    def _send_done(self, push: _PushOut, notice: notices.PushDoneNotice) -> None:
+        """Send a push's done notice, timed as it is handed over: a time taken after could fall
+        after the consumer had read it."""
+        sent_at = time.time()
+        self._notify(push.peer, notice)
+        push.notice_sent = sent_at
 
     def _expire_exports(self, now: float) -> None:
         """Progress thread, every round: free exports nobody claimed in time, and staging slots
