@@ -18,14 +18,16 @@ import uuid
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from jinja2 import TemplateError
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictInt,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -56,6 +58,8 @@ from engine.structured import lark_grammar as check_lark
 from engine.tokenization import encode_prompt
 
 MAX_CHOICES = 16  # ``n`` at most: each choice is a request of its own on the engines
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when left out (OpenAI's and vLLM's default)
+MAX_BATCH_CHOICES = 64  # a batched completion's prompts x n at most: each a request of its own on the engines
 # the engine divides (multiplies) float32 logits by it: far outside this range they overflow
 # to inf, or 0 * inf gives NaN, and sampling fails (vLLM and HF take any value above 0)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -165,16 +169,25 @@ class _SamplingFields(_Body):
         limit_field, requested = self._max_tokens()
         if requested is not None and requested < 1:
             raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
-        max_tokens = requested if requested is not None else limits.default_max_tokens(len(ids))
+        max_tokens = requested if requested is not None else self._default_max_tokens(limits, len(ids))
         check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
         sampling = self._sampling_params(max_tokens, chat)
         if limits.vocab_size is not None:
             sampling.check_token_ids(limits.vocab_size)
         return GenerationRequest(
-            request_id=request_id or f"{self.id_prefix}-{uuid.uuid4().hex}",
+            request_id=request_id or self.new_request_id(),
             prompt_token_ids=tuple(ids),
             sampling=sampling,
         )
+
+    def to_generation_requests(
+        self, tokenizer: Any, limits: ContextLimits, request_id: str, chat: ChatSetup | None = None
+    ) -> list[GenerationRequest]:
+        """The engine requests of this body's prompts, in order: one, but for a batched completion."""
+        return [self.to_generation_request(tokenizer, limits, request_id, chat)]
+
+    def new_request_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
     def _sampling_params(self, max_tokens: int, chat: ChatSetup) -> SamplingParams:
         return SamplingParams(
@@ -214,6 +227,10 @@ class _SamplingFields(_Body):
     def _max_tokens(self) -> tuple[str, int | None]:
         """The field that bounds the output, and its value."""
         return "max_tokens", self.max_tokens
+
+    def _default_max_tokens(self, limits: ContextLimits, num_prompt_tokens: int) -> int:
+        """The output bound of a request that sets none: the rest of the context, at most the cap."""
+        return limits.default_max_tokens(num_prompt_tokens)
 
     @abstractmethod
     def _num_logprobs(self) -> int | None:
@@ -476,8 +493,30 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _prompt_form(value: Any) -> str:
+    """A completion prompt's form, so that a refusal speaks of the one sent: a list whose first
+    item is a prompt itself is a batch, any other list token ids."""
+    if isinstance(value, list):
+        return "list[prompt]" if value and isinstance(value[0], (str, list)) else "list[int]"
+    return "str"
+
+
+CompletionPrompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[StrictInt], Tag("list[int]")]
+    | Annotated[list[str | list[StrictInt]], Tag("list[prompt]")],
+    Discriminator(_prompt_form),
+]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] = Field(description="prompt text or token ids")
+    prompt: CompletionPrompt = Field(
+        description="prompt text or token ids; a list of them is a batch: prompt i's choices are i*n .. i*n+n-1"
+    )
+    max_tokens: int | None = Field(
+        None,
+        description=f"tokens to generate (left out: {COMPLETION_MAX_TOKENS}, as OpenAI's; null: the context's rest)",
+    )
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per output token")
     echo: bool = False
     best_of: int | None = None
@@ -489,8 +528,40 @@ class CompletionRequest(_SamplingFields):
     def _prompt(self) -> str | list[int]:
         return self.prompt
 
+    def batch(self) -> list[str] | list[list[int]] | None:
+        """The prompts of a batched completion (two or more), None for one prompt."""
+        prompt = self.prompt
+        return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else None
+
+    def to_generation_requests(
+        self, tokenizer: Any, limits: ContextLimits, request_id: str, chat: ChatSetup | None = None
+    ) -> list[GenerationRequest]:
+        """One request per prompt of a batch, ids ``<id>-<i>``; a prompt's refusal names it (``prompt.<i>``)."""
+        batch = self.batch()
+        if batch is None:
+            return super().to_generation_requests(tokenizer, limits, request_id, chat)
+        if len(batch) * self.n > MAX_BATCH_CHOICES:
+            message = f"prompt: {len(batch)} prompts x n={self.n} is over {MAX_BATCH_CHOICES} choices a request"
+            raise FieldError(message, "prompt")
+        requests = []
+        for i, prompt in enumerate(batch):
+            one = self.model_copy(update={"prompt": prompt})
+            try:
+                requests.append(one.to_generation_request(tokenizer, limits, f"{request_id}-{i}", chat))
+            except FieldError as exc:
+                if exc.param != "prompt":
+                    raise
+                raise FieldError(f"prompt.{i}{exc.message.removeprefix('prompt')}", f"prompt.{i}") from None
+        return requests
+
     def _num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _default_max_tokens(self, limits: ContextLimits, num_prompt_tokens: int) -> int:
+        """OpenAI's (and vLLM's) completions default when ``max_tokens`` is left out, within
+        the room left; an explicit null asks for the rest of the context."""
+        rest = super()._default_max_tokens(limits, num_prompt_tokens)
+        return rest if "max_tokens" in self.model_fields_set else min(COMPLETION_MAX_TOKENS, rest)
 
     def _refusals(self) -> list[tuple[str, bool]]:
         return super()._refusals() + [
@@ -502,10 +573,8 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-            if len(value) == 1:  # a batch of one (lm-eval-harness sends these): that prompt
-                return value[0]
-            raise ValueError("batched prompts (a list of strings or of token lists) are not supported: send one each")
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            return value[0]  # a batch of one (lm-eval-harness sends these): that prompt
         return value
 
 

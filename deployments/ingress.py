@@ -13,6 +13,7 @@ replica).
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -93,16 +94,19 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
     return choices
 
 
-async def merge_after_first(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Items of ``streams`` as they come, as (stream index, item); stream 0 alone until its
-    first item. An error in one stream ends all of them (each closed on the way out)."""
+async def merge_after_first(streams: list[AsyncIterator[Any]], group: int = 0) -> AsyncIterator[tuple[int, Any]]:
+    """Items of ``streams`` as they come, as (stream index, item). Of each ``group`` streams in
+    turn (0: all of them) the first runs alone until its first item. An error in one stream
+    ends all of them (each closed on the way out)."""
     pending: dict[asyncio.Future, int] = {}
 
     def advance(i: int) -> None:
         pending[asyncio.ensure_future(anext(streams[i]))] = i
 
-    advance(0)
-    waiting = list(range(1, len(streams)))
+    size = group or len(streams)
+    waiting = {first: range(first + 1, min(first + size, len(streams))) for first in range(0, len(streams), size)}
+    for first in waiting:
+        advance(first)
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -114,9 +118,8 @@ async def merge_after_first(streams: list[AsyncIterator[Any]]) -> AsyncIterator[
                     item = None
                 else:
                     advance(i)
-                for j in waiting:
+                for j in waiting.pop(i, ()):
                     advance(j)
-                waiting = []
                 if item is not None:
                     yield i, item
     finally:
@@ -150,6 +153,7 @@ class OpenAIIngress:
             own, api_settings.template_text, api_settings.tool_call_parser, api_settings.reasoning_parser
         )
         self.max_model_len = self.config.model.max_model_len
+        self.created = int(time.time())  # /v1/models' "created": when this ingress started serving it
         vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
         limits = self.config.limits
         self.limits = ContextLimits(
@@ -185,9 +189,22 @@ class OpenAIIngress:
 
     @api.get("/v1/models", responses=error_responses(401))
     async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model:path}", response_model=None, responses=error_responses(401, 404))
+    async def model_card(self, model: str) -> dict | JSONResponse:
+        """One model (OpenAI's retrieve): this server's, or 404 naming ``model``."""
+        if model != self.model:
+            return self._unknown_model(model).response()
+        return self._model_card()
+
+    def _model_card(self) -> dict:
         return {
-            "object": "list",
-            "data": [{"id": self.model, "object": "model", "owned_by": "tandem", "max_model_len": self.max_model_len}],
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "max_model_len": self.max_model_len,
         }
 
     @api.get("/admin/autoscaler", response_model=None, responses=error_responses(401, 503))
@@ -262,34 +279,35 @@ class OpenAIIngress:
     async def _respond(self, raw: Request, schema: type, fmt: ResponseFormat, slot: Slot):
         try:
             body = self._check_body(schema, await self._read_json(raw))
-            request = self._to_engine(body, raw.headers.get("x-request-id"))
-            self._admit(request)
+            request_id = raw.headers.get("x-request-id") or body.new_request_id()
+            requests = self._to_engine(body, request_id)
+            self._admit(request_id)
         except HTTPError as exc:  # refused before any replica saw it: counted too
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
-        headers = {"X-Request-Id": request.request_id}
-        text_of = self._text_of if request.sampling.logprobs is not None else None
-        choices = choice_requests(request, body.n)
+        headers = {"X-Request-Id": request_id}
+        text_of = self._text_of if requests[0].sampling.logprobs is not None else None
+        choices = [choice for request in requests for choice in choice_requests(request, body.n)]
         shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(fmt, request.request_id, choices, include_usage, text_of, shape)
+            stream = self._stream(fmt, request_id, choices, body.n, include_usage, text_of, shape)
             # the request id is free again when the stream ends, even one that never started
-            done = lambda: self._active_ids.discard(request.request_id)  # noqa: E731
+            done = lambda: self._active_ids.discard(request_id)  # noqa: E731
             return HeldStreamingResponse(
                 stream, media_type="text/event-stream", headers=headers, slot=slot, on_end=done
             )
         self.in_flight += 1
         outputs: list[list[RequestOutput]] = [[] for _ in choices]
         try:
-            async for index, output in self._choice_outputs(request.request_id, choices):
+            async for index, output in self._choice_outputs(request_id, choices, body.n):
                 outputs[index].append(output)
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
         finally:
             self.in_flight -= 1
-        body = full_response_choices(fmt, request.request_id, self.model, outputs, text_of, shape)
+        body = full_response_choices(fmt, request_id, self.model, outputs, text_of, shape, per_prompt=body.n)
         return JSONResponse(body, headers=headers)
 
     async def _read_json(self, raw: Request) -> dict:
@@ -314,37 +332,43 @@ class OpenAIIngress:
         except ValidationError as exc:
             raise HTTPError(400, validation_error_body(exc)) from None
         if body.model != self.model:
-            message = f"The model `{body.model}` does not exist."
-            raise HTTPError(404, error_body(message, "model", "invalid_request_error", "model_not_found"))
+            raise self._unknown_model(body.model)
         problem = unsupported(body)
         if problem is not None:
             raise HTTPError(400, error_body(problem[1], problem[0]))
         return body
 
-    def _to_engine(self, body: Any, client_id: str | None) -> GenerationRequest:
+    @staticmethod
+    def _unknown_model(model: str) -> HTTPError:
+        message = f"The model `{model}` does not exist."
+        return HTTPError(404, error_body(message, "model", "invalid_request_error", "model_not_found"))
+
+    def _to_engine(self, body: Any, request_id: str) -> list[GenerationRequest]:
         try:
-            return body.to_generation_request(self.tokenizer, self.limits, client_id, self.chat)
+            return body.to_generation_requests(self.tokenizer, self.limits, request_id, self.chat)
         except FieldError as exc:
             raise HTTPError.bad_request(exc) from None
 
-    def _admit(self, request: GenerationRequest) -> None:
+    def _admit(self, request_id: str) -> None:
         """Refuse a request id already in flight here, and any request beyond the queue bound."""
-        if request.request_id in self._active_ids:
-            message = f"X-Request-Id: request id {request.request_id!r} is already in flight"
+        if request_id in self._active_ids:
+            message = f"X-Request-Id: request id {request_id!r} is already in flight"
             raise HTTPError(400, error_body(message, "X-Request-Id"))
         if self.in_flight >= self.config.max_queued_requests:
             raise HTTPError.busy("server busy: too many requests in flight")
-        self._active_ids.add(request.request_id)  # discarded when its outputs end
+        self._active_ids.add(request_id)  # discarded when its outputs end
 
     async def _stream(
         self,
         fmt: ResponseFormat,
         request_id: str,
         choices: list[GenerationRequest],
+        per_prompt: int,
         include_usage: bool,
         text_of: Any,
         shape: AnswerShape | None = None,
     ) -> AsyncIterator[bytes]:
+        """The SSE chunks of ``choices`` (``per_prompt`` of each prompt, in prompt order)."""
         writers = [ChunkWriter(fmt, request_id, self.model, text_of, i, shape) for i in range(len(choices))]
         self.in_flight += 1
         try:
@@ -353,13 +377,13 @@ class OpenAIIngress:
                 if first:
                     yield first
             last: dict[int, RequestOutput] = {}
-            async for index, output in self._choice_outputs(request_id, choices):
+            async for index, output in self._choice_outputs(request_id, choices, per_prompt):
                 last[index] = output
                 chunk = writers[index].delta(output)
                 if chunk:
                     yield chunk
             if include_usage and len(last) == len(choices):
-                yield writers[0].usage(*(last[i] for i in range(len(choices))))
+                yield writers[0].usage([last[i] for i in range(len(choices))], per_prompt)
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             yield sse(exc.body)
@@ -368,19 +392,21 @@ class OpenAIIngress:
         yield writers[0].done()
 
     async def _choice_outputs(
-        self, request_id: str, choices: list[GenerationRequest]
+        self, request_id: str, choices: list[GenerationRequest], per_prompt: int
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The choices' outputs as they come, with the choice's index. With ``n`` > 1, choice 0
-        runs alone until its first output: its prompt's KV is then in the prefix caches (the
-        prefill replica's, and the decode replica's that fetched it), and the router sends the
-        other choices where that prefix went, so the prompt is computed and moved once."""
+        """The choices' outputs as they come, with the choice's index. With ``n`` > 1, each
+        prompt's first choice runs alone until its first output: its prompt's KV is then in the
+        prefix caches (the prefill replica's, and the decode replica's that fetched it), and the
+        router sends the prompt's other choices where that prefix went, so the prompt is computed
+        and moved once."""
         try:
             if len(choices) == 1:
                 async with aclosing(self.path.outputs(choices[0])) as outputs:
                     async for output in outputs:
                         yield 0, output
                 return
-            async with aclosing(merge_after_first([self.path.outputs(c) for c in choices])) as merged:
+            streams = [self.path.outputs(c) for c in choices]
+            async with aclosing(merge_after_first(streams, per_prompt)) as merged:
                 async for index, output in merged:
                     yield index, output
         finally:

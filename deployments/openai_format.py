@@ -29,15 +29,18 @@ def token_text_of(tokenizer) -> TokenText:
     return lambda token_id: tokenizer.decode([token_id])
 
 
-def usage(last: RequestOutput, *others: RequestOutput) -> dict:
-    """Usage of a request whose (first) choice ended with ``last``; ``others``: the last
-    outputs of its other choices (``n`` > 1: the prompt counted once, every choice's tokens)."""
-    completion = last.num_output_tokens + sum(o.num_output_tokens for o in others)
+def usage(lasts: SequenceOf[RequestOutput], per_prompt: int = 0) -> dict:
+    """Usage of a request from its choices' last outputs, ``per_prompt`` choices of each prompt
+    in prompt order (``n``; 0: all of one prompt): each prompt counted once (its first choice's),
+    every choice's tokens."""
+    firsts = lasts[:: per_prompt or len(lasts)]
+    prompt = sum(o.num_prompt_tokens for o in firsts)
+    completion = sum(o.num_output_tokens for o in lasts)
     return {
-        "prompt_tokens": last.num_prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": last.num_prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)},
     }
 
 
@@ -170,9 +173,11 @@ def full_response_choices(
     choices: SequenceOf[SequenceOf[RequestOutput]],
     text_of: TokenText | None = None,
     shape: AnswerShape | None = None,
+    per_prompt: int = 0,
 ) -> dict:
-    """The non-streamed body of ``n`` choices (each choice's outputs, in index order); ``shape``:
-    how a chat answer's reasoning and tool calls are read (None: its text as it is)."""
+    """The non-streamed body of the choices (each choice's outputs, in index order; ``per_prompt``
+    of each prompt); ``shape``: how a chat answer's reasoning and tool calls are read (None: its
+    text as it is)."""
     bodies = []
     for index, outputs in enumerate(choices):
         entries = [e for o in outputs for e in o.logprobs]
@@ -191,7 +196,7 @@ def full_response_choices(
         "created": int(time.time()),
         "model": model,
         "choices": bodies,
-        "usage": usage(*(outputs[-1] for outputs in choices)),
+        "usage": usage([outputs[-1] for outputs in choices], per_prompt),
     }
 
 
@@ -269,8 +274,8 @@ class ChunkWriter:
             chunks.append(self._chunk(choice | {"finish_reason": reason if last else None}))
         return b"".join(chunks)
 
-    def usage(self, last: RequestOutput, *others: RequestOutput) -> bytes:
-        return self._chunk(None, usage(last, *others))
+    def usage(self, lasts: SequenceOf[RequestOutput], per_prompt: int = 0) -> bytes:
+        return self._chunk(None, usage(lasts, per_prompt))
 
     @staticmethod
     def done() -> bytes:

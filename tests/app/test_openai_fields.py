@@ -89,6 +89,46 @@ def test_the_fields_reach_the_engine(tokenizer, limits):
     assert _any_object(schema_of(no_schema).json_schema)
 
 
+def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
+    """Completions: 16 when left out (within the room the prompt leaves), the rest of the
+    context for an explicit null; chat: the rest of the context. A cap bounds each."""
+    prompt = encode_prompt(tokenizer, "hi")
+    room = limits.max_model_len - len(prompt)
+    near_full = {**COMPLETION, "prompt": [100] * (limits.max_model_len - 5)}
+    cases = [
+        (CompletionRequest, COMPLETION, limits, 16),
+        (CompletionRequest, {**COMPLETION, "max_tokens": None}, limits, room),
+        (CompletionRequest, near_full, limits, 5),
+        (CompletionRequest, COMPLETION, ContextLimits(max_model_len=2048, max_tokens=4), 4),
+        (ChatCompletionRequest, CHAT, ContextLimits(max_model_len=2048, max_tokens=300), 300),
+    ]
+    for schema, body, bounds, expected in cases:
+        assert _sampling(schema, body, tokenizer, bounds).max_tokens == expected, body
+
+
+def test_a_batched_completion_is_one_request_per_prompt(tokenizer, limits):
+    batch = CompletionRequest.model_validate({**COMPLETION, "prompt": ["hi", [5, 6]], "seed": 7})
+    requests = batch.to_generation_requests(tokenizer, limits, "cmpl-b")
+    assert [r.request_id for r in requests] == ["cmpl-b-0", "cmpl-b-1"]
+    assert [r.prompt_token_ids for r in requests] == [tuple(encode_prompt(tokenizer, "hi")), (5, 6)]
+    assert [(r.sampling.max_tokens, r.sampling.seed) for r in requests] == [(16, 7), (16, 7)]
+    one = CompletionRequest.model_validate(COMPLETION).to_generation_requests(tokenizer, limits, "cmpl-1")
+    assert [r.request_id for r in one] == ["cmpl-1"]
+    too_long = {**COMPLETION, "prompt": ["hi", [5] * limits.max_model_len]}
+    error = _batch_error(too_long, tokenizer, limits)
+    assert error.param == "prompt.1" and error.message.startswith("prompt.1: the prompt is 2048 tokens"), error
+    error = _batch_error({**COMPLETION, "prompt": ["a"] * 5, "n": 16, "max_tokens": 1}, tokenizer, limits)
+    assert (error.param, error.message) == ("prompt", "prompt: 5 prompts x n=16 is over 64 choices a request")
+    error = _batch_error({**COMPLETION, "prompt": ["hi", ""]}, tokenizer, limits)
+    assert (error.param, error.message) == ("prompt.1", "prompt.1 must not be empty")
+
+
+def _batch_error(body: dict, tokenizer, limits) -> FieldError:
+    with pytest.raises(FieldError) as info:
+        CompletionRequest.model_validate(body).to_generation_requests(tokenizer, limits, "cmpl-b")
+    return info.value
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "text"),
     [

@@ -20,6 +20,7 @@ WRONG_KEY = "sk-tandem-wrong-99aa11bb33"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 PROTECTED = [
     ("GET", "/v1/models"),
+    ("GET", f"/v1/models/{MODEL}"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("GET", "/admin/autoscaler"),
@@ -86,7 +87,10 @@ def test_the_openai_client_with_a_right_key_is_served_and_with_a_wrong_one_refus
             model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"ignore_eos": True}
         )
         assert chat.usage.completion_tokens == 2
-        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert [m.id for m in client.models.list().data] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("no-such-model")
+        assert missing.value.code == "model_not_found"
     client = openai.OpenAI(base_url=url + "/v1", api_key=WRONG_KEY, max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)

@@ -1,5 +1,6 @@
-"""``n`` > 1 at the ingress: one engine request per choice, choice 0 first, then the rest
-merged as they come; the OpenAI body with every choice and the usage counted once."""
+"""``n`` > 1 and batched prompts at the ingress: one engine request per choice, each prompt's
+choice 0 first, then the rest merged as they come; the OpenAI body with every choice and each
+prompt counted once in the usage."""
 
 from __future__ import annotations
 
@@ -56,6 +57,24 @@ def test_the_other_streams_start_after_the_first_item_of_stream_0():
     assert {"a closed", "b closed", "c closed"} <= set(log)
 
 
+def test_in_groups_the_first_of_each_group_starts_and_the_others_follow_it():
+    log: list[str] = []
+
+    async def run():
+        names = ("a", "b", "c", "d")
+        streams = [_numbers(name, 2, log) for name in names]
+        merged = merge_after_first(streams, 2)  # two prompts, n=2: a and c first
+        first = await anext(merged)
+        started = {entry[0] for entry in log}
+        return first, started, [first] + [item async for item in merged]
+
+    first, started, items = asyncio.run(run())
+    assert first[1][0] in "ac" and started <= {"a", "c"}
+    assert sorted(items) == [(i, f"{name}{k}") for i, name in enumerate("abcd") for k in range(2)]
+    for leader, follower in ((0, 1), (2, 3)):  # a follower's first item comes after its leader's
+        assert items.index((leader, "abcd"[leader] + "0")) < items.index((follower, "abcd"[follower] + "0"))
+
+
 def test_an_error_in_one_stream_closes_them_all():
     log: list[str] = []
 
@@ -92,6 +111,20 @@ def test_the_body_lists_every_choice_and_counts_the_prompt_once():
     }
     chat = full_response_choices(CHAT, "chatcmpl-1", "m", [[_last(0, 4)], [_last(1, 6)]])
     assert [c["message"]["content"] for c in chat["choices"]] == ["choice 0", "choice 1"]
+
+
+def test_a_batch_counts_each_prompt_once():
+    lasts = [[_last(0, 4)], [_last(1, 6)], [_last(2, 1)], [_last(3, 2)]]  # two prompts, n=2
+    body = full_response_choices(COMPLETION, "cmpl-1", "m", lasts, per_prompt=2)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"] == {
+        "prompt_tokens": 20,
+        "completion_tokens": 13,
+        "total_tokens": 33,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    one_each = full_response_choices(COMPLETION, "cmpl-1", "m", lasts[:3], per_prompt=1)
+    assert one_each["usage"]["prompt_tokens"] == 30 and one_each["usage"]["completion_tokens"] == 11
 
 
 def test_streamed_chunks_carry_their_choice_index():

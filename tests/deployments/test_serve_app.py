@@ -78,6 +78,16 @@ def test_models_and_health(base_url):
     assert modes == ["disaggregated-pull", "disaggregated-push", "colocated"]
     models = httpx.get(base_url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert isinstance(models["data"][0]["created"], int)
+    assert httpx.get(f"{base_url}/v1/models/{MODEL}").json() == models["data"][0]  # OpenAI's retrieve
+    unknown = httpx.get(base_url + "/v1/models/org/other-model")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {
+        "message": "The model `org/other-model` does not exist.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 def test_chat_greedy(url):
@@ -147,6 +157,33 @@ def test_n_choices_distinct_reproducible_and_usage_counted_once(url):
     assert texts == [c["text"] for c in sorted(again.json()["choices"], key=lambda c: c["index"])]
     usage = first.json()["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (4, 36)
+
+
+def test_a_batch_of_prompts_answers_each_as_alone_streamed_or_not(url):
+    """A batched completion (text and token ids, n=2): prompt i's choices at indexes 2i and
+    2i+1, each the greedy answer of that prompt sent alone; each prompt counted once."""
+    prompts = ["Once upon a time", [1000, 1001, 1002, 1003, 1004]]
+    common = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = [_post(url, COMPLETIONS, {**common, "prompt": prompt}).json() for prompt in prompts]
+    batch = _post(url, COMPLETIONS, {**common, "prompt": prompts, "n": 2})
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == [a["choices"][0]["text"] for a in alone for _ in range(2)]
+    counts = {"prompt_tokens": sum(a["usage"]["prompt_tokens"] for a in alone), "completion_tokens": 24}
+    assert {k: batch.json()["usage"][k] for k in counts} == counts
+    stream_options = {"include_usage": True}
+    streamed = _post(
+        url, COMPLETIONS, {**common, "prompt": prompts, "n": 2, "stream": True, "stream_options": stream_options}
+    )
+    *events, done = _sse_events(streamed)
+    assert done == "[DONE]"
+    texts = ["", "", "", ""]
+    for event in map(json.loads, events[:-1]):
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in choices]
+    assert {k: json.loads(events[-1])["usage"][k] for k in counts} == counts
 
 
 def test_a_prompt_whose_blocks_are_all_cached_on_decode_is_served(url):
@@ -253,7 +290,8 @@ def test_json_schema_and_penalties_across_paths(base_url):
         ),
         (CHAT, {"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
         (COMPLETIONS, {**TEXT, "prompt": [1, 2, 10**6]}, 400, "prompt", "token id 1000000 is out of vocabulary"),
-        (COMPLETIONS, {**TEXT, "prompt": ["a", "b"]}, 400, "prompt", "batched prompts"),
+        (COMPLETIONS, {**TEXT, "prompt": ["a", [1, 10**6]]}, 400, "prompt.1", "prompt.1: token id 1000000 is out of"),
+        (COMPLETIONS, {**TEXT, "prompt": ["a"] * 9, "n": 8}, 400, "prompt", "9 prompts x n=8 is over 64 choices"),
         (COMPLETIONS, {**TEXT, "prompt": []}, 400, "prompt", "empty"),
         (COMPLETIONS, {**TEXT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
         (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
