@@ -79,6 +79,11 @@ async def _routing_error(raw: Request, exc: StarletteHTTPException) -> JSONRespo
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+def _ids(request_id: str, choices: list[GenerationRequest]) -> frozenset[str]:
+    """A request's id and its choices' engine ids (``<id>-<i>``, a batch's ``<id>-<p>[-<i>]``)."""
+    return frozenset((request_id, *(choice.request_id for choice in choices)))
+
+
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
     """The engine requests of one body's ``n`` choices: ids ``<id>-<i>``; with a ``seed``,
     choice i samples with seed + i (distinct choices, reproducible with the same seed)."""
@@ -281,19 +286,19 @@ class OpenAIIngress:
             body = self._check_body(schema, await self._read_json(raw))
             request_id = raw.headers.get("x-request-id") or body.new_request_id()
             requests = self._to_engine(body, request_id)
-            self._admit(request_id)
+            choices = [choice for request in requests for choice in choice_requests(request, body.n)]
+            self._admit(_ids(request_id, choices))
         except HTTPError as exc:  # refused before any replica saw it: counted too
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
         headers = {"X-Request-Id": request_id}
         text_of = self._text_of if requests[0].sampling.logprobs is not None else None
-        choices = [choice for request in requests for choice in choice_requests(request, body.n)]
         shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(fmt, request_id, choices, body.n, include_usage, text_of, shape)
-            # the request id is free again when the stream ends, even one that never started
-            done = lambda: self._active_ids.discard(request_id)  # noqa: E731
+            # the request ids are free again when the stream ends, even one that never started
+            done = lambda: self._active_ids.difference_update(_ids(request_id, choices))  # noqa: E731
             return HeldStreamingResponse(
                 stream, media_type="text/event-stream", headers=headers, slot=slot, on_end=done
             )
@@ -349,14 +354,15 @@ class OpenAIIngress:
         except FieldError as exc:
             raise HTTPError.bad_request(exc) from None
 
-    def _admit(self, request_id: str) -> None:
-        """Refuse a request id already in flight here, and any request beyond the queue bound."""
-        if request_id in self._active_ids:
-            message = f"X-Request-Id: request id {request_id!r} is already in flight"
+    def _admit(self, ids: frozenset[str]) -> None:
+        """Refuse a request whose id, or an engine id of its choices, is already in flight here
+        (the engines would refuse the second), and any request beyond the queue bound."""
+        if taken := sorted(ids & self._active_ids):
+            message = f"X-Request-Id: request id {taken[0]!r} is already in flight"
             raise HTTPError(400, error_body(message, "X-Request-Id"))
         if self.in_flight >= self.config.max_queued_requests:
             raise HTTPError.busy("server busy: too many requests in flight")
-        self._active_ids.add(request_id)  # discarded when its outputs end
+        self._active_ids |= ids  # discarded when its outputs end
 
     async def _stream(
         self,
@@ -410,4 +416,4 @@ class OpenAIIngress:
                 async for index, output in merged:
                     yield index, output
         finally:
-            self._active_ids.discard(request_id)
+            self._active_ids.difference_update(_ids(request_id, choices))

@@ -26,6 +26,12 @@ def _refusal(schema: type, body: dict | str) -> dict:
         (CompletionRequest, {"model": "m", "prompt": [[1, 2], [3, True]]}, "prompt.1.1", "valid integer"),
         (CompletionRequest, {"model": "m", "prompt": ["a", 5]}, "prompt.1", "valid string"),
         (CompletionRequest, {"model": "m", "prompt": [True]}, "prompt.0", "valid integer"),
+        (
+            CompletionRequest,
+            {"model": "m", "prompt": [["a", "b"]]},
+            "prompt.0.0",
+            "valid integer",
+        ),  # nested once too often
         (CompletionRequest, {"model": "m", "prompt": None}, "prompt", "valid string"),
         (CompletionRequest, {"model": None, "prompt": "x"}, "model", "valid string"),
         (CompletionRequest, {"model": "m", "prompt": [1, True]}, "prompt.1", "valid integer"),

@@ -105,10 +105,17 @@ def test_every_operation_answers_below_500_and_refuses_in_openai_style(url):
         _fuzz(schema[path][method], mode, num_cases, url)
 
 
-def test_without_max_tokens_a_request_gets_the_servers_cap(url):
-    body = {"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True}
-    response = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == MAX_TOKENS
+def test_max_tokens_null_or_left_out_gets_at_most_the_servers_cap(url):
+    """null asks for the rest of the context and left out for 16 (a completion's default): the
+    server's cap (``limits.max_tokens``, 4 here) bounds both, as it does a chat left without one."""
+    for path, fields in [
+        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": None}),
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ]:
+        body = {"model": MODEL, "ignore_eos": True, **fields}
+        response = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == MAX_TOKENS, fields
 
 
 def _complete(url: str, **fields) -> httpx.Response:

@@ -349,7 +349,7 @@ def test_duplicate_client_request_id_is_refused_while_in_flight(base_url):
     # the first request streams far longer than the check takes; its client leaves after it
     long = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
     short = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
-    headers = {"X-Request-Id": "same-id"}
+    headers = {"X-Request-Id": "same-0"}
     text = lambda line: '"content":"' in line and '"content":""' not in line  # noqa: E731
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=long, headers=headers, timeout=60) as first:
         lines = first.iter_lines()  # held: a collected iterator would close the stream
@@ -357,11 +357,15 @@ def test_duplicate_client_request_id_is_refused_while_in_flight(base_url):
         second = _post(base_url, "/v1/chat/completions", short, headers=headers)
         assert second.status_code == 400, second.text
         assert second.json()["error"]["param"] == "X-Request-Id" and "already in flight" in second.text
+        # a batch one of whose engine ids (its id, -<p>) is the first's is refused before any engine sees it
+        batch = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2}
+        clash = _post(base_url, "/v1/completions", batch, headers={"X-Request-Id": "same"})
+        assert clash.status_code == 400 and "'same-0' is already in flight" in clash.text, clash.text
         assert next(line for line in lines if text(line))  # the first request streams on
     # its client gone, the first request ends and its id is free again
     ask = lambda: _post(base_url, "/v1/chat/completions", short, headers=headers)  # noqa: E731
     again = wait_until(ask, 60, "the request id free again", until=lambda r: "already in flight" not in r.text)
-    assert again.status_code == 200 and again.json()["id"] == "same-id"
+    assert again.status_code == 200 and again.json()["id"] == "same-0"
 
 
 def test_client_disconnect_frees_blocks_on_both_replicas(served):
