@@ -493,11 +493,6 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _one_prompt_form(value: Any) -> bool:
-    """A text, or token ids (a list of no lists or strings): one prompt, not a batch."""
-    return isinstance(value, str) or (isinstance(value, list) and not any(isinstance(v, (str, list)) for v in value))
-
-
 def _prompt_form(value: Any) -> str:
     """A completion prompt's form, so that a refusal speaks of the one sent: a list whose first
     item is a prompt itself is a batch, any other list token ids."""
@@ -536,8 +531,7 @@ class CompletionRequest(_SamplingFields):
 
     def batch(self) -> list[str] | list[list[int]] | None:
         """The prompts of a batched completion (two or more: a batch of one is its prompt), None for one prompt."""
-        prompt = self.prompt
-        return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else None
+        return self.prompt if _prompt_form(self.prompt) == "list[prompt]" else None
 
     def to_generation_requests(
         self, tokenizer: Any, limits: ContextLimits, request_id: str, chat: ChatSetup | None = None
@@ -579,7 +573,8 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and len(value) == 1 and _one_prompt_form(value[0]):
+        one = isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list))
+        if one and _prompt_form(value[0]) != "list[prompt]":
             return value[0]  # a batch of one (lm-eval-harness sends these): that prompt
         return value
 

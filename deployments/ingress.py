@@ -287,7 +287,8 @@ class OpenAIIngress:
             request_id = raw.headers.get("x-request-id") or body.new_request_id()
             requests = self._to_engine(body, request_id)
             choices = [choice for request in requests for choice in choice_requests(request, body.n)]
-            self._admit(_ids(request_id, choices))
+            ids = _ids(request_id, choices)
+            self._admit(ids)
         except HTTPError as exc:  # refused before any replica saw it: counted too
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
@@ -298,20 +299,21 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(fmt, request_id, choices, body.n, include_usage, text_of, shape)
             # the request ids are free again when the stream ends, even one that never started
-            done = lambda: self._active_ids.difference_update(_ids(request_id, choices))  # noqa: E731
+            done = lambda: self._active_ids.difference_update(ids)  # noqa: E731
             return HeldStreamingResponse(
                 stream, media_type="text/event-stream", headers=headers, slot=slot, on_end=done
             )
         self.in_flight += 1
         outputs: list[list[RequestOutput]] = [[] for _ in choices]
         try:
-            async for index, output in self._choice_outputs(request_id, choices, body.n):
+            async for index, output in self._choice_outputs(choices, body.n):
                 outputs[index].append(output)
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
         finally:
             self.in_flight -= 1
+            self._active_ids -= ids
         body = full_response_choices(fmt, request_id, self.model, outputs, text_of, shape, per_prompt=body.n)
         return JSONResponse(body, headers=headers)
 
@@ -362,7 +364,7 @@ class OpenAIIngress:
             raise HTTPError(400, error_body(message, "X-Request-Id"))
         if self.in_flight >= self.config.max_queued_requests:
             raise HTTPError.busy("server busy: too many requests in flight")
-        self._active_ids |= ids  # discarded when its outputs end
+        self._active_ids |= ids  # discarded when its answer ends (sent, or its stream closed)
 
     async def _stream(
         self,
@@ -383,7 +385,7 @@ class OpenAIIngress:
                 if first:
                     yield first
             last: dict[int, RequestOutput] = {}
-            async for index, output in self._choice_outputs(request_id, choices, per_prompt):
+            async for index, output in self._choice_outputs(choices, per_prompt):
                 last[index] = output
                 chunk = writers[index].delta(output)
                 if chunk:
@@ -398,22 +400,19 @@ class OpenAIIngress:
         yield writers[0].done()
 
     async def _choice_outputs(
-        self, request_id: str, choices: list[GenerationRequest], per_prompt: int
+        self, choices: list[GenerationRequest], per_prompt: int
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The choices' outputs as they come, with the choice's index. With ``n`` > 1, each
         prompt's first choice runs alone until its first output: its prompt's KV is then in the
         prefix caches (the prefill replica's, and the decode replica's that fetched it), and the
         router sends the prompt's other choices where that prefix went, so the prompt is computed
         and moved once."""
-        try:
-            if len(choices) == 1:
-                async with aclosing(self.path.outputs(choices[0])) as outputs:
-                    async for output in outputs:
-                        yield 0, output
-                return
-            streams = [self.path.outputs(c) for c in choices]
-            async with aclosing(merge_after_first(streams, per_prompt)) as merged:
-                async for index, output in merged:
-                    yield index, output
-        finally:
-            self._active_ids.difference_update(_ids(request_id, choices))
+        if len(choices) == 1:
+            async with aclosing(self.path.outputs(choices[0])) as outputs:
+                async for output in outputs:
+                    yield 0, output
+            return
+        streams = [self.path.outputs(c) for c in choices]
+        async with aclosing(merge_after_first(streams, per_prompt)) as merged:
+            async for index, output in merged:
+                yield index, output
