@@ -16,11 +16,15 @@ In Python (what tests/deployments/test_multinode.py does)::
 
     with local_cluster() as nodes:
         url = deploy(pinned_args({"transport.mode": "push"}), port=8000)
+
+One node, for tests and benchmarks: ``start_local_ray`` / ``stop_local_ray`` (own temp dir,
+this checkout importable), and ``Server``, one Serve application in a local Ray of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -46,6 +50,89 @@ POOL_RESOURCES = {"prefill": "prefill_node", "decode": "decode_node"}
 HEAD_CPUS = 1  # logical CPUs: the ingress (0.1) and the autoscaler controller (0.05)
 WORKER_CPUS = 1  # logical CPUs per worker node; replicas ask for 0.5 by default
 READY_TIMEOUT_S = 240.0
+HTTP_PORT = 18480  # Server's
+METRICS_PORT = 18490  # + the server's index: a fresh cluster's metrics never mix with the last one's
+_TEMP_DIRS: list[str] = []  # of the one-node clusters this process started: stop_local_ray removes them
+
+
+def start_local_ray(num_cpus: int = 2, **kwargs) -> None:
+    """``kwargs`` go to ``ray.init`` (e.g. ``object_store_memory``, ``_metrics_export_port``). Workers
+    inherit the driver's environment: this checkout goes on ``PYTHONPATH`` so they import its packages."""
+    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    _TEMP_DIRS.append(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=_TEMP_DIRS[-1], log_to_driver=False, **kwargs)
+
+
+def stop_local_ray(keep_logs: bool = False) -> None:
+    """Ray down, then the temp dirs (sockets and logs) of the clusters started here removed,
+    unless ``keep_logs``."""
+    ray.shutdown()
+    while _TEMP_DIRS:
+        temp_dir = _TEMP_DIRS.pop()
+        if not keep_logs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class Server:
+    """One Serve application (``colocated``: colocated_app, ``disagg``: disagg_app, with ``args``)
+    in its own local Ray cluster, stopped on exit, its logs then copied to ``keep_logs``;
+    ``metrics_url``: Ray's Prometheus export of this cluster."""
+
+    def __init__(self, application: str, args: dict[str, str], index: int = 0, *, name: str = "bench",
+                 keep_logs: Path | None = None, port: int = HTTP_PORT) -> None:  # fmt: skip
+        self.application, self.args, self.index, self.name = application, dict(args), index, name
+        self.keep_logs, self.port, self.log_dir = keep_logs, port, None
+        self.url, self.metrics_url = f"http://{HOST}:{port}", f"http://{HOST}:{METRICS_PORT + index}/metrics"
+
+    def __enter__(self) -> Server:
+        from app.config import colocated_app, disagg_app
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C and SIGTERM end the run
+        signal.signal(signal.SIGTERM, _exit_on_signal)  # ... and stop this cluster in __exit__
+        start_local_ray(_metrics_export_port=METRICS_PORT + self.index,
+                        _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
+        self.log_dir = _logs_dir()
+        try:
+            serve.start(http_options={"host": HOST, "port": self.port})
+            builder = colocated_app if self.application == "colocated" else disagg_app
+            serve.run(builder(dict(self.args)), name=self.name, route_prefix="/")
+            _wait_ready(self.url, READY_TIMEOUT_S)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def model(self) -> str:
+        return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def __exit__(self, *exc) -> None:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        if self.keep_logs is not None and self.log_dir is not None:
+            shutil.rmtree(self.keep_logs, ignore_errors=True)
+            shutil.copytree(self.log_dir, self.keep_logs, ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+        stop_local_ray()
+        time.sleep(2)
+
+
+def serve_logs(log_dir: Path) -> list[Path]:
+    """A Ray session's Serve logs, then its workers' stderr."""
+    return sorted(log_dir.glob("serve/*.log")) + sorted(log_dir.glob("worker-*.err"))
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
+def _logs_dir() -> Path | None:
+    """This Ray session's log folder (a private Ray call: None where it moved)."""
+    with contextlib.suppress(AttributeError, ImportError):
+        from ray._private import worker
+
+        return Path(worker._global_node.get_logs_dir_path())
+    return None
 
 
 @dataclass(frozen=True)

@@ -167,8 +167,8 @@ def _stack_cpu(target, requests) -> dict:
 def calibrate(command: str) -> dict:
     """Engine steps and a decode batch beside a prefilling process (each in a fresh process), then our NIXL pull
     between two Ray actors (medians of ``REPEATS`` after a warm-up)."""
+    from app.local_cluster import start_local_ray, stop_local_ray
     from bench.kv_transfer import BYTES_PER_BLOCK, TransferActor, measure
-    from bench.ray_local import start_local_ray, stop_local_ray
 
     started = time.time()
     print("engine steps, a decode batch beside a prefilling process, NIXL pull...", file=sys.stderr, flush=True)

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from app.local_cluster import Server
 from bench.host import machine, tokenizer
-from bench.ray_local import Server
 from bench.report import arguments, cells, command_line, publish, read_json, subset, table, write_json
 from bench.serve import Target, run, sweep, uncontended
 from bench.slo import SLO
@@ -43,7 +43,7 @@ MULTIPLIERS = {"summarization": (0.25, 0.5, 0.75, 1.0, 1.25), "code": (0.5, 0.75
 
 
 def system_server(system: str, index: int = 0, args: dict[str, str] | None = None) -> Server:
-    """One of ``SYSTEMS`` on ``COMMON`` (and ``args``) in its own local Ray (``bench.ray_local.Server``)."""
+    """One of ``SYSTEMS`` on ``COMMON`` (and ``args``) in its own local Ray (``app.local_cluster.Server``)."""
     application, extra = SYSTEMS[system]
     return Server(application, {**COMMON, **extra, **(args or {})}, index)
 

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
+from app.local_cluster import Server
 from bench.calibrate_planner import core as served_engine  # the engine as bench.compare serves it
 from bench.compare import COMMON, ELASTIC, TPOT_SLO_X, TTFT_SLO_X
 from bench.compare import SYSTEMS as COMPARE_SYSTEMS
 from bench.engine import drain, greedy_request, prefilled
 from bench.host import cpu_ticks, machine, timed, tokenizer, worker_json
-from bench.ray_local import Server
 from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import Target, arrival_times, client, polled, run, send, uncontended, warm_up
 from bench.slo import SLO, RequestRecord, distribution

@@ -13,11 +13,11 @@ import time
 import ray
 import torch
 
+from app.local_cluster import start_local_ray, stop_local_ray
 from bench.engine import corpus_ids, greedy_request
 from bench.engine_actor import EngineActor
 from bench.gpu_kv import KVSide, RawAgent
 from bench.host import medians, seconds, tokenizer
-from bench.ray_local import start_local_ray, stop_local_ray
 from bench.report import arguments, cells, command_line, figure, publish, table
 from engine.host_memory import host_tensor
 from engine.kv_pool import KVLayout, KVPool

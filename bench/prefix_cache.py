@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 from ray import serve
 
+from app.local_cluster import Server
 from bench.host import cpu_model, machine, tokenizer
-from bench.ray_local import Server
 from bench.report import arguments, cells, command_line, figure, publish, read_json, subset, table, write_json
 from bench.serve import SAMPLE, STREAM, client, stream
 from bench.slo import RequestRecord, distribution

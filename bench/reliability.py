@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import ray
 
+from app.local_cluster import Server, serve_logs
 from app.settings import AppConfig
 from bench.host import machine, tokenizer
-from bench.ray_local import Server, serve_logs
 from bench.report import arguments, cells, command_line, read_json, secs, table, template, write_json, write_page
 from bench.serve import Target
 from bench.serve import client as http_client

@@ -23,10 +23,10 @@ from functools import partial
 from itertools import accumulate
 from pathlib import Path
 
+from app.local_cluster import Server, serve_logs
 from bench.compare import COMMON, ELASTIC
 from bench.elastic import SystemRun, lent, mark_spans, save_raw
 from bench.host import cpu_model, cpu_ticks, machine, ticks_between, tokenizer, tree_ticks
-from bench.ray_local import Server, serve_logs
 from bench.report import arguments, cells, command_line, figure, read_json, secs, subset, table, write_json, write_page
 from bench.serve import Target, client, polled, send, warm_up
 from bench.slo import RequestRecord, distribution

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from app.local_cluster import Server
 from bench.host import engine_core, seconds
-from bench.ray_local import Server
 from bench.report import arguments, command_line, publish, table
 
 NAME = "bench.serve_overhead"

@@ -40,7 +40,7 @@ from ray import serve
 from ray.serve.api import RunTarget
 from ray.serve.handle import DeploymentHandle
 
-from bench.ray_local import start_local_ray, stop_local_ray
+from app.local_cluster import start_local_ray, stop_local_ray
 from tests.waiting import wait_until
 
 HOST = "127.0.0.1"
