@@ -200,6 +200,7 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
+            prompt_logprobs=self._num_prompt_logprobs(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -235,6 +236,10 @@ class _SamplingFields(_Body):
     @abstractmethod
     def _num_logprobs(self) -> int | None:
         """Alternatives per output token (``SamplingParams.logprobs``), None when not asked."""
+
+    def _num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token (``SamplingParams.prompt_logprobs``), None when not asked."""
+        return None
 
     def _refusals(self) -> list[tuple[str, bool]]:
         """``(field, refused)`` for every field declared only to be refused when set."""
@@ -518,8 +523,14 @@ class CompletionRequest(_SamplingFields):
         description=f"tokens to generate (left out: {COMPLETION_MAX_TOKENS}, as OpenAI's; null: the context's rest)",
         json_schema_extra={"default": COMPLETION_MAX_TOKENS},
     )
-    logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per output token")
-    echo: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="top alternatives per output token (with echo: per prompt token too)"
+    )
+    echo: bool = Field(
+        False,
+        description="the prompt before the output, in the text and the log-probabilities (the first prompt token's "
+        "is null); with max_tokens 0, the prompt alone",
+    )
     best_of: int | None = None
     suffix: str | None = None
 
@@ -557,6 +568,13 @@ class CompletionRequest(_SamplingFields):
     def _num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def _num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        """An echo of the prompt alone (``max_tokens`` 0) generates one token, which the answer drops."""
+        return "max_tokens", 1 if self.echo and self.max_tokens == 0 else self.max_tokens
+
     def _default_max_tokens(self, limits: ContextLimits, num_prompt_tokens: int) -> int:
         """OpenAI's (and vLLM's) completions default when ``max_tokens`` is left out, within
         the room left; an explicit null asks for the rest of the context."""
@@ -565,7 +583,6 @@ class CompletionRequest(_SamplingFields):
 
     def _refusals(self) -> list[tuple[str, bool]]:
         return super()._refusals() + [
-            ("echo", self.echo),
             ("best_of", self.best_of not in (None, 1)),
             ("suffix", bool(self.suffix)),
         ]

@@ -45,6 +45,7 @@ from deployments.openai_format import (
     CHAT,
     COMPLETION,
     ChunkWriter,
+    Echo,
     ResponseFormat,
     full_response_choices,
     sse,
@@ -295,9 +296,10 @@ class OpenAIIngress:
         headers = {"X-Request-Id": request_id}
         text_of = self._text_of if requests[0].sampling.logprobs is not None else None
         shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest) else None
+        echo = self._echo(body, requests) if getattr(body, "echo", False) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(fmt, request_id, choices, body.n, include_usage, text_of, shape)
+            stream = self._stream(fmt, request_id, choices, body.n, include_usage, text_of, shape, echo)
             # the request ids are free again when the stream ends, even one that never started
             done = lambda: self._active_ids.difference_update(ids)  # noqa: E731
             return HeldStreamingResponse(
@@ -306,7 +308,7 @@ class OpenAIIngress:
         self.in_flight += 1
         outputs: list[list[RequestOutput]] = [[] for _ in choices]
         try:
-            async for index, output in self._choice_outputs(choices, body.n):
+            async for index, output in self._choice_outputs(choices, body.n, echo):
                 outputs[index].append(output)
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
@@ -356,6 +358,13 @@ class OpenAIIngress:
         except FieldError as exc:
             raise HTTPError.bad_request(exc) from None
 
+    def _echo(self, body: CompletionRequest, requests: list[GenerationRequest]) -> Echo:
+        """``echo``'s prompts: each as the client sent it (token ids decoded)."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: "".join(map(self._text_of, ids))
+        texts = [p if isinstance(p, str) else decode(p) for p in body.batch() or [body.prompt]]
+        firsts = [r.prompt_token_ids[0] for r in requests]
+        return Echo(texts, firsts, body.n, prompt_only=body.max_tokens == 0)
+
     def _admit(self, ids: frozenset[str]) -> None:
         """Refuse a request whose id, or an engine id of its choices, is already in flight here
         (the engines would refuse the second), and any request beyond the queue bound."""
@@ -375,6 +384,7 @@ class OpenAIIngress:
         include_usage: bool,
         text_of: Any,
         shape: AnswerShape | None = None,
+        echo: Echo | None = None,
     ) -> AsyncIterator[bytes]:
         """The SSE chunks of ``choices`` (``per_prompt`` of each prompt, in prompt order)."""
         writers = [ChunkWriter(fmt, request_id, self.model, text_of, i, shape) for i in range(len(choices))]
@@ -385,7 +395,7 @@ class OpenAIIngress:
                 if first:
                     yield first
             last: dict[int, RequestOutput] = {}
-            async for index, output in self._choice_outputs(choices, per_prompt):
+            async for index, output in self._choice_outputs(choices, per_prompt, echo):
                 last[index] = output
                 chunk = writers[index].delta(output)
                 if chunk:
@@ -400,19 +410,19 @@ class OpenAIIngress:
         yield writers[0].done()
 
     async def _choice_outputs(
-        self, choices: list[GenerationRequest], per_prompt: int
+        self, choices: list[GenerationRequest], per_prompt: int, echo: Echo | None = None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The choices' outputs as they come, with the choice's index. With ``n`` > 1, each
-        prompt's first choice runs alone until its first output: its prompt's KV is then in the
-        prefix caches (the prefill replica's, and the decode replica's that fetched it), and the
-        router sends the prompt's other choices where that prefix went, so the prompt is computed
-        and moved once."""
+        """The choices' outputs as they come, with the choice's index (``echo``: each choice's
+        first starts with its prompt). With ``n`` > 1, each prompt's first choice runs alone until
+        its first output: its prompt's KV is then in the prefix caches (the prefill replica's, and
+        the decode replica's that fetched it), and the router sends the prompt's other choices where
+        that prefix went, so the prompt is computed and moved once."""
         if len(choices) == 1:
             async with aclosing(self.path.outputs(choices[0])) as outputs:
                 async for output in outputs:
-                    yield 0, output
+                    yield 0, echo(0, output) if echo else output
             return
         streams = [self.path.outputs(c) for c in choices]
         async with aclosing(merge_after_first(streams, per_prompt)) as merged:
             async for index, output in merged:
-                yield index, output
+                yield index, echo(index, output) if echo else output

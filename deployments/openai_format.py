@@ -10,6 +10,7 @@ two shapes: the completions object (``tokens``, ``token_logprobs``, ``top_logpro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
 from app.tool_calls import AnswerShape, AnswerStream, Delta, Parsed
-from engine.params import RequestOutput, TokenLogprobs
+from engine.params import FinishReason, RequestOutput, TokenLogprobs
 
 TokenText = Callable[[int], str]
 
@@ -91,10 +92,42 @@ def completion_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText, 
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        # the sampled token among the alternatives, as vLLM returns them
-        "top_logprobs": [{**{text_of(t): lp for t, lp in e.top}, tok: e.logprob} for e, tok in zip(entries, tokens)],
+        # the sampled token among the alternatives, as vLLM returns them; none for an echoed prompt's first token
+        "top_logprobs": [
+            None if e.logprob is None else {**{text_of(t): lp for t, lp in e.top}, tok: e.logprob}
+            for e, tok in zip(entries, tokens)
+        ],
         "text_offset": offsets,
     }
+
+
+@dataclasses.dataclass
+class Echo:
+    """A completion's ``echo``: each choice's first output starts with its prompt, the text and,
+    when the engine scored the prompt (``logprobs`` asked), its tokens' log-probabilities, the
+    first token's null as OpenAI's. ``prompt_only`` (``max_tokens`` 0): the prompt alone, the
+    one token the engine generated dropped. ``texts``, ``first_tokens``: per prompt; choice i is
+    prompt ``i // per_prompt``'s."""
+
+    texts: SequenceOf[str]
+    first_tokens: SequenceOf[int]
+    per_prompt: int
+    prompt_only: bool = False
+    _started: set[int] = dataclasses.field(default_factory=set)
+
+    def __call__(self, index: int, output: RequestOutput) -> RequestOutput:
+        if index in self._started:
+            return output
+        self._started.add(index)
+        prompt = index // self.per_prompt
+        scored = output.prompt_logprobs
+        head = () if scored is None else (TokenLogprobs(self.first_tokens[prompt], None, ()), *scored)
+        if self.prompt_only:
+            return dataclasses.replace(
+                output, token_ids=(), text=self.texts[prompt], logprobs=head, num_output_tokens=0,
+                finish_reason=FinishReason.LENGTH if output.error is None else output.finish_reason,
+            )  # fmt: skip
+        return dataclasses.replace(output, text=self.texts[prompt] + output.text, logprobs=(*head, *output.logprobs))
 
 
 class ResponseFormat(ABC):

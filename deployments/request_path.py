@@ -186,6 +186,8 @@ class ServedRequest:
         request, path = self.request, self.path
         if path.colocated is not None or len(request.prompt_token_ids) < self.config.disagg_min_prompt_tokens:
             return None
+        if request.sampling.prompt_logprobs is not None:  # scored where its logits are: the whole request on decode
+            return None
         if path.elastic is None:
             return Route.DISAGGREGATED
         return path.elastic.route(len(request.prompt_token_ids), request.sampling.max_tokens)

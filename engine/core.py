@@ -34,6 +34,7 @@ from engine.config import EngineConfig, resolve_limits
 from engine.detokenizer import TextStream
 from engine.kv_pool import layout_for
 from engine.loader import LoadedModel, ModelSpec, load_model
+from engine.model_runner import PromptScores
 from engine.overlap import PLACEHOLDER, FedTokens, InFlight
 from engine.params import (
     ContextLimits,
@@ -82,6 +83,7 @@ class _Request:
     grammar: GrammarMatcher | None = None  # response_format's position, advanced by each token
     spec: SpecState | None = None  # speculative decoding's recent acceptance (None: it never proposes)
     in_flight: int = 0  # placeholders ending ``seq.token_ids``: sampled in steps not landed (engine.overlap)
+    prompt_scores: list[TokenLogprobs] | None = None  # ``prompt_logprobs``: prompt tokens 1.. scored so far
 
     @property
     def num_output_tokens(self) -> int:
@@ -318,7 +320,10 @@ class EngineCore:
         sp.check_token_ids(self.vocab_size)
         grammar = self.grammars.matcher(*sp.grammar) if sp.grammar is not None else None
         prompt = list(request.prompt_token_ids)
-        seq = SequenceState(rid, prompt, len(prompt), remote_kv=remote_blocks is not None)
+        scored = sp.prompt_logprobs is not None
+        if scored and (prefill_only or remote_blocks is not None):
+            raise ValueError("prompt_logprobs: the whole request runs on one engine, which computes its prompt")
+        seq = SequenceState(rid, prompt, len(prompt), remote_kv=remote_blocks is not None, whole_prompt=scored)
         if remote_blocks is not None:
             seq.block_ids = list(remote_blocks)
             seq.num_computed_tokens = len(prompt)
@@ -332,8 +337,9 @@ class EngineCore:
         spec = SpecState() if self.config.speculative.enabled and not prefill_only else None
         admitted = time.perf_counter()
         self._requests[rid] = _Request(
-            request, seq, stream, generator, prefill_only, admitted, history=history, grammar=grammar, spec=spec
-        )
+            request, seq, stream, generator, prefill_only, admitted, history=history, grammar=grammar, spec=spec,
+            prompt_scores=[] if scored else None,
+        )  # fmt: skip
         self.scheduler.add(seq)
 
     @functools.cached_property
@@ -370,7 +376,10 @@ class EngineCore:
         if not plan.chunks:
             return []
         start = time.perf_counter()
-        logits = self._execute(plan.chunks)
+        scores = self._prompt_scores(plan.chunks)
+        logits = self._execute(plan.chunks, scores)
+        for request_id, scored in scores.items():
+            self._requests[request_id].prompt_scores += scored.found
         self._count_computed(plan, start, cache=True)
         sampled = [c for c in plan.chunks if c.sample]
         if self._may_overlap(plan):
@@ -380,6 +389,26 @@ class EngineCore:
         self._step_times.append(time.perf_counter() - start)
         self.num_model_steps += 1
         return outputs
+
+    def _prompt_scores(self, chunks: Sequence[ScheduledChunk]) -> dict[str, PromptScores]:
+        """The prompt rows to score in this step: of each request asking ``prompt_logprobs``,
+        position p of its chunk scores prompt token p + 1, once (a recompute after preemption
+        repeats nothing)."""
+        wanted = {}
+        for chunk in chunks:
+            state = self._requests[chunk.request_id]
+            if state.prompt_scores is None or not chunk.in_prompt:
+                continue
+            prompt, done = state.request.prompt_token_ids, len(state.prompt_scores)
+            first, end = max(chunk.start_pos, done), min(chunk.start_pos + len(chunk.token_ids), len(prompt) - 1)
+            if first > done:
+                raise RuntimeError(f"{chunk.request_id}: prompt positions {done}..{first - 1} were not computed here")
+            if end > first:
+                targets = tuple(prompt[first + 1 : end + 1])
+                wanted[chunk.request_id] = PromptScores(
+                    first - chunk.start_pos, targets, state.request.sampling.prompt_logprobs
+                )
+        return wanted
 
     def _count_computed(self, plan: SchedulerPlan, start: float, cache: bool) -> None:
         """After a step's forward: its tokens' KV is computed (proposals: once accepted), the
@@ -493,12 +522,12 @@ class EngineCore:
         self._last_landed = now
         return outputs
 
-    def _execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def _execute(self, chunks: Sequence[ScheduledChunk], scores: dict[str, PromptScores]) -> torch.Tensor:
         if self.tp is None:
-            return self.runner.execute(chunks)
+            return self.runner.execute(chunks, scores=scores)
         self.tp.send(chunks)
         try:
-            return self.runner.execute(chunks)
+            return self.runner.execute(chunks, scores=scores)
         except Exception as exc:  # a collective failed: the ranks are out of step for good
             raise self.tp.lost(exc) from exc
 
@@ -667,6 +696,7 @@ class EngineCore:
         timing = None
         if tokens and state.num_output_tokens == 1 and state.scheduled_at is not None and not seq.remote_kv:
             timing = (state.scheduled_at - state.admitted_at, time.perf_counter() - state.scheduled_at)
+        first = bool(tokens) and state.num_output_tokens == 1
         return RequestOutput(
             request_id=state.request.request_id,
             token_ids=tokens,
@@ -676,6 +706,7 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
             logprobs=logprobs,
+            prompt_logprobs=tuple(state.prompt_scores) if first and state.prompt_scores is not None else None,
             error=error,
             pinned_block_ids=pinned,
             prefill_timing=timing,
@@ -761,5 +792,6 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         text="".join(o.text for o in outputs),
         logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        prompt_logprobs=outputs[0].prompt_logprobs,
         prefill_timing=outputs[0].prefill_timing,
     )

@@ -15,7 +15,8 @@ gets its own layout first: ``engine.weights.optimize_cpu_layout`` on CPU,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -27,6 +28,8 @@ from engine.decode_kernels import DecodeKernels, triton_available
 from engine.fused_decode import FusedDecode, unsupported
 from engine.kv_pool import KVPool
 from engine.overlap import FedTokens
+from engine.params import TokenLogprobs
+from engine.sampling import rows_logprobs
 from engine.scheduler import ScheduledChunk
 from engine.weights import optimize_cpu_layout, optimize_cuda_layout, packed_bytes
 
@@ -34,6 +37,19 @@ logger = logging.getLogger(__name__)
 
 # called after each decoder layer's forward: (layer index, the step's chunks in plan order)
 LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
+SCORE_ROWS = 256  # prompt rows scored at once: each is a vocabulary-wide float32 row of logits
+
+
+@dataclass
+class PromptScores:
+    """One chunk's prompt rows to score (``prompt_logprobs``): rows ``first_row ..`` of the chunk,
+    each for the token after its own, ``targets``; ``execute`` appends each row's log-probabilities
+    (of the raw model distribution, with the ``num_top`` most likely) to ``found``."""
+
+    first_row: int
+    targets: tuple[int, ...]
+    num_top: int
+    found: list[TokenLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -139,15 +155,21 @@ class ModelRunner:
             hook(idx, self._chunks)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk], fed: FedTokens | None = None) -> torch.Tensor | None:
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        fed: FedTokens | None = None,
+        scores: Mapping[str, PromptScores] | None = None,
+    ) -> torch.Tensor | None:
         """Run one step; returns float32 logits ``[sum of num_sampled, vocab]``: each sampled
         chunk's rows (``ScheduledChunk.num_sampled``) in ``chunks`` order. ``fed``: every chunk
         is one decode token, taken on the device from the step before (``engine.overlap``).
+        ``scores``: by request id, prompt rows whose log-probabilities to fill in (an eager step).
 
         In an eager step every index tensor is built from Python lists and copied to the
         device before the forward is queued: on CUDA each such copy waits for the stream (a
         graph-replayed step's inputs are queued behind it instead)."""
-        if self.graphs is not None and not (self._layer_hooks and any(c.in_prompt for c in chunks)):
+        if self.graphs is not None and not scores and not (self._layer_hooks and any(c.in_prompt for c in chunks)):
             logits = self.graphs.run(chunks, fed)
             if logits is not None:
                 return logits
@@ -172,9 +194,29 @@ class ModelRunner:
             self._chunks = ()
         if self._lm_head is None:
             return None
+        if scores:
+            self._score(hidden, ordered, first_row, scores)
         if index is None:
             return hidden.new_empty(0, self._lm_head.out_features, dtype=torch.float32)
         return self._lm_head(hidden.index_select(0, index)).float()
+
+    def _score(
+        self,
+        hidden: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        first_row: list[int],
+        scores: Mapping[str, PromptScores],
+    ) -> None:
+        """Fill ``scores`` from the step's hidden states (``chunks`` in packed-row order, as ``first_row``)."""
+        for chunk, sampled_row in zip(chunks, first_row):
+            wanted = scores.get(chunk.request_id)
+            if wanted is None:
+                continue
+            start = sampled_row - len(chunk.token_ids) + chunk.num_sampled + wanted.first_row  # in the packed row
+            for at in range(0, len(wanted.targets), SCORE_ROWS):
+                targets = wanted.targets[at : at + SCORE_ROWS]
+                logits = self._lm_head(hidden[start + at : start + at + len(targets)]).float()
+                wanted.found += rows_logprobs(logits, targets, wanted.num_top)
 
     def _graph_forward(self, static: StaticDecode) -> torch.Tensor:
         """A decode or verify step on a graph's static inputs (captured, then replayed): logits

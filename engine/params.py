@@ -72,7 +72,9 @@ class SamplingParams:
     ``temperature`` below ``GREEDY_BELOW`` (0 included) is greedy. ``top_k=None`` and
     ``top_p=1.0`` disable those filters.
     ``seed`` makes sampling reproducible per request, independent of batch neighbours.
-    ``logprobs=n`` returns the top-n log-probabilities of every generated token.
+    ``logprobs=n`` returns the top-n log-probabilities of every generated token;
+    ``prompt_logprobs=n`` those of every prompt token after the first, in the first output (the
+    prompt is then computed whole: no prefix-cache hit skips a position).
 
     Logits processing, before temperature, top-k and top-p, and for greedy requests too (it
     moves the argmax): ``logit_bias`` (token id -> bias added), then ``repetition_penalty``
@@ -100,6 +102,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -139,12 +142,10 @@ class SamplingParams:
         valid_ids = not isinstance(ids, (str, bytes)) and all(_is_int(t) and t >= 0 for t in ids)
         _require(valid_ids, "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        _require(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "an integer in [0, 20] or None",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            valid = value is None or (_is_int(value) and 0 <= value <= 20)
+            _require(valid, name, "an integer in [0, 20] or None", value)
         self._check_logits_processing()
 
     def _check_logits_processing(self) -> None:
@@ -307,7 +308,7 @@ class TokenLogprobs:
     """Log-probability of the sampled token and the top-n alternatives at one position."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing predicts (``echo``)
     top: tuple[tuple[int, float], ...]
 
 
@@ -323,6 +324,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # on the first output of a request asking ``prompt_logprobs``: prompt tokens 1.. (the first has none)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     error: str | None = None
     # set when a prefill-only request ends its prefill phase with its KV pinned
     pinned_block_ids: tuple[int, ...] = ()

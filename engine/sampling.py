@@ -127,6 +127,16 @@ def batch_logprobs(
     return logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top.indices, top.values
 
 
+def rows_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+    """``token_logprobs`` of each row of ``logits`` for its own token, read back at once."""
+    tokens = torch.tensor(token_ids, device=logits.device)
+    chosen, top_ids, top_values = (t.tolist() for t in batch_logprobs(logits, tokens, num_top))
+    return [
+        TokenLogprobs(token_id=token, logprob=value, top=tuple(zip(ids, values)))
+        for token, value, ids, values in zip(token_ids, chosen, top_ids, top_values)
+    ]
+
+
 def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
     """Log-probability of ``token_id`` and the ``num_top`` most likely tokens (raw model
     distribution): ``batch_logprobs`` of one row, read back."""

@@ -55,6 +55,7 @@ class SequenceState:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
     draft_tokens: tuple[int, ...] = ()  # speculative proposals for the next step (engine.speculative)
+    whole_prompt: bool = False  # every prompt position computed here (its logits are scored): no cached prefix
 
     @property
     def num_tokens(self) -> int:
@@ -211,7 +212,7 @@ class Scheduler:
         """Give a sequence with no blocks the cached blocks of its leading full blocks (at
         least its last token is left to compute: its logits pick the next token)."""
         allocator = self.allocator
-        if not allocator.enable_caching or seq.block_ids or seq.remote_kv:
+        if not allocator.enable_caching or seq.block_ids or seq.remote_kv or seq.whole_prompt:
             return []
         matched = allocator.match_prefix(self.keys(seq, seq.num_tokens // allocator.block_size))
         if len(matched) * allocator.block_size >= seq.num_tokens:

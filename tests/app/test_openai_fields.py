@@ -106,6 +106,19 @@ def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
         assert _sampling(schema, body, tokenizer, bounds).max_tokens == expected, body
 
 
+def test_echo_scores_the_prompt_when_logprobs_are_asked_and_max_tokens_0_generates_one(tokenizer, limits):
+    echo = {**COMPLETION, "echo": True}
+    echoed = _sampling(CompletionRequest, {**echo, "logprobs": 2, "max_tokens": 5}, tokenizer, limits)
+    assert (echoed.prompt_logprobs, echoed.logprobs, echoed.max_tokens) == (2, 2, 5)
+    assert _sampling(CompletionRequest, echo, tokenizer, limits).prompt_logprobs is None
+    assert _sampling(CompletionRequest, {**COMPLETION, "logprobs": 1}, tokenizer, limits).prompt_logprobs is None
+    alone = _sampling(CompletionRequest, {**echo, "max_tokens": 0, "logprobs": 0}, tokenizer, limits)
+    assert (alone.max_tokens, alone.prompt_logprobs) == (1, 0)  # the answer drops the one token
+    error = _field_error(CompletionRequest, {**COMPLETION, "max_tokens": 0}, tokenizer, limits)
+    assert error.param == "max_tokens" and "at least 1" in str(error)
+    assert _sampling(ChatCompletionRequest, {**CHAT, "logprobs": True}, tokenizer, limits).prompt_logprobs is None
+
+
 def test_a_batched_completion_is_one_request_per_prompt(tokenizer, limits):
     batch = CompletionRequest.model_validate({**COMPLETION, "prompt": ["hi", [5, 6]], "seed": 7})
     requests = batch.to_generation_requests(tokenizer, limits, "cmpl-b")

@@ -85,7 +85,6 @@ def test_text_parts_are_joined_and_developer_is_system():
 @pytest.mark.parametrize(
     ("schema", "extra", "param"),
     [
-        (CompletionRequest, {"echo": True}, "echo"),
         (CompletionRequest, {"best_of": 3}, "best_of"),
         (CompletionRequest, {"suffix": "end"}, "suffix"),
     ],

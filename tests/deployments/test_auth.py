@@ -95,6 +95,10 @@ def test_the_openai_client_with_a_right_key_is_served_and_with_a_wrong_one_refus
             model=MODEL, prompt=["Hi", "Bye"], max_tokens=2, n=2, extra_body={"ignore_eos": True}
         )
         assert [c.index for c in batch.choices] == [0, 1, 2, 3] and batch.usage.completion_tokens == 8
+        scored = client.completions.create(model=MODEL, prompt="The sky is blue", max_tokens=0, echo=True, logprobs=0)
+        (choice,) = scored.choices
+        assert choice.text == "The sky is blue" and scored.usage.completion_tokens == 0
+        assert len(choice.logprobs.tokens) == scored.usage.prompt_tokens and choice.logprobs.token_logprobs[0] is None
     client = openai.OpenAI(base_url=url + "/v1", api_key=WRONG_KEY, max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)

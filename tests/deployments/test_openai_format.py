@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from deployments.openai_format import CHAT, COMPLETION, ChunkWriter, full_response, full_response_choices, token_text_of
+from deployments.openai_format import (
+    CHAT,
+    COMPLETION,
+    ChunkWriter,
+    Echo,
+    full_response,
+    full_response_choices,
+    token_text_of,
+)
 from engine.loader import ModelSpec, load_tokenizer
 from engine.params import FinishReason, RequestOutput, TokenLogprobs
 
@@ -155,3 +164,21 @@ def test_required_calls_come_whole_and_text_that_does_not_parse_stays_content():
     body = full_response_choices(CHAT, "r", "m", [_outputs(broken)], None, AnswerShape(parser=HermesParser()))
     assert body["choices"][0]["message"] == {"role": "assistant", "content": broken[0]}
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_echo_puts_each_prompt_before_its_choices_first_output(outputs, text_of):
+    ids, entries, (first, held, last) = outputs
+    scored = TokenLogprobs(ids[1], -2.0, ((ids[1], -2.0),))
+    head = dataclasses.replace(first, prompt_logprobs=(scored,))
+    echo = Echo(["Paris is", "Rome"], [ids[0], 9], per_prompt=2)
+    choices = [[echo(i, o) for o in (head, held, last)] for i in range(3)]  # choices 0, 1: prompt 0; 2: prompt 1
+    body = full_response_choices(COMPLETION, "r", "m", choices, text_of, per_prompt=2)
+    assert [c["text"] for c in body["choices"]] == ["Paris is" + text_of(ids[0]) + text_of(ids[1])] * 2 + [
+        "Rome" + text_of(ids[0]) + text_of(ids[1])
+    ]
+    logprobs = body["choices"][2]["logprobs"]
+    assert logprobs["token_logprobs"] == [None, -2.0, -0.5, -1.0] and logprobs["top_logprobs"][0] is None
+    assert logprobs["tokens"][:2] == [text_of(9), text_of(ids[1])]
+    alone = Echo(["Paris is"], [ids[0]], per_prompt=1, prompt_only=True)(0, dataclasses.replace(head, finished=True))
+    assert (alone.text, alone.token_ids, alone.num_output_tokens) == ("Paris is", (), 0)
+    assert alone.finish_reason is FinishReason.LENGTH and [e.logprob for e in alone.logprobs] == [None, -2.0]

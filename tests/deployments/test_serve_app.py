@@ -295,7 +295,8 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "prompt": []}, 400, "prompt", "empty"),
         (COMPLETIONS, {**TEXT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
         (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
-        (COMPLETIONS, {**TEXT, "echo": True}, 400, "echo", "not supported"),
+        (COMPLETIONS, {**TEXT, "echo": True, "max_tokens": -1}, 400, "max_tokens", "at least 1"),
+        (COMPLETIONS, {**TEXT, "suffix": "The end."}, 400, "suffix", "not supported"),
         (COMPLETIONS, {**TEXT, "logit_bias": {"49152": 5}}, 400, "logit_bias", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "at most 4"),
         (CHAT, {**JSON_ASK, "response_format": _json_schema({"type": "foo"})}, 400, "response_format", "Invalid type"),
@@ -332,6 +333,51 @@ def test_completion_logprobs_match_across_paths(base_url):
         one = _post(base_url + prefix, COMPLETIONS, {**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
         assert one["tokens"] == colo["tokens"][:1]
         assert one["token_logprobs"] == pytest.approx(colo["token_logprobs"][:1], abs=1e-3)
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_the_same_on_every_path(base_url):
+    """As lm-eval-harness scores a continuation: ``echo`` with ``logprobs``, the prompt's tokens
+    first (the first one's null), then the output's; ``max_tokens`` 0: the prompt alone."""
+    body = {**TEXT, "max_tokens": 2, "temperature": 0, "logprobs": 1}
+    plain = _post(base_url + "/colo", COMPLETIONS, body).json()["choices"][0]
+    num_prompt = _post(base_url, COMPLETIONS, body).json()["usage"]["prompt_tokens"]
+    results = {}
+    for prefix in ("", "/push", "/colo"):
+        r = _post(base_url + prefix, COMPLETIONS, {**body, "echo": True})
+        assert r.status_code == 200, r.text
+        (choice,), usage = r.json()["choices"], r.json()["usage"]
+        assert choice["text"] == TEXT["prompt"] + plain["text"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (num_prompt, 2)
+        got = results[prefix] = choice["logprobs"]
+        assert len(got["tokens"]) == num_prompt + 2 and "".join(got["tokens"]) == choice["text"]
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+        assert all(lp <= 0 for lp in got["token_logprobs"][1:])
+        assert got["tokens"][num_prompt:] == plain["logprobs"]["tokens"]
+        assert got["token_logprobs"][num_prompt:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-3)
+    for prefix in ("", "/push"):
+        assert results[prefix]["tokens"] == results["/colo"]["tokens"]
+        assert results[prefix]["token_logprobs"][1:] == pytest.approx(results["/colo"]["token_logprobs"][1:], abs=1e-3)
+    alone = _post(base_url, COMPLETIONS, {**body, "echo": True, "max_tokens": 0}).json()
+    assert alone["choices"][0]["text"] == TEXT["prompt"] and alone["choices"][0]["finish_reason"] == "length"
+    assert alone["usage"]["completion_tokens"] == 0
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == results["/colo"]["token_logprobs"][:num_prompt]
+
+
+def test_echo_of_a_batch_of_token_prompts_streamed_or_not(base_url):
+    prompts = [[504, 3458, 282, 4649, 314], [1076, 253, 725]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 0, "echo": True}
+    whole = _post(base_url, COMPLETIONS, body).json()
+    streamed = _sse_events(_post(base_url + "/push", COMPLETIONS, {**body, "stream": True}))
+    chunks = [json.loads(e)["choices"][0] for e in streamed[:-1]]
+    for i, prompt in enumerate(prompts):
+        choice = whole["choices"][i]
+        assert len(choice["logprobs"]["tokens"]) == len(prompt) + 1 and choice["logprobs"]["token_logprobs"][0] is None
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [t for c in mine for t in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+        assert [lp for c in mine for lp in c["logprobs"]["token_logprobs"]][1:] == pytest.approx(
+            choice["logprobs"]["token_logprobs"][1:], abs=1e-3
+        )
 
 
 def test_chat_logprobs_streamed(url):
