@@ -416,13 +416,16 @@ class OpenAIIngress:
         first starts with its prompt). With ``n`` > 1, each prompt's first choice runs alone until
         its first output: its prompt's KV is then in the prefix caches (the prefill replica's, and
         the decode replica's that fetched it), and the router sends the prompt's other choices where
-        that prefix went, so the prompt is computed and moved once."""
+        that prefix went, so the prompt is computed and moved once (not one whose prompt is scored:
+        each choice computes it whole, none waits)."""
         if len(choices) == 1:
             async with aclosing(self.path.outputs(choices[0])) as outputs:
                 async for output in outputs:
                     yield 0, echo(0, output) if echo else output
             return
         streams = [self.path.outputs(c) for c in choices]
+        if choices[0].sampling.prompt_logprobs is not None:  # each computes its whole prompt: none waits
+            per_prompt = 1
         async with aclosing(merge_after_first(streams, per_prompt)) as merged:
             async for index, output in merged:
                 yield index, echo(index, output) if echo else output

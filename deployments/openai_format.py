@@ -101,6 +101,9 @@ def completion_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText, 
     }
 
 
+ENDED = (FinishReason.STOP, FinishReason.LENGTH)  # a normal end (not aborted, no error)
+
+
 @dataclasses.dataclass
 class Echo:
     """A completion's ``echo``: each choice's first output starts with its prompt, the text and,
@@ -125,7 +128,7 @@ class Echo:
         if self.prompt_only:
             return dataclasses.replace(
                 output, token_ids=(), text=self.texts[prompt], logprobs=head, num_output_tokens=0,
-                finish_reason=FinishReason.LENGTH if output.error is None else output.finish_reason,
+                finish_reason=FinishReason.LENGTH if output.finish_reason in ENDED else output.finish_reason,
             )  # fmt: skip
         return dataclasses.replace(output, text=self.texts[prompt] + output.text, logprobs=(*head, *output.logprobs))
 

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # called after each decoder layer's forward: (layer index, the step's chunks in plan order)
 LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
-SCORE_ROWS = 256  # prompt rows scored at once: each is a vocabulary-wide float32 row of logits
+SCORE_BYTES = 64 << 20  # float32 logits of the prompt rows scored at once (a vocabulary-wide row each)
 
 
 @dataclass
@@ -213,8 +213,9 @@ class ModelRunner:
             if wanted is None:
                 continue
             start = sampled_row - len(chunk.token_ids) + chunk.num_sampled + wanted.first_row  # in the packed row
-            for at in range(0, len(wanted.targets), SCORE_ROWS):
-                targets = wanted.targets[at : at + SCORE_ROWS]
+            rows = max(1, SCORE_BYTES // (4 * self._lm_head.out_features))
+            for at in range(0, len(wanted.targets), rows):
+                targets = wanted.targets[at : at + rows]
                 logits = self._lm_head(hidden[start + at : start + at + len(targets)]).float()
                 wanted.found += rows_logprobs(logits, targets, wanted.num_top)
 

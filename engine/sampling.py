@@ -128,9 +128,13 @@ def batch_logprobs(
 
 
 def rows_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
-    """``token_logprobs`` of each row of ``logits`` for its own token, read back at once."""
+    """``token_logprobs`` of each row of ``logits`` for its own token, read back at once (no
+    vocabulary-wide copy beside ``logits``: each row's log-normalizer is subtracted from what is read)."""
     tokens = torch.tensor(token_ids, device=logits.device)
-    chosen, top_ids, top_values = (t.tolist() for t in batch_logprobs(logits, tokens, num_top))
+    norm = torch.logsumexp(logits, dim=-1)
+    top = torch.topk(logits, num_top, dim=-1)
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - norm
+    chosen, top_ids, top_values = chosen.tolist(), top.indices.tolist(), (top.values - norm.unsqueeze(1)).tolist()
     return [
         TokenLogprobs(token_id=token, logprob=value, top=tuple(zip(ids, values)))
         for token, value, ids, values in zip(token_ids, chosen, top_ids, top_values)

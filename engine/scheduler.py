@@ -230,8 +230,8 @@ class Scheduler:
             seq.block_ids, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
 
     def _count_prefix(self, seq: SequenceState, num_shared: int) -> None:
-        if not self.allocator.enable_caching or seq.remote_kv or seq.num_preemptions:
-            return  # a recompute after preemption is not a prompt lookup
+        if not self.allocator.enable_caching or seq.remote_kv or seq.num_preemptions or seq.whole_prompt:
+            return  # a recompute after preemption, or a prompt computed whole, is not a prompt lookup
         seq.num_cached_tokens = num_shared * self.allocator.block_size
         self.prefix_query_tokens += seq.num_prompt_tokens
         self.prefix_hit_tokens += seq.num_cached_tokens

@@ -179,6 +179,9 @@ def test_echo_puts_each_prompt_before_its_choices_first_output(outputs, text_of)
     logprobs = body["choices"][2]["logprobs"]
     assert logprobs["token_logprobs"] == [None, -2.0, -0.5, -1.0] and logprobs["top_logprobs"][0] is None
     assert logprobs["tokens"][:2] == [text_of(9), text_of(ids[1])]
-    alone = Echo(["Paris is"], [ids[0]], per_prompt=1, prompt_only=True)(0, dataclasses.replace(head, finished=True))
+    ended = dataclasses.replace(head, finished=True, finish_reason=FinishReason.STOP)  # the one token was EOS
+    alone = Echo(["Paris is"], [ids[0]], per_prompt=1, prompt_only=True)(0, ended)
     assert (alone.text, alone.token_ids, alone.num_output_tokens) == ("Paris is", (), 0)
     assert alone.finish_reason is FinishReason.LENGTH and [e.logprob for e in alone.logprobs] == [None, -2.0]
+    aborted = dataclasses.replace(head, finished=True, finish_reason=FinishReason.ABORT)
+    assert Echo(["Paris is"], [ids[0]], 1, prompt_only=True)(0, aborted).finish_reason is FinishReason.ABORT

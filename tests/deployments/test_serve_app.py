@@ -365,12 +365,13 @@ def test_echo_gives_the_prompt_and_its_logprobs_the_same_on_every_path(base_url)
 
 def test_echo_of_a_batch_of_token_prompts_streamed_or_not(base_url):
     prompts = [[504, 3458, 282, 4649, 314], [1076, 253, 725]]
-    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 0, "echo": True}
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 0, "echo": True, "n": 2}
     whole = _post(base_url, COMPLETIONS, body).json()
     streamed = _sse_events(_post(base_url + "/push", COMPLETIONS, {**body, "stream": True}))
     chunks = [json.loads(e)["choices"][0] for e in streamed[:-1]]
-    for i, prompt in enumerate(prompts):
-        choice = whole["choices"][i]
+    assert whole["usage"]["prompt_tokens"] == 8 and whole["usage"]["completion_tokens"] == 4
+    for i in range(4):  # choices 0, 1 of the first prompt; 2, 3 of the second
+        prompt, choice = prompts[i // 2], whole["choices"][i]
         assert len(choice["logprobs"]["tokens"]) == len(prompt) + 1 and choice["logprobs"]["token_logprobs"][0] is None
         mine = [c for c in chunks if c["index"] == i]
         assert "".join(c["text"] for c in mine) == choice["text"]
