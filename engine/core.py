@@ -396,8 +396,10 @@ class EngineCore:
         repeats nothing)."""
         wanted = {}
         for chunk in chunks:
+            if not chunk.in_prompt:  # a decode step looks nothing up
+                continue
             state = self._requests[chunk.request_id]
-            if state.prompt_scores is None or not chunk.in_prompt:
+            if state.prompt_scores is None:
                 continue
             prompt, done = state.request.prompt_token_ids, len(state.prompt_scores)
             first, end = max(chunk.start_pos, done), min(chunk.start_pos + len(chunk.token_ids), len(prompt) - 1)
@@ -693,10 +695,9 @@ class EngineCore:
         pinned: tuple[int, ...] = (),
     ) -> RequestOutput:
         seq = state.seq
-        timing = None
-        if tokens and state.num_output_tokens == 1 and state.scheduled_at is not None and not seq.remote_kv:
+        timing, first = None, bool(tokens) and state.num_output_tokens == 1
+        if first and state.scheduled_at is not None and not seq.remote_kv:
             timing = (state.scheduled_at - state.admitted_at, time.perf_counter() - state.scheduled_at)
-        first = bool(tokens) and state.num_output_tokens == 1
         return RequestOutput(
             request_id=state.request.request_id,
             token_ids=tokens,

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # called after each decoder layer's forward: (layer index, the step's chunks in plan order)
 LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
-SCORE_BYTES = 64 << 20  # float32 logits of the prompt rows scored at once (a vocabulary-wide row each)
+SCORE_BYTES = 64 << 20  # float32 logits of the prompt rows scored at once (their log-softmax as much again)
 
 
 @dataclass

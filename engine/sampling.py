@@ -128,13 +128,9 @@ def batch_logprobs(
 
 
 def rows_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
-    """``token_logprobs`` of each row of ``logits`` for its own token, read back at once (no
-    vocabulary-wide copy beside ``logits``: each row's log-normalizer is subtracted from what is read)."""
+    """``batch_logprobs`` of each row of ``logits`` for its own token, read back."""
     tokens = torch.tensor(token_ids, device=logits.device)
-    norm = torch.logsumexp(logits, dim=-1)
-    top = torch.topk(logits, num_top, dim=-1)
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - norm
-    chosen, top_ids, top_values = chosen.tolist(), top.indices.tolist(), (top.values - norm.unsqueeze(1)).tolist()
+    chosen, top_ids, top_values = (t.tolist() for t in batch_logprobs(logits, tokens, num_top))
     return [
         TokenLogprobs(token_id=token, logprob=value, top=tuple(zip(ids, values)))
         for token, value, ids, values in zip(token_ids, chosen, top_ids, top_values)
@@ -143,11 +139,8 @@ def rows_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) 
 
 def token_logprobs(logits_row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
     """Log-probability of ``token_id`` and the ``num_top`` most likely tokens (raw model
-    distribution): ``batch_logprobs`` of one row, read back."""
-    token = torch.tensor([token_id], device=logits_row.device)
-    chosen, top_ids, top_values = batch_logprobs(logits_row[None], token, num_top)
-    top = tuple(zip(top_ids[0].tolist(), top_values[0].tolist()))
-    return TokenLogprobs(token_id=token_id, logprob=float(chosen[0]), top=top)
+    distribution): ``rows_logprobs`` of one row."""
+    return rows_logprobs(logits_row[None], [token_id], num_top)[0]
 
 
 class TokenHistory:
