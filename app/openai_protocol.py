@@ -168,7 +168,7 @@ class _SamplingFields(_Body):
         ids = self._prompt_token_ids(tokenizer, chat)
         limit_field, requested = self._max_tokens()
         if requested is not None and requested < 1:
-            raise FieldError(f"{limit_field}: must be at least 1, got {requested}", limit_field)
+            raise FieldError(f"{limit_field}: must be at least {self._fewest_tokens()}, got {requested}", limit_field)
         max_tokens = requested if requested is not None else self._default_max_tokens(limits, len(ids))
         check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
         sampling = self._sampling_params(max_tokens, chat)
@@ -228,6 +228,10 @@ class _SamplingFields(_Body):
     def _max_tokens(self) -> tuple[str, int | None]:
         """The field that bounds the output, and its value."""
         return "max_tokens", self.max_tokens
+
+    def _fewest_tokens(self) -> int:
+        """The least output bound a client may ask for."""
+        return 1
 
     def _default_max_tokens(self, limits: ContextLimits, num_prompt_tokens: int) -> int:
         """The output bound of a request that sets none: the rest of the context, at most the cap."""
@@ -575,6 +579,9 @@ class CompletionRequest(_SamplingFields):
         """An echo of the prompt alone (``max_tokens`` 0) generates one token, which the answer drops."""
         return "max_tokens", 1 if self.echo and self.max_tokens == 0 else self.max_tokens
 
+    def _fewest_tokens(self) -> int:
+        return 0 if self.echo else 1  # an echo may ask for the prompt alone
+
     def _default_max_tokens(self, limits: ContextLimits, num_prompt_tokens: int) -> int:
         """OpenAI's (and vLLM's) completions default when ``max_tokens`` is left out, within
         the room left; an explicit null asks for the rest of the context."""
@@ -622,6 +629,35 @@ def error_body(
     message: str, param: str | None, error_type: str = "invalid_request_error", code: str | None = None
 ) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+# a \uD800-\uDFFF escape in a raw JSON body: the only way a surrogate gets into one (UTF-8 cannot
+# encode them, so the body's bytes never hold one), and valid pairs (an emoji) use such escapes too
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: Any) -> FieldError | None:
+    """The first string of a parsed JSON body (a key or a value) that holds a surrogate not in a
+    pair (``"\\ud800"``): not Unicode text, which the tokenizer and the grammar library refuse
+    with errors of their own. Names its field as validation does (``messages.0.content``)."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:  # depth-first without recursion: json.loads admits deeper nesting than Python's stack
+        path, value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):
+            if isinstance(key, str) and (found := _LONE_SURROGATE.search(key)):
+                return _surrogate_error(path, found.group(), "a key with ")
+            if isinstance(item, str) and (found := _LONE_SURROGATE.search(item)):
+                return _surrogate_error((*path, key), found.group())
+            stack.append(((*path, key), item))
+    return None
+
+
+def _surrogate_error(path: tuple, surrogate: str, where: str = "") -> FieldError:
+    param = ".".join(map(str, path)) or None
+    message = f"{where}a lone surrogate (\\u{ord(surrogate):04x}) is not valid Unicode text"
+    return FieldError(f"{param or 'the body'}: {message}", param)
 
 
 def _is_type_tag(part: object) -> bool:

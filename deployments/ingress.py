@@ -26,10 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app.openai_protocol import (
+    SURROGATE_ESCAPE,
     ChatCompletionRequest,
     ChatSetup,
     CompletionRequest,
     error_body,
+    lone_surrogate,
     unsupported,
     validation_error_body,
 )
@@ -321,7 +323,8 @@ class OpenAIIngress:
 
     async def _read_json(self, raw: Request) -> dict:
         try:
-            data = json.loads(await read_body(raw, self.config.limits.max_body_bytes))
+            text = await read_body(raw, self.config.limits.max_body_bytes)
+            data = json.loads(text)
         except BodyTooLarge as exc:
             raise HTTPError(413, error_body(str(exc), None, "invalid_request_error", "request_too_large")) from None
         except ClientDisconnect:  # the answer goes nowhere; ends the request without a traceback
@@ -332,6 +335,8 @@ class OpenAIIngress:
             raise HTTPError(400, error_body(f"malformed JSON body: {exc}", None)) from None
         if not isinstance(data, dict):
             raise HTTPError(400, error_body("the body must be a JSON object", None))
+        if SURROGATE_ESCAPE.search(text) and (problem := lone_surrogate(data)) is not None:
+            raise HTTPError.bad_request(problem)
         return data
 
     def _check_body(self, schema: type, data: dict):

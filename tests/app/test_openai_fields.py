@@ -116,6 +116,8 @@ def test_echo_scores_the_prompt_when_logprobs_are_asked_and_max_tokens_0_generat
     assert (alone.max_tokens, alone.prompt_logprobs) == (1, 0)  # the answer drops the one token
     error = _field_error(CompletionRequest, {**COMPLETION, "max_tokens": 0}, tokenizer, limits)
     assert error.param == "max_tokens" and "at least 1" in str(error)
+    error = _field_error(CompletionRequest, {**echo, "max_tokens": -1}, tokenizer, limits)
+    assert error.param == "max_tokens" and "must be at least 0, got -1" in str(error)
     assert _sampling(ChatCompletionRequest, {**CHAT, "logprobs": True}, tokenizer, limits).prompt_logprobs is None
 
 

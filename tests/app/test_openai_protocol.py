@@ -7,7 +7,14 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, unsupported, validation_error_body
+from app.openai_protocol import (
+    SURROGATE_ESCAPE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    lone_surrogate,
+    unsupported,
+    validation_error_body,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
@@ -126,3 +133,25 @@ def test_null_means_the_default_and_a_batch_of_one_is_its_prompt():
     )
     assert completion.prompt == "one prompt" and unsupported(completion) is None
     assert CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "text"),
+    [
+        (rb'{"prompt": "a\ud800b"}', "prompt", "prompt: a lone surrogate (\\ud800) is not valid Unicode text"),
+        (rb'{"prompt": ["ok", "b\uDBFFz"]}', "prompt.1", "(\\udbff)"),
+        (rb'{"messages": [{"role": "user", "content": "x\udc00"}]}', "messages.0.content", "(\\udc00)"),
+        (rb'{"tools": [{"function": {"parameters": {"k\udfff": {}}}}]}', "tools.0.function.parameters", "a key with"),
+        (rb'{"a\ud800": 1}', None, "the body: a key with a lone surrogate"),
+        (rb'{"prompt": "\ud83d\ude00 \\ud800"}', None, None),  # a pair is one character; an escaped backslash
+    ],
+)
+def test_a_lone_surrogate_is_named_a_pair_passes(raw, param, text):
+    """JSON escapes can spell a surrogate that no UTF-8 text holds; the tokenizer would raise a
+    TypeError on it, so the edge refuses it naming its field."""
+    assert SURROGATE_ESCAPE.search(raw)  # the ingress looks further only then
+    error = lone_surrogate(json.loads(raw))
+    if text is None:
+        assert error is None
+    else:
+        assert error is not None and error.param == param and text in error.message, error
