@@ -126,7 +126,12 @@ class _SamplingFields(_Body):
     max_tokens: int | None = Field(None, description="tokens to generate (default: the rest of the context)")
     temperature: float = Field(1.0, description="below 1e-5 (0 included) is greedy")
     top_p: float = Field(1.0, description="nucleus sampling mass, in (0, 1]")
-    top_k: int | None = Field(None, description="sample among the k most likely tokens (extension)")
+    top_k: int | None = Field(
+        None, description="sample among the k most likely tokens; 0 or -1: all of them, as vLLM's (extension)"
+    )
+    min_p: float = Field(
+        0.0, description="drop tokens less likely than min_p times the most likely one, in [0, 1] (extension)"
+    )
     seed: int | None = Field(
         None, ge=SEED_RANGE[0], lt=SEED_RANGE[1], description="per-request seed for reproducible sampling"
     )
@@ -194,7 +199,8 @@ class _SamplingFields(_Body):
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=None if self.top_k in (0, -1) else self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop or (),
             ignore_eos=self.ignore_eos,

@@ -69,8 +69,10 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature`` below ``GREEDY_BELOW`` (0 included) is greedy. ``top_k=None`` and
-    ``top_p=1.0`` disable those filters.
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) is greedy. A sampled row is filtered,
+    after the temperature, by ``min_p`` (tokens less likely than ``min_p`` times the most
+    likely one are dropped), then ``top_k`` and ``top_p``: ``min_p=0``, ``top_k=None`` and
+    ``top_p=1.0`` disable them.
     ``seed`` makes sampling reproducible per request, independent of batch neighbours.
     ``logprobs=n`` returns the top-n log-probabilities of every generated token;
     ``prompt_logprobs=n`` those of every prompt token after the first, in the first output (the
@@ -96,6 +98,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -125,6 +128,7 @@ class SamplingParams:
             self.temperature,
         )
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a finite number in (0, 1]", self.top_p)
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a finite number in [0, 1]", self.min_p)
         _require(
             self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
             "top_k",

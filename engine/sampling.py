@@ -39,9 +39,18 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop the tokens of a 1-D row less likely than ``min_p`` times its most likely one."""
+    if min_p <= 0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy row samples from: temperature, top-k, top-p, softmax."""
-    logits = logits / params.temperature
+    """The distribution a non-greedy row samples from: temperature, min-p, top-k, top-p (vLLM's
+    order), softmax."""
+    logits = apply_min_p(logits / params.temperature, params.min_p)
     if params.top_k is not None:
         logits = apply_top_k(logits, params.top_k)
     logits = apply_top_p(logits, params.top_p)

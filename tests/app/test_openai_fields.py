@@ -89,6 +89,16 @@ def test_the_fields_reach_the_engine(tokenizer, limits):
     assert _any_object(schema_of(no_schema).json_schema)
 
 
+def test_vllm_s_sampling_extensions_reach_the_engine(tokenizer, limits):
+    """``min_p``; ``top_k`` 0 and -1 mean every token, as vLLM's (clients written for it send -1)."""
+    for top_k, expected in ((-1, None), (0, None), (None, None), (5, 5)):
+        sp = _sampling(CompletionRequest, {**COMPLETION, "top_k": top_k, "min_p": 0.05}, tokenizer, limits)
+        assert (sp.top_k, sp.min_p) == (expected, 0.05)
+    for extra, param in (({"min_p": 1.5}, "min_p"), ({"top_k": -2}, "top_k")):
+        error = _field_error(CompletionRequest, {**COMPLETION, **extra}, tokenizer, limits)
+        assert error.param == param and "must be" in error.message, error.message
+
+
 def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
     """Completions: 16 when left out (within the room the prompt leaves), the rest of the
     context for an explicit null; chat: the rest of the context. A cap bounds each."""

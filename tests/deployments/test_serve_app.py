@@ -122,6 +122,15 @@ def test_chat_streamed_with_usage(url):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+def test_min_p_1_samples_the_greedy_answer(url):
+    """A hot sampled request with min_p 1 (the most likely token alone is left) and vLLM's
+    top_k -1: the greedy answer, its first token sampled by prefill and the rest by decode."""
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 1.5, "seed": 3, "min_p": 1, "top_k": -1}
+    r = _post(url, CHAT, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
 def test_min_tokens_holds_back_eos(url):
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 20, "min_tokens": 12}
     r = _post(url, "/v1/chat/completions", body)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.detokenizer import TextStream
-from engine.params import FinishReason, GenerationRequest, SamplingParams
-from engine.sampling import apply_top_k, apply_top_p
+from engine.params import FieldError, FinishReason, GenerationRequest, SamplingParams
+from engine.sampling import apply_min_p, apply_top_k, apply_top_p
 from tests.engine.conftest import run_to_completion
 
 
@@ -84,7 +84,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(smol, make_eng
     assert [t for o in batch["seeded"] for t in o.token_ids] == tokens[0]
 
 
-def test_top_k_and_top_p_filters():
+def test_top_k_top_p_and_min_p_filters():
     logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
     assert torch.isinf(apply_top_k(logits, 2)).tolist() == [True, False, False, True]
     probs = torch.softmax(logits, -1)  # [0.087, 0.644, 0.237, 0.032]
@@ -92,6 +92,23 @@ def test_top_k_and_top_p_filters():
     assert kept.tolist() == [False, True, True, False]
     assert (~torch.isinf(apply_top_p(logits, 0.5))).tolist() == [False, True, False, False]
     assert probs.argmax() == 1
+    # min-p: kept when at least min_p x the top probability (0.644)
+    assert (~torch.isinf(apply_min_p(logits, 0.1))).tolist() == [True, True, True, False]
+    assert (~torch.isinf(apply_min_p(logits, 0.2))).tolist() == [False, True, True, False]
+    assert (~torch.isinf(apply_min_p(logits, 1.0))).tolist() == [False, True, False, False]
+    assert apply_min_p(logits, 0.0) is logits
+    with pytest.raises(FieldError, match="min_p must be a finite number in"):
+        SamplingParams(min_p=1.5)
+
+
+def test_min_p_1_samples_the_greedy_tokens(smol, make_engine):
+    """min_p 1 keeps only the most likely token: a hot sampled request gives the greedy answer."""
+    core = make_engine(smol)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = [t for o in _run(core, chat, max_tokens=20, temperature=0) for t in o.token_ids]
+    for seed in (1, 2):
+        sampled = _run(core, chat, max_tokens=20, temperature=1.5, seed=seed, min_p=1.0)
+        assert [t for o in sampled for t in o.token_ids] == greedy
 
 
 @pytest.mark.parametrize("n", [1, 5])
