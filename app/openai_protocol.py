@@ -121,7 +121,49 @@ class ResponseFormat(_Body):
             raise FieldError("response_format: the JSON schema is nested too deeply", "response_format") from None
 
 
+# request fields of vLLM's (and OpenAI's older or audio ones) that this server does not implement,
+# with their neutral value: any other (but null) is refused by name, never ignored
+NOT_IMPLEMENTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "logits_processors": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structural_tag": None,
+    "structured_outputs": None,
+}
+CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
+    "best_of": 1,
+    "functions": None,
+    "function_call": None,
+    "audio": None,
+    "modalities": ["text"],
+    "web_search_options": None,
+    "chat_template": None,
+    "documents": None,
+    "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+}
+
+
+def _neutral(value: Any, neutral: Any) -> bool:
+    return value is None or value == neutral or (neutral is None and value in ([], {}, ""))
+
+
 class _SamplingFields(_Body):
+    # kept (``model_extra``), so that a field of ``NOT_IMPLEMENTED`` can be refused by name
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    not_implemented: ClassVar[dict[str, Any]] = NOT_IMPLEMENTED
+
     model: str = Field(description="model name from GET /v1/models")
     max_tokens: int | None = Field(None, description="tokens to generate (default: the rest of the context)")
     temperature: float = Field(1.0, description="below 1e-5 (0 included) is greedy")
@@ -136,6 +178,9 @@ class _SamplingFields(_Body):
         None, ge=SEED_RANGE[0], lt=SEED_RANGE[1], description="per-request seed for reproducible sampling"
     )
     stop: str | list[str] | None = Field(None, description="stop strings")
+    stop_token_ids: list[StrictInt] | None = Field(
+        None, description="token ids that end the output, their text left out, as vLLM's (extension)"
+    )
     stream: bool = Field(False, description="stream server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate (the prompt's KV computed and moved once)")
@@ -203,6 +248,7 @@ class _SamplingFields(_Body):
             min_p=self.min_p,
             seed=self.seed,
             stop=self.stop or (),
+            stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
@@ -252,8 +298,9 @@ class _SamplingFields(_Body):
         return None
 
     def _refusals(self) -> list[tuple[str, bool]]:
-        """``(field, refused)`` for every field declared only to be refused when set."""
-        return []
+        """``(field, refused)`` for every field declared, or known, only to be refused when set."""
+        extra = self.model_extra or {}
+        return [(name, name in extra and not _neutral(extra[name], v)) for name, v in self.not_implemented.items()]
 
 
 class TextPart(_Body):
@@ -422,6 +469,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     id_prefix: ClassVar[str] = "chatcmpl"
     prompt_field: ClassVar[str] = "messages"
+    not_implemented: ClassVar[dict[str, Any]] = NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED
 
     def _check_consistent(self) -> None:
         if self.top_logprobs and not self.logprobs:
@@ -613,7 +661,7 @@ def unsupported(body: _SamplingFields) -> tuple[str, str] | None:
     """``(field, message)`` for the first field set to something this server does not do."""
     for name, refused in body._refusals():
         if refused:
-            value = repr(getattr(body, name))
+            value = repr(getattr(body, name, None))
             return name, f"{name}: {value if len(value) <= 60 else value[:57] + '...'} is not supported by this server"
     return None
 

@@ -644,9 +644,11 @@ class EngineCore:
         if state.grammar is not None and not state.grammar.advance(token):
             message = f"response_format: the grammar refused token {token}: {state.grammar.error}"
             return self._finish(state, FinishReason.ERROR, "", (token,), message, logprobs=lps)
-        text, hit_stop = state.stream.push(token)
+        # a stop token's text is not output (as vLLM's); EOS, a special token, has none
+        stop_id = token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos)
+        text, hit_stop = ("", False) if stop_id else state.stream.push(token)
         complete = state.grammar is not None and state.grammar.done
-        if hit_stop or complete or token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos):
+        if hit_stop or complete or stop_id:
             # the held-back tail too (nothing is held back after a stop string: it was cut there)
             return self._finish(state, FinishReason.STOP, text + state.stream.flush(), (token,), logprobs=lps)
         if state.num_output_tokens >= sp.max_tokens:

@@ -182,11 +182,13 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Refuse ``logit_bias`` ids outside the vocabulary (``FieldError`` naming it): an id
-        beyond the logits found inside a step would fail every request in the batch."""
-        if self.logit_bias and (largest := self.logit_bias[-1][0]) >= vocab_size:
-            message = f"token id {largest} is out of vocabulary (the model has {vocab_size} ids)"
-            raise FieldError(f"logit_bias: {message}", "logit_bias")
+        """Refuse ``logit_bias`` and ``stop_token_ids`` ids outside the vocabulary (``FieldError``
+        naming the field): an id beyond the logits found inside a step would fail every request
+        in the batch."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            if ids and (largest := max(ids)) >= vocab_size:
+                message = f"token id {largest} is out of vocabulary (the model has {vocab_size} ids)"
+                raise FieldError(f"{name}: {message}", name)
 
 
 def _require(valid: bool, param: str, expected: str, value: object) -> None:

@@ -90,7 +90,11 @@ def test_the_fields_reach_the_engine(tokenizer, limits):
 
 
 def test_vllm_s_sampling_extensions_reach_the_engine(tokenizer, limits):
-    """``min_p``; ``top_k`` 0 and -1 mean every token, as vLLM's (clients written for it send -1)."""
+    """``stop_token_ids``, ``min_p``; ``top_k`` 0 and -1 mean every token, as vLLM's (its clients send -1)."""
+    assert _sampling(ChatCompletionRequest, {**CHAT, "stop_token_ids": [7, 2]}, tokenizer, limits).stop_token_ids == (
+        7,
+        2,
+    )
     for top_k, expected in ((-1, None), (0, None), (None, None), (5, 5)):
         sp = _sampling(CompletionRequest, {**COMPLETION, "top_k": top_k, "min_p": 0.05}, tokenizer, limits)
         assert (sp.top_k, sp.min_p) == (expected, 0.05)
@@ -161,6 +165,8 @@ def _batch_error(body: dict, tokenizer, limits) -> FieldError:
         ({"logit_bias": {"49152": 5}}, "logit_bias", "token id 49152 is out of vocabulary"),
         ({"logit_bias": {"dog": 5}}, "logit_bias", "token ids"),
         ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"stop_token_ids": [2, 49152]}, "stop_token_ids", "token id 49152 is out of vocabulary"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "a list of token ids"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
          "response_format", "cannot be used"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},

@@ -94,6 +94,15 @@ def test_text_parts_are_joined_and_developer_is_system():
     [
         (CompletionRequest, {"best_of": 3}, "best_of"),
         (CompletionRequest, {"suffix": "end"}, "suffix"),
+        (CompletionRequest, {"use_beam_search": True}, "use_beam_search"),
+        (CompletionRequest, {"guided_regex": "[a-z]+"}, "guided_regex"),
+        (CompletionRequest, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        (ChatCompletionRequest, {"guided_json": {"type": "object"}}, "guided_json"),
+        (ChatCompletionRequest, {"skip_special_tokens": False}, "skip_special_tokens"),
+        (ChatCompletionRequest, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities"),
+        (ChatCompletionRequest, {"continue_final_message": True}, "continue_final_message"),
+        (ChatCompletionRequest, {"best_of": 2}, "best_of"),
     ],
 )
 def test_set_but_unsupported_fields_are_named(schema, extra, param):
@@ -108,6 +117,9 @@ def test_set_but_unsupported_fields_are_named(schema, extra, param):
         (ChatCompletionRequest, {"n": 1, "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}}),
         (ChatCompletionRequest, {"tools": [], "tool_choice": "none", "user": "u-1", "unknown_field": 1}),
         (CompletionRequest, {"echo": False, "best_of": 1, "suffix": "", "frequency_penalty": 0.0}),
+        # vLLM's defaults, as its clients may send them; unknown fields are ignored
+        (CompletionRequest, {"use_beam_search": False, "skip_special_tokens": True, "guided_json": None, "x": [1]}),
+        (ChatCompletionRequest, {"modalities": ["text"], "add_generation_prompt": True, "bad_words": [], "echo": 0}),
     ],
 )
 def test_neutral_values_of_unsupported_fields_pass(schema, extra):

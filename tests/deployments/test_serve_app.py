@@ -122,6 +122,20 @@ def test_chat_streamed_with_usage(url):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+def test_stop_token_ids_end_the_answer_without_their_text(url):
+    """vLLM's stop_token_ids (" France" is 4649): the answer ends there, the token counted, its text left out."""
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "stop_token_ids": [4649]}
+    r = _post(url, CHAT, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "The capital of"},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_min_p_1_samples_the_greedy_answer(url):
     """A hot sampled request with min_p 1 (the most likely token alone is left) and vLLM's
     top_k -1: the greedy answer, its first token sampled by prefill and the rest by decode."""
@@ -314,6 +328,8 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
         (COMPLETIONS, {**TEXT, "echo": True, "max_tokens": -1}, 400, "max_tokens", "at least 0"),
         (COMPLETIONS, {**TEXT, "suffix": "The end."}, 400, "suffix", "not supported"),
+        (CHAT, {**JSON_ASK, "guided_json": {"type": "object"}}, 400, "guided_json", "not supported"),
+        (COMPLETIONS, {**TEXT, "stop_token_ids": [49152]}, 400, "stop_token_ids", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "logit_bias": {"49152": 5}}, 400, "logit_bias", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "at most 4"),
         (CHAT, {**JSON_ASK, "response_format": _json_schema({"type": "foo"})}, 400, "response_format", "Invalid type"),

@@ -57,12 +57,14 @@ def test_stop_token_ids_and_max_tokens(smol, make_engine):
     core = make_engine(smol)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     full = [t for o in _run(core, chat, max_tokens=20, temperature=0) for t in o.token_ids]
-    outs = _run(core, chat, max_tokens=20, temperature=0, stop_token_ids=[full[3]])
-    assert [t for o in outs for t in o.token_ids] == full[:4]
-    assert outs[-1].finish_reason is FinishReason.STOP
+    stopped = _run(core, chat, max_tokens=20, temperature=0, stop_token_ids=[full[3]])
+    assert [t for o in stopped for t in o.token_ids] == full[:4]
+    assert stopped[-1].finish_reason is FinishReason.STOP
     outs = _run(core, chat, max_tokens=3, temperature=0)
     assert [t for o in outs for t in o.token_ids] == full[:3]
     assert (outs[-1].finish_reason, outs[-1].num_output_tokens) == (FinishReason.LENGTH, 3)
+    # the stop token's text is left out, as vLLM's: the text of the three tokens before it
+    assert "".join(o.text for o in stopped) == "".join(o.text for o in outs) == "The capital of"
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(smol, make_engine):
