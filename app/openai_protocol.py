@@ -53,7 +53,7 @@ from engine.params import (
     SamplingParams,
     check_fits,
 )
-from engine.structured import check_schema
+from engine.structured import check_schema, choice_lark, regex_lark
 from engine.structured import lark_grammar as check_lark
 from engine.tokenization import encode_prompt
 
@@ -133,13 +133,13 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "logits_processors": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
     "guided_grammar": None,
     "structural_tag": None,
-    "structured_outputs": None,
 }
+# vLLM's output constraints (the older fields, then the keys of its newer ``structured_outputs``)
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+STRUCTURED_OUTPUTS = {"json": "json", "regex": "regex", "choice": "choice", "json_object": "json_object"}
+STRUCTURED_OUTPUTS_REFUSED = ("grammar", "structural_tag")
 CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "best_of": 1,
     "functions": None,
@@ -261,8 +261,49 @@ class _SamplingFields(_Body):
         )
 
     def _grammar(self, chat: ChatSetup) -> dict[str, str | None]:
-        """The grammar the output is generated under: ``SamplingParams.json_schema`` or ``lark_grammar``."""
-        return {"json_schema": self.response_format.to_schema() if self.response_format is not None else None}
+        """The grammar the output is generated under: ``SamplingParams.json_schema`` or
+        ``lark_grammar``, from ``response_format`` or one of vLLM's constraints (``_guided``)."""
+        guided = self._guided()
+        if guided is None:
+            return {"json_schema": self.response_format.to_schema() if self.response_format is not None else None}
+        field, grammar = guided
+        if self.response_format is not None and self.response_format.type != "text":
+            raise FieldError(f"{field}: cannot be combined with response_format", field)
+        return grammar
+
+    def _guided(self) -> tuple[str, dict[str, str | None]] | None:
+        """vLLM's output constraint, if one is set: ``guided_json``, ``guided_regex`` or
+        ``guided_choice``, or the same in ``structured_outputs`` (``json``, ``regex``, ``choice``,
+        ``json_object``), as (its field, the grammar); ``FieldError`` naming the field."""
+        asked = self._guided_fields()
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise FieldError(f"{asked[1][0]}: cannot be combined with {asked[0][0]}", asked[1][0])
+        field, kind, value = asked[0]
+        if kind == "regex":
+            return field, {"json_schema": None, "lark_grammar": regex_lark(value, field)}
+        if kind == "choice":
+            return field, {"json_schema": None, "lark_grammar": choice_lark(value, field)}
+        return field, {"json_schema": _guided_schema({"type": "object"} if kind == "json_object" else value, field)}
+
+    def _guided_fields(self) -> list[tuple[str, str, Any]]:
+        """The constraints of ``_guided`` that are set: (field, kind, value)."""
+        extra = self.model_extra or {}
+        asked = [(name, GUIDED[name], extra[name]) for name in GUIDED if not _neutral(extra.get(name), None)]
+        outputs = extra.get("structured_outputs")
+        if not _neutral(outputs, None):
+            if not isinstance(outputs, dict):
+                raise FieldError("structured_outputs: must be an object", "structured_outputs")
+            for key in STRUCTURED_OUTPUTS_REFUSED:
+                if not _neutral(outputs.get(key), None):
+                    raise FieldError(f"structured_outputs.{key}: is not supported by this server", "structured_outputs")
+            asked += [
+                (f"structured_outputs.{key}", kind, outputs[key])
+                for key, kind in STRUCTURED_OUTPUTS.items()
+                if not _neutral(outputs.get(key), None) and outputs[key] is not False
+            ]
+        return asked
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         try:
@@ -379,6 +420,19 @@ class ChatMessage(_Body):
         return item
 
 
+def _guided_schema(schema: Any, field: str) -> str:
+    """A vLLM ``guided_json``: a JSON schema, as an object or its JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError):
+            raise FieldError(f"{field}: must be a JSON schema, as an object or its JSON text", field) from None
+    try:
+        return check_schema(bounded(schema) if isinstance(schema, dict) else schema, field)
+    except RecursionError:
+        raise FieldError(f"{field}: the JSON schema is nested too deeply", field) from None
+
+
 def _checked_lark(text: str) -> str:
     """A lazy tool-call grammar, checked by llguidance (``FieldError`` naming ``tools``)."""
     check_lark(text)
@@ -483,6 +537,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError(f"tool_choice: no function {self.tool_choice.function.name!r} in tools", "tool_choice")
         if self.forced_tools and self.response_format is not None and self.response_format.type != "text":
             raise FieldError("response_format: cannot be combined with a forced tool_choice", "response_format")
+        if names and self.tool_choice != "none" and (guided := self._guided_fields()):
+            raise FieldError(f"{guided[0][0]}: cannot be combined with tools", guided[0][0])
         if self.forced_tools and self.stop:  # a stop string would cut a call the grammar keeps whole
             raise FieldError("stop: cannot be combined with a forced tool_choice", "stop")
         called: set[str] = set()

@@ -71,6 +71,27 @@ def lark_grammar(text: str, field: str = "tools") -> str:
     return _grammar(text, field, "lark")
 
 
+def regex_lark(pattern: str, field: str) -> str:
+    """A Lark grammar matching the whole output to ``pattern`` (llguidance's regex dialect, as
+    llguidance writes it), checked (``FieldError`` naming ``field``)."""
+    import llguidance
+
+    if not isinstance(pattern, str) or not pattern:
+        raise FieldError(f"{field}: must be a non-empty regular expression", field)
+    text = json.loads(llguidance.LLMatcher.grammar_from_regex(pattern))["grammars"][0]["lark_grammar"]
+    lark_grammar(text, field)
+    return text
+
+
+def choice_lark(choices: Sequence[str], field: str) -> str:
+    """A Lark grammar matching the whole output to one of ``choices``, checked."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise FieldError(f"{field}: must be a list of non-empty strings", field)
+    text = "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    lark_grammar(text, field)
+    return text
+
+
 def check_schema(schema: dict, field: str = "response_format") -> str:
     """``schema`` as the JSON text ``SamplingParams.json_schema`` takes, after checking that
     llguidance can enforce it (else a ``FieldError`` naming ``field``). Keys keep their order (it

@@ -103,6 +103,47 @@ def test_vllm_s_sampling_extensions_reach_the_engine(tokenizer, limits):
         assert error.param == param and "must be" in error.message, error.message
 
 
+def test_vllm_s_output_constraints_become_the_engine_s_grammars(tokenizer, limits):
+    """guided_json (an object or its text), guided_regex and guided_choice, or the same keys of
+    structured_outputs: the JSON schema or a Lark grammar, checked at the edge."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    for field in (
+        {"guided_json": schema},
+        {"guided_json": json.dumps(schema)},
+        {"structured_outputs": {"json": schema}},
+    ):
+        sp = _sampling(ChatCompletionRequest, {**CHAT, **field}, tokenizer, limits)
+        assert (json.loads(sp.json_schema), sp.lark_grammar) == (schema, None)
+    sp = _sampling(CompletionRequest, {**COMPLETION, "structured_outputs": {"json_object": True}}, tokenizer, limits)
+    assert _any_object(sp.json_schema)
+    sp = _sampling(CompletionRequest, {**COMPLETION, "guided_regex": "[0-9]+/[a-z]"}, tokenizer, limits)
+    assert (sp.json_schema, sp.lark_grammar) == (None, "start: /[0-9]+\\/[a-z]/")
+    choices = {"structured_outputs": {"choice": ['say "yes"', "no"]}}
+    assert _sampling(ChatCompletionRequest, {**CHAT, **choices}, tokenizer, limits).lark_grammar == (
+        'start: "say \\"yes\\"" | "no"'
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "text"),
+    [
+        ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),
+        ({"guided_choice": ["a", 5]}, "guided_choice", "a list of non-empty strings"),
+        ({"guided_json": "{no"}, "guided_json", "as an object or its JSON text"),
+        ({"guided_json": {"type": "foo"}}, "guided_json", "cannot be used"),
+        ({"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice", "with guided_json"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "with response_format"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammar: is not supported"),
+        ({"structured_outputs": "json"}, "structured_outputs", "must be an object"),
+        ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}]}, "guided_choice",
+         "cannot be combined with tools"),
+    ],
+)  # fmt: skip
+def test_vllm_s_output_constraints_are_refused_naming_the_field(tokenizer, limits, extra, param, text):
+    error = _field_error(ChatCompletionRequest, {**CHAT, **extra}, tokenizer, limits)
+    assert error.param == param and text in error.message, error.message
+
+
 def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
     """Completions: 16 when left out (within the room the prompt leaves), the rest of the
     context for an explicit null; chat: the rest of the context. A cap bounds each."""

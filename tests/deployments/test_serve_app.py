@@ -136,6 +136,18 @@ def test_stop_token_ids_end_the_answer_without_their_text(url):
     assert r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_vllm_s_guided_choice_constrains_the_answer(url):
+    """vLLM's guided_choice (structured_outputs.choice in its newer API), through every path:
+    the answer is one of the choices, whole (unconstrained: "The capital of France is Paris.")."""
+    answers = []
+    for field in ({"guided_choice": ["Lyon", "Paris"]}, {"structured_outputs": {"choice": ["Lyon", "Paris"]}}):
+        r = _post(url, CHAT, {"model": MODEL, "messages": QUESTION, "temperature": 0, **field})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        answers.append((choice["message"]["content"], choice["finish_reason"]))
+    assert answers[0] in {("Lyon", "stop"), ("Paris", "stop")} and answers[1] == answers[0]
+
+
 def test_min_p_1_samples_the_greedy_answer(url):
     """A hot sampled request with min_p 1 (the most likely token alone is left) and vLLM's
     top_k -1: the greedy answer, its first token sampled by prefill and the rest by decode."""
@@ -328,7 +340,8 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
         (COMPLETIONS, {**TEXT, "echo": True, "max_tokens": -1}, 400, "max_tokens", "at least 0"),
         (COMPLETIONS, {**TEXT, "suffix": "The end."}, 400, "suffix", "not supported"),
-        (CHAT, {**JSON_ASK, "guided_json": {"type": "object"}}, 400, "guided_json", "not supported"),
+        (CHAT, {**JSON_ASK, "guided_grammar": "root ::= x"}, 400, "guided_grammar", "not supported"),
+        (CHAT, {**JSON_ASK, "guided_regex": "(a"}, 400, "guided_regex", "unclosed group"),
         (COMPLETIONS, {**TEXT, "stop_token_ids": [49152]}, 400, "stop_token_ids", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "logit_bias": {"49152": 5}}, 400, "logit_bias", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "at most 4"),
