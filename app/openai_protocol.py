@@ -150,9 +150,13 @@ CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "chat_template": None,
     "documents": None,
     "echo": False,
-    "add_generation_prompt": True,
-    "continue_final_message": False,
 }
+# ``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set (the request's
+# fields do: messages, tools, the template options), nor any name starting with an underscore
+TEMPLATE_ARGUMENTS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
@@ -520,6 +524,13 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="none, auto (the default with tools), required, or one named function"
     )
     parallel_tool_calls: bool = Field(True, description="more than one call in an answer")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn (vLLM's)")
+    continue_final_message: bool = Field(
+        False, description="continue the last message, an assistant's, instead of starting a new one (vLLM's)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template, e.g. enable_thinking (vLLM's)"
+    )
 
     id_prefix: ClassVar[str] = "chatcmpl"
     prompt_field: ClassVar[str] = "messages"
@@ -548,6 +559,22 @@ class ChatCompletionRequest(_SamplingFields):
                 field = f"messages.{i}.tool_call_id"
                 raise FieldError(f"{field}: {message.tool_call_id!r} answers no earlier tool call", field)
 
+    def _template_options(self) -> dict[str, Any]:
+        """``encode_prompt``'s: vLLM's template fields, checked."""
+        variables = self.chat_template_kwargs or {}
+        if taken := sorted(k for k in variables if k in TEMPLATE_ARGUMENTS or k.startswith("_")):
+            message = f"chat_template_kwargs: {taken[0]!r} is reserved (the request's fields set the call's arguments)"
+            raise FieldError(message, "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            message = "continue_final_message: needs add_generation_prompt false (the assistant's turn is continued)"
+            raise FieldError(message, "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise FieldError(
+                "continue_final_message: the last message must be the assistant's", "continue_final_message"
+            )
+        fields = {"add_generation_prompt": self.add_generation_prompt}
+        return variables | fields | ({"continue_final_message": True} if self.continue_final_message else {})
+
     @property
     def forced_tools(self) -> bool:
         """``tool_choice`` required or a named function: the answer is generated as calls."""
@@ -567,9 +594,9 @@ class ChatCompletionRequest(_SamplingFields):
                 message = "this model's chat template renders no tools: set api.chat_template to one that does"
                 raise FieldError(f"tools: {message}", "tools")
             template = chat.tools_template
-        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        tools, options = [t.model_dump(exclude_none=True) for t in self.tools or ()], self._template_options()
         try:
-            return encode_prompt(tokenizer, self._prompt(), tools, template)
+            return encode_prompt(tokenizer, self._prompt(), tools, template, options)
         except ValueError as exc:
             raise FieldError(str(exc), self.prompt_field) from None
         except RecursionError:

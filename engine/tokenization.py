@@ -18,9 +18,12 @@ def encode_prompt(
     prompt: str | Sequence[ChatMessage] | Sequence[int],
     tools: Sequence[Mapping[str, Any]] | None = None,
     chat_template: str | None = None,
+    template_options: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a prompt. A list of ``{"role", "content", ...}`` dicts uses the chat template
-    (``chat_template``: in place of the tokenizer's), with ``tools`` given to it."""
+    (``chat_template``: in place of the tokenizer's), with ``tools`` given to it, and
+    ``template_options``: ``apply_chat_template``'s ``add_generation_prompt`` (by default true)
+    or ``continue_final_message``, and variables the template reads (e.g. ``enable_thinking``)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer (dummy weights); pass token ids")
@@ -36,8 +39,9 @@ def encode_prompt(
         for i, m in enumerate(items):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        options = {"add_generation_prompt": True, **(template_options or {})}
         encoded = tokenizer.apply_chat_template(
-            items, tools=tools or None, chat_template=chat_template, add_generation_prompt=True, tokenize=True
+            items, tools=tools or None, chat_template=chat_template, tokenize=True, **options
         )
         return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
     if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):

@@ -144,6 +144,35 @@ def test_vllm_s_output_constraints_are_refused_naming_the_field(tokenizer, limit
     assert error.param == param and text in error.message, error.message
 
 
+def test_vllm_s_chat_template_fields(tokenizer, limits):
+    """add_generation_prompt, continue_final_message (an answer started by the client, continued)
+    and chat_template_kwargs (the template's own variables)."""
+
+    def prompt_tail(body: dict, chat: ChatSetup | None = None) -> str:
+        request = ChatCompletionRequest.model_validate({**CHAT, **body}).to_generation_request(
+            tokenizer, limits, chat=chat
+        )
+        return tokenizer.decode(request.prompt_token_ids)[-40:]
+
+    assert prompt_tail({}).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt_tail({"add_generation_prompt": False}).endswith("<|im_end|>\n")
+    started = {"messages": [*CHAT["messages"], {"role": "assistant", "content": "Hello, I am"}]}
+    continued = prompt_tail({**started, "add_generation_prompt": False, "continue_final_message": True})
+    assert continued.endswith("<|im_start|>assistant\nHello, I am")
+    template = ChatSetup(template="{% for m in messages %}{{ m.content }}{% endfor %} [{{ mood }}]")
+    assert prompt_tail({"chat_template_kwargs": {"mood": "calm"}}, template).endswith(" [calm]")
+    last = "the last message must be the assistant's"
+    refusals = [
+        ({"continue_final_message": True}, "continue_final_message", "needs add_generation_prompt false"),
+        ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message", last),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools' is reserved"),
+        ({"chat_template_kwargs": {"_private": 1}}, "chat_template_kwargs", "'_private' is reserved"),
+    ]
+    for body, param, text in refusals:
+        error = _field_error(ChatCompletionRequest, {**CHAT, **body}, tokenizer, limits)
+        assert error.param == param and text in error.message, error.message
+
+
 def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
     """Completions: 16 when left out (within the room the prompt leaves), the rest of the
     context for an explicit null; chat: the rest of the context. A cap bounds each."""

@@ -101,7 +101,7 @@ def test_text_parts_are_joined_and_developer_is_system():
         (ChatCompletionRequest, {"skip_special_tokens": False}, "skip_special_tokens"),
         (ChatCompletionRequest, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities"),
-        (ChatCompletionRequest, {"continue_final_message": True}, "continue_final_message"),
+        (ChatCompletionRequest, {"documents": [{"title": "a", "text": "b"}]}, "documents"),
         (ChatCompletionRequest, {"best_of": 2}, "best_of"),
     ],
 )
