@@ -12,6 +12,7 @@ leaves the ingress.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import uuid
@@ -134,16 +135,25 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "logits_processors": None,
     "guided_grammar": None,
+    "guided_whitespace_pattern": None,
     "structural_tag": None,
 }
 # vLLM's output constraints (the older fields, then the keys of its newer ``structured_outputs``)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 STRUCTURED_OUTPUTS = {"json": "json", "regex": "regex", "choice": "choice", "json_object": "json_object"}
-STRUCTURED_OUTPUTS_REFUSED = ("grammar", "structural_tag")
+# and its options, with their neutral values (``disable_any_whitespace`` and the backend's are
+# ignored: JSON is written without free whitespace here, and llguidance is the one backend)
+STRUCTURED_OUTPUTS_REFUSED = {
+    "grammar": None,
+    "structural_tag": None,
+    "whitespace_pattern": None,
+    "disable_additional_properties": False,
+}
+MAX_STOP_TOKEN_IDS = 1024
 CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "best_of": 1,
     "functions": None,
-    "function_call": None,
+    "function_call": ("none", "auto"),
     "audio": None,
     "modalities": ["text"],
     "web_search_options": None,
@@ -154,13 +164,18 @@ CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
 # ``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set (the request's
 # fields do: messages, tools, the template options), nor any name starting with an underscore
 TEMPLATE_ARGUMENTS = frozenset(
-    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
-    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+    "self conversation conversations messages tools documents chat_template add_generation_prompt "
+    "continue_final_message tokenize padding truncation max_length return_tensors return_dict "
+    "return_assistant_tokens_mask tokenizer_kwargs raise_exception strftime_now namespace range dict cycler "
+    "joiner lipsum".split()
 )
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
-    return value is None or value == neutral or (neutral is None and value in ([], {}, ""))
+    """Whether ``value`` asks nothing of a field whose neutral value (or values: a tuple) is ``neutral``."""
+    if value is None or value == neutral or (isinstance(neutral, tuple) and value in neutral):
+        return True
+    return neutral is None and value in ([], {}, "")
 
 
 class _SamplingFields(_Body):
@@ -183,7 +198,9 @@ class _SamplingFields(_Body):
     )
     stop: str | list[str] | None = Field(None, description="stop strings")
     stop_token_ids: list[StrictInt] | None = Field(
-        None, description="token ids that end the output, their text left out, as vLLM's (extension)"
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="token ids that end the output, their text left out, as vLLM's (extension)",
     )
     stream: bool = Field(False, description="stream server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
@@ -294,26 +311,28 @@ class _SamplingFields(_Body):
     def _guided_fields(self) -> list[tuple[str, str, Any]]:
         """The constraints of ``_guided`` that are set: (field, kind, value)."""
         extra = self.model_extra or {}
-        asked = [(name, GUIDED[name], extra[name]) for name in GUIDED if not _neutral(extra.get(name), None)]
+        asked = [(name, GUIDED[name], extra[name]) for name in GUIDED if extra.get(name) is not None]
         outputs = extra.get("structured_outputs")
-        if not _neutral(outputs, None):
-            if not isinstance(outputs, dict):
-                raise FieldError("structured_outputs: must be an object", "structured_outputs")
-            for key in STRUCTURED_OUTPUTS_REFUSED:
-                if not _neutral(outputs.get(key), None):
-                    raise FieldError(f"structured_outputs.{key}: is not supported by this server", "structured_outputs")
-            asked += [
-                (f"structured_outputs.{key}", kind, outputs[key])
-                for key, kind in STRUCTURED_OUTPUTS.items()
-                if not _neutral(outputs.get(key), None) and outputs[key] is not False
-            ]
-        return asked
+        if outputs is None:
+            return asked
+        field = "structured_outputs"
+        if not isinstance(outputs, dict):
+            raise FieldError(f"{field}: must be an object", field)
+        for key, neutral in STRUCTURED_OUTPUTS_REFUSED.items():
+            if not _neutral(outputs.get(key), neutral):
+                raise FieldError(f"{field}.{key}: {outputs[key]!r} is not supported by this server", field)
+        if outputs.get("json_object") not in (None, True, False):
+            raise FieldError(f"{field}.json_object: must be a boolean", field)
+        wanted = [key for key in STRUCTURED_OUTPUTS if outputs.get(key) not in (None, False)]
+        return asked + [(f"{field}.{key}", STRUCTURED_OUTPUTS[key], outputs[key]) for key in wanted]
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         try:
             return encode_prompt(tokenizer, self._prompt())
         except ValueError as exc:
             raise FieldError(str(exc), self.prompt_field) from None
+        except TypeError as exc:  # text the tokenizer cannot take
+            raise FieldError(f"{self.prompt_field}: cannot be tokenized: {exc}", self.prompt_field) from None
 
     def _check_consistent(self) -> None:
         """Cross-field rules that a schema alone does not state."""
@@ -559,19 +578,22 @@ class ChatCompletionRequest(_SamplingFields):
                 field = f"messages.{i}.tool_call_id"
                 raise FieldError(f"{field}: {message.tool_call_id!r} answers no earlier tool call", field)
 
-    def _template_options(self) -> dict[str, Any]:
-        """``encode_prompt``'s: vLLM's template fields, checked."""
+    def _template_options(self, tokenizer: Any) -> dict[str, Any]:
+        """``encode_prompt``'s: vLLM's template fields, checked; a variable may not take the name
+        of an argument of the template call (the installed transformers' too) or of a function
+        the template may call."""
         variables = self.chat_template_kwargs or {}
-        if taken := sorted(k for k in variables if k in TEMPLATE_ARGUMENTS or k.startswith("_")):
+        arguments = TEMPLATE_ARGUMENTS | inspect.signature(type(tokenizer).apply_chat_template).parameters.keys()
+        if taken := sorted(k for k in variables if k in arguments or k.startswith("_")):
             message = f"chat_template_kwargs: {taken[0]!r} is reserved (the request's fields set the call's arguments)"
             raise FieldError(message, "chat_template_kwargs")
         if self.continue_final_message and self.add_generation_prompt:
             message = "continue_final_message: needs add_generation_prompt false (the assistant's turn is continued)"
             raise FieldError(message, "continue_final_message")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise FieldError(
-                "continue_final_message: the last message must be the assistant's", "continue_final_message"
-            )
+        last = self.messages[-1]
+        if self.continue_final_message and (last.role != "assistant" or last.tool_calls):
+            message = "continue_final_message: the last message must be the assistant's, without tool calls"
+            raise FieldError(message, "continue_final_message")
         fields = {"add_generation_prompt": self.add_generation_prompt}
         return variables | fields | ({"continue_final_message": True} if self.continue_final_message else {})
 
@@ -588,17 +610,20 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.for_template() for m in self.messages]
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
-        template = chat.template
+        template, options = chat.template, self._template_options(tokenizer)
         if self.tools or self._tool_history:
             if chat.tools_template is None:
                 message = "this model's chat template renders no tools: set api.chat_template to one that does"
                 raise FieldError(f"tools: {message}", "tools")
             template = chat.tools_template
-        tools, options = [t.model_dump(exclude_none=True) for t in self.tools or ()], self._template_options()
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         try:
             return encode_prompt(tokenizer, self._prompt(), tools, template, options)
         except ValueError as exc:
             raise FieldError(str(exc), self.prompt_field) from None
+        except (TypeError, OverflowError) as exc:  # e.g. a template variable of an unexpected type
+            field = "chat_template_kwargs" if self.chat_template_kwargs else "messages"
+            raise FieldError(f"{field}: the chat template failed on them: {exc}", field) from None
         except RecursionError:
             raise FieldError("messages: nested too deeply for the chat template", "messages") from None
         except TemplateError as exc:  # e.g. a template that wants user and assistant to alternate
@@ -768,9 +793,9 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-# a \uD800-\uDFFF escape in a raw JSON body: the only way a surrogate gets into one (UTF-8 cannot
-# encode them, so the body's bytes never hold one), and valid pairs (an emoji) use such escapes too
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# a \uD800-\uDFFF escape in a JSON body's text: the only way a surrogate gets into one once the
+# body is read as strict UTF-8 (which cannot encode them); valid pairs (an emoji) use such escapes too
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -778,16 +803,22 @@ def lone_surrogate(data: Any) -> FieldError | None:
     """The first string of a parsed JSON body (a key or a value) that holds a surrogate not in a
     pair (``"\\ud800"``): not Unicode text, which the tokenizer and the grammar library refuse
     with errors of their own. Names its field as validation does (``messages.0.content``)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()  # in C: a body without one passes at once
+        return None
+    except (UnicodeEncodeError, RecursionError):
+        pass
     stack: list[tuple[tuple, Any]] = [((), data)]
     while stack:  # depth-first without recursion: json.loads admits deeper nesting than Python's stack
         path, value = stack.pop()
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in reversed(list(items)):
             if isinstance(key, str) and (found := _LONE_SURROGATE.search(key)):
                 return _surrogate_error(path, found.group(), "a key with ")
             if isinstance(item, str) and (found := _LONE_SURROGATE.search(item)):
                 return _surrogate_error((*path, key), found.group())
-            stack.append(((*path, key), item))
+            if isinstance(item, dict | list):
+                stack.append(((*path, key), item))
     return None
 
 

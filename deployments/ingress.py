@@ -323,7 +323,8 @@ class OpenAIIngress:
 
     async def _read_json(self, raw: Request) -> dict:
         try:
-            text = await read_body(raw, self.config.limits.max_body_bytes)
+            # strict UTF-8 (RFC 8259): not the surrogates or UTF-16 that json.loads would take from bytes
+            text = (await read_body(raw, self.config.limits.max_body_bytes)).decode("utf-8-sig")
             data = json.loads(text)
         except BodyTooLarge as exc:
             raise HTTPError(413, error_body(str(exc), None, "invalid_request_error", "request_too_large")) from None

@@ -30,6 +30,7 @@ separators): whitespace offered everywhere lets a small model pad with newlines 
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -45,6 +46,10 @@ from engine.params import FieldError
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # what response_format {"type": "json_object"} asks for
 _MAX_CACHED_SCHEMAS = 64
+# vLLM's guided_choice and guided_regex, bounded: llguidance's check of a grammar of 40,000 choices
+# takes seconds (of 200,000, minutes), on the ingress's event loop and again in the engine
+MAX_GUIDED_CHOICES, MAX_GUIDED_CHARS = 1024, 32_768
+_CONTROL = re.compile("[\x7f-\x9f]")  # left unescaped by json.dumps; Lark's lexer refuses them raw
 
 
 def _grammar(text: str, field: str = "response_format", kind: str = "json") -> str:
@@ -76,8 +81,10 @@ def regex_lark(pattern: str, field: str) -> str:
     llguidance writes it), checked (``FieldError`` naming ``field``)."""
     import llguidance
 
-    if not isinstance(pattern, str) or not pattern:
-        raise FieldError(f"{field}: must be a non-empty regular expression", field)
+    if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_GUIDED_CHARS:
+        raise FieldError(f"{field}: must be a regular expression of 1 to {MAX_GUIDED_CHARS:,} characters", field)
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # llguidance's Lark text would drop the escape
+        raise FieldError(f"{field}: the regular expression ends with an unfinished escape", field)
     text = json.loads(llguidance.LLMatcher.grammar_from_regex(pattern))["grammars"][0]["lark_grammar"]
     lark_grammar(text, field)
     return text
@@ -87,7 +94,11 @@ def choice_lark(choices: Sequence[str], field: str) -> str:
     """A Lark grammar matching the whole output to one of ``choices``, checked."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise FieldError(f"{field}: must be a list of non-empty strings", field)
-    text = "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    if len(choices) > MAX_GUIDED_CHOICES or sum(map(len, choices)) > MAX_GUIDED_CHARS:
+        message = f"at most {MAX_GUIDED_CHOICES:,} choices of {MAX_GUIDED_CHARS:,} characters in all"
+        raise FieldError(f"{field}: {message} (checking a grammar grows faster than its size)", field)
+    literals = (_CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(c, ensure_ascii=False)) for c in choices)
+    text = "start: " + " | ".join(literals)
     lark_grammar(text, field)
     return text
 

@@ -129,11 +129,16 @@ def test_vllm_s_output_constraints_become_the_engine_s_grammars(tokenizer, limit
     [
         ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),
         ({"guided_choice": ["a", 5]}, "guided_choice", "a list of non-empty strings"),
+        ({"guided_choice": []}, "guided_choice", "a list of non-empty strings"),
+        ({"guided_choice": [f"c{i}" for i in range(1025)]}, "guided_choice", "at most 1,024 choices"),
+        ({"guided_regex": "ab\\"}, "guided_regex", "ends with an unfinished escape"),
+        ({"structured_outputs": {"json_object": "no"}}, "structured_outputs", "json_object: must be a boolean"),
+        ({"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}}, "structured_outputs", "whitespace_p"),
         ({"guided_json": "{no"}, "guided_json", "as an object or its JSON text"),
         ({"guided_json": {"type": "foo"}}, "guided_json", "cannot be used"),
         ({"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice", "with guided_json"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "with response_format"),
-        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammar: is not supported"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammar: 'root ::= x' is not"),
         ({"structured_outputs": "json"}, "structured_outputs", "must be an object"),
         ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}]}, "guided_choice",
          "cannot be combined with tools"),
@@ -167,10 +172,25 @@ def test_vllm_s_chat_template_fields(tokenizer, limits):
         ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message", last),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools' is reserved"),
         ({"chat_template_kwargs": {"_private": 1}}, "chat_template_kwargs", "'_private' is reserved"),
-    ]
+        ({"chat_template_kwargs": {"conversations": 1}}, "chat_template_kwargs", "'conversations' is reserved"),
+        ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs", "'self' is reserved"),
+        ({"chat_template_kwargs": {"namespace": 0}}, "chat_template_kwargs", "'namespace' is reserved"),
+        (
+            {**started, "add_generation_prompt": False, "continue_final_message": True, "messages": [
+                *started["messages"][:-1],
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+            "continue_final_message", "without tool calls",
+        ),
+    ]  # fmt: skip
     for body, param, text in refusals:
         error = _field_error(ChatCompletionRequest, {**CHAT, **body}, tokenizer, limits)
         assert error.param == param and text in error.message, error.message
+    # a variable the template uses in a way its type does not allow: the template's error, a 400
+    template = ChatSetup(template="{{ messages[0].content }}{{ count + 1 }}")
+    with pytest.raises(FieldError, match="chat_template_kwargs: the chat template failed on them") as info:
+        prompt_tail({"chat_template_kwargs": {"count": "one"}}, template)
+    assert info.value.param == "chat_template_kwargs"
 
 
 def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
@@ -252,6 +272,7 @@ def test_refusals_at_conversion_name_the_field(tokenizer, limits, extra, param, 
     ("extra", "param"),
     [
         ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"logit_bias": {"5": "high"}}, "logit_bias.5"),

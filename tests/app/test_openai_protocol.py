@@ -100,6 +100,7 @@ def test_text_parts_are_joined_and_developer_is_system():
         (ChatCompletionRequest, {"structural_tag": "{}"}, "structural_tag"),
         (ChatCompletionRequest, {"skip_special_tokens": False}, "skip_special_tokens"),
         (ChatCompletionRequest, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        (ChatCompletionRequest, {"function_call": {"name": "f"}}, "function_call"),
         (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities"),
         (ChatCompletionRequest, {"documents": [{"title": "a", "text": "b"}]}, "documents"),
         (ChatCompletionRequest, {"best_of": 2}, "best_of"),
@@ -120,6 +121,7 @@ def test_set_but_unsupported_fields_are_named(schema, extra, param):
         # vLLM's defaults, as its clients may send them; unknown fields are ignored
         (CompletionRequest, {"use_beam_search": False, "skip_special_tokens": True, "guided_json": None, "x": [1]}),
         (ChatCompletionRequest, {"modalities": ["text"], "add_generation_prompt": True, "bad_words": [], "echo": 0}),
+        (ChatCompletionRequest, {"function_call": "none", "guided_decoding_backend": "xgrammar"}),
     ],
 )
 def test_neutral_values_of_unsupported_fields_pass(schema, extra):
@@ -150,17 +152,18 @@ def test_null_means_the_default_and_a_batch_of_one_is_its_prompt():
 @pytest.mark.parametrize(
     ("raw", "param", "text"),
     [
-        (rb'{"prompt": "a\ud800b"}', "prompt", "prompt: a lone surrogate (\\ud800) is not valid Unicode text"),
-        (rb'{"prompt": ["ok", "b\uDBFFz"]}', "prompt.1", "(\\udbff)"),
-        (rb'{"messages": [{"role": "user", "content": "x\udc00"}]}', "messages.0.content", "(\\udc00)"),
-        (rb'{"tools": [{"function": {"parameters": {"k\udfff": {}}}}]}', "tools.0.function.parameters", "a key with"),
-        (rb'{"a\ud800": 1}', None, "the body: a key with a lone surrogate"),
-        (rb'{"prompt": "\ud83d\ude00 \\ud800"}', None, None),  # a pair is one character; an escaped backslash
+        (r'{"prompt": "a\ud800b"}', "prompt", "prompt: a lone surrogate (\\ud800) is not valid Unicode text"),
+        (r'{"prompt": ["ok", "b\uDBFFz"]}', "prompt.1", "(\\udbff)"),
+        (r'{"messages": [{"role": "user", "content": "x\udc00"}]}', "messages.0.content", "(\\udc00)"),
+        (r'{"tools": [{"function": {"parameters": {"k\udfff": {}}}}]}', "tools.0.function.parameters", "a key with"),
+        (r'{"a\ud800": 1}', None, "the body: a key with a lone surrogate"),
+        (r'{"prompt": "\ud83d\ude00 \\ud800"}', None, None),  # a pair is one character; an escaped backslash
     ],
 )
 def test_a_lone_surrogate_is_named_a_pair_passes(raw, param, text):
     """JSON escapes can spell a surrogate that no UTF-8 text holds; the tokenizer would raise a
-    TypeError on it, so the edge refuses it naming its field."""
+    TypeError on it, so the edge refuses it naming its field (the ingress reads the body as strict
+    UTF-8 first: raw surrogate bytes are malformed)."""
     assert SURROGATE_ESCAPE.search(raw)  # the ingress looks further only then
     error = lone_surrogate(json.loads(raw))
     if text is None:

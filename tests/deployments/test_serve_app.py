@@ -50,8 +50,8 @@ def url(request, base_url):
     return base_url + request.param
 
 
-def _post(url: str, path: str, body: dict | str, headers: dict | None = None) -> httpx.Response:
-    content = body if isinstance(body, str) else json.dumps(body)
+def _post(url: str, path: str, body: dict | str | bytes, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, str | bytes) else json.dumps(body)
     headers = {"Content-Type": "application/json", **(headers or {})}
     return httpx.post(url + path, content=content, headers=headers, timeout=120)
 
@@ -329,6 +329,7 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "prompt": ["a"] * 9, "n": 8}, 400, "prompt", "9 prompts x n=8 is over 64 choices"),
         (COMPLETIONS, {**TEXT, "prompt": []}, 400, "prompt", "empty"),
         (COMPLETIONS, json.dumps({**TEXT, "prompt": "a\ud800"}), 400, "prompt", "lone surrogate (\\ud800)"),
+        (COMPLETIONS, b'{"model": "m", "prompt": "a\xed\xa0\x80"}', 400, None, "malformed JSON body: 'utf-8' codec"),
         (
             CHAT,
             json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\udc00"}]}),
