@@ -160,6 +160,7 @@ CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "chat_template": None,
     "documents": None,
     "echo": False,
+    "add_special_tokens": False,  # the template writes them
 }
 # ``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set (the request's
 # fields do: messages, tools, the template options), nor any name starting with an underscore
@@ -328,11 +329,15 @@ class _SamplingFields(_Body):
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         try:
-            return encode_prompt(tokenizer, self._prompt())
+            return encode_prompt(tokenizer, self._prompt(), add_special_tokens=self._special_tokens())
         except ValueError as exc:
             raise FieldError(str(exc), self.prompt_field) from None
         except TypeError as exc:  # text the tokenizer cannot take
             raise FieldError(f"{self.prompt_field}: cannot be tokenized: {exc}", self.prompt_field) from None
+
+    def _special_tokens(self) -> bool:
+        """Whether a text prompt gets the tokenizer's special tokens (a BOS)."""
+        return False
 
     def _check_consistent(self) -> None:
         """Cross-field rules that a schema alone does not state."""
@@ -697,6 +702,9 @@ class CompletionRequest(_SamplingFields):
         description="the prompt before the output, in the text and the log-probabilities (the first prompt token's "
         "is null); with max_tokens 0, the prompt alone",
     )
+    add_special_tokens: bool = Field(
+        True, description="a text prompt gets the tokenizer's special tokens, e.g. a BOS, as vLLM's (extension)"
+    )
     best_of: int | None = None
     suffix: str | None = None
 
@@ -705,6 +713,9 @@ class CompletionRequest(_SamplingFields):
 
     def _prompt(self) -> str | list[int]:
         return self.prompt
+
+    def _special_tokens(self) -> bool:
+        return self.add_special_tokens
 
     def batch(self) -> list[str] | list[list[int]] | None:
         """The prompts of a batched completion (two or more: a batch of one is its prompt), None for one prompt."""

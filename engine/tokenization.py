@@ -19,17 +19,20 @@ def encode_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
     chat_template: str | None = None,
     template_options: Mapping[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Token ids of a prompt. A list of ``{"role", "content", ...}`` dicts uses the chat template
-    (``chat_template``: in place of the tokenizer's), with ``tools`` given to it, and
-    ``template_options``: ``apply_chat_template``'s ``add_generation_prompt`` (by default true)
-    or ``continue_final_message``, and variables the template reads (e.g. ``enable_thinking``)."""
+    """Token ids of a prompt. A text gets the tokenizer's special tokens (a BOS, for a model
+    whose tokenizer adds one) with ``add_special_tokens``. A list of ``{"role", "content", ...}``
+    dicts uses the chat template (``chat_template``: in place of the tokenizer's; it writes
+    any BOS itself), with ``tools`` given to it, and ``template_options``:
+    ``apply_chat_template``'s ``add_generation_prompt`` (by default true) or
+    ``continue_final_message``, and variables the template reads (e.g. ``enable_thinking``)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer (dummy weights); pass token ids")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
     items = list(prompt)
     if not items:
         raise ValueError("prompt must not be empty")

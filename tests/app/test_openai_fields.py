@@ -193,6 +193,30 @@ def test_vllm_s_chat_template_fields(tokenizer, limits):
     assert info.value.param == "chat_template_kwargs"
 
 
+def test_a_completion_s_text_gets_the_bos_a_llama_tokenizer_adds(tokenizer, limits):
+    """As vLLM's completions: a text prompt gets the tokenizer's special tokens unless
+    add_special_tokens is false; token ids and chats (their template writes the BOS) never."""
+    from tokenizers import processors
+
+    bos_adding = load_tokenizer(ModelSpec())  # the default model's, with a BOS as Llama's post-processor adds it
+    bos_adding.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    plain = encode_prompt(bos_adding, "hi")
+    assert _sampling_ids(CompletionRequest, COMPLETION, bos_adding, limits) == [1, *plain]
+    assert _sampling_ids(CompletionRequest, {**COMPLETION, "add_special_tokens": False}, bos_adding, limits) == plain
+    assert _sampling_ids(CompletionRequest, {**COMPLETION, "prompt": [5, 6]}, bos_adding, limits) == [5, 6]
+    # a chat's ids are the template's alone: the same as with the tokenizer that adds no BOS
+    assert _sampling_ids(ChatCompletionRequest, CHAT, bos_adding, limits) == encode_prompt(tokenizer, CHAT["messages"])
+    assert unsupported(ChatCompletionRequest.model_validate({**CHAT, "add_special_tokens": True}))[0] == (
+        "add_special_tokens"
+    )
+
+
+def _sampling_ids(schema: type, body: dict, tokenizer, limits) -> list[int]:
+    return list(schema.model_validate(body).to_generation_request(tokenizer, limits).prompt_token_ids)
+
+
 def test_max_tokens_defaults_as_openai_s(tokenizer, limits):
     """Completions: 16 when left out (within the room the prompt leaves), the rest of the
     context for an explicit null; chat: the rest of the context. A cap bounds each."""
