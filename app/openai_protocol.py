@@ -12,6 +12,7 @@ leaves the ingress.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -116,10 +117,15 @@ class ResponseFormat(_Body):
         schema = {"type": "object"}  # json_object, or a json_schema without a schema
         if self.type == "json_schema" and self.json_schema is not None and self.json_schema.json_schema is not None:
             schema = self.json_schema.json_schema
-        try:
-            return check_schema(bounded(schema) if isinstance(schema, dict) else schema)
-        except RecursionError:
-            raise FieldError("response_format: the JSON schema is nested too deeply", "response_format") from None
+        return _checked_schema(schema, "response_format")
+
+
+def _checked_schema(schema: Any, field: str) -> str:
+    """``check_schema`` of a client's schema, its unbounded integers bounded (``bounded``)."""
+    try:
+        return check_schema(bounded(schema) if isinstance(schema, dict) else schema, field)
+    except RecursionError:
+        raise FieldError(f"{field}: the JSON schema is nested too deeply", field) from None
 
 
 # request fields of vLLM's (and OpenAI's older or audio ones) that this server does not implement,
@@ -138,18 +144,6 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "guided_whitespace_pattern": None,
     "structural_tag": None,
 }
-# vLLM's output constraints (the older fields, then the keys of its newer ``structured_outputs``)
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
-STRUCTURED_OUTPUTS = {"json": "json", "regex": "regex", "choice": "choice", "json_object": "json_object"}
-# and its options, with their neutral values (``disable_any_whitespace`` and the backend's are
-# ignored: JSON is written without free whitespace here, and llguidance is the one backend)
-STRUCTURED_OUTPUTS_REFUSED = {
-    "grammar": None,
-    "structural_tag": None,
-    "whitespace_pattern": None,
-    "disable_additional_properties": False,
-}
-MAX_STOP_TOKEN_IDS = 1024
 CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "best_of": 1,
     "functions": None,
@@ -162,6 +156,18 @@ CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "echo": False,
     "add_special_tokens": False,  # the template writes them
 }
+# vLLM's output constraints, by kind: the older fields, and the keys of its newer ``structured_outputs``
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "json_object")
+# and its options, with their neutral values (``disable_any_whitespace`` and the backend's are
+# ignored: JSON is written without free whitespace here, and llguidance is the one backend)
+STRUCTURED_OUTPUTS_REFUSED = {
+    "grammar": None,
+    "structural_tag": None,
+    "whitespace_pattern": None,
+    "disable_additional_properties": False,
+}
+MAX_STOP_TOKEN_IDS = 1024
 # ``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set (the request's
 # fields do: messages, tools, the template options), nor any name starting with an underscore
 TEMPLATE_ARGUMENTS = frozenset(
@@ -170,6 +176,12 @@ TEMPLATE_ARGUMENTS = frozenset(
     "return_assistant_tokens_mask tokenizer_kwargs raise_exception strftime_now namespace range dict cycler "
     "joiner lipsum".split()
 )
+
+
+@functools.cache
+def _template_arguments(tokenizer_class: type) -> frozenset[str]:
+    """``TEMPLATE_ARGUMENTS`` and the installed transformers' ``apply_chat_template`` arguments."""
+    return TEMPLATE_ARGUMENTS | inspect.signature(tokenizer_class.apply_chat_template).parameters.keys()
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
@@ -325,7 +337,7 @@ class _SamplingFields(_Body):
         if outputs.get("json_object") not in (None, True, False):
             raise FieldError(f"{field}.json_object: must be a boolean", field)
         wanted = [key for key in STRUCTURED_OUTPUTS if outputs.get(key) not in (None, False)]
-        return asked + [(f"{field}.{key}", STRUCTURED_OUTPUTS[key], outputs[key]) for key in wanted]
+        return asked + [(f"{field}.{key}", key, outputs[key]) for key in wanted]
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         try:
@@ -455,10 +467,7 @@ def _guided_schema(schema: Any, field: str) -> str:
             schema = json.loads(schema)
         except (ValueError, RecursionError):
             raise FieldError(f"{field}: must be a JSON schema, as an object or its JSON text", field) from None
-    try:
-        return check_schema(bounded(schema) if isinstance(schema, dict) else schema, field)
-    except RecursionError:
-        raise FieldError(f"{field}: the JSON schema is nested too deeply", field) from None
+    return _checked_schema(schema, field)
 
 
 def _checked_lark(text: str) -> str:
@@ -588,7 +597,7 @@ class ChatCompletionRequest(_SamplingFields):
         of an argument of the template call (the installed transformers' too) or of a function
         the template may call."""
         variables = self.chat_template_kwargs or {}
-        arguments = TEMPLATE_ARGUMENTS | inspect.signature(type(tokenizer).apply_chat_template).parameters.keys()
+        arguments = _template_arguments(type(tokenizer))
         if taken := sorted(k for k in variables if k in arguments or k.startswith("_")):
             message = f"chat_template_kwargs: {taken[0]!r} is reserved (the request's fields set the call's arguments)"
             raise FieldError(message, "chat_template_kwargs")
@@ -810,10 +819,13 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def lone_surrogate(data: Any) -> FieldError | None:
-    """The first string of a parsed JSON body (a key or a value) that holds a surrogate not in a
-    pair (``"\\ud800"``): not Unicode text, which the tokenizer and the grammar library refuse
-    with errors of their own. Names its field as validation does (``messages.0.content``)."""
+def lone_surrogate(text: str, data: Any) -> FieldError | None:
+    """The first string of a JSON body (``text``, parsed: ``data``), a key or a value, that holds
+    a surrogate not in a pair (``"\\ud800"``): not Unicode text, which the tokenizer and the
+    grammar library refuse with errors of their own. Names its field as validation does
+    (``messages.0.content``). Looked for only when the text has such an escape."""
+    if not SURROGATE_ESCAPE.search(text):
+        return None
     try:
         json.dumps(data, ensure_ascii=False).encode()  # in C: a body without one passes at once
         return None

@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app.openai_protocol import (
-    SURROGATE_ESCAPE,
     ChatCompletionRequest,
     ChatSetup,
     CompletionRequest,
@@ -336,7 +335,7 @@ class OpenAIIngress:
             raise HTTPError(400, error_body(f"malformed JSON body: {exc}", None)) from None
         if not isinstance(data, dict):
             raise HTTPError(400, error_body("the body must be a JSON object", None))
-        if SURROGATE_ESCAPE.search(text) and (problem := lone_surrogate(data)) is not None:
+        if (problem := lone_surrogate(text, data)) is not None:
             raise HTTPError.bad_request(problem)
         return data
 

@@ -164,8 +164,8 @@ def test_a_lone_surrogate_is_named_a_pair_passes(raw, param, text):
     """JSON escapes can spell a surrogate that no UTF-8 text holds; the tokenizer would raise a
     TypeError on it, so the edge refuses it naming its field (the ingress reads the body as strict
     UTF-8 first: raw surrogate bytes are malformed)."""
-    assert SURROGATE_ESCAPE.search(raw)  # the ingress looks further only then
-    error = lone_surrogate(json.loads(raw))
+    assert SURROGATE_ESCAPE.search(raw)  # looked for further only then
+    error = lone_surrogate(raw, json.loads(raw))
     if text is None:
         assert error is None
     else:
