@@ -132,13 +132,11 @@ def _checked_schema(schema: Any, field: str) -> str:
 # with their neutral value: any other (but null) is refused by name, never ignored
 NOT_IMPLEMENTED: dict[str, Any] = {
     "use_beam_search": False,
-    "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "allowed_token_ids": None,
     "bad_words": None,
     "prompt_logprobs": None,
-    "truncate_prompt_tokens": None,
     "logits_processors": None,
     "guided_grammar": None,
     "guided_whitespace_pattern": None,
@@ -215,6 +213,12 @@ class _SamplingFields(_Body):
         max_length=MAX_STOP_TOKEN_IDS,
         description="token ids that end the output, their text left out, as vLLM's (extension)",
     )
+    include_stop_str_in_output: bool = Field(
+        False, description="the stop string or stop token that ended the output stays in it, as vLLM's (extension)"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, description="keep only the prompt's last k tokens; -1: the last max_model_len, as vLLM's (extension)"
+    )
     stream: bool = Field(False, description="stream server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate (the prompt's KV computed and moved once)")
@@ -247,9 +251,8 @@ class _SamplingFields(_Body):
         """Tokenize (a chat as ``chat`` says), check against the context and build the engine's
         request (``request_id``: the client's, else a new one). Raises ``FieldError`` naming the
         client's field."""
-        self._check_consistent()
         chat = chat or ChatSetup()
-        ids = self._prompt_token_ids(tokenizer, chat)
+        ids = self._truncated(self.prompt_token_ids(tokenizer, chat), limits)
         limit_field, requested = self._max_tokens()
         if requested is not None and requested < 1:
             raise FieldError(f"{limit_field}: must be at least {self._fewest_tokens()}, got {requested}", limit_field)
@@ -270,6 +273,22 @@ class _SamplingFields(_Body):
         """The engine requests of this body's prompts, in order: one, but for a batched completion."""
         return [self.to_generation_request(tokenizer, limits, request_id, chat)]
 
+    def prompt_token_ids(self, tokenizer: Any, chat: ChatSetup | None = None) -> list[int]:
+        """The prompt's token ids, as the engine gets them (before ``truncate_prompt_tokens``),
+        its fields checked first (``FieldError`` naming the client's field)."""
+        self._check_consistent()
+        return self._prompt_token_ids(tokenizer, chat or ChatSetup())
+
+    def _truncated(self, ids: list[int], limits: ContextLimits) -> list[int]:
+        """``truncate_prompt_tokens``: the last k ids (-1: the last ``max_model_len``)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep != -1 and not 1 <= keep <= limits.max_model_len:
+            message = f"must be -1 or in [1, {limits.max_model_len}] (max_model_len), got {keep}"
+            raise FieldError(f"truncate_prompt_tokens: {message}", "truncate_prompt_tokens")
+        return ids[-(limits.max_model_len if keep == -1 else keep) :]
+
     def new_request_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
@@ -283,6 +302,7 @@ class _SamplingFields(_Body):
             seed=self.seed,
             stop=self.stop or (),
             stop_token_ids=self.stop_token_ids or (),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),

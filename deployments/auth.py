@@ -1,6 +1,6 @@
 """API keys on the ingress: ``Authorization: Bearer <key>`` on every ``/v1/*`` and ``/admin/*``
-request when the app has keys (``auth`` in ``AppConfig``); ``/health``, ``/ready`` and
-``/openapi.json`` stay open (probes, and the schema, which holds no data).
+request, and on ``/tokenize`` and ``/detokenize``, when the app has keys (``auth`` in
+``AppConfig``); ``/health``, ``/ready`` and ``/openapi.json`` stay open (probes, and the schema, which holds no data).
 
 One pure ASGI middleware (``APIKeyMiddleware``) does the check for every route under those
 prefixes, present and future, before FastAPI routes the request: a route cannot forget it,
@@ -26,11 +26,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.openai_protocol import error_body
 
 PROTECTED_PREFIXES = ("/v1/", "/admin/")
+PROTECTED_PATHS = frozenset({"/v1", "/admin", "/tokenize", "/detokenize"})
 KEY_ID = "api_key_id"  # the ``request.state`` attribute: the index of the client's key, never the key
 
 
 def is_protected(path: str) -> bool:
-    return path.startswith(PROTECTED_PREFIXES) or path in ("/v1", "/admin")
+    return path.startswith(PROTECTED_PREFIXES) or path in PROTECTED_PATHS
 
 
 def route_path(scope: Scope) -> str:

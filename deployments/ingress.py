@@ -35,6 +35,7 @@ from app.openai_protocol import (
     validation_error_body,
 )
 from app.settings import AppConfig
+from app.tokenize_protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, tokenize_schema
 from app.tool_calls import AnswerShape
 from deployments import logs
 from deployments.auth import KEY_ID, APIKeyMiddleware, ApiKeys
@@ -254,6 +255,51 @@ class OpenAIIngress:
     async def completions(self, raw: Request):
         return await self._serve(raw, CompletionRequest, COMPLETION)
 
+    @api.post(
+        "/tokenize",
+        response_model=None,
+        openapi_extra=api.json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+        responses=error_responses(400, 401, 404, 413),
+    )
+    async def tokenize(self, raw: Request) -> dict | JSONResponse:
+        """vLLM's: a prompt's token ids, as the generation endpoints make them."""
+        try:
+            data = await self._read_json(raw)
+            body = self._tokenizer_body(tokenize_schema(data), data)
+            ids = body.token_ids(self.tokenizer, self.chat)
+        except FieldError as exc:
+            return HTTPError.bad_request(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @api.post(
+        "/detokenize",
+        response_model=None,
+        openapi_extra=api.json_body(DetokenizeRequest),
+        responses=error_responses(400, 401, 404, 413),
+    )
+    async def detokenize(self, raw: Request) -> dict | JSONResponse:
+        """vLLM's: the text of token ids."""
+        try:
+            body = self._tokenizer_body(DetokenizeRequest, await self._read_json(raw))
+            return {"prompt": body.text(self.tokenizer, self.limits.vocab_size)}
+        except FieldError as exc:
+            return HTTPError.bad_request(exc).response()
+        except HTTPError as exc:
+            return exc.response()
+
+    def _tokenizer_body(self, schema: type, data: dict) -> Any:
+        """A /tokenize or /detokenize body, validated, naming this model if any."""
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as exc:
+            raise HTTPError(400, validation_error_body(exc)) from None
+        if body.model is not None and body.model != self.model:
+            raise self._unknown_model(body.model)
+        return body
+
     def _auth(self) -> ApiKeys | None:
         """The API keys (read now, from ``auth``), None when auth is off."""
         auth, limit = self.config.auth, self.config.limits.max_concurrent_per_key
@@ -367,6 +413,8 @@ class OpenAIIngress:
         """``echo``'s prompts: each as the client sent it (token ids decoded)."""
         decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: "".join(map(self._text_of, ids))
         texts = [p if isinstance(p, str) else decode(p) for p in body.batch() or [body.prompt]]
+        if body.truncate_prompt_tokens is not None:  # the prompts the engines got
+            texts = [decode(list(r.prompt_token_ids)) for r in requests]
         firsts = [r.prompt_token_ids[0] for r in requests]
         return Echo(texts, firsts, body.n, prompt_only=body.max_tokens == 0)
 

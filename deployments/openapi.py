@@ -48,10 +48,11 @@ class ServedAPI(FastAPI):
         self.auth_on: Callable[[], bool] = lambda: False
         self._completed: dict[str, Any] | None = None
 
-    def json_body(self, model: type[BaseModel]) -> dict[str, Any]:
-        """``openapi_extra`` of a route whose raw body is a JSON ``model``."""
-        self.body_models[model.__name__] = model
-        schema = {"$ref": REF_TEMPLATE.format(model=model.__name__)}
+    def json_body(self, *models: type[BaseModel]) -> dict[str, Any]:
+        """``openapi_extra`` of a route whose raw body is a JSON object of one of ``models``."""
+        refs = [{"$ref": REF_TEMPLATE.format(model=model.__name__)} for model in models]
+        self.body_models.update((model.__name__, model) for model in models)
+        schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
     def openapi(self) -> dict[str, Any]:

@@ -332,7 +332,7 @@ class EngineCore:
             generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         elif not sp.greedy:
             generator = self._default_generator
-        stream = TextStream(self.tokenizer, prompt, sp.stop)
+        stream = TextStream(self.tokenizer, prompt, sp.stop, sp.include_stop_str_in_output)
         history = TokenHistory.build(sp, prompt, self.device)
         spec = SpecState() if self.config.speculative.enabled and not prefill_only else None
         admitted = time.perf_counter()
@@ -644,9 +644,10 @@ class EngineCore:
         if state.grammar is not None and not state.grammar.advance(token):
             message = f"response_format: the grammar refused token {token}: {state.grammar.error}"
             return self._finish(state, FinishReason.ERROR, "", (token,), message, logprobs=lps)
-        # a stop token's text is not output (as vLLM's); EOS, a special token, has none
+        # a stop token's text is not output unless asked (as vLLM's); EOS, a special token, has none
         stop_id = token in sp.stop_token_ids or (token in self._eos_ids and not sp.ignore_eos)
-        text, hit_stop = ("", False) if stop_id else state.stream.push(token)
+        silent = stop_id and not sp.include_stop_str_in_output
+        text, hit_stop = ("", False) if silent else state.stream.push(token)
         complete = state.grammar is not None and state.grammar.done
         if hit_stop or complete or stop_id:
             # the held-back tail too (nothing is held back after a stop string: it was cut there)

@@ -41,11 +41,19 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """Detokenizes a request's output and cuts it exactly at the first stop string."""
+    """Detokenizes a request's output and cuts it exactly at the first stop string: before it,
+    or after it with ``keep_stop`` (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, prompt_ids: Sequence[int], stop: tuple[str, ...]):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        prompt_ids: Sequence[int],
+        stop: tuple[str, ...],
+        keep_stop: bool = False,
+    ):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self._stop = stop
+        self._keep_stop = keep_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._emitted = 0
@@ -56,9 +64,11 @@ class TextStream:
             return "", False
         search_from = max(0, len(self.text) - self._holdback)
         self.text += self._detok.push(token_id)
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        # the earliest match (the first listed of those that start there), cut before or after it
+        hits = [(i, len(s) if self._keep_stop else 0) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            start, kept = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[: start + kept]
             return self._take(len(self.text)), True
         return self._take(len(self.text) - self._holdback), False
 

@@ -102,6 +102,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
@@ -146,6 +147,8 @@ class SamplingParams:
         valid_ids = not isinstance(ids, (str, bytes)) and all(_is_int(t) and t >= 0 for t in ids)
         _require(valid_ids, "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        keep = self.include_stop_str_in_output
+        _require(isinstance(keep, bool), "include_stop_str_in_output", "a boolean", keep)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             valid = value is None or (_is_int(value) and 0 <= value <= 20)

@@ -15,6 +15,7 @@ from app.openai_protocol import (
     unsupported,
     validation_error_body,
 )
+from app.tokenize_protocol import DetokenizeRequest, tokenize_schema
 from engine.loader import ModelSpec, load_tokenizer
 from engine.params import ContextLimits, FieldError
 from engine.tokenization import encode_prompt
@@ -101,6 +102,64 @@ def test_vllm_s_sampling_extensions_reach_the_engine(tokenizer, limits):
     for extra, param in (({"min_p": 1.5}, "min_p"), ({"top_k": -2}, "top_k")):
         error = _field_error(CompletionRequest, {**COMPLETION, **extra}, tokenizer, limits)
         assert error.param == param and "must be" in error.message, error.message
+
+
+def test_vllm_s_prompt_truncation_and_kept_stop_strings(tokenizer, limits):
+    """``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1: the last max_model_len);
+    ``include_stop_str_in_output`` reaches the engine."""
+    words = {**COMPLETION, "prompt": " ".join(["word"] * 3000), "max_tokens": 1}
+    ids = tokenizer(words["prompt"])["input_ids"]
+    for keep, expected in ((5, ids[-5:]), (-1, ids[-2048:])):
+        request = CompletionRequest.model_validate({**words, "truncate_prompt_tokens": keep, "max_tokens": None})
+        if keep == -1:  # the whole context is prompt: no room for a token
+            with pytest.raises(FieldError, match="max_model_len"):
+                request.to_generation_request(tokenizer, limits)
+            continue
+        assert list(request.to_generation_request(tokenizer, limits).prompt_token_ids) == expected
+    chat = ChatCompletionRequest.model_validate({**CHAT, "truncate_prompt_tokens": 3})
+    whole = chat.prompt_token_ids(tokenizer)
+    assert chat.to_generation_request(tokenizer, limits).prompt_token_ids == tuple(whole[-3:])
+    for keep in (0, -2, 2049):
+        error = _field_error(CompletionRequest, {**COMPLETION, "truncate_prompt_tokens": keep}, tokenizer, limits)
+        assert error.param == "truncate_prompt_tokens" and "[1, 2048]" in error.message, error.message
+    body = {**COMPLETION, "stop": ["x"], "include_stop_str_in_output": True}
+    assert _sampling(CompletionRequest, body, tokenizer, limits).include_stop_str_in_output is True
+    assert _sampling(CompletionRequest, COMPLETION, tokenizer, limits).include_stop_str_in_output is False
+
+
+def test_tokenize_bodies_give_the_generation_endpoints_ids_and_detokenize_names_a_bad_id(tokenizer, limits):
+    """vLLM's /tokenize (a completion's text or a chat) and /detokenize, as the ingress reads them."""
+    chat = ChatSetup.of(tokenizer.chat_template, None, None, None)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    forms = [
+        ({"prompt": "hi there"}, CompletionRequest, {**COMPLETION, "prompt": "hi there"}),
+        ({"messages": CHAT["messages"]}, ChatCompletionRequest, CHAT),
+        (
+            {"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+            ChatCompletionRequest,
+            {**CHAT, "messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+        ),
+    ]
+    for body, schema, generation in forms:
+        request = tokenize_schema(body).model_validate(body)
+        expected = schema.model_validate(generation).to_generation_request(tokenizer, limits, chat=chat)
+        assert tuple(request.token_ids(tokenizer, chat)) == expected.prompt_token_ids
+    refused = [
+        ({"messages": CHAT["messages"], "add_special_tokens": True}, "add_special_tokens", "not supported"),
+        ({"messages": CHAT["messages"], "chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs", "reserved"),
+        ({"messages": messages, "continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+    ]
+    for body, param, text in refused:
+        with pytest.raises(FieldError) as info:
+            tokenize_schema(body).model_validate(body).token_ids(tokenizer, chat)
+        assert info.value.param == param and text in info.value.message, info.value.message
+    ids = tokenizer("Café ☕", add_special_tokens=False)["input_ids"]
+    assert DetokenizeRequest.model_validate({"tokens": ids}).text(tokenizer, len(tokenizer)) == "Café ☕"
+    for bad in (-1, len(tokenizer)):
+        with pytest.raises(FieldError) as info:
+            DetokenizeRequest.model_validate({"tokens": [*ids, bad]}).text(tokenizer, len(tokenizer))
+        assert info.value.param == f"tokens.{len(ids)}" and "out of vocabulary" in info.value.message
 
 
 def test_vllm_s_output_constraints_become_the_engine_s_grammars(tokenizer, limits):

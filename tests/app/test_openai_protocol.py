@@ -96,7 +96,7 @@ def test_text_parts_are_joined_and_developer_is_system():
         (CompletionRequest, {"suffix": "end"}, "suffix"),
         (CompletionRequest, {"use_beam_search": True}, "use_beam_search"),
         (CompletionRequest, {"guided_grammar": "root ::= [a-z]+"}, "guided_grammar"),
-        (CompletionRequest, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        (CompletionRequest, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         (ChatCompletionRequest, {"structural_tag": "{}"}, "structural_tag"),
         (ChatCompletionRequest, {"skip_special_tokens": False}, "skip_special_tokens"),
         (ChatCompletionRequest, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),

@@ -24,6 +24,8 @@ PROTECTED = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("GET", "/admin/autoscaler"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
     ("GET", "/v1/no-such-route"),  # 401 before routing: no route listing for clients without a key
 ]
 

@@ -27,6 +27,10 @@ PLAN = {
     ("POST", "/v1/completions", GenerationMode.POSITIVE): 40,
     ("POST", "/v1/chat/completions", GenerationMode.NEGATIVE): 25,
     ("POST", "/v1/completions", GenerationMode.NEGATIVE): 25,
+    ("POST", "/tokenize", GenerationMode.POSITIVE): 15,
+    ("POST", "/tokenize", GenerationMode.NEGATIVE): 10,
+    ("POST", "/detokenize", GenerationMode.POSITIVE): 10,
+    ("POST", "/detokenize", GenerationMode.NEGATIVE): 10,
 }
 GET_CASES = 5  # an operation without parameters has one distinct case: hypothesis sends it once
 

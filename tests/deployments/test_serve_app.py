@@ -17,7 +17,7 @@ import httpx
 import pytest
 import ray
 
-from tests.serving import SERVED_COMMON, SPECULATIVE, ServeApp, ServedApps, served_disagg
+from tests.serving import SERVED_COMMON, SERVED_CONTEXT, SPECULATIVE, ServeApp, ServedApps, served_disagg
 from tests.waiting import wait_until
 
 ROOT = "/serve"
@@ -134,6 +134,40 @@ def test_stop_token_ids_end_the_answer_without_their_text(url):
         "finish_reason": "stop",
     }
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_kept_stop_string_or_token_ends_the_answer_with_its_text(url):
+    """vLLM's include_stop_str_in_output, streamed and not: the answer ends with what stopped it."""
+    for stop in ({"stop": ["France"]}, {"stop_token_ids": [4649]}):
+        body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "include_stop_str_in_output": True, **stop}
+        r = _post(url, CHAT, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "The capital of France"
+        chunks = [json.loads(e) for e in _sse_events(_post(url, CHAT, {**body, "stream": True}))[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "The capital of France"
+
+
+def test_tokenize_gives_the_prompt_a_request_is_charged_for_and_detokenize_its_text(base_url):
+    """vLLM's /tokenize (a chat and a completion's text) and /detokenize."""
+    chat = _post(base_url, "/tokenize", {"model": MODEL, "messages": QUESTION, "return_token_strs": True}).json()
+    answer = _post(base_url, CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 1}).json()
+    assert chat["count"] == len(chat["tokens"]) == answer["usage"]["prompt_tokens"]
+    assert chat["max_model_len"] == SERVED_CONTEXT and len(chat["token_strs"]) == chat["count"]
+    text = _post(base_url, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert "What is the capital of France?" in text
+    plain = _post(base_url, "/tokenize", {"prompt": "Hello world"}).json()
+    assert plain == {"count": 2, "max_model_len": SERVED_CONTEXT, "tokens": [19556, 905], "token_strs": None}
+    assert _post(base_url, "/detokenize", {"model": MODEL, "tokens": [19556, 905]}).json() == {"prompt": "Hello world"}
+    refused = [
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens.1"),
+        ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
+    ]
+    for path, body, status, param in refused:
+        r = _post(base_url, path, body)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
 
 
 def test_vllm_s_guided_choice_constrains_the_answer(url):

@@ -40,6 +40,28 @@ def test_stop_string_split_across_tokens_is_cut_exactly(smol):
     assert hit and emitted == " alpha be"
 
 
+@pytest.mark.parametrize(
+    ("stop", "kept"),
+    [
+        (("ta gam",), " alpha beta gam"),  # split across tokens, and what follows it in the token dropped
+        (("gamma", "beta g"), " alpha beta g"),  # the one that starts first
+        (("beta", "beta gamma"), " alpha beta"),  # two that start together: the first listed
+    ],
+)
+def test_a_kept_stop_string_ends_the_text_and_nothing_after_it(smol, stop, kept):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, streamed whole."""
+    tok = smol.tokenizer
+    stream = TextStream(tok, [1], stop, keep_stop=True)
+    emitted, hit = "", False
+    for t in tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]:
+        delta, hit = stream.push(t)
+        emitted += delta
+        if hit:
+            break
+    assert hit and emitted == stream.text == kept
+    assert stream.flush() == ""
+
+
 def test_stop_string_in_generation(smol, make_engine):
     core = make_engine(smol)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -65,6 +87,12 @@ def test_stop_token_ids_and_max_tokens(smol, make_engine):
     assert (outs[-1].finish_reason, outs[-1].num_output_tokens) == (FinishReason.LENGTH, 3)
     # the stop token's text is left out, as vLLM's: the text of the three tokens before it
     assert "".join(o.text for o in stopped) == "".join(o.text for o in outs) == "The capital of"
+    # unless asked to keep it (vLLM's include_stop_str_in_output), as a stop string's
+    kept = _run(core, chat, max_tokens=20, temperature=0, stop_token_ids=[full[3]], include_stop_str_in_output=True)
+    assert [t for o in kept for t in o.token_ids] == full[:4]
+    assert "".join(o.text for o in kept) == "The capital of France"
+    cut = _run(core, chat, max_tokens=20, temperature=0, stop=["France"], include_stop_str_in_output=True)
+    assert ("".join(o.text for o in cut), cut[-1].finish_reason) == ("The capital of France", FinishReason.STOP)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(smol, make_engine):
