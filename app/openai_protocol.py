@@ -53,9 +53,10 @@ from engine.params import (
     FieldError,
     GenerationRequest,
     SamplingParams,
+    bad_word_ids,
     check_fits,
 )
-from engine.structured import check_schema, choice_lark, regex_lark
+from engine.structured import check_schema, choice_lark, grammar_lark, regex_lark
 from engine.structured import lark_grammar as check_lark
 from engine.tokenization import encode_prompt
 
@@ -88,6 +89,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = Field(False, description="send a final chunk with token usage")
+    continuous_usage_stats: bool = Field(
+        False, description="with include_usage, every chunk carries its choice's usage so far, as vLLM's (extension)"
+    )
 
 
 class JsonSchemaFormat(_Body):
@@ -132,13 +136,9 @@ def _checked_schema(schema: Any, field: str) -> str:
 # with their neutral value: any other (but null) is refused by name, never ignored
 NOT_IMPLEMENTED: dict[str, Any] = {
     "use_beam_search": False,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "allowed_token_ids": None,
-    "bad_words": None,
     "prompt_logprobs": None,
     "logits_processors": None,
-    "guided_grammar": None,
     "guided_whitespace_pattern": None,
     "structural_tag": None,
 }
@@ -155,17 +155,18 @@ CHAT_NOT_IMPLEMENTED: dict[str, Any] = {
     "add_special_tokens": False,  # the template writes them
 }
 # vLLM's output constraints, by kind: the older fields, and the keys of its newer ``structured_outputs``
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
-STRUCTURED_OUTPUTS = ("json", "regex", "choice", "json_object")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
 # and its options, with their neutral values (``disable_any_whitespace`` and the backend's are
 # ignored: JSON is written without free whitespace here, and llguidance is the one backend)
 STRUCTURED_OUTPUTS_REFUSED = {
-    "grammar": None,
     "structural_tag": None,
     "whitespace_pattern": None,
     "disable_additional_properties": False,
 }
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # each checked against the output's tail every step
+MAX_ALLOWED_TOKEN_IDS = 32_768  # the engine masks the rest of the vocabulary with them every step
 # ``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set (the request's
 # fields do: messages, tools, the template options), nor any name starting with an underscore
 TEMPLATE_ARGUMENTS = frozenset(
@@ -216,6 +217,15 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = Field(
         False, description="the stop string or stop token that ended the output stays in it, as vLLM's (extension)"
     )
+    allowed_token_ids: list[StrictInt] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description="the only token ids it may generate (vLLM's)"
+    )
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description="words it may not generate, as vLLM's (extension)"
+    )
+    skip_special_tokens: bool = Field(
+        True, description="leave special tokens (e.g. <|im_end|>) out of the text, as vLLM's (extension)"
+    )
     truncate_prompt_tokens: int | None = Field(
         None, description="keep only the prompt's last k tokens; -1: the last max_model_len, as vLLM's (extension)"
     )
@@ -258,7 +268,7 @@ class _SamplingFields(_Body):
             raise FieldError(f"{limit_field}: must be at least {self._fewest_tokens()}, got {requested}", limit_field)
         max_tokens = requested if requested is not None else self._default_max_tokens(limits, len(ids))
         check_fits(ids, max_tokens, limits, self.prompt_field, limit_field)
-        sampling = self._sampling_params(max_tokens, chat)
+        sampling = self._sampling_params(max_tokens, chat, self._bad_word_ids(tokenizer))
         if limits.vocab_size is not None:
             sampling.check_token_ids(limits.vocab_size)
         return GenerationRequest(
@@ -292,7 +302,15 @@ class _SamplingFields(_Body):
     def new_request_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    def _sampling_params(self, max_tokens: int, chat: ChatSetup) -> SamplingParams:
+    def _bad_word_ids(self, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` as the engine takes them (``bad_word_ids``)."""
+        for i, word in enumerate(self.bad_words or ()):
+            if not word.strip() or tokenizer is None:
+                problem = "this model has no tokenizer" if word.strip() else "a word must not be only white space"
+                raise FieldError(f"bad_words.{i}: {problem}", f"bad_words.{i}")
+        return bad_word_ids(tokenizer, self.bad_words) if self.bad_words else ()
+
+    def _sampling_params(self, max_tokens: int, chat: ChatSetup, bad_words: tuple = ()) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -303,6 +321,7 @@ class _SamplingFields(_Body):
             stop=self.stop or (),
             stop_token_ids=self.stop_token_ids or (),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
@@ -311,6 +330,8 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias or (),
+            allowed_token_ids=self.allowed_token_ids or (),
+            bad_words_token_ids=bad_words,
             **self._grammar(chat),
         )
 
@@ -326,9 +347,10 @@ class _SamplingFields(_Body):
         return grammar
 
     def _guided(self) -> tuple[str, dict[str, str | None]] | None:
-        """vLLM's output constraint, if one is set: ``guided_json``, ``guided_regex`` or
-        ``guided_choice``, or the same in ``structured_outputs`` (``json``, ``regex``, ``choice``,
-        ``json_object``), as (its field, the grammar); ``FieldError`` naming the field."""
+        """vLLM's output constraint, if one is set: ``guided_json``, ``guided_regex``,
+        ``guided_choice`` or ``guided_grammar`` (Lark or GBNF), or the same in ``structured_outputs``
+        (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``), as (its field, the
+        grammar); ``FieldError`` naming the field."""
         asked = self._guided_fields()
         if not asked:
             return None
@@ -339,6 +361,8 @@ class _SamplingFields(_Body):
             return field, {"json_schema": None, "lark_grammar": regex_lark(value, field)}
         if kind == "choice":
             return field, {"json_schema": None, "lark_grammar": choice_lark(value, field)}
+        if kind == "grammar":
+            return field, {"json_schema": None, "lark_grammar": grammar_lark(value, field)}
         return field, {"json_schema": _guided_schema({"type": "object"} if kind == "json_object" else value, field)}
 
     def _guided_fields(self) -> list[tuple[str, str, Any]]:

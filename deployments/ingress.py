@@ -36,7 +36,6 @@ from app.openai_protocol import (
 )
 from app.settings import AppConfig
 from app.tokenize_protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, tokenize_schema
-from app.tool_calls import AnswerShape
 from deployments import logs
 from deployments.auth import KEY_ID, APIKeyMiddleware, ApiKeys
 from deployments.elastic_routing import ElasticRouting
@@ -346,7 +345,15 @@ class OpenAIIngress:
         echo = self._echo(body, requests) if getattr(body, "echo", False) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(fmt, request_id, choices, body.n, include_usage, text_of, shape, echo)
+            # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far
+            counted = include_usage and body.stream_options.continuous_usage_stats
+            writers = [
+                ChunkWriter(
+                    fmt, request_id, self.model, text_of, i, shape, len(c.prompt_token_ids) if counted else None
+                )
+                for i, c in enumerate(choices)
+            ]
+            stream = self._stream(writers, choices, body.n, include_usage, echo)
             # the request ids are free again when the stream ends, even one that never started
             done = lambda: self._active_ids.difference_update(ids)  # noqa: E731
             return HeldStreamingResponse(
@@ -430,17 +437,14 @@ class OpenAIIngress:
 
     async def _stream(
         self,
-        fmt: ResponseFormat,
-        request_id: str,
+        writers: list[ChunkWriter],
         choices: list[GenerationRequest],
         per_prompt: int,
         include_usage: bool,
-        text_of: Any,
-        shape: AnswerShape | None = None,
         echo: Echo | None = None,
     ) -> AsyncIterator[bytes]:
-        """The SSE chunks of ``choices`` (``per_prompt`` of each prompt, in prompt order)."""
-        writers = [ChunkWriter(fmt, request_id, self.model, text_of, i, shape) for i in range(len(choices))]
+        """The SSE chunks of ``choices`` (``per_prompt`` of each prompt, in prompt order), each
+        choice's written by its writer."""
         self.in_flight += 1
         try:
             for writer in writers:

@@ -254,10 +254,14 @@ class ChunkWriter:
         text_of: TokenText | None = None,
         index: int = 0,
         shape: AnswerShape | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """``index``: the choice this writer's chunks carry (``n`` > 1: one writer per choice);
-        ``shape``: how a chat answer's reasoning and tool calls are read (None: text as it comes)."""
+        ``shape``: how a chat answer's reasoning and tool calls are read (None: text as it comes);
+        ``prompt_tokens``: the choice's prompt length, when each chunk carries the usage so far
+        (vLLM's ``continuous_usage_stats``)."""
         self.fmt, self.request_id, self.model, self.index = fmt, request_id, model, index
+        self.prompt_tokens, self._completion_tokens = prompt_tokens, 0
         self.created = int(time.time())
         self.text_of = text_of
         self.answer = AnswerStream(shape) if shape is not None else None
@@ -272,6 +276,12 @@ class ChunkWriter:
             "model": self.model,
             "choices": [choice] if choice else [],
         }
+        if usage_body is None and choice and self.prompt_tokens is not None:
+            usage_body = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self._completion_tokens,
+                "total_tokens": self.prompt_tokens + self._completion_tokens,
+            }
         if usage_body is not None:
             body["usage"] = usage_body
         return sse(body)
@@ -289,6 +299,7 @@ class ChunkWriter:
 
     def delta(self, output: RequestOutput) -> bytes | None:
         self._pending.extend(output.logprobs)
+        self._completion_tokens = output.num_output_tokens
         if self.answer is not None:
             return self._answer_delta(output)
         reason = finish_reason(output) if output.finished else None

@@ -51,6 +51,7 @@ from engine.params import (
 )
 from engine.sampling import (
     TokenHistory,
+    apply_allowed_tokens,
     apply_logit_bias,
     apply_penalties,
     batch_logprobs,
@@ -93,7 +94,13 @@ class _Request:
     @property
     def plain(self) -> bool:
         """Its sampling needs nothing from its tokens on the host (``engine.overlap``)."""
-        return not self.prefill_only and self.history is None and self.grammar is None and self.spec is None
+        host_state = (self.history, self.grammar, self.spec)
+        bad_words = self.request.sampling.bad_words_token_ids  # matched against the tokens so far
+        return not self.prefill_only and all(s is None for s in host_state) and not bad_words
+
+
+def _ends_with(tokens: list[int], tail: tuple[int, ...]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and tuple(tokens[-len(tail) :]) == tail)
 
 
 class EngineCore:
@@ -332,7 +339,7 @@ class EngineCore:
             generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         elif not sp.greedy:
             generator = self._default_generator
-        stream = TextStream(self.tokenizer, prompt, sp.stop, sp.include_stop_str_in_output)
+        stream = TextStream(self.tokenizer, prompt, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
         history = TokenHistory.build(sp, prompt, self.device)
         spec = SpecState() if self.config.speculative.enabled and not prefill_only else None
         admitted = time.perf_counter()
@@ -598,16 +605,19 @@ class EngineCore:
             seq.draft_tokens = propose_ngram(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
 
     def _processed_logits(self, logits: torch.Tensor, sampled: list[_Request]) -> torch.Tensor:
-        """What to sample from: a copy of ``logits`` with each row's ``logit_bias``, penalties,
-        ``min_tokens`` hold-back and grammar mask applied (in that order, see ``SamplingParams``),
+        """What to sample from: a copy of ``logits`` with each row's ``allowed_token_ids``,
+        ``logit_bias``, penalties, ``min_tokens`` hold-back and bad words, and grammar mask
+        applied (in that order, see ``SamplingParams``),
         or ``logits`` itself when no row asks for any of it. Each is one batched op over the
         rows that ask for it."""
         params = [s.request.sampling for s in sampled]
         held = self._held_back(sampled)
-        if not held and not any(p.logit_bias or s.history or s.grammar for p, s in zip(params, sampled)):
+        asked = (p.allowed_token_ids or p.logit_bias or s.history or s.grammar for p, s in zip(params, sampled))
+        if not held and not any(asked):
             return logits
         with torch.inference_mode():  # logits is an inference tensor
             processed = logits.clone()
+            apply_allowed_tokens(processed, params)
             apply_logit_bias(processed, params)
             apply_penalties(processed, params, [s.history for s in sampled])
             if held:
@@ -619,14 +629,21 @@ class EngineCore:
         return processed
 
     def _held_back(self, sampled: list[_Request]) -> list[tuple[int, list[int]]]:
-        """``min_tokens``: (row, ids) of EOS and stop token ids that cannot be sampled yet (as vLLM)."""
+        """(row, ids) of tokens a row may not sample now (as vLLM's): EOS and stop token ids
+        before ``min_tokens``, and the last token of each bad word the output ends with the rest of."""
         held = []
         for row, state in enumerate(sampled):
-            sp = state.request.sampling
+            sp, banned = state.request.sampling, []
             if state.seq.num_output_tokens < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self._eos_ids))
-                if banned:
-                    held.append((row, banned))
+            if sp.bad_words_token_ids:  # matched against the output's tail, never the prompt
+                ids, longest = state.seq.token_ids, max(map(len, sp.bad_words_token_ids)) - 1
+                tail = ids[max(state.seq.num_prompt_tokens, len(ids) - longest) :]
+                banned += [w[-1] for w in sp.bad_words_token_ids if _ends_with(tail, w[:-1])]
+            if sp.allowed_token_ids and set(sp.allowed_token_ids) <= set(banned):
+                continue  # none of the allowed tokens would be left: allowed_token_ids wins
+            if banned:
+                held.append((row, banned))
         return held
 
     def _append_token(self, state: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:

@@ -17,14 +17,20 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int]) -> None:
+    """A request's output text, a token at a time; special tokens (e.g. ``<|im_end|>``) have
+    no text unless ``skip_special_tokens`` is false (vLLM's field)."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (may be empty)."""
@@ -50,8 +56,11 @@ class TextStream:
         prompt_ids: Sequence[int],
         stop: tuple[str, ...],
         keep_stop: bool = False,
+        skip_special_tokens: bool = True,
     ):
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self._detok = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens) if tokenizer is not None else None
+        )
         self._stop = stop
         self._keep_stop = keep_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1

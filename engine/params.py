@@ -13,6 +13,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # below this temperature sampling is greedy (as vLLM does): dividing the logits by a
 # smaller one overflows them to inf, and softmax then gives NaN
@@ -79,11 +83,15 @@ class SamplingParams:
     prompt is then computed whole: no prefix-cache hit skips a position).
 
     Logits processing, before temperature, top-k and top-p, and for greedy requests too (it
-    moves the argmax): ``logit_bias`` (token id -> bias added), then ``repetition_penalty``
-    (vLLM's: the logit of a token seen in the prompt or the output is divided by it when
-    positive, multiplied when negative), then ``presence_penalty`` and ``frequency_penalty``
-    (OpenAI's: ``presence * [count > 0] + frequency * count`` subtracted, counting the tokens
-    generated so far), then the ``json_schema`` grammar's mask. ``logprobs`` stay those of
+    moves the argmax): ``allowed_token_ids`` (vLLM's: every other token masked), then
+    ``logit_bias`` (token id -> bias added), then ``repetition_penalty`` (vLLM's: the logit of a
+    token seen in the prompt or the output is divided by it when positive, multiplied when
+    negative), then ``presence_penalty`` and ``frequency_penalty`` (OpenAI's: ``presence *
+    [count > 0] + frequency * count`` subtracted, counting the tokens generated so far), then
+    the tokens held back (EOS and stop token ids before ``min_tokens``, unless that would leave
+    none of ``allowed_token_ids``; the last token of each of ``bad_words_token_ids``, vLLM's
+    ``bad_words``, where the output ends with the rest of it), then the ``json_schema``
+    grammar's mask. ``logprobs`` stay those of
     the raw model distribution, before any of this.
 
     ``json_schema``: the output must be JSON matching this schema, given as its JSON text
@@ -103,6 +111,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
@@ -111,6 +120,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id; a mapping is accepted
+    allowed_token_ids: tuple[int, ...] = ()  # the only tokens it may sample; empty: all
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, tokenized (``bad_word_ids``)
     json_schema: str | None = None
     lark_grammar: str | None = None
 
@@ -147,8 +158,8 @@ class SamplingParams:
         valid_ids = not isinstance(ids, (str, bytes)) and all(_is_int(t) and t >= 0 for t in ids)
         _require(valid_ids, "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        keep = self.include_stop_str_in_output
-        _require(isinstance(keep, bool), "include_stop_str_in_output", "a boolean", keep)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            _require(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             valid = value is None or (_is_int(value) and 0 <= value <= 20)
@@ -167,6 +178,17 @@ class SamplingParams:
         _require(schema is None or _is_json_object(schema), "response_format", "a JSON schema object as text", schema)
         lark = self.lark_grammar
         _require(lark is None or isinstance(lark, str) and schema is None, "tools", "one grammar, as text", lark)
+        ids = self.allowed_token_ids
+        valid_ids = not isinstance(ids, (str, bytes)) and all(_is_int(t) and t >= 0 for t in ids)
+        _require(valid_ids, "allowed_token_ids", "a list of token ids", ids)
+        object.__setattr__(self, "allowed_token_ids", tuple(ids))
+        _require(not (ids and self.grammar), "allowed_token_ids", "left out when the output follows a grammar", ids)
+        words = self.bad_words_token_ids
+        valid_words = not isinstance(words, (str, bytes)) and all(
+            not isinstance(w, (str, bytes)) and len(w) > 0 and all(_is_int(t) and t >= 0 for t in w) for w in words
+        )
+        _require(valid_words, "bad_words", "token id sequences", words)
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in words))
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -185,13 +207,27 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Refuse ``logit_bias`` and ``stop_token_ids`` ids outside the vocabulary (``FieldError``
-        naming the field): an id beyond the logits found inside a step would fail every request
-        in the batch."""
-        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        """Refuse ``logit_bias``, ``stop_token_ids`` and ``allowed_token_ids`` ids outside the
+        vocabulary (``FieldError`` naming the field): an id beyond the logits found inside a step
+        would fail every request in the batch."""
+        words = [t for word in self.bad_words_token_ids for t in word]
+        listed = [t for t, _ in self.logit_bias], self.stop_token_ids, self.allowed_token_ids, words
+        for name, ids in zip(("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words"), listed, strict=True):
             if ids and (largest := max(ids)) >= vocab_size:
                 message = f"token id {largest} is out of vocabulary (the model has {vocab_size} ids)"
                 raise FieldError(f"{name}: {message}", name)
+
+
+def bad_word_ids(tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token id sequences: each word as it starts a text and, where that
+    gives as many tokens but another first one, after a space (a word inside the text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        inside = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        spaced = bool(alone) and len(inside) == len(alone) and inside[0] != alone[0]
+        sequences += [ids for ids in (alone, inside if spaced else ()) if ids and ids not in sequences]
+    return tuple(sequences)
 
 
 def _require(valid: bool, param: str, expected: str, value: object) -> None:

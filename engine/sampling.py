@@ -211,6 +211,20 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     logits.index_put_(index, on_device(values, device, logits.dtype), accumulate=True)
 
 
+def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """vLLM's ``allowed_token_ids``, in place: every other token of a row that lists them is
+    masked (-inf), for the whole batch at once."""
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return
+    device = logits.device
+    keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=device)
+    listed = [(i, token) for i, row in enumerate(rows) for token in params[row].allowed_token_ids]
+    keep[on_device([i for i, _ in listed], device), on_device([t for _, t in listed], device)] = True
+    index = on_device(rows, device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+
+
 def on_device(values: Sequence[int | float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``values`` as a tensor on ``device``; on CUDA copied from pinned memory, queued behind
     the work in flight instead of waiting for it (``engine.overlap``)."""

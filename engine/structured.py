@@ -90,6 +90,21 @@ def regex_lark(pattern: str, field: str) -> str:
     return text
 
 
+def grammar_lark(text: str, field: str) -> str:
+    """vLLM's ``guided_grammar``: a Lark grammar, or a GBNF (EBNF) one that llguidance converts
+    (told apart as llguidance does), checked (``FieldError`` naming ``field``)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if not isinstance(text, str) or not text.strip() or len(text) > MAX_GUIDED_CHARS:
+        raise FieldError(f"{field}: must be a Lark or GBNF grammar of 1 to {MAX_GUIDED_CHARS:,} characters", field)
+    try:
+        lark = any_to_lark(text)
+    except Exception as exc:  # the converter's own error, or any other it meets on malformed text
+        raise FieldError(f"{field}: the grammar is not valid GBNF: {exc}", field) from None
+    lark_grammar(lark, field)
+    return lark
+
+
 def choice_lark(choices: Sequence[str], field: str) -> str:
     """A Lark grammar matching the whole output to one of ``choices``, checked."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):

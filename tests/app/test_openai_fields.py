@@ -127,6 +127,29 @@ def test_vllm_s_prompt_truncation_and_kept_stop_strings(tokenizer, limits):
     assert _sampling(CompletionRequest, COMPLETION, tokenizer, limits).include_stop_str_in_output is False
 
 
+def test_vllm_s_token_constraints_reach_the_engine(tokenizer, limits):
+    """``bad_words`` (tokenized here, alone and after a space), ``allowed_token_ids``, ``skip_special_tokens``."""
+    body = {**CHAT, "bad_words": ["Paris"], "allowed_token_ids": [5, 38634], "skip_special_tokens": False}
+    sp = _sampling(ChatCompletionRequest, body, tokenizer, limits)
+    assert (sp.bad_words_token_ids, sp.allowed_token_ids, sp.skip_special_tokens) == (
+        ((38634,), (7042,)),
+        (5, 38634),
+        False,
+    )
+    refused = [
+        ({"bad_words": ["ok", "  "]}, "bad_words.1", "only white space"),
+        ({"allowed_token_ids": [49152]}, "allowed_token_ids", "out of vocabulary"),
+        (
+            {"allowed_token_ids": [5], "guided_regex": "a+"},
+            "allowed_token_ids",
+            "left out when the output follows a grammar",
+        ),
+    ]
+    for extra, param, text in refused:
+        error = _field_error(CompletionRequest, {**COMPLETION, **extra}, tokenizer, limits)
+        assert error.param == param and text in error.message, error.message
+
+
 def test_tokenize_bodies_give_the_generation_endpoints_ids_and_detokenize_names_a_bad_id(tokenizer, limits):
     """vLLM's /tokenize (a completion's text or a chat) and /detokenize, as the ingress reads them."""
     chat = ChatSetup.of(tokenizer.chat_template, None, None, None)
@@ -177,6 +200,11 @@ def test_vllm_s_output_constraints_become_the_engine_s_grammars(tokenizer, limit
     assert _any_object(sp.json_schema)
     sp = _sampling(CompletionRequest, {**COMPLETION, "guided_regex": "[0-9]+/[a-z]"}, tokenizer, limits)
     assert (sp.json_schema, sp.lark_grammar) == (None, "start: /[0-9]+\\/[a-z]/")
+    sp = _sampling(CompletionRequest, {**COMPLETION, "guided_grammar": 'root ::= "yes" | [0-9]+'}, tokenizer, limits)
+    assert sp.json_schema is None and 'start: "yes"\n     | /[0-9]/+' in sp.lark_grammar  # GBNF, as Lark
+    lark = 'start: "a" b\nb: /[0-9]+/'
+    outputs = {**COMPLETION, "structured_outputs": {"grammar": lark}}
+    assert _sampling(CompletionRequest, outputs, tokenizer, limits).lark_grammar == lark
     choices = {"structured_outputs": {"choice": ['say "yes"', "no"]}}
     assert _sampling(ChatCompletionRequest, {**CHAT, **choices}, tokenizer, limits).lark_grammar == (
         'start: "say \\"yes\\"" | "no"'
@@ -197,7 +225,10 @@ def test_vllm_s_output_constraints_become_the_engine_s_grammars(tokenizer, limit
         ({"guided_json": {"type": "foo"}}, "guided_json", "cannot be used"),
         ({"guided_choice": ["a"], "guided_json": {"type": "object"}}, "guided_choice", "with guided_json"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "with response_format"),
-        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammar: 'root ::= x' is not"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar", "Rule 'x' not found"),
+        ({"guided_grammar": "start: x"}, "guided_grammar", "unknown name"),
+        ({"guided_grammar": " "}, "guided_grammar", "grammar of 1 to 32,768 characters"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag: '{}' is not"),
         ({"structured_outputs": "json"}, "structured_outputs", "must be an object"),
         ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}]}, "guided_choice",
          "cannot be combined with tools"),

@@ -107,6 +107,18 @@ def _events(writer: ChunkWriter, outputs: list[RequestOutput]) -> list[dict]:
     return [json.loads(line.removeprefix("data: ")) for line in raw.split("\n\n") if line]
 
 
+@pytest.mark.parametrize("fmt", [CHAT, COMPLETION], ids=["chat", "completion"])
+def test_continuous_usage_puts_the_usage_so_far_on_every_chunk(fmt):
+    """vLLM's stream_options.continuous_usage_stats; without it no chunk carries usage."""
+    counted = ChunkWriter(fmt, "r", "m", prompt_tokens=4)
+    first = [json.loads(counted.start().decode().removeprefix("data: "))] if fmt is CHAT else []
+    events = first + _events(counted, _outputs(["a", "b", "c"]))
+    usages = [e["usage"] for e in events]
+    assert [u["completion_tokens"] for u in usages] == ([0] if fmt is CHAT else []) + [1, 2, 3]
+    assert all(u["prompt_tokens"] == 4 and u["total_tokens"] == 4 + u["completion_tokens"] for u in usages)
+    assert not any("usage" in e for e in _events(ChunkWriter(fmt, "r", "m"), _outputs(["a", "b"])))
+
+
 HERMES_ANSWER = ["<think>The user wants", " weather.</think>Checking. <tool", '_call>{"name": "get_weather", ',
                  '"arguments": {"city": "Paris"}}</tool_call>']  # fmt: skip
 

@@ -120,6 +120,13 @@ def test_chat_streamed_with_usage(url):
     assert text == "The capital of France is Paris."
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert not any("usage" in c for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk has the usage so far, the last chunk the whole
+    body["stream_options"]["continuous_usage_stats"] = True
+    counted = [json.loads(e) for e in _sse_events(_post(url, "/v1/chat/completions", body))[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in counted][:2] == [0, 1]
+    assert counted[-2]["usage"]["completion_tokens"] == counted[-1]["usage"]["completion_tokens"] == 8
+    assert {c["usage"]["prompt_tokens"] for c in counted} == {chunks[-1]["usage"]["prompt_tokens"]}
 
 
 def test_stop_token_ids_end_the_answer_without_their_text(url):
@@ -170,9 +177,10 @@ def test_tokenize_gives_the_prompt_a_request_is_charged_for_and_detokenize_its_t
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
 
 
-def test_vllm_s_guided_choice_constrains_the_answer(url):
-    """vLLM's guided_choice (structured_outputs.choice in its newer API), through every path:
-    the answer is one of the choices, whole (unconstrained: "The capital of France is Paris.")."""
+def test_vllm_s_constraints_hold_the_answer_on_every_path(url):
+    """vLLM's guided_choice (structured_outputs.choice in its newer API), guided_grammar and
+    allowed_token_ids, through every path: the answer is one of the choices, whole, the
+    grammar's, or of the allowed tokens (unconstrained: "The capital of France is Paris.")."""
     answers = []
     for field in ({"guided_choice": ["Lyon", "Paris"]}, {"structured_outputs": {"choice": ["Lyon", "Paris"]}}):
         r = _post(url, CHAT, {"model": MODEL, "messages": QUESTION, "temperature": 0, **field})
@@ -180,6 +188,16 @@ def test_vllm_s_guided_choice_constrains_the_answer(url):
         choice = r.json()["choices"][0]
         answers.append((choice["message"]["content"], choice["finish_reason"]))
     assert answers[0] in {("Lyon", "stop"), ("Paris", "stop")} and answers[1] == answers[0]
+    grammar = 'root ::= "It is " city "!"\ncity ::= "Lyon" | "Paris"'  # vLLM's guided_grammar, in GBNF
+    r = _post(url, CHAT, {"model": MODEL, "messages": QUESTION, "temperature": 0, "guided_grammar": grammar})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in {"It is Lyon!", "It is Paris!"}
+    # vLLM's allowed_token_ids: "Paris" (38634) and the end of the turn (2) are all it may write
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 4, "allowed_token_ids": [38634, 2]}
+    r = _post(url, CHAT, body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.startswith("Paris") and content.replace("Paris", "") == ""
 
 
 def test_min_p_1_samples_the_greedy_answer(url):
@@ -375,7 +393,12 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "logprobs": 21}, 400, "logprobs", "logprobs"),
         (COMPLETIONS, {**TEXT, "echo": True, "max_tokens": -1}, 400, "max_tokens", "at least 0"),
         (COMPLETIONS, {**TEXT, "suffix": "The end."}, 400, "suffix", "not supported"),
-        (CHAT, {**JSON_ASK, "guided_grammar": "root ::= x"}, 400, "guided_grammar", "not supported"),
+        (CHAT, {**JSON_ASK, "guided_grammar": "root ::= x"}, 400, "guided_grammar", "Rule 'x' not found"),
+        (CHAT, {**JSON_ASK, "bad_words": [" "]}, 400, "bad_words.0", "only white space"),
+        (CHAT, {**JSON_ASK, "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+        (COMPLETIONS, {**TEXT, "allowed_token_ids": [5, 49152]}, 400, "allowed_token_ids", "out of vocabulary"),
+        (COMPLETIONS, {**TEXT, "allowed_token_ids": []}, 400, "allowed_token_ids", "at least 1 item"),
+        (COMPLETIONS, {**TEXT, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "[1, 1024]"),
         (CHAT, {**JSON_ASK, "guided_regex": "(a"}, 400, "guided_regex", "unclosed group"),
         (COMPLETIONS, {**TEXT, "stop_token_ids": [49152]}, 400, "stop_token_ids", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "logit_bias": {"49152": 5}}, 400, "logit_bias", "out of vocabulary"),

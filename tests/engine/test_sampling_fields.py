@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.params import FieldError, FinishReason, GenerationRequest, Role, SamplingParams
-from engine.sampling import TokenHistory, apply_logit_bias, apply_penalties
+from engine.params import FieldError, FinishReason, GenerationRequest, Role, SamplingParams, bad_word_ids
+from engine.sampling import TokenHistory, apply_allowed_tokens, apply_logit_bias, apply_penalties
 from tests.engine.conftest import run_to_completion
 from tests.engine.test_roles import _handover
 
@@ -82,6 +82,44 @@ def test_logit_bias_applies_to_sampled_requests(smol, make_engine):
     only = {17: 100.0}
     request = core.make_request(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3, logit_bias=only))
     assert _tokens(_run(core, request)) == [17] * 6
+
+
+def test_allowed_token_ids_are_the_only_tokens_greedy_or_sampled(smol, make_engine):
+    """vLLM's allowed_token_ids: the greedy token is the best of them by the raw logits, sampled
+    ones stay among them; a min_tokens hold-back that would leave none of them is skipped."""
+    core = make_engine(smol)
+    (out,) = _run(core, core.make_request(PROMPT, SamplingParams(max_tokens=1, temperature=0, logprobs=TOP)))
+    ranked = [t for t, _ in out.logprobs[0].top]
+    allowed = [ranked[7], ranked[3], 17]
+    for name, sampling in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 1.5, "seed": 5})):
+        sp = SamplingParams(max_tokens=8, ignore_eos=True, allowed_token_ids=allowed, **sampling)
+        tokens = _tokens(_run(core, core.make_request(PROMPT, sp)))
+        assert len(tokens) == 8 and set(tokens) <= set(allowed), name
+        assert name == "sampled" or tokens[0] == ranked[3]
+    eos = smol.tokenizer.eos_token_id
+    ended = _run(core, core.make_request(PROMPT, SamplingParams(max_tokens=5, allowed_token_ids=[eos], min_tokens=3)))
+    assert (_tokens(ended), ended[-1].finish_reason) == ([eos], FinishReason.STOP)
+    logits = torch.zeros(2, 4)
+    apply_allowed_tokens(logits, [SamplingParams(allowed_token_ids=[2, 0]), SamplingParams()])
+    assert logits.tolist() == [[0.0, float("-inf"), 0.0, float("-inf")], [0.0] * 4]
+
+
+def test_bad_words_never_end_the_output_alone_or_inside_the_text(smol, make_engine):
+    """vLLM's bad_words, as token sequences (each word as it starts a text and after a space):
+    a word's last token is never sampled where the output ends with the rest of it."""
+    assert bad_word_ids(smol.tokenizer, ["Paris", "capital of"]) == ((38634,), (7042,), (29721, 282), (3575, 282))
+    core = make_engine(smol)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = _tokens(_run(core, core.make_request(chat, SamplingParams(max_tokens=12, temperature=0))))
+    assert smol.tokenizer.decode(plain) == "The capital of France is Paris.<|im_end|>"
+    words = bad_word_ids(smol.tokenizer, ["Paris", "capital of"])
+    sp = SamplingParams(max_tokens=12, temperature=0, bad_words_token_ids=words)
+    tokens = _tokens(_run(core, core.make_request(chat, sp)))
+    assert tokens[:2] == plain[:2] and tokens[2] != plain[2]  # " capital" came, " of" may not follow it
+    text = smol.tokenizer.decode(tokens)
+    assert "Paris" not in text and "capital of" not in text
+    for word in words:
+        assert not any(tuple(tokens[i : i + len(word)]) == word for i in range(len(tokens))), word
 
 
 @pytest.mark.parametrize(
@@ -158,6 +196,9 @@ def test_fields_are_checked_and_pickle(smol, make_engine):
         ({"logit_bias": {5: 101}}, "logit_bias"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"json_schema": "[1]"}, "response_format"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words"),
+        ({"allowed_token_ids": [1], "json_schema": '{"type": "object"}'}, "allowed_token_ids"),
     ]:
         with pytest.raises(FieldError) as info:
             SamplingParams(**kwargs)
@@ -168,10 +209,15 @@ def test_fields_are_checked_and_pickle(smol, make_engine):
     core = make_engine(smol, max_model_len=128, num_blocks=16)
     vocab = core.vocab_size
     for admit in (core.add_request, core.add_prefill):
-        bad = GenerationRequest(f"oov-{admit.__name__}", (1, 2), SamplingParams(logit_bias={vocab: 5}))
-        with pytest.raises(FieldError, match=f"^logit_bias: token id {vocab} is out of vocabulary") as info:
-            admit(bad)
-        assert info.value.param == "logit_bias"
+        for field, sampling in (
+            ("logit_bias", {"logit_bias": {vocab: 5}}),
+            ("allowed_token_ids", {"allowed_token_ids": [vocab]}),
+            ("bad_words", {"bad_words_token_ids": [[1, vocab]]}),
+        ):
+            bad = GenerationRequest(f"oov-{admit.__name__}", (1, 2), SamplingParams(**sampling))
+            with pytest.raises(FieldError, match=f"^{field}: token id {vocab} is out of vocabulary") as info:
+                admit(bad)
+            assert info.value.param == field
     assert core.stats().num_free_blocks == 16 and not core.has_work()
 
 

@@ -95,6 +95,19 @@ def test_stop_token_ids_and_max_tokens(smol, make_engine):
     assert ("".join(o.text for o in cut), cut[-1].finish_reason) == ("The capital of France", FinishReason.STOP)
 
 
+def test_special_tokens_are_text_only_when_asked(smol, make_engine):
+    """vLLM's skip_special_tokens (true by default): past an ignored EOS the chat's end-of-turn
+    token is in the text only with it false; the tokens are the same."""
+    core = make_engine(smol)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    sampling = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    skipped, kept = (_run(core, chat, skip_special_tokens=skip, **sampling) for skip in (True, False))
+    assert [t for o in skipped for t in o.token_ids] == [t for o in kept for t in o.token_ids]
+    text = "".join(o.text for o in kept)
+    assert text.startswith("The capital of France is Paris.<|im_end|>")
+    assert "".join(o.text for o in skipped) == text.replace("<|im_end|>", "").replace("<|im_start|>", "")
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(smol, make_engine):
     core = make_engine(smol)
     sp = dict(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True)
