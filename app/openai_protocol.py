@@ -56,7 +56,7 @@ from engine.params import (
     bad_word_ids,
     check_fits,
 )
-from engine.structured import check_schema, choice_lark, grammar_lark, regex_lark
+from engine.structured import after_reasoning, check_schema, choice_lark, grammar_lark, regex_lark
 from engine.structured import lark_grammar as check_lark
 from engine.tokenization import encode_prompt
 
@@ -697,7 +697,7 @@ class ChatCompletionRequest(_SamplingFields):
             return {"json_schema": check_schema(forced_schema(functions, named, self.parallel_tool_calls), "tools")}
         shape = self.answer_shape(chat)
         if shape is None or shape.parser is None or shape.reasoning is not None or self.response_format is not None:
-            return super()._grammar(chat)
+            return _after_reasoning(super()._grammar(chat), chat.reasoning)
         lazy = shape.parser.lazy_grammar(functions)
         return {"json_schema": None, "lark_grammar": _checked_lark(lazy)} if lazy else super()._grammar(chat)
 
@@ -720,6 +720,19 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _after_reasoning(grammar: dict[str, str | None], reasoning: ReasoningParser | None) -> dict[str, str | None]:
+    """A chat's output constraint under a reasoning parser holds once the reasoning ends, as
+    vLLM's: free reasoning text, then the answer under the grammar (``after_reasoning``)."""
+    text, kind = grammar.get("json_schema"), "json"
+    if text is None:
+        text, kind = grammar.get("lark_grammar"), "lark"
+    if reasoning is None or text is None:
+        return grammar
+    open_tag = None if reasoning.implicit else reasoning.open_tag
+    lark = after_reasoning((text, kind), reasoning.close_tag, open_tag, "response_format")
+    return {"json_schema": None, "lark_grammar": lark}
 
 
 def _prompt_form(value: Any) -> str:

@@ -105,6 +105,28 @@ def grammar_lark(text: str, field: str) -> str:
     return lark
 
 
+def after_reasoning(grammar: tuple[str, str], close_tag: str, open_tag: str | None, field: str) -> str:
+    """vLLM's structured outputs with a reasoning parser, as one Lark grammar: free reasoning
+    text up to ``close_tag``, white space, then ``grammar`` ((text, kind): a JSON schema's text,
+    laid out as the engine writes JSON, or a Lark grammar's, nested). ``open_tag``: the model
+    opens its reasoning itself, so it may also answer at once (Qwen3); None: the chat template
+    opened it (DeepSeek-R1), so the reasoning comes first. Checked (``FieldError`` naming ``field``)."""
+    text, kind = grammar
+    if kind == "json":
+        schema = json.loads(text)
+        answer = "%json " + json.dumps({"x-guidance": _JSON_LAYOUT} | schema if isinstance(schema, dict) else schema)
+    else:
+        answer = "%lark {\n" + text + "\n}"
+    reasoning = f"think {_SPACE}" if open_tag is None else f"({json.dumps(open_tag)} think {_SPACE})?"
+    rules = [f"start: {reasoning} answer", f"think[suffix={json.dumps(close_tag)}]: /(?s:.*)/", f"answer: {answer}"]
+    lark = "\n".join(rules)
+    lark_grammar(lark, field)
+    return lark
+
+
+_SPACE = "/[ \\t\\r\\n]*/"  # between the reasoning and the answer (a template writes "\n\n")
+
+
 def choice_lark(choices: Sequence[str], field: str) -> str:
     """A Lark grammar matching the whole output to one of ``choices``, checked."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):

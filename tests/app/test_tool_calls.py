@@ -242,3 +242,43 @@ def test_a_request_has_one_grammar_at_most() -> None:
     assert SamplingParams(json_schema='{"type":"object"}').grammar == ('{"type":"object"}', "json")
     with pytest.raises(FieldError, match="tools"):
         SamplingParams(json_schema='{"type":"object"}', lark_grammar=lazy)
+
+
+@pytest.mark.parametrize("reasoning", ["qwen3", "deepseek_r1"])
+def test_a_constraint_under_a_reasoning_parser_holds_once_the_reasoning_ends(lark_matcher, reasoning) -> None:
+    """vLLM's structured outputs with a reasoning parser: any reasoning, then the answer under
+    the schema or the guided choice. Qwen3's model opens its reasoning (or answers at once);
+    DeepSeek-R1's template opened it, so it comes first."""
+    from app.openai_protocol import ChatCompletionRequest, ChatSetup
+    from engine.loader import ModelSpec, load_tokenizer
+    from engine.params import ContextLimits
+
+    tokenizer = load_tokenizer(ModelSpec())
+    chat = ChatSetup.of(tokenizer.chat_template, None, None, reasoning)
+    limits = ContextLimits(max_model_len=2048, vocab_size=len(tokenizer))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    asks = {
+        "json": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+        "choice": {"guided_choice": ["yes", "no"]},
+    }
+    opened = "<think>" if reasoning == "qwen3" else ""
+    for name, ask in asks.items():
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **ask}
+        sampling = (
+            ChatCompletionRequest.model_validate(body).to_generation_request(tokenizer, limits, chat=chat).sampling
+        )
+        answer = '{"a": 1}' if name == "json" else "no"
+        assert sampling.json_schema is None, name
+        assert lark_matcher(sampling.lark_grammar, f"{opened}Say {answer}.</think>\n\n{answer}") == (True, True), name
+        assert lark_matcher(sampling.lark_grammar, f"{opened}Hm.</think>\n\nSure: {answer}")[0] is False, name
+        at_once = lark_matcher(sampling.lark_grammar, answer)
+        assert at_once == ((True, True) if reasoning == "qwen3" else (True, False)), (
+            name
+        )  # DeepSeek-R1: still reasoning
+    plain = ChatSetup.of(tokenizer.chat_template, None, None, None)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **asks["json"]}
+    assert (
+        ChatCompletionRequest.model_validate(body)
+        .to_generation_request(tokenizer, limits, chat=plain)
+        .sampling.json_schema
+    )
