@@ -226,7 +226,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = Field(
         True, description="leave special tokens (e.g. <|im_end|>) out of the text, as vLLM's (extension)"
     )
-    truncate_prompt_tokens: int | None = Field(
+    truncate_prompt_tokens: StrictInt | None = Field(
         None, description="keep only the prompt's last k tokens; -1: the last max_model_len, as vLLM's (extension)"
     )
     stream: bool = Field(False, description="stream server-sent events")
@@ -337,7 +337,8 @@ class _SamplingFields(_Body):
 
     def _grammar(self, chat: ChatSetup) -> dict[str, str | None]:
         """The grammar the output is generated under: ``SamplingParams.json_schema`` or
-        ``lark_grammar``, from ``response_format`` or one of vLLM's constraints (``_guided``)."""
+        ``lark_grammar`` (and ``grammar_field``, the field it came from), from
+        ``response_format`` or one of vLLM's constraints (``_guided``)."""
         guided = self._guided()
         if guided is None:
             return {"json_schema": self.response_format.to_schema() if self.response_format is not None else None}
@@ -357,13 +358,11 @@ class _SamplingFields(_Body):
         if len(asked) > 1:
             raise FieldError(f"{asked[1][0]}: cannot be combined with {asked[0][0]}", asked[1][0])
         field, kind, value = asked[0]
-        if kind == "regex":
-            return field, {"json_schema": None, "lark_grammar": regex_lark(value, field)}
-        if kind == "choice":
-            return field, {"json_schema": None, "lark_grammar": choice_lark(value, field)}
-        if kind == "grammar":
-            return field, {"json_schema": None, "lark_grammar": grammar_lark(value, field)}
-        return field, {"json_schema": _guided_schema({"type": "object"} if kind == "json_object" else value, field)}
+        lark = {"regex": regex_lark, "choice": choice_lark, "grammar": grammar_lark}.get(kind)
+        if lark is not None:
+            return field, {"json_schema": None, "lark_grammar": lark(value, field), "grammar_field": field}
+        schema = _guided_schema({"type": "object"} if kind == "json_object" else value, field)
+        return field, {"json_schema": schema, "grammar_field": field}
 
     def _guided_fields(self) -> list[tuple[str, str, Any]]:
         """The constraints of ``_guided`` that are set: (field, kind, value)."""
@@ -668,6 +667,9 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.for_template() for m in self.messages]
 
     def _prompt_token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
+        if tokenizer is None:
+            message = "messages: this model has no tokenizer or chat template (dummy weights): send token ids"
+            raise FieldError(message, "messages")
         template, options = chat.template, self._template_options(tokenizer)
         if self.tools or self._tool_history:
             if chat.tools_template is None:
@@ -694,7 +696,8 @@ class ChatCompletionRequest(_SamplingFields):
         functions = [t.function.model_dump() for t in self.tools or ()]
         if self.forced_tools:
             named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-            return {"json_schema": check_schema(forced_schema(functions, named, self.parallel_tool_calls), "tools")}
+            schema = check_schema(forced_schema(functions, named, self.parallel_tool_calls), "tools")
+            return {"json_schema": schema, "grammar_field": "tools"}
         shape = self.answer_shape(chat)
         if shape is None or shape.parser is None or shape.reasoning is not None or self.response_format is not None:
             return _after_reasoning(super()._grammar(chat), chat.reasoning)
@@ -730,9 +733,9 @@ def _after_reasoning(grammar: dict[str, str | None], reasoning: ReasoningParser 
         text, kind = grammar.get("lark_grammar"), "lark"
     if reasoning is None or text is None:
         return grammar
-    open_tag = None if reasoning.implicit else reasoning.open_tag
-    lark = after_reasoning((text, kind), reasoning.close_tag, open_tag, "response_format")
-    return {"json_schema": None, "lark_grammar": lark}
+    open_tag, field = None if reasoning.implicit else reasoning.open_tag, grammar.get("grammar_field")
+    lark = after_reasoning((text, kind), reasoning.close_tag, open_tag, field or "response_format")
+    return {"json_schema": None, "lark_grammar": lark, "grammar_field": field}
 
 
 def _prompt_form(value: Any) -> str:

@@ -10,25 +10,32 @@ the served model's name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import Field, StrictInt
+from pydantic import ConfigDict, Field, StrictInt
 
 from app.openai_protocol import ChatCompletionRequest, ChatMessage, ChatSetup, CompletionRequest, Tool, _Body
-from engine.params import FieldError
+from engine.params import ContextLimits, FieldError
 
-MAX_DETOKENIZE_TOKENS = 1 << 20  # the body limit bounds it first at the default limits.max_body_bytes
 # the chat fields a tokenize body shares with a chat completion's, which tokenizes them
 CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 class _TokenizeFields(_Body):
+    # unknown fields ignored, as vLLM does; vLLM's fields not implemented here are refused by name
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    not_implemented: ClassVar[tuple[str, ...]] = ()
+
     model: str | None = Field(None, description="the served model's name, if given (GET /v1/models)")
     return_token_strs: bool = Field(False, description="also return each token's string (the tokenizer's pieces)")
 
     def token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         """The prompt's token ids, as the generation endpoint would make them (``FieldError``
         naming the client's field)."""
+        extra = self.model_extra or {}
+        for name in self.not_implemented:
+            if extra.get(name) is not None:
+                raise FieldError(f"{name}: {str(extra[name])[:60]!r} is not supported by this server", name)
         return self._as_generation_request().prompt_token_ids(tokenizer, chat)
 
     def _as_generation_request(self) -> CompletionRequest | ChatCompletionRequest:
@@ -39,12 +46,19 @@ class TokenizeCompletionRequest(_TokenizeFields):
     prompt: str = Field(description="the text, as a completion's prompt")
     add_special_tokens: bool = Field(True, description="the tokenizer's special tokens, e.g. a BOS (as a completion)")
 
+    def token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
+        if self.prompt or tokenizer is None:
+            return super().token_ids(tokenizer, chat)
+        return list(tokenizer("", add_special_tokens=self.add_special_tokens)["input_ids"])  # vLLM's: [] or a BOS
+
     def _as_generation_request(self) -> CompletionRequest:
         fields = {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens}
         return CompletionRequest.model_construct(model=self.model or "", **fields)
 
 
 class TokenizeChatRequest(_TokenizeFields):
+    not_implemented: ClassVar[tuple[str, ...]] = ("chat_template", "mm_processor_kwargs")
+
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, as a chat completion's")
     tools: list[Tool] | None = Field(None, description="functions the template writes into the prompt")
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn")
@@ -62,12 +76,19 @@ class TokenizeChatRequest(_TokenizeFields):
 
 class DetokenizeRequest(_Body):
     model: str | None = Field(None, description="the served model's name, if given (GET /v1/models)")
-    tokens: list[StrictInt] = Field(max_length=MAX_DETOKENIZE_TOKENS, description="token ids of the model's vocabulary")
+    tokens: list[StrictInt] = Field(description="token ids of the model's vocabulary, at most max_model_len")
 
-    def text(self, tokenizer: Any, vocab_size: int | None) -> str:
-        """The tokens' text (``FieldError`` naming the first id out of the vocabulary)."""
+    def text(self, tokenizer: Any, limits: ContextLimits) -> str:
+        """The tokens' text (``FieldError`` naming the first id out of the vocabulary); at most
+        ``max_model_len`` of them."""
         if tokenizer is None:
             raise FieldError("tokens: this model has no tokenizer (dummy weights)", "tokens")
+        if len(self.tokens) > limits.max_model_len:
+            message = (
+                f"tokens: {len(self.tokens)} ids, more than a context holds (max_model_len {limits.max_model_len})"
+            )
+            raise FieldError(message, "tokens")
+        vocab_size = limits.vocab_size
         for i, token in enumerate(self.tokens):
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 message = f"tokens.{i}: token id {token} is out of vocabulary (the model has {vocab_size} ids)"

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -262,6 +262,9 @@ class OpenAIIngress:
     )
     async def tokenize(self, raw: Request) -> dict | JSONResponse:
         """vLLM's: a prompt's token ids, as the generation endpoints make them."""
+        return await self._holding_slot(raw, lambda _: self._tokenize(raw))
+
+    async def _tokenize(self, raw: Request) -> dict | JSONResponse:
         try:
             data = await self._read_json(raw)
             body = self._tokenizer_body(tokenize_schema(data), data)
@@ -280,10 +283,13 @@ class OpenAIIngress:
         responses=error_responses(400, 401, 404, 413),
     )
     async def detokenize(self, raw: Request) -> dict | JSONResponse:
-        """vLLM's: the text of token ids."""
+        """vLLM's: the text of token ids (at most ``max_model_len`` of them)."""
+        return await self._holding_slot(raw, lambda _: self._detokenize(raw))
+
+    async def _detokenize(self, raw: Request) -> dict | JSONResponse:
         try:
             body = self._tokenizer_body(DetokenizeRequest, await self._read_json(raw))
-            return {"prompt": body.text(self.tokenizer, self.limits.vocab_size)}
+            return {"prompt": body.text(self.tokenizer, self.limits)}
         except FieldError as exc:
             return HTTPError.bad_request(exc).response()
         except HTTPError as exc:
@@ -311,8 +317,12 @@ class OpenAIIngress:
     # ---- one request --------------------------------------------------------------------
 
     async def _serve(self, raw: Request, schema: type, fmt: ResponseFormat):
-        """One generation request, holding its API key's slot (``limits.max_concurrent_per_key``)
-        for its whole life: until its answer, or the last of its stream, has been sent."""
+        """One generation request, holding its API key's slot for its whole life."""
+        return await self._holding_slot(raw, lambda slot: self._respond(raw, schema, fmt, slot))
+
+    async def _holding_slot(self, raw: Request, answer: Callable[[Slot], Awaitable[Any]]) -> Any:
+        """``answer(slot)`` while holding the API key's slot (``limits.max_concurrent_per_key``):
+        until the answer, or the last of its stream, has been sent; a 429 when none is free."""
         slot = self.key_slots.take(getattr(raw.state, KEY_ID, None))
         if slot is None:
             self.metrics.requests.inc(1, {"status": "429"})
@@ -321,7 +331,7 @@ class OpenAIIngress:
             return HTTPError(429, body, {"Retry-After": "1"}).response()
         held = False
         try:
-            response = await self._respond(raw, schema, fmt, slot)
+            response = await answer(slot)
             held = isinstance(response, HeldStreamingResponse)  # it releases the slot when sent
             return response
         finally:
@@ -420,8 +430,12 @@ class OpenAIIngress:
         """``echo``'s prompts: each as the client sent it (token ids decoded)."""
         decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: "".join(map(self._text_of, ids))
         texts = [p if isinstance(p, str) else decode(p) for p in body.batch() or [body.prompt]]
-        if body.truncate_prompt_tokens is not None:  # the prompts the engines got
-            texts = [decode(list(r.prompt_token_ids)) for r in requests]
+        if (keep := body.truncate_prompt_tokens) is not None:  # the prompts the engines got, where cut
+            kept = self.max_model_len if keep == -1 else keep
+            texts = [
+                decode(list(r.prompt_token_ids)) if len(r.prompt_token_ids) == kept else t
+                for r, t in zip(requests, texts)
+            ]
         firsts = [r.prompt_token_ids[0] for r in requests]
         return Echo(texts, firsts, body.n, prompt_only=body.max_tokens == 0)
 

@@ -85,6 +85,7 @@ class _Request:
     spec: SpecState | None = None  # speculative decoding's recent acceptance (None: it never proposes)
     in_flight: int = 0  # placeholders ending ``seq.token_ids``: sampled in steps not landed (engine.overlap)
     prompt_scores: list[TokenLogprobs] | None = None  # ``prompt_logprobs``: prompt tokens 1.. scored so far
+    allowed: torch.Tensor | None = None  # ``allowed_token_ids`` on the device (built once, used every step)
 
     @property
     def num_output_tokens(self) -> int:
@@ -325,7 +326,7 @@ class EngineCore:
         self._validate_length(request)
         sp = request.sampling
         sp.check_token_ids(self.vocab_size)
-        grammar = self.grammars.matcher(*sp.grammar) if sp.grammar is not None else None
+        grammar = self.grammars.matcher(*sp.grammar, field=sp.grammar_field) if sp.grammar is not None else None
         prompt = list(request.prompt_token_ids)
         scored = sp.prompt_logprobs is not None
         if scored and (prefill_only or remote_blocks is not None):
@@ -343,9 +344,10 @@ class EngineCore:
         history = TokenHistory.build(sp, prompt, self.device)
         spec = SpecState() if self.config.speculative.enabled and not prefill_only else None
         admitted = time.perf_counter()
+        allowed = on_device(sp.allowed_token_ids, self.device) if sp.allowed_token_ids else None
         self._requests[rid] = _Request(
             request, seq, stream, generator, prefill_only, admitted, history=history, grammar=grammar, spec=spec,
-            prompt_scores=[] if scored else None,
+            prompt_scores=[] if scored else None, allowed=allowed,
         )  # fmt: skip
         self.scheduler.add(seq)
 
@@ -612,12 +614,12 @@ class EngineCore:
         rows that ask for it."""
         params = [s.request.sampling for s in sampled]
         held = self._held_back(sampled)
-        asked = (p.allowed_token_ids or p.logit_bias or s.history or s.grammar for p, s in zip(params, sampled))
+        asked = (s.allowed is not None or p.logit_bias or s.history or s.grammar for p, s in zip(params, sampled))
         if not held and not any(asked):
             return logits
         with torch.inference_mode():  # logits is an inference tensor
             processed = logits.clone()
-            apply_allowed_tokens(processed, params)
+            apply_allowed_tokens(processed, [s.allowed for s in sampled])
             apply_logit_bias(processed, params)
             apply_penalties(processed, params, [s.history for s in sampled])
             if held:
@@ -640,7 +642,7 @@ class EngineCore:
                 ids, longest = state.seq.token_ids, max(map(len, sp.bad_words_token_ids)) - 1
                 tail = ids[max(state.seq.num_prompt_tokens, len(ids) - longest) :]
                 banned += [w[-1] for w in sp.bad_words_token_ids if _ends_with(tail, w[:-1])]
-            if sp.allowed_token_ids and set(sp.allowed_token_ids) <= set(banned):
+            if banned and sp.allowed_token_ids and set(banned).issuperset(sp.allowed_token_ids):
                 continue  # none of the allowed tokens would be left: allowed_token_ids wins
             if banned:
                 held.append((row, banned))

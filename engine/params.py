@@ -124,6 +124,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, tokenized (``bad_word_ids``)
     json_schema: str | None = None
     lark_grammar: str | None = None
+    grammar_field: str | None = None  # the client's field the grammar came from (None: response_format or tools)
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
@@ -178,6 +179,8 @@ class SamplingParams:
         _require(schema is None or _is_json_object(schema), "response_format", "a JSON schema object as text", schema)
         lark = self.lark_grammar
         _require(lark is None or isinstance(lark, str) and schema is None, "tools", "one grammar, as text", lark)
+        named = self.grammar_field
+        _require(named is None or isinstance(named, str), "grammar_field", "a field name or None", named)
         ids = self.allowed_token_ids
         valid_ids = not isinstance(ids, (str, bytes)) and all(_is_int(t) and t >= 0 for t in ids)
         _require(valid_ids, "allowed_token_ids", "a list of token ids", ids)
@@ -189,6 +192,8 @@ class SamplingParams:
         )
         _require(valid_words, "bad_words", "token id sequences", words)
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in words))
+        # a grammar's tokens and these bans together may leave a step nothing to sample
+        _require(not (words and self.grammar), "bad_words", "left out when the output follows a grammar", words)
 
     @property
     def grammar(self) -> tuple[str, str] | None:

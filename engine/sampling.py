@@ -88,7 +88,7 @@ def verify_token(
         residual[draft] = 0.0
     else:
         residual = (probs - draft_probs).clamp_min(0.0)
-    if float(residual.sum()) <= 0.0:  # p == q: never reached with probability > 0
+    if not float(residual.sum()) > 0.0:  # p == q: never reached with probability > 0 (NaN: a fully masked row)
         return draft
     return int(torch.multinomial(residual, 1, generator=generator)[0])
 
@@ -211,17 +211,16 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     logits.index_put_(index, on_device(values, device, logits.dtype), accumulate=True)
 
 
-def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """vLLM's ``allowed_token_ids``, in place: every other token of a row that lists them is
-    masked (-inf), for the whole batch at once."""
-    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+def apply_allowed_tokens(logits: torch.Tensor, allowed: Sequence[torch.Tensor | None]) -> None:
+    """vLLM's ``allowed_token_ids``, in place: every token of a row but its allowed ids (a tensor
+    on the logits' device, built once per request; None: every token) is masked (-inf)."""
+    rows = [row for row, ids in enumerate(allowed) if ids is not None]
     if not rows:
         return
-    device = logits.device
-    keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=device)
-    listed = [(i, token) for i, row in enumerate(rows) for token in params[row].allowed_token_ids]
-    keep[on_device([i for i, _ in listed], device), on_device([t for _, t in listed], device)] = True
-    index = on_device(rows, device)
+    keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
+    for i, row in enumerate(rows):
+        keep[i, allowed[row]] = True
+    index = on_device(rows, logits.device)
     logits[index] = logits[index].masked_fill(~keep, float("-inf"))
 
 

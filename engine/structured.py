@@ -29,6 +29,7 @@ separators): whitespace offered everywhere lets a small model pad with newlines 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import OrderedDict
@@ -49,6 +50,7 @@ _MAX_CACHED_SCHEMAS = 64
 # vLLM's guided_choice and guided_regex, bounded: llguidance's check of a grammar of 40,000 choices
 # takes seconds (of 200,000, minutes), on the ingress's event loop and again in the engine
 MAX_GUIDED_CHOICES, MAX_GUIDED_CHARS = 1024, 32_768
+MAX_GBNF_CHARS = 4_096  # llguidance's GBNF conversion grows with the square of the rules (Lark has no such bound)
 _CONTROL = re.compile("[\x7f-\x9f]")  # left unescaped by json.dumps; Lark's lexer refuses them raw
 
 
@@ -91,18 +93,29 @@ def regex_lark(pattern: str, field: str) -> str:
 
 
 def grammar_lark(text: str, field: str) -> str:
-    """vLLM's ``guided_grammar``: a Lark grammar, or a GBNF (EBNF) one that llguidance converts
-    (told apart as llguidance does), checked (``FieldError`` naming ``field``)."""
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    if not isinstance(text, str) or not text.strip() or len(text) > MAX_GUIDED_CHARS:
-        raise FieldError(f"{field}: must be a Lark or GBNF grammar of 1 to {MAX_GUIDED_CHARS:,} characters", field)
-    try:
-        lark = any_to_lark(text)
-    except Exception as exc:  # the converter's own error, or any other it meets on malformed text
-        raise FieldError(f"{field}: the grammar is not valid GBNF: {exc}", field) from None
+    """vLLM's ``guided_grammar``: a Lark grammar, or a GBNF (EBNF) one (its rules written with
+    ``::=``) that llguidance converts, checked (``FieldError`` naming ``field``)."""
+    gbnf = isinstance(text, str) and "::=" in text
+    limit = MAX_GBNF_CHARS if gbnf else MAX_GUIDED_CHARS
+    if not isinstance(text, str) or not text.strip() or len(text) > limit:
+        kind = "GBNF" if gbnf else "Lark or GBNF"
+        raise FieldError(f"{field}: must be a {kind} grammar of 1 to {limit:,} characters", field)
+    lark, problem = _gbnf_to_lark(text) if gbnf else (text, "")
+    if problem:
+        raise FieldError(f"{field}: the grammar is not valid GBNF: {problem}", field)
     lark_grammar(lark, field)
     return lark
+
+
+@functools.lru_cache(maxsize=64)  # a batch's prompts each convert their request's grammar
+def _gbnf_to_lark(text: str) -> tuple[str, str]:
+    """(the Lark grammar, "") or ("", what is wrong)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text), ""
+    except Exception as exc:  # the converter's own error, or any other it meets on malformed text
+        return "", str(exc) or type(exc).__name__
 
 
 def after_reasoning(grammar: tuple[str, str], close_tag: str, open_tag: str | None, field: str) -> str:
@@ -195,13 +208,14 @@ class GrammarCache:
         self._executor: llguidance.LLExecutor | None = None
         self.num_compiled = 0  # schemas turned into a matcher (cache misses)
 
-    def matcher(self, schema_json: str, kind: str = "json") -> GrammarMatcher:
-        """A fresh matcher at the start of the schema's grammar; ``FieldError`` naming
-        ``response_format`` if it cannot be used with this tokenizer."""
+    def matcher(self, schema_json: str, kind: str = "json", field: str | None = None) -> GrammarMatcher:
+        """A fresh matcher at the start of the schema's grammar; ``FieldError`` naming ``field``
+        (by default ``response_format`` for a schema, ``tools`` for a Lark grammar) if it cannot
+        be used with this tokenizer."""
         key = (kind, schema_json)
         template = self._matchers.get(key)
         if template is None:
-            template = self._compile(schema_json, kind)
+            template = self._compile(schema_json, kind, field or ("response_format" if kind == "json" else "tools"))
             self._matchers[key] = template
             if len(self._matchers) > self._max_schemas:
                 self._matchers.popitem(last=False)
@@ -228,13 +242,12 @@ class GrammarCache:
             )
         return self._lltokenizer
 
-    def _compile(self, text: str, kind: str) -> llguidance.LLMatcher:
+    def _compile(self, text: str, kind: str, field: str) -> llguidance.LLMatcher:
         import llguidance
 
-        grammar = _grammar(text, kind=kind) if kind == "json" else lark_grammar(text)
+        grammar = _grammar(text, field, kind)
         matcher = llguidance.LLMatcher(self._tokenizer_view(), grammar, log_level=0)
         if matcher.is_error():
-            field = "response_format" if kind == "json" else "tools"
             raise FieldError(f"{field}: the grammar cannot be used: {matcher.get_error()}", field)
         self.num_compiled += 1
         return matcher

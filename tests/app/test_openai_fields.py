@@ -139,15 +139,15 @@ def test_vllm_s_token_constraints_reach_the_engine(tokenizer, limits):
     refused = [
         ({"bad_words": ["ok", "  "]}, "bad_words.1", "only white space"),
         ({"allowed_token_ids": [49152]}, "allowed_token_ids", "out of vocabulary"),
-        (
-            {"allowed_token_ids": [5], "guided_regex": "a+"},
-            "allowed_token_ids",
-            "left out when the output follows a grammar",
-        ),
+        ({"allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids", "left out when the output follows"),
+        ({"bad_words": ["a"], "guided_choice": ["a", "b"]}, "bad_words", "left out when the output follows a grammar"),
     ]
     for extra, param, text in refused:
         error = _field_error(CompletionRequest, {**COMPLETION, **extra}, tokenizer, limits)
         assert error.param == param and text in error.message, error.message
+    with pytest.raises(ValidationError) as info:  # a strict integer, as the token ids
+        CompletionRequest.model_validate({**COMPLETION, "truncate_prompt_tokens": "3"})
+    assert validation_error_body(info.value)["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_tokenize_bodies_give_the_generation_endpoints_ids_and_detokenize_names_a_bad_id(tokenizer, limits):
@@ -171,18 +171,25 @@ def test_tokenize_bodies_give_the_generation_endpoints_ids_and_detokenize_names_
         ({"messages": CHAT["messages"], "add_special_tokens": True}, "add_special_tokens", "not supported"),
         ({"messages": CHAT["messages"], "chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs", "reserved"),
         ({"messages": messages, "continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
-        ({"prompt": ""}, "prompt", "must not be empty"),
     ]
     for body, param, text in refused:
         with pytest.raises(FieldError) as info:
             tokenize_schema(body).model_validate(body).token_ids(tokenizer, chat)
         assert info.value.param == param and text in info.value.message, info.value.message
+    assert tokenize_schema({"prompt": ""}).model_validate({"prompt": ""}).token_ids(tokenizer, chat) == []  # vLLM's
+    chat_template = {"messages": CHAT["messages"], "chat_template": "{{ messages }}"}
+    with pytest.raises(FieldError, match="^chat_template: .* is not supported") as info:
+        tokenize_schema(chat_template).model_validate(chat_template).token_ids(tokenizer, chat)
     ids = tokenizer("Café ☕", add_special_tokens=False)["input_ids"]
-    assert DetokenizeRequest.model_validate({"tokens": ids}).text(tokenizer, len(tokenizer)) == "Café ☕"
+    assert DetokenizeRequest.model_validate({"tokens": ids}).text(tokenizer, limits) == "Café ☕"
     for bad in (-1, len(tokenizer)):
         with pytest.raises(FieldError) as info:
-            DetokenizeRequest.model_validate({"tokens": [*ids, bad]}).text(tokenizer, len(tokenizer))
+            DetokenizeRequest.model_validate({"tokens": [*ids, bad]}).text(tokenizer, limits)
         assert info.value.param == f"tokens.{len(ids)}" and "out of vocabulary" in info.value.message
+    with pytest.raises(FieldError, match="^tokens: 2049 ids, more than a context holds") as info:
+        DetokenizeRequest.model_validate({"tokens": [5] * 2049}).text(tokenizer, limits)
+    with pytest.raises(FieldError, match="^messages: this model has no tokenizer"):  # dummy weights: not a 500
+        ChatCompletionRequest.model_validate(CHAT).to_generation_request(None, limits)
 
 
 def test_vllm_s_output_constraints_become_the_engine_s_grammars(tokenizer, limits):

@@ -282,3 +282,23 @@ def test_a_constraint_under_a_reasoning_parser_holds_once_the_reasoning_ends(lar
         .to_generation_request(tokenizer, limits, chat=plain)
         .sampling.json_schema
     )
+
+
+def test_a_grammar_the_engine_cannot_compile_names_the_client_s_field() -> None:
+    """A guided grammar that names a token this tokenizer lacks passes the ingress's check and
+    fails where it meets the vocabulary: the 400 names the client's field, not ``tools``."""
+    from app.openai_protocol import CompletionRequest
+    from engine.loader import ModelSpec, load_tokenizer
+    from engine.params import ContextLimits, FieldError
+    from engine.structured import GrammarCache
+
+    tokenizer = load_tokenizer(ModelSpec())
+    body = {"model": "m", "prompt": "Hi", "guided_grammar": "start: <|no_such_token|>"}
+    limits = ContextLimits(max_model_len=2048, vocab_size=len(tokenizer))
+    sampling = CompletionRequest.model_validate(body).to_generation_request(tokenizer, limits).sampling
+    assert sampling.grammar_field == "guided_grammar"
+    with pytest.raises(FieldError) as info:
+        GrammarCache(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).matcher(
+            *sampling.grammar, field=sampling.grammar_field
+        )
+    assert info.value.param == "guided_grammar" and "no_such_token" in info.value.message

@@ -100,7 +100,7 @@ def test_allowed_token_ids_are_the_only_tokens_greedy_or_sampled(smol, make_engi
     ended = _run(core, core.make_request(PROMPT, SamplingParams(max_tokens=5, allowed_token_ids=[eos], min_tokens=3)))
     assert (_tokens(ended), ended[-1].finish_reason) == ([eos], FinishReason.STOP)
     logits = torch.zeros(2, 4)
-    apply_allowed_tokens(logits, [SamplingParams(allowed_token_ids=[2, 0]), SamplingParams()])
+    apply_allowed_tokens(logits, [torch.tensor([2, 0]), None])
     assert logits.tolist() == [[0.0, float("-inf"), 0.0, float("-inf")], [0.0] * 4]
 
 

@@ -144,6 +144,12 @@ def test_preemption_under_a_tiny_pool_with_speculation(smol, smol_prompts, smol_
         )
 
 
+def test_a_fully_masked_row_keeps_its_proposal_instead_of_failing_the_step():
+    """Probabilities that are all NaN (a row whose every logit was masked): no error, which
+    would fail every request on the engine."""
+    assert verify_token(torch.full((8,), float("nan")), 3, torch.Generator().manual_seed(0)) == 3
+
+
 @pytest.mark.parametrize("one_hot", [True, False])
 def test_accept_or_resample_keeps_the_target_distribution(one_hot):
     """The step itself, 20,000 draws: the tokens it returns follow the target, whatever the draft."""
