@@ -304,11 +304,14 @@ class _SamplingFields(_Body):
 
     def _bad_word_ids(self, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as the engine takes them (``bad_word_ids``)."""
-        for i, word in enumerate(self.bad_words or ()):
-            if not word.strip() or tokenizer is None:
-                problem = "this model has no tokenizer" if word.strip() else "a word must not be only white space"
-                raise FieldError(f"bad_words.{i}: {problem}", f"bad_words.{i}")
-        return bad_word_ids(tokenizer, self.bad_words) if self.bad_words else ()
+        if not self.bad_words:
+            return ()
+        for i, word in enumerate(self.bad_words):
+            if not word.strip():
+                raise FieldError(f"bad_words.{i}: a word must not be only white space", f"bad_words.{i}")
+        if tokenizer is None:
+            raise FieldError("bad_words: this model has no tokenizer (dummy weights)", "bad_words")
+        return bad_word_ids(tokenizer, self.bad_words)
 
     def _sampling_params(self, max_tokens: int, chat: ChatSetup, bad_words: tuple = ()) -> SamplingParams:
         return SamplingParams(

@@ -10,6 +10,7 @@ the served model's name.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, StrictInt
@@ -38,8 +39,9 @@ class _TokenizeFields(_Body):
                 raise FieldError(f"{name}: {str(extra[name])[:60]!r} is not supported by this server", name)
         return self._as_generation_request().prompt_token_ids(tokenizer, chat)
 
+    @abstractmethod
     def _as_generation_request(self) -> CompletionRequest | ChatCompletionRequest:
-        raise NotImplementedError
+        """The generation request whose prompt this body asks about (its other fields the defaults)."""
 
 
 class TokenizeCompletionRequest(_TokenizeFields):

@@ -262,17 +262,10 @@ class OpenAIIngress:
     )
     async def tokenize(self, raw: Request) -> dict | JSONResponse:
         """vLLM's: a prompt's token ids, as the generation endpoints make them."""
-        return await self._holding_slot(raw, lambda _: self._tokenize(raw))
+        return await self._holding_slot(raw, lambda _: self._tokenizer_call(raw, tokenize_schema, self._tokenized))
 
-    async def _tokenize(self, raw: Request) -> dict | JSONResponse:
-        try:
-            data = await self._read_json(raw)
-            body = self._tokenizer_body(tokenize_schema(data), data)
-            ids = body.token_ids(self.tokenizer, self.chat)
-        except FieldError as exc:
-            return HTTPError.bad_request(exc).response()
-        except HTTPError as exc:
-            return exc.response()
+    def _tokenized(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        ids = body.token_ids(self.tokenizer, self.chat)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -284,26 +277,26 @@ class OpenAIIngress:
     )
     async def detokenize(self, raw: Request) -> dict | JSONResponse:
         """vLLM's: the text of token ids (at most ``max_model_len`` of them)."""
-        return await self._holding_slot(raw, lambda _: self._detokenize(raw))
+        answer = lambda body: {"prompt": body.text(self.tokenizer, self.limits)}  # noqa: E731
+        return await self._holding_slot(raw, lambda _: self._tokenizer_call(raw, lambda _: DetokenizeRequest, answer))
 
-    async def _detokenize(self, raw: Request) -> dict | JSONResponse:
+    async def _tokenizer_call(
+        self, raw: Request, schema_of: Callable[[dict], type], answer: Callable[[Any], dict]
+    ) -> dict | JSONResponse:
+        """A /tokenize or /detokenize body (of the schema ``schema_of`` picks), validated, naming
+        this model if any, and ``answer``'s reply to it; a refusal as an OpenAI error body."""
         try:
-            body = self._tokenizer_body(DetokenizeRequest, await self._read_json(raw))
-            return {"prompt": body.text(self.tokenizer, self.limits)}
+            data = await self._read_json(raw)
+            body = schema_of(data).model_validate(data)
+            if body.model is not None and body.model != self.model:
+                raise self._unknown_model(body.model)
+            return answer(body)
+        except ValidationError as exc:
+            return HTTPError(400, validation_error_body(exc)).response()
         except FieldError as exc:
             return HTTPError.bad_request(exc).response()
         except HTTPError as exc:
             return exc.response()
-
-    def _tokenizer_body(self, schema: type, data: dict) -> Any:
-        """A /tokenize or /detokenize body, validated, naming this model if any."""
-        try:
-            body = schema.model_validate(data)
-        except ValidationError as exc:
-            raise HTTPError(400, validation_error_body(exc)) from None
-        if body.model is not None and body.model != self.model:
-            raise self._unknown_model(body.model)
-        return body
 
     def _auth(self) -> ApiKeys | None:
         """The API keys (read now, from ``auth``), None when auth is off."""

@@ -118,6 +118,9 @@ def _gbnf_to_lark(text: str) -> tuple[str, str]:
         return "", str(exc) or type(exc).__name__
 
 
+_SPACE = "/[ \\t\\r\\n]*/"  # between the reasoning and the answer (a template writes "\n\n")
+
+
 def after_reasoning(grammar: tuple[str, str], close_tag: str, open_tag: str | None, field: str) -> str:
     """vLLM's structured outputs with a reasoning parser, as one Lark grammar: free reasoning
     text up to ``close_tag``, white space, then ``grammar`` ((text, kind): a JSON schema's text,
@@ -135,9 +138,6 @@ def after_reasoning(grammar: tuple[str, str], close_tag: str, open_tag: str | No
     lark = "\n".join(rules)
     lark_grammar(lark, field)
     return lark
-
-
-_SPACE = "/[ \\t\\r\\n]*/"  # between the reasoning and the answer (a template writes "\n\n")
 
 
 def choice_lark(choices: Sequence[str], field: str) -> str:
