@@ -137,7 +137,6 @@ def _checked_schema(schema: Any, field: str) -> str:
 NOT_IMPLEMENTED: dict[str, Any] = {
     "use_beam_search": False,
     "spaces_between_special_tokens": True,
-    "prompt_logprobs": None,
     "logits_processors": None,
     "guided_whitespace_pattern": None,
     "structural_tag": None,
@@ -225,6 +224,13 @@ class _SamplingFields(_Body):
     )
     skip_special_tokens: bool = Field(
         True, description="leave special tokens (e.g. <|im_end|>) out of the text, as vLLM's (extension)"
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="each prompt token's log-probability, rank and this many alternatives, as vLLM's (extension); "
+        "not with stream",
     )
     truncate_prompt_tokens: StrictInt | None = Field(
         None, description="keep only the prompt's last k tokens; -1: the last max_model_len, as vLLM's (extension)"
@@ -399,6 +405,8 @@ class _SamplingFields(_Body):
 
     def _check_consistent(self) -> None:
         """Cross-field rules that a schema alone does not state."""
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: the scores come with the first output
+            raise FieldError("prompt_logprobs: not available when stream is true", "prompt_logprobs")
 
     @abstractmethod
     def _prompt(self) -> Any:
@@ -422,7 +430,7 @@ class _SamplingFields(_Body):
 
     def _num_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token (``SamplingParams.prompt_logprobs``), None when not asked."""
-        return None
+        return self.prompt_logprobs
 
     def _refusals(self) -> list[tuple[str, bool]]:
         """``(field, refused)`` for every field declared, or known, only to be refused when set."""
@@ -616,6 +624,7 @@ class ChatCompletionRequest(_SamplingFields):
     not_implemented: ClassVar[dict[str, Any]] = NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED
 
     def _check_consistent(self) -> None:
+        super()._check_consistent()
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs: needs logprobs: true", "top_logprobs")
         names = [t.function.name for t in self.tools or ()]
@@ -818,7 +827,9 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
     def _num_prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+        """An echo's log-probabilities (``logprobs``) and vLLM's ``prompt_logprobs`` are scored together."""
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(asked, default=None)
 
     def _max_tokens(self) -> tuple[str, int | None]:
         """An echo of the prompt alone (``max_tokens`` 0) generates one token, which the answer drops."""

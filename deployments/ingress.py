@@ -47,6 +47,7 @@ from deployments.openai_format import (
     COMPLETION,
     ChunkWriter,
     Echo,
+    PromptLogprobs,
     ResponseFormat,
     full_response_choices,
     sse,
@@ -373,7 +374,8 @@ class OpenAIIngress:
         finally:
             self.in_flight -= 1
             self._active_ids -= ids
-        body = full_response_choices(fmt, request_id, self.model, outputs, text_of, shape, per_prompt=body.n)
+        scored = None if body.prompt_logprobs is None else PromptLogprobs(body.prompt_logprobs, self._text_of)
+        body = full_response_choices(fmt, request_id, self.model, outputs, text_of, shape, body.n, scored)
         return JSONResponse(body, headers=headers)
 
     async def _read_json(self, raw: Request) -> dict:
@@ -430,7 +432,7 @@ class OpenAIIngress:
                 for r, t in zip(requests, texts)
             ]
         firsts = [r.prompt_token_ids[0] for r in requests]
-        return Echo(texts, firsts, body.n, prompt_only=body.max_tokens == 0)
+        return Echo(texts, firsts, body.n, prompt_only=body.max_tokens == 0, num_top=body.logprobs)
 
     def _admit(self, ids: frozenset[str]) -> None:
         """Refuse a request whose id, or an engine id of its choices, is already in flight here

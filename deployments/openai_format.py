@@ -101,14 +101,37 @@ def completion_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText, 
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` of a non-streamed answer: per prompt token (null for the first,
+    which nothing predicts) a map from token id to its ``logprob``, ``rank`` and ``decoded_token``,
+    of the prompt's token and the ``num_top`` most likely (``ResponseFormat.add_prompt_logprobs``
+    puts them in the body)."""
+
+    num_top: int
+    text_of: TokenText
+
+    def of(self, first: RequestOutput) -> list[dict | None]:
+        """The list of a choice's prompt, from its first output (``RequestOutput.prompt_logprobs``)."""
+        return [None, *map(self._entry, first.prompt_logprobs or ())]
+
+    def _entry(self, scored: TokenLogprobs) -> dict:
+        ranked = {scored.token_id: (scored.logprob, scored.rank)}
+        ranked.update((token, (logprob, rank)) for rank, (token, logprob) in enumerate(scored.top[: self.num_top], 1))
+        return {
+            str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.text_of(token)}
+            for token, (logprob, rank) in ranked.items()
+        }
+
+
 ENDED = (FinishReason.STOP, FinishReason.LENGTH)  # a normal end (not aborted, no error)
 
 
 @dataclasses.dataclass
 class Echo:
     """A completion's ``echo``: each choice's first output starts with its prompt, the text and,
-    when the engine scored the prompt (``logprobs`` asked), its tokens' log-probabilities, the
-    first token's null as OpenAI's. ``prompt_only`` (``max_tokens`` 0): the prompt alone, the
+    with ``num_top`` (``logprobs`` asked), its tokens' log-probabilities (that many alternatives),
+    the first token's null as OpenAI's. ``prompt_only`` (``max_tokens`` 0): the prompt alone, the
     one token the engine generated dropped. ``texts``, ``first_tokens``: per prompt; choice i is
     prompt ``i // per_prompt``'s."""
 
@@ -116,6 +139,7 @@ class Echo:
     first_tokens: SequenceOf[int]
     per_prompt: int
     prompt_only: bool = False
+    num_top: int | None = None
     _started: set[int] = dataclasses.field(default_factory=set)
 
     def __call__(self, index: int, output: RequestOutput) -> RequestOutput:
@@ -123,8 +147,10 @@ class Echo:
             return output
         self._started.add(index)
         prompt = index // self.per_prompt
-        scored = output.prompt_logprobs
-        head = () if scored is None else (TokenLogprobs(self.first_tokens[prompt], None, ()), *scored)
+        head = ()
+        if output.prompt_logprobs is not None and self.num_top is not None:  # scored with vLLM's prompt_logprobs' top
+            scored = (dataclasses.replace(e, top=e.top[: self.num_top], rank=None) for e in output.prompt_logprobs)
+            head = (TokenLogprobs(self.first_tokens[prompt], None, ()), *scored)
         if self.prompt_only:
             return dataclasses.replace(
                 output, token_ids=(), text=self.texts[prompt], logprobs=head, num_output_tokens=0,
@@ -156,6 +182,11 @@ class ResponseFormat(ABC):
         """A choice sent before any token (chat announces the assistant's role), or None."""
         return None
 
+    def add_prompt_logprobs(self, body: dict, scored: SequenceOf[list]) -> None:
+        """vLLM's ``prompt_logprobs`` (``PromptLogprobs``, one list per choice) in a non-streamed ``body``."""
+        for choice, listed in zip(body["choices"], scored):
+            choice["prompt_logprobs"] = listed
+
 
 class ChatFormat(ResponseFormat):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
@@ -173,6 +204,9 @@ class ChatFormat(ResponseFormat):
 
     def first_chunk(self, index: int = 0) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def add_prompt_logprobs(self, body: dict, scored: SequenceOf[list]) -> None:
+        body["prompt_logprobs"] = scored[0]  # once: the choices share the prompt
 
 
 class CompletionFormat(ResponseFormat):
@@ -210,10 +244,11 @@ def full_response_choices(
     text_of: TokenText | None = None,
     shape: AnswerShape | None = None,
     per_prompt: int = 0,
+    scored: PromptLogprobs | None = None,
 ) -> dict:
     """The non-streamed body of the choices (each choice's outputs, in index order; ``per_prompt``
     of each prompt); ``shape``: how a chat answer's reasoning and tool calls are read (None: its
-    text as it is)."""
+    text as it is); ``scored``: with vLLM's ``prompt_logprobs``."""
     bodies = []
     for index, outputs in enumerate(choices):
         entries = [e for o in outputs for e in o.logprobs]
@@ -226,7 +261,7 @@ def full_response_choices(
         reason = finish_reason(outputs[-1], called=bool(parsed.calls))
         message = answer_message(reasoning, parsed)
         bodies.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
-    return {
+    body = {
         "id": request_id,
         "object": fmt.object_name,
         "created": int(time.time()),
@@ -234,6 +269,9 @@ def full_response_choices(
         "choices": bodies,
         "usage": usage([outputs[-1] for outputs in choices], per_prompt),
     }
+    if scored is not None:
+        fmt.add_prompt_logprobs(body, [scored.of(outputs[0]) for outputs in choices])
+    return body
 
 
 def sse(payload: dict | str) -> bytes:

@@ -217,7 +217,7 @@ class ModelRunner:
             for at in range(0, len(wanted.targets), rows):
                 targets = wanted.targets[at : at + rows]
                 logits = self._lm_head(hidden[start + at : start + at + len(targets)]).float()
-                wanted.found += rows_logprobs(logits, targets, wanted.num_top)
+                wanted.found += rows_logprobs(logits, targets, wanted.num_top, ranked=True)
 
     def _graph_forward(self, static: StaticDecode) -> torch.Tensor:
         """A decode or verify step on a graph's static inputs (captured, then replayed): logits

@@ -360,6 +360,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float | None  # None only for a prompt's first token, which nothing predicts (``echo``)
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None  # the token's place in the distribution, 1 the most likely (scored prompt tokens)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -136,13 +136,20 @@ def batch_logprobs(
     return logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top.indices, top.values
 
 
-def rows_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
-    """``batch_logprobs`` of each row of ``logits`` for its own token, read back."""
+def rows_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: int, ranked: bool = False
+) -> list[TokenLogprobs]:
+    """``batch_logprobs`` of each row of ``logits`` for its own token, read back; ``ranked``: with
+    each token's rank, as vLLM's (how many tokens of its row are at least as likely, itself included)."""
     tokens = torch.tensor(token_ids, device=logits.device)
-    chosen, top_ids, top_values = (t.tolist() for t in batch_logprobs(logits, tokens, num_top))
+    chosen, top_ids, top_values = batch_logprobs(logits, tokens, num_top)
+    ranks = [None] * len(token_ids)
+    if ranked:  # on the log-probabilities the top ones are picked from: a token among them is ranked where it stands
+        ranks = (torch.log_softmax(logits, dim=-1) >= chosen[:, None]).sum(dim=1).tolist()
+    chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
     return [
-        TokenLogprobs(token_id=token, logprob=value, top=tuple(zip(ids, values)))
-        for token, value, ids, values in zip(token_ids, chosen, top_ids, top_values)
+        TokenLogprobs(token_id=token, logprob=value, top=tuple(zip(ids, values)), rank=rank)
+        for token, value, ids, values, rank in zip(token_ids, chosen, top_ids, top_values, ranks)
     ]
 
 

@@ -346,6 +346,20 @@ def test_echo_scores_the_prompt_when_logprobs_are_asked_and_max_tokens_0_generat
     assert _sampling(ChatCompletionRequest, {**CHAT, "logprobs": True}, tokenizer, limits).prompt_logprobs is None
 
 
+def test_vllms_prompt_logprobs_scores_the_prompt_with_the_most_alternatives_asked_and_never_streams(tokenizer, limits):
+    asked = {**COMPLETION, "prompt_logprobs": 3}
+    assert _sampling(CompletionRequest, asked, tokenizer, limits).prompt_logprobs == 3
+    assert _sampling(ChatCompletionRequest, {**CHAT, "prompt_logprobs": 0}, tokenizer, limits).prompt_logprobs == 0
+    both = {**asked, "echo": True, "logprobs": 5}  # the echo's alternatives and vLLM's, scored once
+    assert _sampling(CompletionRequest, both, tokenizer, limits).prompt_logprobs == 5
+    assert _sampling(CompletionRequest, {**both, "logprobs": 1}, tokenizer, limits).prompt_logprobs == 3
+    for schema, body in ((CompletionRequest, asked), (ChatCompletionRequest, {**CHAT, "prompt_logprobs": 1})):
+        error = _field_error(schema, {**body, "stream": True}, tokenizer, limits)
+        assert error.param == "prompt_logprobs" and "not available when stream is true" in str(error)
+        with pytest.raises(ValidationError, match="prompt_logprobs"):
+            schema.model_validate({**body, "prompt_logprobs": 21})
+
+
 def test_a_batched_completion_is_one_request_per_prompt(tokenizer, limits):
     batch = CompletionRequest.model_validate({**COMPLETION, "prompt": ["hi", [5, 6]], "seed": 7})
     requests = batch.to_generation_requests(tokenizer, limits, "cmpl-b")

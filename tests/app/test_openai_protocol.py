@@ -96,7 +96,6 @@ def test_text_parts_are_joined_and_developer_is_system():
         (CompletionRequest, {"suffix": "end"}, "suffix"),
         (CompletionRequest, {"use_beam_search": True}, "use_beam_search"),
         (CompletionRequest, {"logits_processors": ["a.b"]}, "logits_processors"),
-        (CompletionRequest, {"prompt_logprobs": 1}, "prompt_logprobs"),
         (ChatCompletionRequest, {"structural_tag": "{}"}, "structural_tag"),
         (ChatCompletionRequest, {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         (ChatCompletionRequest, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),

@@ -12,6 +12,7 @@ from deployments.openai_format import (
     COMPLETION,
     ChunkWriter,
     Echo,
+    PromptLogprobs,
     full_response,
     full_response_choices,
     token_text_of,
@@ -182,7 +183,7 @@ def test_echo_puts_each_prompt_before_its_choices_first_output(outputs, text_of)
     ids, entries, (first, held, last) = outputs
     scored = TokenLogprobs(ids[1], -2.0, ((ids[1], -2.0),))
     head = dataclasses.replace(first, prompt_logprobs=(scored,))
-    echo = Echo(["Paris is", "Rome"], [ids[0], 9], per_prompt=2)
+    echo = Echo(["Paris is", "Rome"], [ids[0], 9], per_prompt=2, num_top=1)
     choices = [[echo(i, o) for o in (head, held, last)] for i in range(3)]  # choices 0, 1: prompt 0; 2: prompt 1
     body = full_response_choices(COMPLETION, "r", "m", choices, text_of, per_prompt=2)
     assert [c["text"] for c in body["choices"]] == ["Paris is" + text_of(ids[0]) + text_of(ids[1])] * 2 + [
@@ -192,8 +193,36 @@ def test_echo_puts_each_prompt_before_its_choices_first_output(outputs, text_of)
     assert logprobs["token_logprobs"] == [None, -2.0, -0.5, -1.0] and logprobs["top_logprobs"][0] is None
     assert logprobs["tokens"][:2] == [text_of(9), text_of(ids[1])]
     ended = dataclasses.replace(head, finished=True, finish_reason=FinishReason.STOP)  # the one token was EOS
-    alone = Echo(["Paris is"], [ids[0]], per_prompt=1, prompt_only=True)(0, ended)
+    alone = Echo(["Paris is"], [ids[0]], per_prompt=1, prompt_only=True, num_top=0)(0, ended)
     assert (alone.text, alone.token_ids, alone.num_output_tokens) == ("Paris is", (), 0)
     assert alone.finish_reason is FinishReason.LENGTH and [e.logprob for e in alone.logprobs] == [None, -2.0]
     aborted = dataclasses.replace(head, finished=True, finish_reason=FinishReason.ABORT)
     assert Echo(["Paris is"], [ids[0]], 1, prompt_only=True)(0, aborted).finish_reason is FinishReason.ABORT
+    assert Echo(["Paris is"], [ids[0]], 1)(0, head).logprobs == first.logprobs  # scored for prompt_logprobs alone
+
+
+def test_vllms_prompt_logprobs_rank_the_prompts_token_and_its_alternatives(outputs, text_of):
+    ids, _, (first, held, last) = outputs
+    # the second prompt token: the third most likely; then one the first most likely
+    scored = (
+        TokenLogprobs(ids[1], -2.0, ((7, -0.5), (8, -1.0), (ids[1], -2.0)), rank=3),
+        TokenLogprobs(9, -0.1, ((9, -0.1), (7, -3.0)), rank=1),
+    )
+    choice = [dataclasses.replace(first, prompt_logprobs=scored), held, last]
+    listed = PromptLogprobs(2, text_of)
+    body = full_response_choices(COMPLETION, "r", "m", [choice, choice], None, per_prompt=2, scored=listed)
+    second = {
+        str(ids[1]): {"logprob": -2.0, "rank": 3, "decoded_token": text_of(ids[1])},  # the prompt's token first
+        "7": {"logprob": -0.5, "rank": 1, "decoded_token": text_of(7)},
+        "8": {"logprob": -1.0, "rank": 2, "decoded_token": text_of(8)},
+    }
+    third = {
+        "9": {"logprob": -0.1, "rank": 1, "decoded_token": text_of(9)},
+        "7": {"logprob": -3.0, "rank": 2, "decoded_token": text_of(7)},
+    }
+    assert [c["prompt_logprobs"] for c in body["choices"]] == [[None, second, third]] * 2
+    assert list(body["choices"][0]["prompt_logprobs"][1]) == [str(ids[1]), "7", "8"]
+    assert body["choices"][0]["logprobs"] is None and "prompt_logprobs" not in body
+    chat = full_response_choices(CHAT, "r", "m", [choice, choice], None, scored=PromptLogprobs(0, text_of))
+    assert chat["prompt_logprobs"] == [None, {str(ids[1]): second[str(ids[1])]}, {"9": third["9"]}]
+    assert all("prompt_logprobs" not in c for c in chat["choices"])

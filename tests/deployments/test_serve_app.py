@@ -395,7 +395,8 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "suffix": "The end."}, 400, "suffix", "not supported"),
         (CHAT, {**JSON_ASK, "guided_grammar": "root ::= x"}, 400, "guided_grammar", "Rule 'x' not found"),
         (CHAT, {**JSON_ASK, "bad_words": [" "]}, 400, "bad_words.0", "only white space"),
-        (CHAT, {**JSON_ASK, "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+        (CHAT, {**JSON_ASK, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "when stream is true"),
+        (COMPLETIONS, {**TEXT, "prompt_logprobs": -1}, 400, "prompt_logprobs", "greater than or equal to 0"),
         (COMPLETIONS, {**TEXT, "allowed_token_ids": [5, 49152]}, 400, "allowed_token_ids", "out of vocabulary"),
         (COMPLETIONS, {**TEXT, "allowed_token_ids": []}, 400, "allowed_token_ids", "at least 1 item"),
         (COMPLETIONS, {**TEXT, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "[1, 1024]"),
@@ -465,6 +466,33 @@ def test_echo_gives_the_prompt_and_its_logprobs_the_same_on_every_path(base_url)
     assert alone["choices"][0]["text"] == TEXT["prompt"] and alone["choices"][0]["finish_reason"] == "length"
     assert alone["usage"]["completion_tokens"] == 0
     assert alone["choices"][0]["logprobs"]["token_logprobs"] == results["/colo"]["token_logprobs"][:num_prompt]
+
+
+def test_vllms_prompt_logprobs_rank_each_prompt_token_as_the_echo_scores_it_on_every_path(base_url):
+    """vLLM's ``prompt_logprobs``: per prompt token after the first a map from token id to its
+    ``logprob``, ``rank`` and ``decoded_token``, the prompt's token first, then the alternatives;
+    the same log-probabilities as an echo's; once on a chat's body."""
+    body = {**TEXT, "max_tokens": 2, "temperature": 0}
+    ids = _post(base_url, "/tokenize", {"prompt": TEXT["prompt"]}).json()["tokens"]
+    echo = _post(base_url + "/colo", COMPLETIONS, {**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    expected = echo["logprobs"]["token_logprobs"][1 : len(ids)]
+    for prefix in ("", "/push", "/colo"):
+        r = _post(base_url + prefix, COMPLETIONS, {**body, "prompt_logprobs": 2, "n": 2})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            listed = choice["prompt_logprobs"]
+            assert listed[0] is None and [next(iter(entry)) for entry in listed[1:]] == [str(i) for i in ids[1:]]
+            own = [entry[str(token)] for entry, token in zip(listed[1:], ids[1:])]
+            assert [e["logprob"] for e in own] == pytest.approx(expected, abs=1e-3)
+            assert [e["decoded_token"] for e in own] == echo["logprobs"]["tokens"][1 : len(ids)]
+            for entry in listed[1:]:  # the token's own rank, and the two most likely's, 1 and 2 (one may be it)
+                ranks = sorted(e["rank"] for e in entry.values())
+                assert ranks == [1, 2] if len(entry) == 2 else ranks[:2] == [1, 2] and ranks[2] >= 3
+        assert r.json()["choices"][0]["text"] == echo["text"][len(TEXT["prompt"]) :]
+    chat = _post(base_url, CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in chat["choices"][0]
 
 
 def test_echo_of_a_batch_of_token_prompts_streamed_or_not(base_url):
