@@ -34,6 +34,7 @@ from app.openai_protocol import (
     unsupported,
     validation_error_body,
 )
+from app.responses_protocol import ResponsesRequest
 from app.settings import AppConfig
 from app.tokenize_protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, tokenize_schema
 from deployments import logs
@@ -49,12 +50,11 @@ from deployments.openai_format import (
     Echo,
     PromptLogprobs,
     ResponseFormat,
-    full_response_choices,
-    sse,
     token_text_of,
 )
 from deployments.openapi import ServedAPI, error_responses
 from deployments.request_path import RequestPath
+from deployments.responses_format import ResponseEvents, ResponsesFormat
 from engine.loader import ModelSpec, load_tokenizer, model_name
 from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
 
@@ -155,6 +155,7 @@ class OpenAIIngress:
         spec = ModelSpec(source=self.config.model.source)
         self.tokenizer = load_tokenizer(spec)
         self._text_of = token_text_of(self.tokenizer)
+        self.responses_format = ResponsesFormat(self._count_tokens)
         self.model = self.config.model.served_name or model_name(spec)
         own, api_settings = getattr(self.tokenizer, "chat_template", None), self.config.api
         self.chat = ChatSetup.of(
@@ -256,6 +257,21 @@ class OpenAIIngress:
         return await self._serve(raw, CompletionRequest, COMPLETION)
 
     @api.post(
+        "/v1/responses",
+        openapi_extra=api.json_body(ResponsesRequest),
+        responses=error_responses(400, 401, 404, 413, 429, 503, 504),
+    )
+    async def responses(self, raw: Request):
+        """OpenAI's Responses API, read as the chat completion it asks for (``app/responses_protocol.py``)."""
+        return await self._serve(raw, ResponsesRequest, self.responses_format)
+
+    @api.get("/v1/responses/{response_id}", response_model=None, responses=error_responses(401, 404))
+    async def stored_response(self, response_id: str) -> JSONResponse:
+        """Responses are not stored (``store`` is answered false): none can be retrieved."""
+        message = f"No response with id '{response_id}': this server does not store responses."
+        return HTTPError(404, error_body(message, "response_id", "invalid_request_error", "not_found")).response()
+
+    @api.post(
         "/tokenize",
         response_model=None,
         openapi_extra=api.json_body(TokenizeCompletionRequest, TokenizeChatRequest),
@@ -299,6 +315,9 @@ class OpenAIIngress:
         except HTTPError as exc:
             return exc.response()
 
+    def _count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer is not None else 0
+
     def _auth(self) -> ApiKeys | None:
         """The API keys (read now, from ``auth``), None when auth is off."""
         auth, limit = self.config.auth, self.config.limits.max_concurrent_per_key
@@ -310,7 +329,7 @@ class OpenAIIngress:
 
     # ---- one request --------------------------------------------------------------------
 
-    async def _serve(self, raw: Request, schema: type, fmt: ResponseFormat):
+    async def _serve(self, raw: Request, schema: type, fmt: ResponseFormat | ResponsesFormat):
         """One generation request, holding its API key's slot for its whole life."""
         return await self._holding_slot(raw, lambda slot: self._respond(raw, schema, fmt, slot))
 
@@ -332,7 +351,7 @@ class OpenAIIngress:
             if not held:
                 slot.release()
 
-    async def _respond(self, raw: Request, schema: type, fmt: ResponseFormat, slot: Slot):
+    async def _respond(self, raw: Request, schema: type, fmt: ResponseFormat | ResponsesFormat, slot: Slot):
         try:
             body = self._check_body(schema, await self._read_json(raw))
             request_id = raw.headers.get("x-request-id") or body.new_request_id()
@@ -345,18 +364,11 @@ class OpenAIIngress:
             return exc.response()
         headers = {"X-Request-Id": request_id}
         text_of = self._text_of if requests[0].sampling.logprobs is not None else None
-        shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest) else None
+        shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest | ResponsesRequest) else None
         echo = self._echo(body, requests) if getattr(body, "echo", False) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far
-            counted = include_usage and body.stream_options.continuous_usage_stats
-            writers = [
-                ChunkWriter(
-                    fmt, request_id, self.model, text_of, i, shape, len(c.prompt_token_ids) if counted else None
-                )
-                for i, c in enumerate(choices)
-            ]
+            writers = fmt.writers(body, request_id, self.model, choices, text_of, shape)
             stream = self._stream(writers, choices, body.n, include_usage, echo)
             # the request ids are free again when the stream ends, even one that never started
             done = lambda: self._active_ids.difference_update(ids)  # noqa: E731
@@ -375,8 +387,7 @@ class OpenAIIngress:
             self.in_flight -= 1
             self._active_ids -= ids
         scored = None if body.prompt_logprobs is None else PromptLogprobs(body.prompt_logprobs, self._text_of)
-        body = full_response_choices(fmt, request_id, self.model, outputs, text_of, shape, body.n, scored)
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(fmt.full(body, request_id, self.model, outputs, text_of, shape, scored), headers=headers)
 
     async def _read_json(self, raw: Request) -> dict:
         try:
@@ -446,7 +457,7 @@ class OpenAIIngress:
 
     async def _stream(
         self,
-        writers: list[ChunkWriter],
+        writers: list[ChunkWriter] | list[ResponseEvents],
         choices: list[GenerationRequest],
         per_prompt: int,
         include_usage: bool,
@@ -470,10 +481,11 @@ class OpenAIIngress:
                 yield writers[0].usage([last[i] for i in range(len(choices))], per_prompt)
         except HTTPError as exc:
             self.metrics.requests.inc(1, {"status": str(exc.status)})
-            yield sse(exc.body)
+            yield writers[0].error(exc.body)
         finally:
             self.in_flight -= 1
-        yield writers[0].done()
+        if tail := writers[0].done():
+            yield tail
 
     async def _choice_outputs(
         self, choices: list[GenerationRequest], per_prompt: int, echo: Echo | None = None

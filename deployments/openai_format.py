@@ -182,6 +182,23 @@ class ResponseFormat(ABC):
         """A choice sent before any token (chat announces the assistant's role), or None."""
         return None
 
+    def writers(
+        self, body, request_id: str, model: str, choices: SequenceOf, text_of: TokenText | None, shape
+    ) -> list[ChunkWriter]:
+        """The chunk writers of a streamed request ``body``, one per choice (its engine request in ``choices``)."""
+        options = body.stream_options  # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far
+        counted = bool(options and options.include_usage and options.continuous_usage_stats)
+        return [
+            ChunkWriter(self, request_id, model, text_of, i, shape, len(c.prompt_token_ids) if counted else None)
+            for i, c in enumerate(choices)
+        ]
+
+    def full(
+        self, body, request_id: str, model: str, outputs: SequenceOf, text_of: TokenText | None, shape, scored=None
+    ) -> dict:
+        """The non-streamed body of a request ``body``'s choices (``full_response_choices``)."""
+        return full_response_choices(self, request_id, model, outputs, text_of, shape, body.n, scored)
+
     def add_prompt_logprobs(self, body: dict, scored: SequenceOf[list]) -> None:
         """vLLM's ``prompt_logprobs`` (``PromptLogprobs``, one list per choice) in a non-streamed ``body``."""
         for choice, listed in zip(body["choices"], scored):
@@ -327,6 +344,10 @@ class ChunkWriter:
     def start(self) -> bytes | None:
         first = self.fmt.first_chunk(self.index)
         return None if first is None else self._chunk(first)
+
+    def error(self, body: dict) -> bytes:
+        """A failure after the first chunk: its error body, as vLLM sends it."""
+        return sse(body)
 
     def _logprobs(self) -> dict | None:
         if self.text_of is None:

@@ -27,11 +27,14 @@ PLAN = {
     ("POST", "/v1/completions", GenerationMode.POSITIVE): 40,
     ("POST", "/v1/chat/completions", GenerationMode.NEGATIVE): 25,
     ("POST", "/v1/completions", GenerationMode.NEGATIVE): 25,
+    ("POST", "/v1/responses", GenerationMode.POSITIVE): 25,
+    ("POST", "/v1/responses", GenerationMode.NEGATIVE): 15,
     ("POST", "/tokenize", GenerationMode.POSITIVE): 15,
     ("POST", "/tokenize", GenerationMode.NEGATIVE): 10,
     ("POST", "/detokenize", GenerationMode.POSITIVE): 10,
     ("POST", "/detokenize", GenerationMode.NEGATIVE): 10,
 }
+SERVER_CODES = ("server_error", "kv_transfer_failed", "replica_unavailable", "timeout")  # deployments/http_errors.py
 GET_CASES = 5  # an operation without parameters has one distinct case: hypothesis sends it once
 
 
@@ -57,8 +60,11 @@ def _check(case: schemathesis.Case, response: schemathesis.Response) -> None:
         assert "param" in error and "code" in error, described
     elif any(k.lower() == "content-type" and v[0].startswith("text/event-stream") for k, v in response.headers.items()):
         for line in response.content.decode().splitlines():
-            if line.startswith("data: {") and '"error"' in line:
-                assert json.loads(line[len("data: ") :])["error"]["type"] != "server_error", described
+            data = json.loads(line[len("data: ") :]) if line.startswith("data: {") else {}
+            if data.get("type") == "error":  # a Responses stream's failure after its start
+                assert data["code"] not in SERVER_CODES, described
+            elif isinstance(data.get("error"), dict):  # a chunk's
+                assert data["error"]["type"] != "server_error", described
 
 
 def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, num_cases: int, base_url: str) -> None:

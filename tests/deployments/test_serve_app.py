@@ -285,8 +285,9 @@ def test_a_prompt_whose_blocks_are_all_cached_on_decode_is_served(url):
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 TEXT = {"model": MODEL, "prompt": "Once upon a time"}
+INPUT = {"model": MODEL, "input": "Once upon a time"}  # a response's
 JSON_ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a person (name, age) as JSON."}]}
 PERSON = {
     "type": "object",
@@ -406,6 +407,11 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (COMPLETIONS, {**TEXT, "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "at most 4"),
         (CHAT, {**JSON_ASK, "response_format": _json_schema({"type": "foo"})}, 400, "response_format", "Invalid type"),
         (COMPLETIONS, {"prompt": "x"}, 400, "model", "model"),
+        (RESPONSES, {**INPUT, "previous_response_id": "resp_1"}, 400, "previous_response_id", "not supported"),
+        (RESPONSES, {**INPUT, "input": [{"type": "input_image"}]}, 400, "input.0", "not supported"),
+        (RESPONSES, {**INPUT, "max_output_tokens": 10**6}, 400, "max_output_tokens", "max_model_len"),
+        (RESPONSES, {**INPUT, "tools": [{"type": "web_search"}]}, 400, "tools.0.type", "'function'"),
+        (RESPONSES, {**INPUT, "model": "other"}, 404, "model", "does not exist"),
     ],
 )
 def test_bad_input_gets_a_named_error(base_url, path, body, status, param, text):
@@ -654,11 +660,21 @@ def test_a_tool_result_goes_back_and_the_answer_that_follows_is_text(base_url):
     assert final.message.content and not final.message.tool_calls and final.finish_reason in ("stop", "length")
 
 
-def test_an_agent_framework_runs_a_tool_loop_against_the_server_unmodified(base_url):
-    """openai-agents over chat completions: the first turn forced (the default model is not trained
-    for tools), the SDK's own reset of tool_choice after a call lets the next turn answer."""
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_agent_framework_runs_a_tool_loop_against_the_server_unmodified(base_url, api):
+    """openai-agents over chat completions or the Responses API (its default): the first turn
+    forced (the default model is not trained for tools), the SDK's own reset of tool_choice after
+    a call lets the next turn answer."""
     import openai
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from agents.items import MessageOutputItem, ToolCallOutputItem
 
     set_tracing_disabled(True)  # the SDK's traces go to OpenAI's servers: none here
@@ -675,7 +691,9 @@ def test_an_agent_framework_runs_a_tool_loop_against_the_server_unmodified(base_
         name="weather",
         instructions="Answer questions about the weather.",
         tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model=(OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(
+            model=MODEL, openai_client=client
+        ),
         model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
     )
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
@@ -683,6 +701,51 @@ def test_an_agent_framework_runs_a_tool_loop_against_the_server_unmodified(base_
     assert len(ran) == 1 and ToolCallOutputItem in kinds
     assert kinds.index(ToolCallOutputItem) < len(kinds) - 1 and kinds[-1] is MessageOutputItem
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+# ---- the Responses API through the official openai client and an agent framework ----------------
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_the_responses_api_answers_as_the_chat_does_streamed_or_not(base_url):
+    client = _openai(base_url)
+    ask = dict(model=MODEL, instructions="Answer briefly.", input=QUESTION[0]["content"], max_output_tokens=12,
+               temperature=0)  # fmt: skip
+    system = {"role": "system", "content": "Answer briefly."}
+    chat = client.chat.completions.create(model=MODEL, messages=[system, *QUESTION], max_tokens=12, temperature=0)
+    response = client.responses.create(**ask, metadata={"run": "1"})
+    assert response.output_text == chat.choices[0].message.content and response.object == "response"
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
+    assert response.metadata == {"run": "1"} and response.store is False
+    events = list(client.responses.create(**ask, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].type == f"response.{response.status}" and events[-1].response.output_text == response.output_text
+    missing = httpx.get(f"{base_url}/v1/responses/{response.id}")
+    assert missing.status_code == 404 and "does not store" in missing.json()["error"]["message"]
+
+
+def test_the_responses_api_runs_a_tool_loop_streamed_or_not(base_url):
+    import jsonschema
+
+    client, schemas = _openai(base_url), {t["name"]: t["parameters"] for t in RESPONSE_TOOLS}
+    ask = dict(model=MODEL, input=ASK_TOOLS[0]["content"], tools=RESPONSE_TOOLS, tool_choice="required",
+               parallel_tool_calls=False, max_output_tokens=48, temperature=0)  # fmt: skip
+    first = client.responses.create(**ask)
+    [call] = first.output
+    assert call.type == "function_call" and call.call_id.startswith("call_") and first.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == call.arguments and events[-1].response.output[0].name == call.name
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny; 21:00 in Tokyo"}
+    history = [{"role": "user", "content": ASK_TOOLS[0]["content"]}, call.model_dump(exclude_none=True), result]
+    final = client.responses.create(**{**ask, "input": history, "tool_choice": "none"})
+    assert final.output_text.strip() and [item.type for item in final.output] == ["message"]
 
 
 def test_a_required_call_is_the_same_on_every_path(url, base_url):
