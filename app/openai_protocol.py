@@ -183,17 +183,33 @@ def _template_arguments(tokenizer_class: type) -> frozenset[str]:
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
-    """Whether ``value`` asks nothing of a field whose neutral value (or values: a tuple) is ``neutral``."""
+    """Whether ``value`` asks nothing of a field whose neutral value (or values: a tuple) is
+    ``neutral``; an object of nulls asks nothing either (e.g. ``{"effort": null}``)."""
     if value is None or value == neutral or (isinstance(neutral, tuple) and value in neutral):
+        return True
+    if isinstance(value, dict) and value and all(v is None for v in value.values()):
         return True
     return neutral is None and value in ([], {}, "")
 
 
-class _SamplingFields(_Body):
-    # kept (``model_extra``), so that a field of ``NOT_IMPLEMENTED`` can be refused by name
+class _GenerationBody(_Body):
+    """A generation request's body: its id, and the fields it knows only to refuse when set."""
+
+    # kept (``model_extra``), so that a field of ``not_implemented`` can be refused by name
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     not_implemented: ClassVar[dict[str, Any]] = NOT_IMPLEMENTED
+    id_prefix: ClassVar[str]
 
+    def new_request_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def _refusals(self) -> list[tuple[str, bool]]:
+        """``(field, refused)`` for every field declared, or known, only to be refused when set."""
+        extra = self.model_extra or {}
+        return [(name, name in extra and not _neutral(extra[name], v)) for name, v in self.not_implemented.items()]
+
+
+class _SamplingFields(_GenerationBody):
     model: str = Field(description="model name from GET /v1/models")
     max_tokens: int | None = Field(None, description="tokens to generate (default: the rest of the context)")
     temperature: float = Field(1.0, description="below 1e-5 (0 included) is greedy")
@@ -304,9 +320,6 @@ class _SamplingFields(_Body):
             message = f"must be -1 or in [1, {limits.max_model_len}] (max_model_len), got {keep}"
             raise FieldError(f"truncate_prompt_tokens: {message}", "truncate_prompt_tokens")
         return ids[-(limits.max_model_len if keep == -1 else keep) :]
-
-    def new_request_id(self) -> str:
-        return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
     def _bad_word_ids(self, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as the engine takes them (``bad_word_ids``)."""
@@ -431,11 +444,6 @@ class _SamplingFields(_Body):
     def _num_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token (``SamplingParams.prompt_logprobs``), None when not asked."""
         return self.prompt_logprobs
-
-    def _refusals(self) -> list[tuple[str, bool]]:
-        """``(field, refused)`` for every field declared, or known, only to be refused when set."""
-        extra = self.model_extra or {}
-        return [(name, name in extra and not _neutral(extra[name], v)) for name, v in self.not_implemented.items()]
 
 
 class TextPart(_Body):
@@ -859,7 +867,7 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-def unsupported(body: _SamplingFields) -> tuple[str, str] | None:
+def unsupported(body: _GenerationBody) -> tuple[str, str] | None:
     """``(field, message)`` for the first field set to something this server does not do."""
     for name, refused in body._refusals():
         if refused:

@@ -10,25 +10,25 @@ chat template leaves out as it does a chat's past reasoning), ``instructions``, 
 ``temperature``, ``top_p``, ``metadata`` (returned as sent), streaming, and vLLM's sampling
 extensions of the same names as on chat. Responses are not stored, as vLLM's by default:
 ``store`` is accepted and answered ``false``; what needs a stored response
-(``previous_response_id``, ``background``) is refused by name, as is every other field this
-server does not do.
+(``previous_response_id``, ``background``) is refused by name, as are the settings this server
+does not do (``RESPONSES_NOT_IMPLEMENTED``); hints that change no answer (``prompt_cache_key``,
+``service_tier``, ``safety_identifier``) are ignored, as any field a chat does not know.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from app.openai_protocol import (
     NOT_IMPLEMENTED,
     ChatCompletionRequest,
     ChatSetup,
-    FunctionDefinition,
+    FunctionCall,
     _Body,
-    _neutral,
+    _GenerationBody,
     unsupported,
     validation_error_body,
 )
@@ -41,10 +41,15 @@ RESPONSES_NOT_IMPLEMENTED: dict[str, Any] = {
     "conversation": None,
     "background": False,
     "prompt": None,  # OpenAI's stored prompt templates
-    "include": None,
+    # nothing is encrypted: a reasoning item comes whole (and one sent back is left out)
+    "include": (None, [], ["reasoning.encrypted_content"]),
+    "echo": False,  # chat's and vLLM's, not the Responses API's
+    "n": 1,
+    "prompt_logprobs": None,
     "top_logprobs": (None, 0),
     "truncation": ("disabled", None),
     "max_tool_calls": None,
+    "context_management": None,  # server-side compaction
     "reasoning": None,  # an effort or summary setting (an answer's reasoning is returned as written)
 }
 # vLLM's sampling extensions, taken as chat takes them (the same names, the same checks)
@@ -84,11 +89,6 @@ class FunctionTool(_Body):
     parameters: dict[str, Any] | None = Field(None, description="its arguments, a JSON Schema")
     strict: bool | None = Field(None, description="accepted: forced calls always follow the schema")
 
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return value if value is None else FunctionDefinition(name="f", parameters=value).parameters
-
     def for_chat(self) -> dict[str, Any]:
         function = self.model_dump(exclude={"type"}, exclude_none=True)
         return {"type": "function", "function": function}
@@ -106,12 +106,11 @@ class TextFormat(_Body):
     description: str | None = None
     strict: bool | None = None
 
-    @field_validator("schema_")
-    @classmethod
-    def _schema_for_json_schema(cls, value: Any, info: Any) -> Any:
-        if value is None and info.data.get("type") == "json_schema":
-            raise ValueError("Field required when type is 'json_schema'")
-        return value
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("schema is required when type is 'json_schema'")
+        return self
 
     def for_chat(self) -> dict[str, Any]:
         if self.type != "json_schema":
@@ -130,20 +129,27 @@ class TextPart(_Body):
     text: str
 
 
+def _for_chat(content: str | list[TextPart]) -> str | list[dict[str, str]]:
+    """Text, or text parts as chat's (which the template joins as it joins a chat's)."""
+    return content if isinstance(content, str) else [{"type": "text", "text": part.text} for part in content]
+
+
 class InputMessage(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
-    arguments: str
+    arguments: str = Field(description="JSON text of an object")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        return FunctionCall._json_object(value)
 
 
 class FunctionCallOutput(_Body):
@@ -151,22 +157,18 @@ class FunctionCallOutput(_Body):
     call_id: str = Field(min_length=1)
     output: str | list[TextPart]
 
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
-
 
 ITEMS = {"message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutput}
 
 
-class ResponsesRequest(_Body):
-    # kept (``model_extra``), so that a field of ``RESPONSES_NOT_IMPLEMENTED`` is refused by name
-    model_config = _Body.model_config | {"extra": "allow", "populate_by_name": True}
+class ResponsesRequest(_GenerationBody):
     not_implemented: ClassVar[dict[str, Any]] = RESPONSES_NOT_IMPLEMENTED
     id_prefix: ClassVar[str] = "resp"
-    # what the ingress reads of a generation body: one choice, no usage chunks, no prompt scores
+    # what the ingress reads of a generation body: one choice, no usage chunks, no prompt scores, no echo
     n: ClassVar[int] = 1
     stream_options: ClassVar[None] = None
     prompt_logprobs: ClassVar[None] = None
+    echo: ClassVar[bool] = False
 
     model: str = Field(description="model name from GET /v1/models")
     input: str | list[dict[str, Any]] = Field(
@@ -195,13 +197,6 @@ class ResponsesRequest(_Body):
         if isinstance(value, list) and not value:
             raise ValueError("List should have at least 1 item")
         return value
-
-    def new_request_id(self) -> str:
-        return f"{self.id_prefix}-{uuid.uuid4().hex}"
-
-    def _refusals(self) -> list[tuple[str, bool]]:
-        extra = self.model_extra or {}
-        return [(name, name in extra and not _neutral(extra[name], v)) for name, v in self.not_implemented.items()]
 
     # ---- the chat completion it asks for ---------------------------------------------------
 
@@ -262,9 +257,9 @@ class ResponsesRequest(_Body):
                     continue
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutput):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _for_chat(item.output)})
             else:
-                messages.append({"role": item.role, "content": item.text()})
+                messages.append({"role": item.role, "content": _for_chat(item.content)})
             self._origins.append(where)
         if not messages or all(origin == "instructions" for origin in self._origins):
             raise FieldError("input: no message to answer (only earlier reasoning)", "input")
@@ -273,12 +268,12 @@ class ResponsesRequest(_Body):
     @staticmethod
     def _item(data: Any, where: str) -> InputMessage | FunctionCallItem | FunctionCallOutput | None:
         """One input item, checked (None: an earlier reasoning item, which the template leaves out)."""
-        kind = data.get("type", "message") if isinstance(data, dict) else None
+        kind = data.get("type") or "message"
         if kind == "reasoning":
             return None
         if kind not in ITEMS:
-            message = f"{kind!r} items are not supported" if kind else "must be an object"
-            raise FieldError(f"{where}: {message} (messages, function_call, function_call_output)", where)
+            message = f"{kind!r} items are not supported (messages, function_call, function_call_output)"
+            raise FieldError(f"{where}: {message}", where)
         try:
             return ITEMS[kind].model_validate(data)
         except ValidationError as exc:
@@ -308,8 +303,9 @@ class ResponsesRequest(_Body):
     def to_generation_requests(
         self, tokenizer: Any, limits: ContextLimits, request_id: str, chat: ChatSetup | None = None
     ) -> list[GenerationRequest]:
+        chat_request = self.chat_request()
         try:
-            return self.chat_request().to_generation_requests(tokenizer, limits, request_id, chat)
+            return chat_request.to_generation_requests(tokenizer, limits, request_id, chat)
         except FieldError as exc:
             raise self._renamed(exc) from None
 
@@ -329,7 +325,7 @@ class ResponsesRequest(_Body):
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": self.temperature,
-            "text": {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)},
+            "text": self.text.model_dump(by_alias=True, exclude_none=True),
             "tool_choice": self.tool_choice.model_dump() if isinstance(self.tool_choice, FunctionChoice)
             else self.tool_choice or ("auto" if self.tools else "none"),
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or ()],

@@ -3,10 +3,12 @@
 An answer becomes output items, in order: its reasoning (``reasoning``, when the server's reasoning
 parser finds some), its text (a ``message`` of one ``output_text`` part; there is one unless the
 answer is only calls), its calls (``function_call``, one per call). A response ended by
-``max_output_tokens`` is ``incomplete``. Streamed, each item is announced (``output_item.added``),
-its text or arguments sent in deltas, then closed (``output_item.done``); the last event is
-``response.completed`` (or ``.incomplete``) with the whole response. Events are ``event:`` and
-``data:`` lines, as OpenAI's, with no ``[DONE]`` after them.
+``max_output_tokens`` is ``incomplete``; one the engine could not finish, ``failed``. Streamed,
+each item is announced (``output_item.added``), its text or arguments sent in deltas, then closed
+(``output_item.done``); the last event is ``response.completed`` (``.incomplete``, ``.failed``)
+with the whole response. Events are ``event:`` and ``data:`` lines, as OpenAI's, with no
+``[DONE]`` after them. (Text a model writes after its calls, which the unstreamed body joins to
+the text before them, streams as a second message: the first is closed by then.)
 """
 
 from __future__ import annotations
@@ -54,11 +56,23 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
     }
 
 
-def status_of(last: RequestOutput) -> tuple[str, dict | None]:
-    """The response's ``status`` and ``incomplete_details`` from how the answer ended."""
+def status_of(last: RequestOutput) -> tuple[str, dict | None, dict | None]:
+    """The response's ``status``, ``incomplete_details`` and ``error`` from how the answer ended
+    (``failed``: the engine could not finish it, e.g. a grammar that refused every token)."""
     if last.finish_reason == FinishReason.LENGTH:
-        return "incomplete", {"reason": "max_output_tokens"}
-    return "completed", None
+        return "incomplete", {"reason": "max_output_tokens"}, None
+    if last.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+        return (
+            "failed",
+            None,
+            {"code": "server_error", "message": last.error or f"the answer ended: {last.finish_reason}"},
+        )
+    return "completed", None, None
+
+
+def item_status(status: str) -> str:
+    """The status of the item an answer ended in (an item is completed or incomplete)."""
+    return "completed" if status == "completed" else "incomplete"
 
 
 class ResponsesFormat:
@@ -96,9 +110,10 @@ class ResponsesFormat:
         }
 
     def finished(self, response: dict, last: RequestOutput, output: list[dict]) -> dict:
-        status, incomplete = status_of(last)
+        status, incomplete, error = status_of(last)
         usage = self.usage(last, output)
-        return response | {"status": status, "incomplete_details": incomplete, "output": output, "usage": usage}
+        return response | {"status": status, "incomplete_details": incomplete, "error": error, "output": output,
+                           "usage": usage}  # fmt: skip
 
     def full(
         self, body: ResponsesRequest, request_id: str, model: str, outputs: SequenceOf, text_of, shape, scored=None
@@ -111,7 +126,7 @@ class ResponsesFormat:
         if parsed.content is not None or not parsed.calls:
             output.append(message_item(_id("msg"), parsed.content or ""))
         output += [call_item(_id("fc"), call) for call in parsed.calls]
-        output[-1]["status"] = status_of(last)[0]
+        output[-1]["status"] = item_status(status_of(last)[0])
         return self.finished(self.envelope(body, request_id, model, int(time.time())), last, output)
 
     def writers(
@@ -127,8 +142,7 @@ class ResponseEvents:
 
     def __init__(self, fmt: ResponsesFormat, response: dict, shape: AnswerShape | None) -> None:
         self.fmt, self.response = fmt, response
-        self.answer = AnswerStream(shape or AnswerShape())
-        self.plain = shape is None  # the text as it comes: not trimmed as a read answer's content is
+        self.answer = AnswerStream(shape) if shape is not None else None  # None: the text as it comes
         self.output: list[dict] = []  # the items closed so far
         self.open: dict | None = None  # the item being streamed
         self.sequence = 0
@@ -144,17 +158,18 @@ class ResponseEvents:
         )
 
     def delta(self, output: RequestOutput) -> bytes | None:
-        deltas = [Delta("content", output.text)] if self.plain and output.text else []
-        if not self.plain:
+        if self.answer is not None:
             deltas = self.answer.feed(output.text, final=output.finished)
+        else:
+            deltas = [Delta("content", output.text)] if output.text else []
         events = [event for d in deltas for event in self._piece(d)]
         if output.finished:
             events += self._finish(output)
         return b"".join(events) or None
 
     def error(self, body: dict) -> bytes:
-        """A failure after the start: OpenAI's ``error`` event (the openai client raises it); its
-        ``code`` the error's, else its type (``server_error``)."""
+        """A failure after the start: OpenAI's ``error`` event (openai-agents fails the run on it);
+        its ``code`` the error's, else its type (``server_error``)."""
         error = body.get("error", {})
         code = error.get("code") or error.get("type")
         return self._event("error", code=code, message=error.get("message"), param=error.get("param"))
@@ -222,6 +237,6 @@ class ResponseEvents:
         events = []
         if all(item["type"] == "reasoning" for item in [*self.output, *([self.open] if self.open else [])]):
             events += self._close() + self._open("message", None)  # no text, no call: an empty message, as unstreamed
-        events += self._close(status_of(last)[0])
+        events += self._close(item_status(status_of(last)[0]))
         response = self.fmt.finished(self.response, last, self.output)
         return [*events, self._event(f"response.{response['status']}", response=response)]

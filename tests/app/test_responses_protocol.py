@@ -55,9 +55,9 @@ def test_a_tool_loops_items_are_the_chats_messages_and_earlier_reasoning_is_left
          "content": [{"type": "output_text", "text": "Sunny, and rain.", "annotations": []}]},
     ]  # fmt: skip
     chat = _request(input=items, tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"}).chat_request()
-    assert [(m.role, m.content) for m in chat.messages] == [
-        ("user", "Weather in Paris?"),
-        ("assistant", None),
+    assert [(m.role, m.for_template()["content"]) for m in chat.messages] == [
+        ("user", "Weather in \nParis?"),  # text parts joined as a chat's
+        ("assistant", ""),
         ("tool", "sunny"),
         ("tool", "rain"),
         ("assistant", "Sunny, and rain."),
@@ -95,6 +95,9 @@ def test_text_format_is_the_chats_response_format():
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "foo"}}}},
          "text.format", "Invalid type"),
         ({"input": "x", "instructions": "y" * 3000}, "input", "max_model_len"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": '}]},
+         "input.0.arguments", "JSON text of an object"),
+        ({"input": "x", "tools": [{**TOOL, "parameters": {"type": "array"}}]}, "tools.0.parameters", "type object"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_clients_field(tokenizer, limits, fields, param, text):
@@ -110,17 +113,38 @@ def test_refusals_name_the_clients_field(tokenizer, limits, fields, param, text)
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
+        ({"echo": True}, "echo"),
+        ({"n": 2}, "n"),
     ],
 )
 def test_what_needs_a_stored_response_or_is_not_done_is_refused_by_name(fields, param):
     assert unsupported(_request(input="x", **fields))[0] == param
     neutral = {"previous_response_id": None, "background": False, "include": [], "truncation": "disabled"}
     assert unsupported(_request(input="x", store=True, **neutral)) is None
+    # what a response repeats back, and what openai-agents sends without a store
+    sent_back = {"reasoning": {"effort": None, "summary": None}, "include": ["reasoning.encrypted_content"]}
+    assert unsupported(_request(input="x", **sent_back)) is None
 
 
-def test_non_function_tools_and_empty_input_fail_the_schema():
+def test_non_function_tools_empty_input_and_a_schema_format_without_its_schema_fail_the_schema():
     from pydantic import ValidationError
 
-    for fields in ({"input": "x", "tools": [{"type": "web_search"}]}, {"input": []}):
-        with pytest.raises(ValidationError):
+    no_schema = {"format": {"type": "json_schema", "name": "a"}}
+    for fields, loc in [
+        ({"input": "x", "tools": [{"type": "web_search"}]}, ("tools", 0, "type")),
+        ({"input": []}, ("input",)),
+        ({"input": "x", "text": no_schema}, ("text", "format")),
+    ]:
+        with pytest.raises(ValidationError) as info:
             _request(**fields)
+        assert info.value.errors()[0]["loc"][: len(loc)] == loc
+
+
+def test_text_parts_and_a_typeless_item_read_as_a_chats(tokenizer, limits):
+    parts = [{"type": "input_text", "text": "Weather in"}, {"type": "input_text", "text": "Paris?"}]
+    (request,) = _request(input=[{"type": None, "role": "user", "content": parts}]).to_generation_requests(
+        tokenizer, limits, "r", ChatSetup()
+    )
+    chat_parts = [{"type": "text", "text": p["text"]} for p in parts]
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": chat_parts}]})
+    assert request.prompt_token_ids == chat.to_generation_request(tokenizer, limits, "c", ChatSetup()).prompt_token_ids

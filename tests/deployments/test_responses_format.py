@@ -3,6 +3,7 @@ not, in OpenAI's event order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -68,8 +69,20 @@ def _items(output: list[dict]) -> list[tuple]:
             AnswerShape(parser=HermesParser()),
             [("message", "Let me check.", "completed"), ("function_call", '{"city": "Paris"}', "completed")],
         ),
+        (
+            ["<think>Only ", "thoughts."],
+            FinishReason.LENGTH,
+            AnswerShape(REASONING_PARSERS["qwen3"]),
+            [("reasoning", "Only thoughts.", "completed"), ("message", "", "incomplete")],
+        ),
+        (
+            ['{"city": ', '"Paris"}'],
+            FinishReason.STOP,
+            AnswerShape(forced=True, named="get_weather"),
+            [("function_call", '{"city": "Paris"}', "completed")],
+        ),
     ],
-    ids=["text", "length", "empty", "reasoning", "call"],
+    ids=["text", "length", "empty", "reasoning", "call", "reasoning-only", "forced-named"],
 )
 def test_an_answer_is_the_same_items_streamed_or_not(pieces, reason, shape, expected):
     outputs = _outputs(pieces, reason)
@@ -82,7 +95,7 @@ def test_an_answer_is_the_same_items_streamed_or_not(pieces, reason, shape, expe
     status = "incomplete" if reason == FinishReason.LENGTH else "completed"
     assert (body["object"], body["status"], body["model"], body["metadata"]) == ("response", status, "m", {"k": "v"})
     assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if status == "incomplete" else None)
-    reasoning = 4 if expected[0][0] == "reasoning" else 0  # FORMAT counts words
+    reasoning = len(expected[0][1].split()) if expected[0][0] == "reasoning" else 0  # FORMAT counts words
     assert body["usage"] == {
         "input_tokens": 5,
         "input_tokens_details": {"cached_tokens": 2},
@@ -112,6 +125,17 @@ def test_an_answer_is_the_same_items_streamed_or_not(pieces, reason, shape, expe
         deltas = [e for e in events if e["type"] == delta_type and e["output_index"] == index]
         assert "".join(e["delta"] for e in deltas) == text
         assert all(e["item_id"] == done[index]["id"] for e in deltas)
+
+
+def test_an_answer_the_engine_could_not_finish_is_a_failed_response():
+    outputs = _outputs(['{"a": ', "x"], FinishReason.ERROR)
+    outputs[-1] = dataclasses.replace(outputs[-1], error="response_format: the grammar refused token 7")
+    body = FORMAT.full(BODY, "resp-1", "m", [outputs], None, None)
+    assert (body["status"], body["incomplete_details"]) == ("failed", None)
+    assert body["error"] == {"code": "server_error", "message": "response_format: the grammar refused token 7"}
+    assert [(i["type"], i["status"]) for i in body["output"]] == [("message", "incomplete")]
+    last = _events(outputs, None)[-1]
+    assert last["type"] == "response.failed" and last["response"]["error"] == body["error"]
 
 
 def test_a_failure_after_the_start_is_an_error_event():
