@@ -11,7 +11,9 @@ two shapes: the completions object (``tokens``, ``token_logprobs``, ``top_logpro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -24,10 +26,16 @@ TokenText = Callable[[int], str]
 
 
 def token_text_of(tokenizer) -> TokenText:
-    """One id's text; ``token_id:<id>`` for a model without a tokenizer (dummy weights)."""
+    """One id's text, each id decoded once (a prompt's log-probabilities name every token of it
+    and its alternatives); ``token_id:<id>`` for a model without a tokenizer (dummy weights)."""
     if tokenizer is None:
         return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id])
+    return functools.lru_cache(maxsize=1 << 18)(lambda token_id: tokenizer.decode([token_id]))
+
+
+def finite(logprob: float | None) -> float | None:
+    """A log-probability JSON can carry: -inf (a token the model rules out) as vLLM's -9999.0."""
+    return logprob if logprob is None or math.isfinite(logprob) else -9999.0
 
 
 def usage(lasts: SequenceOf[RequestOutput], per_prompt: int = 0) -> dict:
@@ -75,7 +83,7 @@ def answer_delta(delta: Delta) -> dict:
 def chat_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText) -> dict:
     def item(token_id: int, logprob: float) -> dict:
         text = text_of(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
 
     return {
         "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
@@ -91,10 +99,10 @@ def completion_logprobs(entries: SequenceOf[TokenLogprobs], text_of: TokenText, 
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
+        "token_logprobs": [finite(e.logprob) for e in entries],
         # the sampled token among the alternatives, as vLLM returns them; none for an echoed prompt's first token
         "top_logprobs": [
-            None if e.logprob is None else {**{text_of(t): lp for t, lp in e.top}, tok: e.logprob}
+            None if e.logprob is None else {**{text_of(t): finite(lp) for t, lp in e.top}, tok: finite(e.logprob)}
             for e, tok in zip(entries, tokens)
         ],
         "text_offset": offsets,
@@ -119,7 +127,7 @@ class PromptLogprobs:
         ranked = {scored.token_id: (scored.logprob, scored.rank)}
         ranked.update((token, (logprob, rank)) for rank, (token, logprob) in enumerate(scored.top[: self.num_top], 1))
         return {
-            str(token): {"logprob": logprob, "rank": rank, "decoded_token": self.text_of(token)}
+            str(token): {"logprob": finite(logprob), "rank": rank, "decoded_token": self.text_of(token)}
             for token, (logprob, rank) in ranked.items()
         }
 
@@ -199,10 +207,10 @@ class ResponseFormat(ABC):
         """The non-streamed body of a request ``body``'s choices (``full_response_choices``)."""
         return full_response_choices(self, request_id, model, outputs, text_of, shape, body.n, scored)
 
-    def add_prompt_logprobs(self, body: dict, scored: SequenceOf[list]) -> None:
-        """vLLM's ``prompt_logprobs`` (``PromptLogprobs``, one list per choice) in a non-streamed ``body``."""
-        for choice, listed in zip(body["choices"], scored):
-            choice["prompt_logprobs"] = listed
+    def add_prompt_logprobs(self, body: dict, scored: PromptLogprobs, choices: SequenceOf[SequenceOf]) -> None:
+        """vLLM's ``prompt_logprobs`` in a non-streamed ``body``: each choice's, of its own prompt."""
+        for choice, outputs in zip(body["choices"], choices):
+            choice["prompt_logprobs"] = scored.of(outputs[0])
 
 
 class ChatFormat(ResponseFormat):
@@ -222,8 +230,8 @@ class ChatFormat(ResponseFormat):
     def first_chunk(self, index: int = 0) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def add_prompt_logprobs(self, body: dict, scored: SequenceOf[list]) -> None:
-        body["prompt_logprobs"] = scored[0]  # once: the choices share the prompt
+    def add_prompt_logprobs(self, body: dict, scored: PromptLogprobs, choices: SequenceOf[SequenceOf]) -> None:
+        body["prompt_logprobs"] = scored.of(choices[0][0])  # once: the choices share the prompt
 
 
 class CompletionFormat(ResponseFormat):
@@ -287,7 +295,7 @@ def full_response_choices(
         "usage": usage([outputs[-1] for outputs in choices], per_prompt),
     }
     if scored is not None:
-        fmt.add_prompt_logprobs(body, [scored.of(outputs[0]) for outputs in choices])
+        fmt.add_prompt_logprobs(body, scored, choices)
     return body
 
 

@@ -131,7 +131,11 @@ def batch_logprobs(
     """``token_logprobs`` of every row at once, on the logits' device, nothing read back: each
     row's token's log-probability ``[rows]``, and its ``num_top`` most likely tokens' ids and
     log-probabilities ``[rows, num_top]``."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+    return _picked(torch.log_softmax(logits, dim=-1), tokens, num_top)
+
+
+def _picked(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
+    """Each row's token's log-probability and its ``num_top`` most likely tokens (``batch_logprobs``)."""
     top = torch.topk(logprobs, num_top, dim=-1)
     return logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top.indices, top.values
 
@@ -142,10 +146,11 @@ def rows_logprobs(
     """``batch_logprobs`` of each row of ``logits`` for its own token, read back; ``ranked``: with
     each token's rank, as vLLM's (how many tokens of its row are at least as likely, itself included)."""
     tokens = torch.tensor(token_ids, device=logits.device)
-    chosen, top_ids, top_values = batch_logprobs(logits, tokens, num_top)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen, top_ids, top_values = _picked(logprobs, tokens, num_top)
     ranks = [None] * len(token_ids)
     if ranked:  # on the log-probabilities the top ones are picked from: a token among them is ranked where it stands
-        ranks = (torch.log_softmax(logits, dim=-1) >= chosen[:, None]).sum(dim=1).tolist()
+        ranks = (logprobs >= chosen[:, None]).sum(dim=1).tolist()
     chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
     return [
         TokenLogprobs(token_id=token, logprob=value, top=tuple(zip(ids, values)), rank=rank)

@@ -201,6 +201,29 @@ def test_echo_puts_each_prompt_before_its_choices_first_output(outputs, text_of)
     assert Echo(["Paris is"], [ids[0]], 1)(0, head).logprobs == first.logprobs  # scored for prompt_logprobs alone
 
 
+def test_each_choice_has_its_own_prompts_logprobs_and_an_echo_keeps_its_own_alternatives(outputs, text_of):
+    ids, _, (first, held, last) = outputs
+    ruled_out = float("-inf")  # a token the model rules out: vLLM's -9999.0, JSON has no infinity
+    scored = {
+        "a": (TokenLogprobs(ids[1], -2.0, ((7, -0.5), (8, -1.0), (ids[1], -2.0)), rank=3),),
+        "b": (TokenLogprobs(9, ruled_out, ((7, -0.1),), rank=49152), TokenLogprobs(5, -0.2, ((5, -0.2),), rank=1)),
+    }
+    choices = [[dataclasses.replace(first, prompt_logprobs=scored[p]), held, last] for p in "aab"]
+    body = full_response_choices(
+        COMPLETION, "r", "m", choices, text_of, per_prompt=2, scored=PromptLogprobs(1, text_of)
+    )
+    listed = [c["prompt_logprobs"] for c in body["choices"]]
+    assert listed[0] == listed[1] and len(listed[0]) == 2 and len(listed[2]) == 3
+    assert listed[2][1] == {
+        "9": {"logprob": -9999.0, "rank": 49152, "decoded_token": text_of(9)},
+        "7": {"logprob": -0.1, "rank": 1, "decoded_token": text_of(7)},
+    }
+    json.dumps(body, allow_nan=False)  # as the response is sent
+    echo = Echo(["Paris is"], [ids[0]], per_prompt=1, num_top=1)  # logprobs 1 beside prompt_logprobs 3
+    head = echo(0, choices[0][0]).logprobs[:2]
+    assert head[1] == TokenLogprobs(ids[1], -2.0, ((7, -0.5),)) and head[0].logprob is None
+
+
 def test_vllms_prompt_logprobs_rank_the_prompts_token_and_its_alternatives(outputs, text_of):
     ids, _, (first, held, last) = outputs
     # the second prompt token: the third most likely; then one the first most likely
