@@ -192,21 +192,31 @@ def _neutral(value: Any, neutral: Any) -> bool:
     return neutral is None and value in ([], {}, "")
 
 
-class _GenerationBody(_Body):
-    """A generation request's body: its id, and the fields it knows only to refuse when set."""
+class _Refusing(_Body):
+    """A body that knows some fields only to refuse them when set (``unsupported``)."""
 
     # kept (``model_extra``), so that a field of ``not_implemented`` can be refused by name
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    not_implemented: ClassVar[dict[str, Any]] = {}
+
+    def _refusals(self) -> list[tuple[str, bool]]:
+        """``(field, refused)`` for every field declared, or known, only to be refused when set."""
+        extra = self.model_extra or {}
+        return [(name, name in extra and not _neutral(extra[name], v)) for name, v in self.not_implemented.items()]
+
+
+class _GenerationBody(_Refusing):
+    """A generation request's body: its id, and how its answer is read."""
+
     not_implemented: ClassVar[dict[str, Any]] = NOT_IMPLEMENTED
     id_prefix: ClassVar[str]
 
     def new_request_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    def _refusals(self) -> list[tuple[str, bool]]:
-        """``(field, refused)`` for every field declared, or known, only to be refused when set."""
-        extra = self.model_extra or {}
-        return [(name, name in extra and not _neutral(extra[name], v)) for name, v in self.not_implemented.items()]
+    def answer_shape(self, chat: ChatSetup) -> AnswerShape | None:
+        """How the answer is read (reasoning, tool calls); None: as plain text, untouched."""
+        return None
 
 
 class _SamplingFields(_GenerationBody):
@@ -867,7 +877,7 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-def unsupported(body: _GenerationBody) -> tuple[str, str] | None:
+def unsupported(body: _Refusing) -> tuple[str, str] | None:
     """``(field, message)`` for the first field set to something this server does not do."""
     for name, refused in body._refusals():
         if refused:

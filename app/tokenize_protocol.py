@@ -13,19 +13,26 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any, ClassVar
 
-from pydantic import ConfigDict, Field, StrictInt
+from pydantic import Field, StrictInt
 
-from app.openai_protocol import ChatCompletionRequest, ChatMessage, ChatSetup, CompletionRequest, Tool, _Body
+from app.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatSetup,
+    CompletionRequest,
+    Tool,
+    _Body,
+    _Refusing,
+    unsupported,
+)
 from engine.params import ContextLimits, FieldError
 
 # the chat fields a tokenize body shares with a chat completion's, which tokenizes them
 CHAT_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
-class _TokenizeFields(_Body):
+class _TokenizeFields(_Refusing):
     # unknown fields ignored, as vLLM does; vLLM's fields not implemented here are refused by name
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    not_implemented: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = Field(None, description="the served model's name, if given (GET /v1/models)")
     return_token_strs: bool = Field(False, description="also return each token's string (the tokenizer's pieces)")
@@ -33,10 +40,8 @@ class _TokenizeFields(_Body):
     def token_ids(self, tokenizer: Any, chat: ChatSetup) -> list[int]:
         """The prompt's token ids, as the generation endpoint would make them (``FieldError``
         naming the client's field)."""
-        extra = self.model_extra or {}
-        for name in self.not_implemented:
-            if extra.get(name) is not None:
-                raise FieldError(f"{name}: {str(extra[name])[:60]!r} is not supported by this server", name)
+        if (problem := unsupported(self)) is not None:
+            raise FieldError(problem[1], problem[0])
         return self._as_generation_request().prompt_token_ids(tokenizer, chat)
 
     @abstractmethod
@@ -59,7 +64,7 @@ class TokenizeCompletionRequest(_TokenizeFields):
 
 
 class TokenizeChatRequest(_TokenizeFields):
-    not_implemented: ClassVar[tuple[str, ...]] = ("chat_template", "mm_processor_kwargs")
+    not_implemented: ClassVar[dict[str, Any]] = {"chat_template": None, "mm_processor_kwargs": None}
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, as a chat completion's")
     tools: list[Tool] | None = Field(None, description="functions the template writes into the prompt")

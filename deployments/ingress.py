@@ -364,7 +364,7 @@ class OpenAIIngress:
             return exc.response()
         headers = {"X-Request-Id": request_id}
         text_of = self._text_of if requests[0].sampling.logprobs is not None else None
-        shape = body.answer_shape(self.chat) if isinstance(body, ChatCompletionRequest | ResponsesRequest) else None
+        shape = body.answer_shape(self.chat)
         echo = self._echo(body, requests) if getattr(body, "echo", False) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
