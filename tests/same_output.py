@@ -78,6 +78,18 @@ def assert_same_output(expected: GreedyTrace, actual: GreedyTrace, exact: bool, 
     )
 
 
+def assert_same_alternatives(actual: Sequence, expected: Sequence, tol: float = 1e-4, label: str = "") -> None:
+    """One position's top alternatives, ``(token, logprob)`` most likely first, from two runs that
+    must agree: the same likelihoods rank by rank, and a token may stand elsewhere only where it
+    ties (within ``tol``) with the one it replaced or, at the cut, with the last one listed.
+    float32 kernels order near-equal alternatives differently (AVX-512 CPUs unlike AVX2 ones)."""
+    assert len(actual) == len(expected), f"{label}: {len(actual)} alternatives, expected {len(expected)}"
+    listed, last = dict(expected), expected[-1][1]
+    for rank, ((token, value), (_, expected_value)) in enumerate(zip(actual, expected)):
+        assert abs(value - expected_value) <= tol, f"{label}: rank {rank}: {actual} vs {expected}"
+        assert abs(value - listed.get(token, last)) <= tol, f"{label}: token {token} not tied: {actual} vs {expected}"
+
+
 def engine_text_traces(loaded, prompts: Sequence[Sequence[int]], num_tokens: int, max_model_len: int = 512) -> list:
     """The engine alone, greedy with the top-5, the prompts in one batch: each prompt's trace as
     the tokens' texts (what the HTTP API returns), the reference of the served tests (compared

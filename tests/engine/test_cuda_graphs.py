@@ -228,7 +228,10 @@ def test_fused_decode_steps_give_the_eager_tokens(make_engine, family):
     fused = _generate(core, prompts, num_tokens)
     assert fused == eager
     assert core.runner.graphs.num_replays == core.num_model_steps - 1
-    torch.testing.assert_close(core.pool.tensor, eager_core.pool.tensor, rtol=1e-5, atol=1e-5)
+    # the fused and eager steps sum in different orders, and how float32 rounds then depends on the
+    # CPU's matrix kernels (AVX-512 unlike AVX2): a few ulps of K/V that reach 32 here; a K/V
+    # written to a wrong slot, head or position would be off by far more
+    torch.testing.assert_close(core.pool.tensor, eager_core.pool.tensor, rtol=1e-5, atol=1e-4)
 
 
 def test_fused_decode_names_what_it_cannot_run():

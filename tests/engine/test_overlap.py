@@ -12,6 +12,7 @@ from engine.core import EngineCore
 from engine.params import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from tests.engine.conftest import run_to_completion, tiny_loaded
 from tests.engine.test_cuda_graphs import SIZES, FakeCudaGraph
+from tests.same_output import assert_same_alternatives
 from tests.tiny_models import SHARP
 
 PROMPTS = [[(7 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 14, 28, 9))]
@@ -33,24 +34,21 @@ def _requests(params: list[SamplingParams], prompts: list[list[int]] = PROMPTS) 
 
 
 def _seen(outputs: dict[str, list[RequestOutput]]) -> dict[str, tuple]:
-    """What a client sees of each request: every output's tokens, usage, finish and top
-    logprobs' tokens (their values: ``_logprob_values``)."""
-    seen = {}
-    for rid, outs in outputs.items():
-        tops = [[[t for t, _ in lp.top] for lp in o.logprobs] for o in outs]
-        seen[rid] = [(o.token_ids, o.num_output_tokens, o.finished, o.finish_reason, t) for o, t in zip(outs, tops)]
-    return seen
-
-
-def _logprob_values(outputs: dict[str, list[RequestOutput]]) -> list[float]:
-    logprobs = [lp for outs in outputs.values() for o in outs for lp in o.logprobs]
-    return [v for lp in logprobs for v in (lp.logprob, *dict(lp.top).values())]
+    """What a client sees of each request but its logprobs: every output's tokens, usage and finish."""
+    return {
+        rid: [(o.token_ids, o.num_output_tokens, o.finished, o.finish_reason) for o in outs]
+        for rid, outs in outputs.items()
+    }
 
 
 def _assert_same(got: dict[str, list[RequestOutput]], expected: dict[str, list[RequestOutput]]) -> None:
     """Equal but for the logprobs' last bits (a step in flight pads its batch differently)."""
     assert _seen(got) == _seen(expected)
-    assert _logprob_values(got) == pytest.approx(_logprob_values(expected), abs=1e-4)
+    for rid, outs in expected.items():
+        pairs = zip((lp for o in got[rid] for lp in o.logprobs), (lp for o in outs for lp in o.logprobs), strict=True)
+        for step, (lp, want) in enumerate(pairs):
+            assert lp.token_id == want.token_id and lp.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert_same_alternatives(lp.top, want.top, label=f"{rid} token {step}")
 
 
 def _greedy(max_tokens: int, **fields: object) -> SamplingParams:
