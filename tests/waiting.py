@@ -16,7 +16,7 @@ import inspect
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -80,6 +80,13 @@ async def wait_until_async(
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout_s, value)
         await asyncio.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))
+
+
+def ok_json(response) -> Any | None:
+    """An HTTP answer's JSON if it is a 200, else None: an admin endpoint answers 503 while what
+    it reports on is slow or restarting, which a wait reads as not yet (the last value it names
+    on a timeout is then None, and the answer's text is in the test's log)."""
+    return response.json() if response.status_code == 200 else None
 
 
 class CallRecorder:

@@ -19,7 +19,7 @@ import pytest
 from app.config import disagg_app
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
-from tests.waiting import wait_until
+from tests.waiting import ok_json, wait_until
 
 NUM_TOKENS = MIN_COMPARED_TOKENS + 8
 NUM_BURST = 24
@@ -74,8 +74,8 @@ async def _burst(base_url: str, model: str, prompts: list[list[int]]) -> list[ht
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
 
         async def lent() -> bool:
-            view = (await client.get("/admin/autoscaler")).json()
-            return view["ingress"]["routed"]["lent"] >= 1
+            view = ok_json(await client.get("/admin/autoscaler"))
+            return view is not None and view["ingress"]["routed"]["lent"] >= 1
 
         sent = []
         for i in range(MAX_BURST):
@@ -96,6 +96,16 @@ def _admin(base_url: str) -> dict:
     return response.json()
 
 
+def _roles(view: dict | None) -> dict[str, str]:
+    """Each engine deployment's replica's role, as the controller last saw it reported."""
+    return {r["deployment"]: r["role"] for r in view["replicas"]} if view is not None else {}
+
+
+def _admin_or_none(base_url: str) -> dict | None:
+    """For waits: the view, or None while the controller does not answer in time (503)."""
+    return ok_json(httpx.get(base_url + "/admin/autoscaler", timeout=30))
+
+
 def _actions(view: dict) -> list[str]:
     return [d["action"] for d in view["decisions"]]
 
@@ -114,10 +124,8 @@ def test_burst_lends_then_reclaims_and_every_output_is_the_engines(base_url, mod
     model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
     view = _admin(base_url)
     assert view["enabled"] is True and view["policy"] == "default"
-    assert {r["deployment"]: r["role"] for r in view["replicas"]} == {
-        "PrefillServer": "prefill",
-        "DecodeServer": "decode",
-    }
+    home = {"PrefillServer": "prefill", "DecodeServer": "decode"}  # once both replicas have reported
+    wait_until(lambda: _roles(_admin_or_none(base_url)), 60, "both replicas' first reports", until=home.__eq__)
 
     responses = asyncio.run(_burst(base_url, model, prompts))
     _check_same(responses, reference)
@@ -131,11 +139,15 @@ def test_burst_lends_then_reclaims_and_every_output_is_the_engines(base_url, mod
     routed = view["ingress"]["routed"]
     assert routed["lent"] >= 1, routed  # whole requests served on the lent replica, checked above
 
-    wait_until(lambda: "reclaim" in _actions(_admin(base_url)), 90, "the lent replica to be reclaimed")
+    def reclaimed(view: dict | None) -> bool:
+        return view is not None and "reclaim" in _actions(view)
+
+    def applied(view: dict | None) -> bool:  # on the replica, and in the plan the ingress routes by
+        return _roles(view).get("PrefillServer") == "prefill" and view["ingress"]["plan"]["lent"] == 0
+
+    wait_until(lambda: _admin_or_none(base_url), 90, "the lent replica to be reclaimed", until=reclaimed)
     wait_until(
-        lambda: {r["deployment"]: r["role"] for r in _admin(base_url)["replicas"]}["PrefillServer"] == "prefill",
-        30,
-        "the reclaimed replica to report the prefill role",
+        lambda: _admin_or_none(base_url), 30, "the reclaim applied on the replica and the ingress", until=applied
     )
     view = _admin(base_url)
     first_lend = _actions(view).index("lend")

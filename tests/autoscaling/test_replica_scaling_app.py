@@ -22,7 +22,7 @@ import pytest
 from app.config import disagg_app
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
-from tests.waiting import wait_until_async
+from tests.waiting import ok_json, wait_until_async
 
 LONG_TOKENS = 64
 SHORT_TOKENS = 24
@@ -102,8 +102,8 @@ def _decode_replicas(view: dict) -> dict[str, int]:
 
 async def _until(client: httpx.AsyncClient, what: str, test) -> dict:
     async def view_if() -> dict | None:
-        view = await _view(client)
-        return view if test(view) else None
+        view = ok_json(await client.get("/admin/autoscaler"))
+        return view if view is not None and test(view) else None
 
     return await wait_until_async(view_if, VIEW_TIMEOUT_S, what, poll_s=0.25)
 

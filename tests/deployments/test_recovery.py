@@ -33,7 +33,7 @@ from kv_transport.faults import FaultPoints
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
 from tests.tiny_models import TINY_SERVED_NAME
-from tests.waiting import wait_until, wait_until_async
+from tests.waiting import ok_json, wait_until, wait_until_async
 
 ROOT = "/recovery"  # this module's applications: pull here, push and busy below
 BUSY = "/busy"
@@ -181,15 +181,22 @@ def _kv(base_url: str, path: str) -> dict:
     return response.json()
 
 
-def _live(view: dict, deployment: str) -> list[dict]:
-    return [r for r in view["replicas"] if r["live"] and r["deployment"] == deployment]
+def _kv_or_none(base_url: str, path: str) -> dict | None:
+    """For waits: the view, or None while the store it is read from is away (503)."""
+    return ok_json(httpx.get(f"{base_url}{path}/admin/kv", timeout=30))
+
+
+def _live(view: dict | None, deployment: str) -> list[dict]:
+    return [r for r in view["replicas"] if r["live"] and r["deployment"] == deployment] if view is not None else []
 
 
 def _assert_nothing_held(base_url: str, path: str) -> None:
     """Every live replica: invariants hold, and (once leases ran out) no block is held."""
 
     def settled() -> bool:
-        view = _kv(base_url, path)
+        view = _kv_or_none(base_url, path)
+        if view is None:
+            return False
         live = [r for r in view["replicas"] if r["live"]]
         held = sum(r["num_in_use_blocks"] + r["num_pinned_blocks"] + r["num_reserved_blocks"] for r in live)
         return view["ok"] and held == 0 and {r["deployment"] for r in live} == {"PrefillServer", "DecodeServer"}
@@ -214,13 +221,13 @@ def _drawn(faults: list[dict], point: str, count: int, prefix: str) -> list[str]
     return [rid for rid in ids if any(r.action == "fail" for _, r in points.selected(point, rid))][:count]
 
 
-def _engine_ids(base_url: str, path: str, deployment: str) -> set[str]:
-    return {r["engine_id"] for r in _live(_kv(base_url, path), deployment)}
+def _engine_ids(view: dict | None, deployment: str) -> set[str]:
+    return {r["engine_id"] for r in _live(view, deployment)}
 
 
 def _restarted(base_url: str, path: str, deployment: str, before: set[str]) -> None:
     def replaced() -> bool:
-        now = _engine_ids(base_url, path, deployment)
+        now = _engine_ids(_kv_or_none(base_url, path), deployment)
         return bool(now) and not now & before
 
     wait_until(replaced, 300, f"{deployment} of {path or '/'} restarted")
@@ -232,7 +239,7 @@ def test_prefill_killed_during_transfer_requests_complete(base_url, reference, p
     there: none had a token yet, so each is retried (prefilled on the decode replica) and
     completes with the engine's output; the replica restarts and serves again."""
     _assert_nothing_held(base_url, path)
-    before = _engine_ids(base_url, path, "PrefillServer")
+    before = _engine_ids(_kv(base_url, path), "PrefillServer")
     requests = [("kill-prefill-1", 0, 0.0)] + [(f"{path}-inflight-{i}", i % 3, 0.05 * i) for i in range(1, 6)]
     results = _run(path, requests, base_url)
     _assert_same(results, [r[1] for r in requests], reference)
@@ -247,7 +254,7 @@ def test_prefill_killed_after_its_push_the_stream_completes(base_url, reference)
     its call's reply: the decode replica holds the whole KV and streams, so the request
     completes with the engine's output, not with an error; the replica restarts."""
     _assert_nothing_held(base_url, "/push")
-    before = _engine_ids(base_url, "/push", "PrefillServer")
+    before = _engine_ids(_kv(base_url, "/push"), "PrefillServer")
     (result,) = _run("/push", [("kill-after-push-1", 0, 0.0)], base_url)
     _assert_same([result], [0], reference)
     _restarted(base_url, "/push", "PrefillServer", before)
@@ -263,7 +270,7 @@ def test_decode_killed_mid_stream(base_url, reference):
     answered already, ends with an error event once ``recovery.wait_s`` passed with no replica
     back); afterwards the service answers with the engine's output."""
     _assert_nothing_held(base_url, "")
-    before = _engine_ids(base_url, "", "DecodeServer")
+    before = _engine_ids(_kv(base_url, ""), "DecodeServer")
     requests = [("kill-decode-1", 0, 0.0), ("decode-peer-1", 1, 0.0), ("decode-peer-2", 2, 0.2)]
     results = _run("", requests, base_url)
     # The replica died after producing the killed request's 8th token; what was still on its
@@ -310,7 +317,7 @@ def test_dropped_release_and_stalled_fetch_end_at_the_lease(base_url, reference)
         neither freed early."""
         if not dropped.done():
             return None
-        view = (await client.get("/admin/kv")).json()
+        view = ok_json(await client.get("/admin/kv"))
         live = _live(view, "PrefillServer")  # none: its last report is late
         ages = [(p["num_pinned_requests"], (p["oldest_pinned_s"] or 0) > 2) for p in live]  # None: nothing pinned yet
         return view if ages == [(2, True)] else None
@@ -369,7 +376,7 @@ def test_a_stream_idle_past_its_bound_is_aborted_and_frees_its_blocks(base_url, 
     assert idle.error["code"] == "timeout" and "limits.stream_idle_timeout_s" in idle.error["message"], idle.error
 
     def idle_replica() -> bool:
-        (replica,) = _live(_kv(base_url, BUSY), "ColocatedServer")
-        return replica["ok"] and replica["num_in_use_blocks"] == 0 and replica["num_requests"] == 0
+        live = _live(_kv_or_none(base_url, BUSY), "ColocatedServer")  # none while its report is late
+        return len(live) == 1 and live[0]["ok"] and live[0]["num_in_use_blocks"] == 0 and live[0]["num_requests"] == 0
 
     wait_until(idle_replica, 30, "the busy replica idle, nothing held")

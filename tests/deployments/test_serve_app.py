@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from tests.serving import SERVED_COMMON, SERVED_CONTEXT, SPECULATIVE, ServeApp, ServedApps, served_disagg
-from tests.waiting import wait_until
+from tests.waiting import ok_json, wait_until
 
 ROOT = "/serve"
 MODEL = "SmolLM2-135M-Instruct"
@@ -586,11 +586,15 @@ def test_speculation_on_the_decode_side_gives_the_same_tokens_and_is_counted(bas
     assert spec.json()["choices"][0]["logprobs"]["tokens"] == plain.json()["choices"][0]["logprobs"]["tokens"]
 
     def decode_entry() -> dict | None:
-        entries = httpx.get(base_url + path + "/admin/kv", timeout=30).json()["replicas"]
+        view = ok_json(httpx.get(base_url + path + "/admin/kv", timeout=30))
+        entries = view["replicas"] if view is not None else []
         return next((e for e in entries if e["deployment"] == "DecodeServer" and e["live"]), None)
 
+    # a report published mid-request may show drafts before any was accepted: wait for acceptance
     what = "the decode replica to publish its acceptance"
-    entry = wait_until(decode_entry, 30, what, until=lambda e: e is not None and e["speculative"]["drafts"] > 0)
+    entry = wait_until(
+        decode_entry, 30, what, until=lambda e: e is not None and e["speculative"]["accepted_tokens"] > 0
+    )
     counts = entry["speculative"]
     assert 0 < counts["accepted_tokens"] <= counts["draft_tokens"] and counts["acceptance_rate"] > 0
 
