@@ -77,6 +77,15 @@ def _wait_for(actor, what: str, until) -> None:
     wait_until(lambda: _stats(actor), START_TIMEOUT_S, what, until=until)
 
 
+def _gone(actor) -> bool:
+    """The actor refuses calls: dead."""
+    try:
+        ray.get(actor.stats.remote(), timeout=TIMEOUT_S)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
 def _is_idle(stats) -> bool:
     blocks_held = (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running)
     return stats.num_free_blocks == stats.num_total_blocks and blocks_held == (0, 0, 0)
@@ -287,9 +296,8 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
         _wait_for(
             decode, "decode reserving blocks for the fetch", lambda s: s.num_reserved_blocks == len(handle.block_ids)
         )
-        ray.kill(victim)
-        with pytest.raises(ray.exceptions.RayActorError):  # dead: a call after the kill is refused
-            ray.get(victim.stats.remote(), timeout=TIMEOUT_S)
+        ray.kill(victim)  # asynchronous: a call made just after it may still be answered
+        wait_until(lambda: _gone(victim), TIMEOUT_S, "the killed producer to refuse calls")
         assert not ray.wait([fetching], timeout=0)[0], "the fetch ended before its producer died"
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(fetching, timeout=TIMEOUT_S)  # ends: a fetch from a dead peer does not hang
