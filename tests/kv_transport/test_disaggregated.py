@@ -32,9 +32,8 @@ LAYERS = 3
 BLOCK_BYTES = 16 * 2 * 16 * 4  # one layer's K (or V) of one block: 16 tokens x 2 heads x 16 x float32
 ENGINE = {"max_model_len": 1024, "kv_cache_bytes": 4 << 20}  # the tiny model's context; 341 blocks
 HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lease is TIMEOUT_S)
-# a fetch held before its READ: its producer is killed within it, and a later call with the dead
-# incarnation's handle comes after it, so the decode side re-checks that peer (PEER_CHECK_INTERVAL_S)
-FETCH_HELD_S = 5.0
+# a fetch held before its READ: its producer is killed, and seen dead, within it (seconds on a loaded machine)
+FETCH_HELD_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +217,7 @@ def test_abort_on_either_side_frees_blocks(actors, prompts):
     ray.cancel(running)
     with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
         ray.get(running)
+    _wait_idle(prefill, decode)  # abort-d's export: released by the decode side's notice, asynchronously
     request = _request("abort-p", 0, prompts[4])
     _, handle = ray.get(prefill.prefill_pull.remote(request))
     assert ray.get(prefill.stats.remote()).num_pinned_blocks == len(handle.block_ids)
@@ -307,9 +307,20 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
 
     restarted = spawn("victim", "prefill", timeout_s=TIMEOUT_S)
     assert ray.get(restarted.start.remote()) != first_incarnation
-    with pytest.raises(ray.exceptions.RayTaskError) as info:
-        ray.get(decode.decode_pull.remote(_request("stale", 0, prompts[5]), handle))
-    assert isinstance(info.value.cause, StalePeerError)
+    tries = []
+
+    def refused_as_stale() -> bool:
+        """A call with the dead incarnation's handle fails; as stale once the decode side has
+        re-checked that peer in the registry (at most every PEER_CHECK_INTERVAL_S: until then
+        it may still READ from the dead peer, a transfer error)."""
+        tries.append(_request(f"stale-{len(tries)}", 0, prompts[5]))
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(decode.decode_pull.remote(tries[-1], handle))
+        assert isinstance(info.value.cause, KVTransferError), info.value
+        return isinstance(info.value.cause, StalePeerError)
+
+    with _transport_timeout(SHORT_TIMEOUT_S, decode):
+        wait_until(refused_as_stale, TIMEOUT_S, "the dead incarnation's handle refused as stale")
     request = _request("again", 5, prompts[5])
     result, handle = ray.get(restarted.prefill_pull.remote(request))
     outputs = ray.get(decode.decode_pull.remote(request, handle, result.first_logprobs))

@@ -17,6 +17,7 @@ from engine.params import GenerationRequest
 from tests import same_output
 from tests.engine.conftest import greedy, run_to_completion
 from tests.tiny_models import tiny_tp_config
+from tests.waiting import wait_until
 
 DEGREES = (1, 2, 4)
 BLOCK_SIZE = 8
@@ -82,6 +83,17 @@ def _move(mode: str, prefill, decode, request: GenerationRequest) -> tuple[list,
     return ray.get(decoded), stats.rank_bytes, stats.num_bytes
 
 
+def _wait_idle(*actors) -> None:
+    """Nothing pinned, reserved or running: a pull's export is unpinned by the consumer's notice, asynchronously."""
+    for actor in actors:
+        wait_until(
+            lambda a=actor: ray.get(a.stats.remote()),
+            10,
+            "nothing pinned, reserved or running",
+            until=lambda s: (s.num_pinned_blocks, s.num_reserved_blocks, s.num_running) == (0, 0, 0),
+        )
+
+
 @pytest.mark.parametrize(("mode", "producer", "consumer"), CASES)
 def test_kv_between_degrees_gives_one_rank_s_tokens_and_each_rank_moves_its_heads(
     engines, reference, mode, producer, consumer
@@ -98,9 +110,7 @@ def test_kv_between_degrees_gives_one_rank_s_tokens_and_each_rank_moves_its_head
         every_head = LAYERS * 2 * blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
         assert total == every_head  # no KV head is replicated at these degrees: each moves once
         assert rank_bytes == ((every_head // mover,) * mover if mover > 1 else ())
-    for actor in (prefill, decode):
-        stats = ray.get(actor.stats.remote())
-        assert (stats.num_pinned_blocks, stats.num_reserved_blocks, stats.num_running) == (0, 0, 0)
+    _wait_idle(prefill, decode)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
