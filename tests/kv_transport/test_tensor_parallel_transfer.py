@@ -84,14 +84,16 @@ def _move(mode: str, prefill, decode, request: GenerationRequest) -> tuple[list,
 
 
 def _wait_idle(*actors) -> None:
-    """Nothing pinned, reserved or running: a pull's export is unpinned by the consumer's notice, asynchronously."""
-    for actor in actors:
-        wait_until(
-            lambda a=actor: ray.get(a.stats.remote()),
-            10,
-            "nothing pinned, reserved or running",
-            until=lambda s: (s.num_pinned_blocks, s.num_reserved_blocks, s.num_running) == (0, 0, 0),
-        )
+    """Nothing pinned, reserved or running on any: a pull's export is unpinned by the consumer's
+    notice, asynchronously (blocks a prefix cache keeps are not held)."""
+
+    def held() -> list[tuple[int, int, int]]:
+        return [
+            (s.num_pinned_blocks, s.num_reserved_blocks, s.num_running)
+            for s in ray.get([a.stats.remote() for a in actors])
+        ]
+
+    wait_until(held, 10, "nothing pinned, reserved or running", until=lambda all_held: set(all_held) == {(0, 0, 0)})
 
 
 @pytest.mark.parametrize(("mode", "producer", "consumer"), CASES)
