@@ -102,6 +102,10 @@ class EngineMetrics:
         )
         self.kv_seconds = _latency("tandem_kv_transfer_seconds", "KV transfer time per request", tags)
         self.kv_bytes = Counter("tandem_kv_transfer_bytes_total", "KV bytes moved", tag_keys=tags)
+        self.kv_expired = Counter(
+            "tandem_kv_exports_expired_total", "Exported KV never claimed, freed at its lease's end", tag_keys=tags
+        )
+        self._expired = 0
         self.block_usage = Gauge("tandem_kv_block_usage", "Fraction of KV blocks in use", tag_keys=tags)
         self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
         self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
@@ -125,6 +129,12 @@ class EngineMetrics:
         self.kv_seconds.observe(seconds, self.tags)
         if num_bytes > 0:  # 0 when this replica's prefix cache held every block (Ray refuses inc(0))
             self.kv_bytes.inc(num_bytes, self.tags)
+
+    def expired_exports(self, total: int) -> None:
+        """The transport's count since start (``num_expired_exports``): the change is added."""
+        if total > self._expired:  # Ray refuses inc(0)
+            self.kv_expired.inc(total - self._expired, self.tags)
+            self._expired = total
 
     def decode_parts(self, timings: DecodeTimings) -> None:
         self.decode_queue.observe(timings.decode_queue_s, self.tags)

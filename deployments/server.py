@@ -165,13 +165,15 @@ class EngineServer:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
         }
-        await self._started()
+        link = await self._started()
         ranks = await asyncio.to_thread(self.core.ranks)  # fixed for the replica's life
         while True:
             try:
                 report = await self.engine.kv_report()
                 spec = kv_state.speculative(self.engine.latest_stats())
-                extra = {"rss_bytes": process.memory_info().rss, "speculative": spec, "ranks": ranks}
+                expired = link.transport.num_expired_exports  # read after the report: it counts what the report freed
+                extra = {"rss_bytes": process.memory_info().rss, "speculative": spec, "ranks": ranks,
+                         "expired_exports": expired}  # fmt: skip
                 data = kv_state.entry(report, {**replica, **extra})
                 await asyncio.to_thread(kv_state.publish, self.engine_id, data)
             except Exception as exc:  # the GCS briefly away: the entry ages meanwhile
@@ -411,4 +413,6 @@ class EngineServer:
 
         stats = self.engine.latest_stats()
         self.metrics.replica(stats)
+        if self._link is not None:
+            self.metrics.expired_exports(self._link.transport.num_expired_exports)
         return RoutingStats.of(stats).to_dict()

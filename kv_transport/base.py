@@ -105,6 +105,7 @@ class BaseKVTransport(ABC):
     is called from the engine thread inside the forward pass and never blocks on I/O."""
 
     supports_push: bool = True
+    num_expired_exports: int = 0  # producer: exports never claimed, freed at their lease's end (since start)
 
     @abstractmethod
     def register_pool(self, pool: torch.Tensor, release_blocks: ReleaseBlocks) -> None:

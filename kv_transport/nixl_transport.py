@@ -148,6 +148,7 @@ class NixlTransport(BaseKVTransport):
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
         self.num_handshakes = 0
+        self.num_expired_exports = 0
         self._closed = False
 
     # ---- setup ------------------------------------------------------------------------
@@ -337,8 +338,14 @@ class NixlTransport(BaseKVTransport):
         self._worker.notify_soon(peer.notice_agent, notices.encode(notices.ReleaseNotice(request_id=rid)))
 
     def release(self, request_id: str) -> None:
+        self._release(request_id)
+
+    def _release(self, request_id: str, expired: bool = False) -> None:
         if self._exports.pop(request_id, None) is None:
             return
+        if expired:  # counted before the blocks go back: a report showing them free counts it
+            logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
+            self.num_expired_exports += 1
         slots = self._export_slots.pop(request_id, None)
         if slots:
             self.staging.slots.free(slots)
@@ -743,8 +750,7 @@ class NixlTransport(BaseKVTransport):
         """Progress thread, every round: free exports nobody claimed in time, and staging slots
         set aside after a failed transfer."""
         for request_id in [r for r, expiry in list(self._exports.items()) if expiry < now]:
-            logger.warning("KV of request %s unclaimed after %.1f s: freeing its blocks", request_id, self.timeout_s)
-            self.release(request_id)
+            self._release(request_id, expired=True)  # unless released since the line above
         for entry in [e for e in list(self._slots_later) if e[0] < now]:
             self._slots_later.remove(entry)
             self.staging.slots.free(entry[1])

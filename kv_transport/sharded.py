@@ -154,6 +154,10 @@ class ShardedTransport(BaseKVTransport):
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 
+    @property
+    def num_expired_exports(self) -> int:
+        return self.inner.num_expired_exports
+
     def give_back(self, handle: KVHandle) -> None:
         self.inner.give_back(handle)
 

@@ -51,12 +51,14 @@ def test_pull_copies_exact_blocks_and_releases_the_producer(pair):
     assert stats.num_bytes == 3 * 2 * 4 * block_bytes
     assert stats.num_descriptors == 3 * 2 * 2  # runs (2..4 -> 0..2) and (7 -> 5), per layer and K/V
     assert released.event.wait(15) and released.ids == ["r1"]
+    assert producer.num_expired_exports == 0  # released by the consumer's notice
 
 
 def test_unclaimed_export_is_freed_after_the_timeout(pair):
     producer, _, _, _, released, _ = pair
     producer.export("lost", [1], num_tokens=2, first_token=1)
     assert released.event.wait(15) and released.ids == ["lost"]
+    assert producer.num_expired_exports == 1
 
 
 def test_dropped_release_notice_falls_back_to_the_timeout():
@@ -71,6 +73,7 @@ def test_dropped_release_notice_falls_back_to_the_timeout():
         asyncio.run(consumer.fetch(handle, [1]))
         assert released.event.wait(15) and released.ids == ["r"]
         assert released.times[0] >= handle.expires_at  # no notice: pinned until the lease's end
+        assert producer.num_expired_exports == 1
     finally:
         producer.close()
         consumer.close()
