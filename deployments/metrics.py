@@ -105,7 +105,6 @@ class EngineMetrics:
         self.kv_expired = Counter(
             "tandem_kv_exports_expired_total", "Exported KV never claimed, freed at its lease's end", tag_keys=tags
         )
-        self._expired = 0
         self.block_usage = Gauge("tandem_kv_block_usage", "Fraction of KV blocks in use", tag_keys=tags)
         self.running = Gauge("tandem_running_requests", "Requests in the running batch", tag_keys=tags)
         self.waiting = Gauge("tandem_waiting_requests", "Requests waiting for admission", tag_keys=tags)
@@ -116,7 +115,7 @@ class EngineMetrics:
         )
         # counters of the engine's cumulative figures, by ``EngineStats`` field: each report adds the change
         self._counters = {field: Counter(name, text, tag_keys=tags) for field, name, text in ENGINE_TOTALS}
-        self._totals = dict.fromkeys(self._counters, 0)
+        self._totals = dict.fromkeys([*self._counters, "expired_exports"], 0)
 
     def prefill_call(self, seconds: float) -> None:
         self.prefill.observe(seconds, self.tags)
@@ -131,10 +130,14 @@ class EngineMetrics:
             self.kv_bytes.inc(num_bytes, self.tags)
 
     def expired_exports(self, total: int) -> None:
-        """The transport's count since start (``num_expired_exports``): the change is added."""
-        if total > self._expired:  # Ray refuses inc(0)
-            self.kv_expired.inc(total - self._expired, self.tags)
-            self._expired = total
+        """The transport's count since start (``num_expired_exports``)."""
+        self._add_change(self.kv_expired, "expired_exports", total)
+
+    def _add_change(self, counter: Counter, key: str, total: int) -> None:
+        """A cumulative figure as a counter: what it grew by since the last report."""
+        if total > self._totals[key]:  # Ray refuses inc(0)
+            counter.inc(total - self._totals[key], self.tags)
+            self._totals[key] = total
 
     def decode_parts(self, timings: DecodeTimings) -> None:
         self.decode_queue.observe(timings.decode_queue_s, self.tags)
@@ -149,10 +152,7 @@ class EngineMetrics:
         self.cached_blocks.set(stats.num_cached_blocks, self.tags)
         self.ranks.set(stats.tensor_parallel_size, self.tags)
         for field, counter in self._counters.items():
-            now = getattr(stats, field)
-            if now > self._totals[field]:  # Ray refuses inc(0)
-                counter.inc(now - self._totals[field], self.tags)
-                self._totals[field] = now
+            self._add_change(counter, field, getattr(stats, field))
 
 
 class AutoscalerMetrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import httpx
 import pytest
 
 from tests.waiting import MAX_POLL_S, _pauses, ok_json, wait_until, wait_until_async
@@ -52,14 +53,7 @@ def test_the_pause_between_reads_grows_to_a_cap():
     assert set(itertools.islice(_pauses(2.0), 3)) == {2.0}  # a longer first pause is kept
 
 
-class _Answer:
-    def __init__(self, status_code: int, body: object) -> None:
-        self.status_code, self._body = status_code, body
-
-    def json(self) -> object:
-        return self._body
-
-
 def test_ok_json_reads_a_200_and_leaves_any_other_answer_as_not_yet():
-    assert ok_json(_Answer(200, {"replicas": []})) == {"replicas": []}
-    assert ok_json(_Answer(503, {"error": {"message": "the autoscaler's controller did not answer"}})) is None
+    assert ok_json(httpx.Response(200, json={"replicas": []})) == {"replicas": []}
+    busy = {"error": {"message": "the autoscaler's controller did not answer"}}
+    assert ok_json(httpx.Response(503, json=busy)) is None
