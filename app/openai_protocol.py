@@ -69,8 +69,10 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class _Body(BaseModel):
-    # NaN and infinity (Python's JSON reader takes the literals) are refused per field
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # NaN and infinity (Python's JSON reader takes the literals) are refused per field. Strict,
+    # as OpenAI's API: a JSON type other than the field's is refused by name (``true`` or
+    # ``"10"`` for an integer, ``"0.5"`` for a number, ``1`` for a boolean); an integer is a number
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -59,6 +59,17 @@ def _refusal(schema: type, body: dict | str) -> dict:
             "content parts of type 'image_url' are not supported",
         ),
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 30}, "top_logprobs", "less than or equal to 20"),
+        # JSON types as OpenAI's API checks them: no boolean, string or fraction for an integer,
+        # no string for a number, no number or string for a boolean
+        (ChatCompletionRequest, {**CHAT, "max_tokens": True}, "max_tokens", "valid integer"),
+        (ChatCompletionRequest, {**CHAT, "max_tokens": "10"}, "max_tokens", "valid integer"),
+        (ChatCompletionRequest, {**CHAT, "n": 2.0}, "n", "valid integer"),
+        (ChatCompletionRequest, {**CHAT, "temperature": "0.5"}, "temperature", "valid number"),
+        (ChatCompletionRequest, {**CHAT, "temperature": False}, "temperature", "valid number"),
+        (ChatCompletionRequest, {**CHAT, "stream": "true"}, "stream", "valid boolean"),
+        (ChatCompletionRequest, {**CHAT, "logprobs": 1}, "logprobs", "valid boolean"),
+        (CompletionRequest, {**COMPLETION, "logprobs": True}, "logprobs", "valid integer"),
+        (CompletionRequest, {**COMPLETION, "echo": "yes"}, "echo", "valid boolean"),
         (
             ChatCompletionRequest,
             {**CHAT, "messages": [{"role": "robot", "content": "x"}, {"role": "user", "content": 5}]},
