@@ -86,6 +86,9 @@ class EngineActor:
     def num_handshakes(self) -> int:
         return self.link.transport.num_handshakes
 
+    def num_expired_exports(self) -> int:
+        return self.link.transport.num_expired_exports
+
     def last_fetch_rank_bytes(self) -> tuple[int, ...]:
         return self.link.last_fetch.rank_bytes
 

@@ -13,7 +13,7 @@ from tests.waiting import MAX_POLL_S, _pauses, ok_json, wait_until, wait_until_a
 
 def test_returns_the_first_value_that_holds():
     counter = itertools.count()
-    assert wait_until(lambda: next(counter), 1.0, "the third read", until=lambda n: n >= 2, poll_s=0.001) == 2
+    assert wait_until(lambda: next(counter), 30, "the third read", until=lambda n: n >= 2, poll_s=0.001) == 2
 
 
 def test_times_out_naming_what_and_the_last_value():
@@ -38,7 +38,7 @@ def test_async_twin_awaits_async_reads_and_yields_to_the_loop():
 
     async def main():
         task = asyncio.create_task(producer())  # runs only while the wait yields to the loop
-        count = await wait_until_async(latest, 1.0, "three items", until=lambda n: n == 3, poll_s=0.001)
+        count = await wait_until_async(latest, 30, "three items", until=lambda n: n == 3, poll_s=0.001)
         await task
         with pytest.raises(AssertionError, match="waiting for nothing; last value: 3"):
             await wait_until_async(lambda: len(seen), 0.01, "nothing", until=lambda n: n > 3)

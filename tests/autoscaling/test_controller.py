@@ -162,7 +162,7 @@ def test_background_loops_carry_no_client_request_id():
         _serve_request_context.set(_RequestContext(request_id="client-request-id"))
         routing._start()  # as the first request does
         await controller.report(_report("d0", Role.DECODE, _stats(Role.DECODE)))
-        await wait_until_async(lambda: bool(sync.contexts and ticks), 5.0, "a sync and a tick")
+        await wait_until_async(lambda: bool(sync.contexts and ticks), 30, "a sync and a tick")
         assert _serve_request_context.get().request_id == "client-request-id"  # the call's own context is kept
         for task in (routing._task, controller._task):
             task.cancel()

@@ -121,7 +121,7 @@ def _check_same(responses: list[httpx.Response], reference: list[GreedyTrace], o
 
 def test_burst_lends_then_reclaims_and_every_output_is_the_engines(base_url, model_and_prompts, reference):
     _, prompts = model_and_prompts
-    model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     view = _admin(base_url)
     assert view["enabled"] is True and view["policy"] == "default"
     home = {"PrefillServer": "prefill", "DecodeServer": "decode"}  # once both replicas have reported

@@ -104,7 +104,7 @@ def _served_again(url: str, key: str) -> httpx.Response:
 def test_a_second_request_with_the_same_key_waits_for_the_first_stream(url):
     held = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream(
-        "POST", url + "/v1/chat/completions", json=held, headers={"Authorization": f"Bearer {KEY_A}"}
+        "POST", url + "/v1/chat/completions", json=held, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60
     ) as first:
         assert first.status_code == 200
         lines = first.iter_lines()  # held: a collected iterator would close the stream
@@ -124,7 +124,7 @@ def test_a_second_request_with_the_same_key_waits_for_the_first_stream(url):
     assert _served_again(url, KEY_A).status_code == 200  # the first stream's client went away: slot back
     finished = {**held, "max_tokens": 3}
     with httpx.stream(
-        "POST", url + "/v1/chat/completions", json=finished, headers={"Authorization": f"Bearer {KEY_A}"}
+        "POST", url + "/v1/chat/completions", json=finished, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60
     ) as done:
         assert [line for line in done.iter_lines() if line][-1] == "data: [DONE]"
     third = _served_again(url, KEY_A)  # the stream was sent to its end: slot back

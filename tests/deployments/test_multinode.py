@@ -102,7 +102,7 @@ def served(request, cluster, tiny_served) -> Served:
     # replaces the previous mode's app
     args = {**ARGS, **tiny_served.args, **MODE_ARGS[mode], "transport.mode": mode}
     url = deploy(pinned_args(args), port=PORT)
-    assert httpx.get(f"{url}/ready").json()["mode"] == f"disaggregated-{mode}"
+    assert httpx.get(f"{url}/ready", timeout=30).json()["mode"] == f"disaggregated-{mode}"
     body = {"model": TINY_SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text

@@ -53,7 +53,8 @@ PULL_FAULTS = [
     {"point": "mid_decode", "action": "crash", "request_id_prefix": "kill-decode-", "after_tokens": 8},
     {"point": "fetch", "action": "fail", "probability": 0.05},
     {"point": "release", "action": "drop", "request_id_prefix": "drop-"},
-    {"point": "fetch", "action": "delay", "seconds": TIMEOUT_S + 1, "request_id_prefix": "stall-"},
+    # past the lease by 4 s: the producer's expiry round, not the stalled consumer's give-back, frees it
+    {"point": "fetch", "action": "delay", "seconds": TIMEOUT_S + 4, "request_id_prefix": "stall-"},
 ]
 PUSH_FAULTS = [
     {"point": "push_layer", "action": "crash", "layer": 4, "request_id_prefix": "kill-prefill-"},
@@ -306,8 +307,10 @@ def test_five_percent_of_transfers_fail_and_every_request_completes(base_url, re
 
 
 def _expired_exports(base_url: str, path: str) -> int:
-    """The live prefill replica's count of exports freed at their lease's end (since it started)."""
-    (prefill,) = _live(_kv(base_url, path), "PrefillServer")
+    """The live prefill replica's count of exports freed at their lease's end (since it started),
+    read once it shows as live (its last published state recent)."""
+    read = lambda: _live(_kv_or_none(base_url, path), "PrefillServer")  # noqa: E731
+    (prefill,) = wait_until(read, TIMEOUT_S, "the prefill replica live in /admin/kv", until=lambda live: len(live) == 1)
     return prefill["expired_exports"]
 
 

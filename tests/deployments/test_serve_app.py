@@ -73,14 +73,14 @@ def _stats(served: ServedApps, deployment: str):
 
 
 def test_models_and_health(base_url):
-    assert httpx.get(base_url + "/health").json() == {"status": "ok"}
-    modes = [httpx.get(base_url + p + "/ready").json()["mode"] for p in ("", "/push", "/colo")]
+    assert httpx.get(base_url + "/health", timeout=30).json() == {"status": "ok"}
+    modes = [httpx.get(base_url + p + "/ready", timeout=30).json()["mode"] for p in ("", "/push", "/colo")]
     assert modes == ["disaggregated-pull", "disaggregated-push", "colocated"]
-    models = httpx.get(base_url + "/v1/models").json()
+    models = httpx.get(base_url + "/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert isinstance(models["data"][0]["created"], int)
-    assert httpx.get(f"{base_url}/v1/models/{MODEL}").json() == models["data"][0]  # OpenAI's retrieve
-    unknown = httpx.get(base_url + "/v1/models/org/other-model")
+    assert httpx.get(f"{base_url}/v1/models/{MODEL}", timeout=30).json() == models["data"][0]  # OpenAI's retrieve
+    unknown = httpx.get(base_url + "/v1/models/org/other-model", timeout=30)
     assert unknown.status_code == 404
     assert unknown.json()["error"] == {
         "message": "The model `org/other-model` does not exist.",
@@ -729,7 +729,7 @@ def test_the_responses_api_answers_as_the_chat_does_streamed_or_not(base_url):
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
     assert events[-1].type == f"response.{response.status}" and events[-1].response.output_text == response.output_text
-    missing = httpx.get(f"{base_url}/v1/responses/{response.id}")
+    missing = httpx.get(f"{base_url}/v1/responses/{response.id}", timeout=30)
     assert missing.status_code == 404 and "does not store" in missing.json()["error"]["message"]
 
 

@@ -35,9 +35,23 @@ def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
     return torch.full(shape, fill)
 
 
+LEASE_S = 30.0  # covers a first handshake and a transfer on a loaded machine: the lease never decides
+SHORT_LEASE_S = 2.0  # for the tests of what a lease's end does
+
+
+def _pair(lease_s: float):
+    return transport_pair(LAYOUT, _pool(8), _pool(6, fill=-1.0), lease_s, peer_check_interval_s=0.0)
+
+
 @pytest.fixture
 def pair():
-    with transport_pair(LAYOUT, _pool(8), _pool(6, fill=-1.0), 2.0, peer_check_interval_s=0.0) as transports:
+    with _pair(LEASE_S) as transports:
+        yield transports
+
+
+@pytest.fixture
+def short_pair():
+    with _pair(SHORT_LEASE_S) as transports:
         yield transports
 
 
@@ -54,8 +68,8 @@ def test_pull_copies_exact_blocks_and_releases_the_producer(pair):
     assert producer.num_expired_exports == 0  # released by the consumer's notice
 
 
-def test_unclaimed_export_is_freed_after_the_timeout(pair):
-    producer, _, _, _, released, _ = pair
+def test_unclaimed_export_is_freed_after_the_timeout(short_pair):
+    producer, _, _, _, released, _ = short_pair
     producer.export("lost", [1], num_tokens=2, first_token=1)
     assert released.event.wait(15) and released.ids == ["lost"]
     assert producer.num_expired_exports == 1
@@ -63,7 +77,9 @@ def test_unclaimed_export_is_freed_after_the_timeout(pair):
 
 def test_dropped_release_notice_falls_back_to_the_timeout():
     registry = LocalPeerRegistry()
-    producer = NixlTransport("p2", LAYOUT, registry, kv_transfer_timeout_s=3.0)  # the fetch ends within it
+    producer = NixlTransport(
+        "p2", LAYOUT, registry, kv_transfer_timeout_s=5.0
+    )  # the fetch (a handshake) ends within it
     consumer = NixlTransport("c2", LAYOUT, registry, faults=FaultPoints.of(drop_release=True))
     released = CallRecorder()
     producer.register_pool(_pool(4), released)
@@ -183,8 +199,8 @@ def test_the_done_notice_goes_once_from_the_thread_that_completes_the_last_write
         assert sent_from == [] and not notified.is_set() and sent.acquire(blocking=False)
 
 
-def test_push_wait_times_out_with_a_typed_error(pair):
-    _, consumer, *_ = pair
+def test_push_wait_times_out_with_a_typed_error(short_pair):
+    _, consumer, *_ = short_pair
     dest = consumer.destination("never", [0], 2)
     with pytest.raises(KVTransferTimeout, match="no push completion within 2.0 s .request never"):
         asyncio.run(consumer.wait_push(dest))

@@ -37,9 +37,9 @@ def _pool(num_blocks: int, fill: float | None = None) -> torch.Tensor:
 
 
 @contextmanager
-def staged_pair(producer_staging: str, consumer_staging: str, timeout_s: float = 5.0) -> Iterator[tuple]:
+def staged_pair(producer_staging: str, consumer_staging: str, timeout_s: float = 60.0) -> Iterator[tuple]:
     """``(producer, consumer, src, dst, released)``; each side stages as asked, with a buffer
-    of ``NUM_SLOTS`` slots."""
+    of ``NUM_SLOTS`` slots. The lease (``timeout_s``) is long: only the tests of its end decide by it."""
     options = dict(peer_check_interval_s=0.0, staging_bytes=NUM_SLOTS * SLOT_BYTES)
     producer_options = {**options, "staging": producer_staging}
     src, dst = _pool(10), _pool(8, fill=-1.0)
