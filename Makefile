@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 # the modules a server process imports, compiled once before the replicas start together
 # (each would otherwise compile the same ones at the same time)
 bytecode: install
-	$(PY) -c 'import app.config, deployments.server, deployments.ingress'
+	$(PY) -c 'import app.config, deployments.server, deployments.ingress, engine.model_runner'
 
 serve: install bytecode
 	$(VENV)/bin/serve run app.config:disagg_app $(ARGS)
