@@ -94,7 +94,6 @@ SERVED_BESIDE_MODULES = frozenset(
         "tests.deployments.test_tensor_parallel_app",
         "tests.deployments.test_auth",
         "tests.deployments.test_fuzz",
-        "tests.deployments.test_backpressure",
     }
 )
 DEFAULT_MODEL_FIXTURES = frozenset({"smol", "smol_reference", "tiny_served"})  # tiny_served copies its tokenizer

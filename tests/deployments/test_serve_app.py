@@ -339,6 +339,7 @@ def test_json_schema_and_penalties_across_paths(base_url):
             "at least 1",
         ),
         (CHAT, {"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400, "temperature", "temperature"),
+        (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": "10"}, 400, "max_tokens", "valid integer"),
         (
             CHAT,
             json.dumps({"model": MODEL, "messages": QUESTION, "temperature": float("nan")}),
@@ -420,7 +421,12 @@ def test_bad_input_gets_a_named_error(base_url, path, body, status, param, text)
     error = r.json()["error"]
     assert error["param"] == param and text in error["message"], error
     assert "Traceback" not in r.text
-    ok = _post(base_url, COMPLETIONS, {**TEXT, "max_tokens": 2})
+    ready = httpx.get(base_url + "/ready", timeout=30)  # the ingress is up, and the refusal holds no slot
+    assert ready.status_code == 200 and ready.json()["in_flight"] == 0, ready.text
+
+
+def test_after_the_bad_inputs_every_path_answers(url):
+    ok = _post(url, COMPLETIONS, {**TEXT, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
 
