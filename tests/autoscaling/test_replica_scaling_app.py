@@ -174,4 +174,3 @@ def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, 
     decisions = [(d["action"], d.get("pool"), tuple(d.get("replicas") or ())) for d in final["decisions"]]
     assert ("scale_up", "decode", (1, 2)) in decisions and ("scale_down", "decode", (2, 1)) in decisions
     assert not [d for d in decisions if d[0] in ("lend", "give_up")]
-    assert _pool(final) == SETTLED

@@ -77,9 +77,8 @@ def test_unclaimed_export_is_freed_after_the_timeout(short_pair):
 
 def test_dropped_release_notice_falls_back_to_the_timeout():
     registry = LocalPeerRegistry()
-    producer = NixlTransport(
-        "p2", LAYOUT, registry, kv_transfer_timeout_s=5.0
-    )  # the fetch (a handshake) ends within it
+    # its lease: the fetch, the first handshake included, ends within it
+    producer = NixlTransport("p2", LAYOUT, registry, kv_transfer_timeout_s=5.0)
     consumer = NixlTransport("c2", LAYOUT, registry, faults=FaultPoints.of(drop_release=True))
     released = CallRecorder()
     producer.register_pool(_pool(4), released)

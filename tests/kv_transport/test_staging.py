@@ -60,7 +60,7 @@ def _pull(mode: tuple[str, str]) -> tuple[torch.Tensor, list[int], list[str], ob
         dst[:, :, 5] = 7.0  # the consumer's prefix cache holds this request's first block already
         second = producer.export("r2", [8, 1, 0], num_tokens=10, first_token=3)
         stats.append(asyncio.run(consumer.fetch(second, [5, 3, 4], skip_blocks=1)).num_bytes)
-        wait_until(lambda: len(released.ids), 5, "both release notices", until=lambda n: n == 2)
+        wait_until(lambda: len(released.ids), 30, "both release notices", until=lambda n: n == 2)
         free = _free_slots(producer, consumer)
         assert free == [NUM_SLOTS] * len(free)
         return dst.clone(), stats, sorted(released.ids), first
