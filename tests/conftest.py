@@ -87,14 +87,10 @@ ON_RAY = pytest.StashKey[set[str]]()
 SERVED, IN_PROCESS, SERVED_BESIDE, ACTORS, OWN_CLUSTER = range(5)  # the kinds of module, in the order they run
 ON_RAY_RANK = (IN_PROCESS, SERVED, ACTORS, OWN_CLUSTER)  # least to most of Ray
 # served modules that run with the in-process ones (in the other pytest-xdist worker), after
-# them: small apps (the keyed app's two users among them), moved there so that both workers end
-# near the same time
+# them: small apps of the tiny model (the keyed app's two users among them), moved there so that
+# both workers end near the same time
 SERVED_BESIDE_MODULES = frozenset(
-    {
-        "tests.deployments.test_tensor_parallel_app",
-        "tests.deployments.test_auth",
-        "tests.deployments.test_fuzz",
-    }
+    {"tests.deployments.test_tensor_parallel_app", "tests.deployments.test_auth", "tests.deployments.test_fuzz"}
 )
 DEFAULT_MODEL_FIXTURES = frozenset({"smol", "smol_reference", "tiny_served"})  # tiny_served copies its tokenizer
 
