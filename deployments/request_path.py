@@ -82,7 +82,7 @@ class Calls:
 
     side: str = "decode"  # the pool the stream runs on, for recovery
     stream: Any = None  # the replica stream the outputs come from
-    companion: Any = None  # push: the prefill call, watched while the decode streams
+    companion: Any = None  # the prefill call: pull, until it answers; push, watched while the decode streams
     watched: asyncio.Future | None = None
     num_cached_tokens: int = 0  # the prompt tokens the prefill replica's cache skipped
     finished: bool = False
@@ -215,7 +215,9 @@ class ServedRequest:
         decode replica has no logits for the first token: its log-probabilities go along).
         The request's only output when it ended at its first token."""
         path, hop_start = self.path, time.perf_counter()
-        result, handle = await replica_call(path.prefill.prefill.remote(request), "prefill")
+        self.calls.companion = path.prefill.prefill.remote(request)  # cancelled if the try ends first
+        result, handle = await replica_call(self.calls.companion, "prefill")
+        self.calls.companion = None
         self.prefill_s = time.perf_counter() - hop_start
         path.metrics.prefill_hop.observe(self.prefill_s)
         self.tracked.prefilled(result.compute_s)

@@ -348,7 +348,11 @@ class EngineServer:
             timings = link.pop_decode_timings(request.request_id)
             if timings is not None:
                 self.metrics.decode_parts(timings)
-            yield destination
+            try:
+                yield destination
+            except BaseException:  # the stream ended here (the request gone): nothing waits for the push
+                await link.drop_push(request.request_id)
+                raise
             async for output in self._crash_mid_decode(request.request_id, link.decode_push(request, destination)):
                 yield output
         finally:

@@ -163,6 +163,13 @@ class BaseKVTransport(ABC):
     def release(self, request_id: str) -> None:
         """Producer: the exported blocks are no longer needed (idempotent)."""
 
+    def frees_later(self, request_id: str) -> bool:
+        """Consumer: a transfer into the request's blocks here ended unfinished (a pull's READ
+        still posted, a push whose producer may still write). True: the transport frees them
+        (``release_blocks``) once nothing can land in them any more; False: free them now.
+        The default: nothing lands after a transfer ends."""
+        return False
+
     def give_back(self, handle: KVHandle) -> None:
         """Consumer, pull: the handle will not be fetched (the request failed or went away
         first): tell its producer to free the blocks now rather than at the lease's end.

@@ -5,13 +5,16 @@ and the transport; the Serve deployments call these. Block ownership:
 
 * pull: prefill pins its blocks and exports a handle; the transport releases them when
   the consumer's notice arrives, on ``kv_transfer_timeout_s``, or on abort. Decode reserves
-  local blocks, fetches, then decodes; if the fetch fails, its reserved blocks are freed.
+  local blocks, fetches, then decodes; if the fetch fails, its reserved blocks are freed (a
+  READ still posted: once it ends).
   When decode has no free blocks, the request waits here for them while the producer's
   lease lasts (its handle's expiry less ``LEASE_MARGIN_S``), then fails with
   ``KVCapacityError``.
 * push: decode reserves blocks and returns a destination; prefill writes each layer into
   them during its forward pass, then notifies, then frees its own blocks. Decode waits for
-  the notice (or times out and frees its reservation), then decodes.
+  the notice, then decodes. A push that ends before its notice (a failure, a timeout, the
+  request gone) keeps the reservation until its destination expires: the producer posts no
+  WRITE after that, so none lands in blocks given to another request.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class KVEngineLink:
             self.last_fetch = stats = await self.transport.fetch(handle, blocks, cached)
         except BaseException:
             self.transport.give_back(handle)
-            await self.engine.release(request.request_id)
+            await self._free_unfinished(request.request_id)
             raise
         self._timings[request.request_id] = DecodeTimings(
             decode_queue_s=reserved - start, kv_transfer_s=stats.seconds, kv_bytes=stats.num_bytes
@@ -141,7 +144,6 @@ class KVEngineLink:
         try:
             error = self._push_errors.pop(rid, None)
             if error is not None:
-                self.transport.abort_push(rid)
                 raise error
             # pipelined, the layer hook wrote the blocks this prefill computed; the ones its
             # prefix cache supplied go now (the transport skips those the consumer holds)
@@ -150,6 +152,9 @@ class KVEngineLink:
                 for layer in range(self._num_layers):
                     self.transport.push_layer(rid, layer, list(unwritten), 0)
             stats = await self.transport.finish_push(rid, result.first_token, result.first_logprobs)
+        except BaseException:
+            self.transport.abort_push(rid)  # the consumer hears now (none left after finish_push)
+            raise
         finally:
             await self.engine.release(rid)
         return result, stats
@@ -158,9 +163,7 @@ class KVEngineLink:
         try:
             completion = await self.transport.wait_push(destination)
         except BaseException:
-            self._timings.pop(request.request_id, None)
-            self.transport.abort_push(request.request_id)
-            await self.engine.release(request.request_id)
+            await self.drop_push(request.request_id)
             raise
         try:
             first = completion.first_token, completion.first_logprobs
@@ -168,6 +171,13 @@ class KVEngineLink:
                 yield output
         finally:
             self._timings.pop(request.request_id, None)
+
+    async def drop_push(self, request_id: str) -> None:
+        """Consumer: a push into reserved blocks ends before its completion (a failure, the
+        request gone); its blocks are freed once its producer can no longer write into them."""
+        self._timings.pop(request_id, None)
+        self.transport.abort_push(request_id)
+        await self._free_unfinished(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Drop the request on this engine: running, pinned for export, reserved, or pushing."""
@@ -200,6 +210,13 @@ class KVEngineLink:
                 f"{stats.num_free_blocks} of {stats.num_total_blocks} blocks free"
             )
         return reserved
+
+    async def _free_unfinished(self, request_id: str) -> None:
+        """Free the blocks an unfinished transfer was filling: now, or by the transport once
+        nothing can land in them (a late write into blocks given to another request would
+        corrupt its KV)."""
+        if not self.transport.frees_later(request_id):
+            await self.engine.release(request_id)
 
     def _release_from_transport(self, request_id: str) -> None:
         """Called from the transport's thread: free the pinned blocks on the engine's loop."""

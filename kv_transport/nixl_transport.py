@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 PEER_CHECK_INTERVAL_S = 5.0  # a cached peer is re-confirmed in the registry at most this often
 NOTICE_SEND_WAIT_S = 1.0  # bounds finish_push's wait for a notice another thread is sending
+# a push's blocks are reused this long after its destination expires: a producer posts no WRITE
+# after the expiry, and one posted just before has landed by then
+LATE_WRITE_MARGIN_S = 1.0
 
 
 @dataclass
@@ -86,6 +89,8 @@ class _PushOut:
     num_descriptors: int = 0
     slots: list[int] = field(default_factory=list)  # staging: one per destination block after skip_blocks
     notice_sent: float | None = None  # unix s
+    aborted: bool = False  # no WRITE is posted once set (under ``lock``: the engine thread posts)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,10 @@ class NixlTransport(BaseKVTransport):
         self._export_slots: dict[str, list[int]] = {}  # staging producer, pull: request id -> slots
         self._staged_in: dict[str, _StagedIn] = {}  # staging consumer, push
         self._slots_later: list[tuple[float, list[int]]] = []  # (unix time, slots) freed then
+        # consumer, pool blocks a transfer may still write into: request id -> unix time none can
+        # (open pushes, and READs that ended unfinished still posted); then the handed over ones
+        self._landing: dict[str, float] = {}
+        self._freeing: dict[str, float] = {}  # freed (``release_blocks``) at that time
         self._release_blocks: ReleaseBlocks | None = None
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
@@ -256,7 +265,8 @@ class NixlTransport(BaseKVTransport):
             if slots is not None:
                 await staging_mod.wait_copied(self.staging.to_pool(slots, local_block_ids[skip_blocks:]))
         except BaseException:
-            if slots is not None:  # a READ that timed out may still land in them
+            if slots is not None:  # a READ that timed out may still land in them (not in the pool)
+                self._landing.pop(rid, None)
                 self._free_slots_later(slots)
             raise
         seconds = time.perf_counter() - start
@@ -286,7 +296,13 @@ class NixlTransport(BaseKVTransport):
             done = self._worker.read_inline(local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid)
             if not isinstance(done, tuple):  # still in flight: the progress thread completes it
                 timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
-                await self._await_xfer(done, timeout, rid, peer_id, "READ")
+                try:
+                    await self._await_xfer(done, timeout, rid, peer_id, "READ")
+                except BaseException:
+                    if not done.done():  # it may still land in ``targets``: until it ends, or the timeout
+                        self._landing[rid] = time.time() + self.timeout_s
+                        done.add_done_callback(lambda _: self._quiet(rid))
+                    raise
             _check_lease(handle, "during the READ")  # the producer may have reused the blocks
         return runs, len(local), start
 
@@ -359,6 +375,7 @@ class NixlTransport(BaseKVTransport):
     ) -> KVDestination:
         expires_at = time.time() + self.timeout_s
         if self.staging is None:
+            self._landing[request_id] = expires_at + LATE_WRITE_MARGIN_S
             self._push_in[request_id] = concurrent.futures.Future()
             self._worker.expect()
             return KVDestination.of_blocks(self, request_id, block_ids, num_tokens, expires_at, skip_blocks=skip_blocks)
@@ -401,9 +418,11 @@ class NixlTransport(BaseKVTransport):
             local_block_ids, start_index = local_block_ids[skip:], start_index + skip
             if not local_block_ids:
                 return
-        compute_end = time.time()
+        compute_end, consumer = time.time(), push.destination.engine_id
+        if compute_end >= push.destination.expires_at:  # its consumer may reuse the blocks from now on
+            raise KVTransferTimeout("the push's destination expired before this layer", request_id, consumer)
         if self.faults:
-            self.faults.hit("push_layer", request_id, push.destination.engine_id, layer)
+            self.faults.hit("push_layer", request_id, consumer, layer)
         remote_ids = push.remote_ids[start_index : start_index + len(local_block_ids)]
         source_ids, event = self._layer_source(push, layer, local_block_ids, start_index)
         runs = coalesce(source_ids, remote_ids)
@@ -413,7 +432,9 @@ class NixlTransport(BaseKVTransport):
         push.layers.append(record)
         push.num_bytes += sum(length for _, length, _ in local)
         push.num_descriptors += len(local)
-        push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record.posted_at, event))
+        with push.lock:
+            if not push.aborted:
+                push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record.posted_at, event))
 
     def _layer_source(
         self, push: _PushOut, layer: int, block_ids: Sequence[int], start_index: int
@@ -469,7 +490,7 @@ class NixlTransport(BaseKVTransport):
             done = [await self._await_xfer(f, timeout, request_id, peer_id, "WRITE") for f in push.futures]
         except BaseException:
             if sent.acquire(blocking=False):
-                self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
+                self._fail_when_ended(push, request_id)
             raise
         if sent.acquire(blocking=False):  # no WRITE left to complete (none was posted)
             self._send_done(push, done_notice)
@@ -508,6 +529,23 @@ class NixlTransport(BaseKVTransport):
 
         for future in futures:
             future.add_done_callback(written)
+
+    def _fail_when_ended(self, push: _PushOut, request_id: str) -> None:
+        """Producer: post no more of the push's WRITEs, and send its failure notice once none
+        can still land (the consumer frees the blocks on it): now, or from the callback of the
+        last one to end."""
+        with push.lock:
+            push.aborted = True
+            futures = list(push.futures)
+        once = threading.Lock()
+
+        def ended(_: concurrent.futures.Future | None = None) -> None:
+            if all(f.done() for f in futures) and once.acquire(blocking=False):
+                self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
+
+        for future in futures:
+            future.add_done_callback(ended)
+        ended()
 
     async def finish_heads(
         self,
@@ -603,6 +641,7 @@ class NixlTransport(BaseKVTransport):
             raise
         finally:
             self._push_in.pop(rid, None)
+        self._landing.pop(rid, None)  # every WRITE landed before the done notice went
         staged = self._staged_in.pop(rid, None)
         if staged is not None:
             await self._copy_in(staged)
@@ -621,7 +660,7 @@ class NixlTransport(BaseKVTransport):
         self.abort_head_push(self._head_push.pop(request_id, None))
         push = self._push_out.pop(request_id, None)
         if push is not None:
-            self._notify(push.peer, notices.PushFailedNotice(request_id=request_id))
+            self._fail_when_ended(push, request_id)
             self._free_slots(push.slots)
         waiter = self._push_in.pop(request_id, None)
         if waiter is not None and not waiter.done():
@@ -754,6 +793,25 @@ class NixlTransport(BaseKVTransport):
         for entry in [e for e in list(self._slots_later) if e[0] < now]:
             self._slots_later.remove(entry)
             self.staging.slots.free(entry[1])
+        for request_id in [r for r, at in list(self._landing.items()) if at < now]:
+            self._landing.pop(request_id, None)  # nobody asked (the transfer ended well, or was freed)
+        for request_id in [r for r, at in list(self._freeing.items()) if at < now]:
+            if self._freeing.pop(request_id, None) is not None and self._release_blocks is not None:
+                self._release_blocks(request_id)
+
+    def frees_later(self, request_id: str) -> bool:
+        until = self._landing.pop(request_id, 0.0)
+        if until <= time.time():
+            return False
+        self._freeing[request_id] = until
+        return True
+
+    def _quiet(self, request_id: str) -> None:
+        """Progress thread: nothing more lands in the request's blocks (its READ ended, or its
+        producer's failure notice came): freed now, not at the time bound."""
+        self._landing.pop(request_id, None)
+        if request_id in self._freeing:
+            self._freeing[request_id] = 0.0
 
     def _free_slots(self, slots: list[int]) -> None:
         if slots:
@@ -776,6 +834,8 @@ class NixlTransport(BaseKVTransport):
         if isinstance(notice, notices.ReleaseNotice):
             self.release(notice.request_id)
             return
+        if isinstance(notice, notices.PushFailedNotice):  # sent once none of its WRITEs can land
+            self._quiet(notice.request_id)  # before its waiter hears, so its blocks are freed at once
         waiter = self._push_in.get(notice.request_id)
         if waiter is None or waiter.done():
             return

@@ -5,7 +5,8 @@ A notice is ``<tag>:<body>`` in bytes:
 * ``R:<request id>``: consumer -> producer, release the exported blocks (pull);
 * ``P:[<request id>, <first token>, <its log-probabilities or null>]`` (JSON): producer ->
   consumer, the push is complete; log-probabilities as ``[token id, logprob, [[id, logprob], ...]]``;
-* ``F:<request id>``: producer -> consumer, the push failed.
+* ``F:<request id>``: producer -> consumer, the push failed; sent once none of its WRITEs can
+  still land, so the consumer frees the blocks on it.
 
 Request ids may hold ``:``; only the first one separates the tag.
 """

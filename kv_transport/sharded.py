@@ -161,6 +161,9 @@ class ShardedTransport(BaseKVTransport):
     def give_back(self, handle: KVHandle) -> None:
         self.inner.give_back(handle)
 
+    def frees_later(self, request_id: str) -> bool:
+        return self.inner.frees_later(request_id)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -152,7 +152,7 @@ def test_pull_prefills_then_streams_the_decode_with_the_prefill_cache_counted():
     outputs = _run(path)
     assert _tokens(outputs) == [2, 3] and [o.num_cached_tokens for o in outputs] == [2, 2]
     assert [c[0] for c in prefill.calls + decode.calls] == ["prefill", "decode_pull"]
-    assert not decode.calls[0][2].cancelled
+    assert not decode.calls[0][2].cancelled and not prefill.calls[0][2].cancelled
     assert [e[0] for e in path.metrics.events] == ["observe", "observe", "inc"]  # hop, latencies, 200
     assert path.metrics.events[-1] == ("inc", {"status": "200"})
 
@@ -200,6 +200,16 @@ def test_a_stream_without_output_past_the_idle_bound_ends_with_a_504_and_is_canc
         _run(path)
     assert failed.value.status == 504 and failed.value.body["error"]["code"] == "timeout"
     assert colocated.calls[0][2].cancelled
+
+
+def test_a_pull_prefill_without_answer_past_the_idle_bound_is_cancelled():
+    """The prefill call is cancelled too (its replica aborts the prompt and frees its blocks,
+    instead of exporting KV nobody fetches until the lease ends)."""
+    prefill = Deployment({"prefill": [HANG]})
+    path = _path({"limits": {"stream_idle_timeout_s": 0.05}}, prefill=prefill, decode=Deployment())
+    with pytest.raises(HTTPError) as failed:
+        _run(path)
+    assert failed.value.status == 504 and prefill.calls[0][2].cancelled
 
 
 def test_a_retry_with_no_replica_in_time_ends_with_a_503_to_retry_later():

@@ -9,6 +9,7 @@ The default model's KV crosses the same transports in tests/deployments/test_ser
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ import torch
 from engine.loader import ModelSpec
 from engine.params import GenerationRequest, SamplingParams
 from kv_transport.base import KVTransferError, StalePeerError
+from kv_transport.nixl_transport import LATE_WRITE_MARGIN_S
 from tests.same_output import assert_same_output, trace_from_outputs
 from tests.tiny_models import SHARP, random_ids, tiny_config
 from tests.waiting import wait_until
@@ -287,12 +289,14 @@ def test_unclaimed_kv_is_freed_after_the_timeout(actors, prompts):
         ray.get(prefill.prefill_pull.remote(_request("unclaimed", 0, prompts[2])))
         _wait_idle(prefill, decode, timeout_s=SHORT_TIMEOUT_S + IDLE_TIMEOUT_S)
         assert ray.get(prefill.num_expired_exports.remote()) == expired + 1  # pinned until its lease's end
-        # a push that never comes: decode gives up after the timeout and frees its reservation
+        # a push that never comes: decode gives up after the timeout and frees its reservation, once
+        # no WRITE can land in it (the producer heard nothing, and posts none after the expiry)
         request = _request("nopush", 0, prompts[2])
         destination = ray.get(decode.reserve_push.remote(request))
         with pytest.raises(ray.exceptions.RayTaskError, match="KVTransferTimeout.*no push completion"):
             ray.get(decode.decode_push.remote(request, destination))
-        _assert_idle(prefill, decode)
+        _wait_idle(prefill, decode)
+        assert time.time() >= destination.expires_at + LATE_WRITE_MARGIN_S
 
 
 def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors, prompts, reference, spawn):

@@ -19,11 +19,11 @@ from kv_transport.base import KVTransferError, KVTransferTimeout, LayoutMismatch
 from kv_transport.faults import FaultPoints
 from kv_transport.handle import RankPeer
 from kv_transport.heads import HeadPush
-from kv_transport.nixl_transport import NixlTransport, _PushOut
-from kv_transport.notices import PushDoneNotice
+from kv_transport.nixl_transport import LATE_WRITE_MARGIN_S, NixlTransport, _PushOut
+from kv_transport.notices import PushDoneNotice, PushFailedNotice
 from kv_transport.registry import LocalPeerRegistry
 from tests.kv_transport.pairs import transport_pair
-from tests.waiting import CallRecorder
+from tests.waiting import CallRecorder, wait_until
 
 LAYOUT = KVLayout(dtype="float32", num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 
@@ -39,8 +39,10 @@ LEASE_S = 30.0  # covers a first handshake and a transfer on a loaded machine: t
 SHORT_LEASE_S = 2.0  # for the tests of what a lease's end does
 
 
-def _pair(lease_s: float):
-    return transport_pair(LAYOUT, _pool(8), _pool(6, fill=-1.0), lease_s, peer_check_interval_s=0.0)
+def _pair(lease_s: float, consumer_released=lambda rid: None):
+    return transport_pair(
+        LAYOUT, _pool(8), _pool(6, fill=-1.0), lease_s, consumer_released=consumer_released, peer_check_interval_s=0.0
+    )
 
 
 @pytest.fixture
@@ -66,6 +68,7 @@ def test_pull_copies_exact_blocks_and_releases_the_producer(pair):
     assert stats.num_descriptors == 3 * 2 * 2  # runs (2..4 -> 0..2) and (7 -> 5), per layer and K/V
     assert released.event.wait(15) and released.ids == ["r1"]
     assert producer.num_expired_exports == 0  # released by the consumer's notice
+    assert not consumer.frees_later("r1")  # the READ ended: nothing lands in its blocks any more
 
 
 def test_unclaimed_export_is_freed_after_the_timeout(short_pair):
@@ -144,6 +147,7 @@ def test_push_writes_layers_and_notifies(pair):
     assert torch.equal(dst[:, :, [4, 5]], src[:, :, [6, 7]])
     assert [t.layer for t in stats.layer_times] == [0, 1, 2]
     assert all(t.compute_end <= t.posted <= t.done for t in stats.layer_times)
+    assert not consumer.frees_later("chat:p")  # complete: nothing lands in its blocks any more
 
 
 def test_the_push_s_done_notice_is_timed_after_its_writes(pair):
@@ -196,6 +200,66 @@ def test_the_done_notice_goes_once_from_the_thread_that_completes_the_last_write
         assert not sent.acquire(blocking=False)  # taken: finish_push sends nothing more
     else:
         assert sent_from == [] and not notified.is_set() and sent.acquire(blocking=False)
+
+
+def test_a_push_given_up_by_its_consumer_keeps_the_blocks_until_no_write_can_land():
+    """The consumer stops waiting (the request went away) and its producer says nothing: the
+    blocks stay reserved until the destination expires, and the producer posts no WRITE
+    after that, so none lands in blocks given to another request."""
+    freed = CallRecorder()
+    with _pair(SHORT_LEASE_S, freed) as (producer, consumer, _, dst, _, _):
+        dest = consumer.destination("gone", [0, 1], num_tokens=8)
+        producer.begin_push(dest)
+        consumer.abort_push("gone")
+        assert consumer.frees_later("gone")  # the producer may still write: the transport frees them
+        wait_until(time.time, 15, "the destination's expiry", until=lambda now: now > dest.expires_at)
+        with pytest.raises(KVTransferTimeout, match="destination expired before this layer .request gone"):
+            producer.push_layer("gone", 0, [2, 3], start_index=0)
+        assert freed.event.wait(15) and freed.ids == ["gone"]
+        assert freed.times[0] >= dest.expires_at + LATE_WRITE_MARGIN_S
+        assert torch.all(dst == -1)  # nothing landed
+
+
+def test_a_push_given_up_by_its_consumer_frees_the_blocks_on_the_producer_s_failure_notice():
+    """The producer's failure notice comes once none of its WRITEs can land: the blocks the
+    consumer had handed to its transport are freed then, not at the destination's expiry."""
+    freed = CallRecorder()
+    with _pair(LEASE_S, freed) as (producer, consumer, *_):
+        dest = consumer.destination("cut", [0, 1], num_tokens=8)
+        producer.begin_push(dest)
+        producer.push_layer("cut", 0, [2, 3], start_index=0)
+        consumer.abort_push("cut")
+        assert consumer.frees_later("cut")
+        producer.abort_push("cut")  # its prefill failed, or its request went away too
+        assert freed.event.wait(15) and freed.ids == ["cut"]
+        assert freed.times[0] < dest.expires_at
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_push_s_failure_notice_goes_once_its_last_write_ended(pair, fail):
+    """Real futures completed out of order by another thread (as the progress thread does):
+    an aborted push's failure notice goes once, from that thread, when the last WRITE ends
+    (DONE or failed), and nothing is posted after the abort."""
+    producer, *_ = pair
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    push = _PushOut(destination=None, peer="peer", remote_ids=[], futures=futures)
+    producer._push_out["r"] = push
+    sent_from: list[tuple[object, str]] = []
+    producer._notify = lambda peer, notice: sent_from.append((notice, threading.current_thread().name))
+    producer.abort_push("r")
+    assert push.aborted and sent_from == []  # WRITEs under way: no notice yet
+
+    def complete() -> None:
+        for i in (2, 0, 1):
+            if fail and i == 0:
+                futures[i].set_exception(KVTransferError("lost", "r", "peer"))
+            else:
+                futures[i].set_result(("DONE", time.time()))
+
+    worker = threading.Thread(target=complete, name="progress")
+    worker.start()
+    worker.join()
+    assert sent_from == [(PushFailedNotice(request_id="r"), "progress")]
 
 
 def test_push_wait_times_out_with_a_typed_error(short_pair):
