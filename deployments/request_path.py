@@ -87,6 +87,7 @@ class Calls:
     num_cached_tokens: int = 0  # the prompt tokens the prefill replica's cache skipped
     finished: bool = False
     delivered: bool = False  # push: a token came, so the whole KV had reached the decode replica
+    give_back: Any = None  # pull, until the decode stream's first output: the handle's give-back call
 
     async def __aenter__(self) -> Calls:
         return self
@@ -100,6 +101,8 @@ class Calls:
                 self.stream.cancel()
             if self.companion is not None:
                 self.companion.cancel()
+            if self.give_back is not None:  # the decode call may never read it: its producer frees it now
+                self.give_back()
         if watching:
             await asyncio.gather(self.watched, return_exceptions=True)  # retrieved: nothing logged
 
@@ -225,6 +228,7 @@ class ServedRequest:
             return result.final_output()
         self.calls.num_cached_tokens = result.num_cached_tokens  # usage counts the prefill replica's cache
         self.calls.stream = path.decode.options(stream=True).decode_pull.remote(request, handle, result.first_logprobs)
+        self.calls.give_back = lambda: path.decode.give_back.remote(handle)  # any decode replica tells the producer
         return None
 
     async def push(self, request: GenerationRequest) -> None:
@@ -247,6 +251,7 @@ class ServedRequest:
             if calls.watched is not None:
                 await calls.prefill_figures()
             return None
+        calls.give_back = None  # the decode replica has read the KV: its notice freed the export
         calls.delivered = calls.delivered or (calls.watched is not None and bool(output.token_ids))
         calls.finished = output.finished
         if calls.finished and calls.watched is not None:

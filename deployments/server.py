@@ -386,6 +386,13 @@ class EngineServer:
         link = await self._started()
         await link.abort(request_id)
 
+    async def give_back(self, handle: KVHandle) -> None:
+        """A pull's KV handle no decode call will read (the ingress's try ended before): its
+        producer frees the blocks now, not at the lease's end. Any replica may send it; a
+        second notice for one export does nothing."""
+        link = await self._started()
+        link.transport.give_back(handle)
+
     async def stats(self) -> EngineStats:
         await self._started()
         return await self.engine.stats()

@@ -81,10 +81,10 @@ class Deployment:
 
         class Method:
             @staticmethod
-            def remote(request: GenerationRequest, *args: Any) -> Any:
+            def remote(request: GenerationRequest | str, *args: Any) -> Any:  # a request, or a KV handle
                 script = deployment.scripts[method].pop(0)
                 made = Stream(script) if isinstance(script, list) else Call(script)
-                deployment.calls.append((method, request.request_id, made))
+                deployment.calls.append((method, getattr(request, "request_id", request), made))
                 return made
 
         return Method()
@@ -212,6 +212,27 @@ def test_a_pull_prefill_without_answer_past_the_idle_bound_is_cancelled():
     assert failed.value.status == 504 and prefill.calls[0][2].cancelled
 
 
+def test_a_decode_replica_gone_before_its_fetch_gives_the_handle_back_and_the_retry_completes():
+    """The decode call never read the KV: a decode replica tells its producer to free it now
+    (not at the lease's end), then the try runs once more."""
+    prefill = Deployment({"prefill": [(_prefilled("r"), "handle"), (_prefilled("r-retry"), "handle-2")]})
+    decode = Deployment(
+        {"decode_pull": [[ReplicaUnavailableError("d0")], [_output("r-retry", 2, finished=True)]], "give_back": [None]}
+    )
+    assert _tokens(_run(_path(prefill=prefill, decode=decode))) == [2]
+    assert [c[:2] for c in decode.calls] == [("decode_pull", "r"), ("give_back", "handle"), ("decode_pull", "r-retry")]
+
+
+def test_a_pull_decode_without_output_past_the_idle_bound_gives_the_handle_back():
+    prefill = Deployment({"prefill": [(_prefilled("r"), "handle")]})
+    decode = Deployment({"decode_pull": [[HANG]], "give_back": [None]})
+    path = _path({"limits": {"stream_idle_timeout_s": 0.05}}, prefill=prefill, decode=decode)
+    with pytest.raises(HTTPError) as failed:
+        _run(path)
+    assert failed.value.status == 504 and decode.calls[0][2].cancelled
+    assert [c[:2] for c in decode.calls] == [("decode_pull", "r"), ("give_back", "handle")]
+
+
 def test_a_retry_with_no_replica_in_time_ends_with_a_503_to_retry_later():
     prefill = Deployment({"prefill": [ReplicaUnavailableError("p0")]})
     decode = Deployment({"generate": [[HANG]]})
@@ -237,7 +258,7 @@ def test_a_client_gone_mid_stream_cancels_the_decode_call_and_ends_the_count():
     elastic = FixedRouting(Route.DISAGGREGATED)
     path = _path(elastic=elastic, prefill=prefill, decode=decode)
     assert _tokens(_run(path, take=1)) == [2]
-    assert decode.calls[0][2].cancelled
+    assert decode.calls[0][2].cancelled and len(decode.calls) == 1  # it read the KV: nothing to give back
     assert elastic.book.in_flight[Route.DISAGGREGATED] == 0 and not elastic.book.decoding
     assert elastic.samples == [] and path.metrics.events[-1][0] == "observe"  # the hop only: no 200
 
