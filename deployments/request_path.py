@@ -266,7 +266,8 @@ class ServedRequest:
         idle_by = self.asked_at + self.config.limits.stream_idle_timeout_s
         deadline = idle_by if self.retry_by is None else min(idle_by, self.retry_by)
         try:
-            return await asyncio.wait_for(step, deadline - asyncio.get_running_loop().time())
+            async with asyncio.timeout_at(deadline):  # not wait_for: a cancel that meets an output stays a cancel
+                return await step
         except TimeoutError:
             raise self.timed_out(attempt, idle=deadline == idle_by) from None
 

@@ -628,8 +628,9 @@ class NixlTransport(BaseKVTransport):
         rid = destination.request_id
         future = self._push_in[rid]
         try:
-            timeout = max(0.0, min(self.timeout_s, destination.seconds_left()))
-            completion = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            # not wait_for: on 3.11 a cancel that meets the notice would be lost (the request gone, the push on)
+            async with asyncio.timeout(max(0.0, min(self.timeout_s, destination.seconds_left()))):
+                completion = await asyncio.wrap_future(future)
         except BaseException as exc:
             staged = self._staged_in.pop(rid, None)
             if staged is not None:  # the producer may still be writing into them
@@ -767,8 +768,9 @@ class NixlTransport(BaseKVTransport):
         try:
             if future.done():  # no trip through the event loop
                 state, done_at = future.result()
-            else:
-                state, done_at = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            else:  # asyncio.timeout, not wait_for: a cancel that meets the transfer's end stays a cancel
+                async with asyncio.timeout(timeout):
+                    state, done_at = await asyncio.shield(asyncio.wrap_future(future))
         except TimeoutError:
             raise KVTransferTimeout(f"NIXL {op} not complete after {timeout:.1f} s", request_id, peer) from None
         if state != "DONE":

@@ -70,7 +70,8 @@ class ObjectStoreTransport(BaseKVTransport):
             raise KVTransferError("not an object-store handle", handle.request_id, handle.engine_id)
         start = time.perf_counter()
         try:
-            blocks = await asyncio.wait_for(handle.object_ref, max(0.0, handle.seconds_left()))
+            async with asyncio.timeout(max(0.0, handle.seconds_left())):  # a cancel stays a cancel (not wait_for)
+                blocks = await handle.object_ref
         except TimeoutError:
             raise KVTransferTimeout("object store get timed out", handle.request_id, handle.engine_id) from None
         blocks = blocks[:, :, skip_blocks:]  # the leading ones are in this replica's prefix cache

@@ -262,6 +262,28 @@ def test_a_push_s_failure_notice_goes_once_its_last_write_ended(pair, fail):
     assert sent_from == [(PushFailedNotice(request_id="r"), "progress")]
 
 
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+def test_a_push_wait_cancelled_as_the_failure_notice_lands_ends_cancelled(pair, turns):
+    """The client went away as its push failed: the cancel and the notice meet (``turns`` loop
+    turns apart). The wait ends cancelled, as its request did, never with the push's error
+    instead (a request that would then run on, or an error nobody reads)."""
+    _, consumer, *_ = pair
+
+    async def run() -> None:
+        dest = consumer.destination(f"met-{turns}", [0], 2)
+        waiting = asyncio.ensure_future(consumer.wait_push(dest))
+        await asyncio.sleep(0)  # waiting for the notice
+        consumer._push_in[dest.request_id].set_exception(KVTransferError("the push failed", dest.request_id, "p"))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        landed = waiting.cancel()  # False: the wait had ended with the notice (the push's error)
+        with pytest.raises(asyncio.CancelledError if landed else KVTransferError):
+            await waiting
+        assert landed or turns > 0
+
+    asyncio.run(run())
+
+
 def test_push_wait_times_out_with_a_typed_error(short_pair):
     _, consumer, *_ = short_pair
     dest = consumer.destination("never", [0], 2)
