@@ -105,6 +105,8 @@ class Calls:
                 self.give_back()
         if watching:
             await asyncio.gather(self.watched, return_exceptions=True)  # retrieved: nothing logged
+        elif self.watched is not None and not self.watched.cancelled():
+            self.watched.exception()  # retrieved too: a failure it had already met mattered where it was seen
 
     def watch(self, companion: Any) -> None:
         self.companion = companion
