@@ -418,8 +418,8 @@ class NixlTransport(BaseKVTransport):
             local_block_ids, start_index = local_block_ids[skip:], start_index + skip
             if not local_block_ids:
                 return
-        compute_end, consumer = time.time(), push.destination.engine_id
-        if compute_end >= push.destination.expires_at:  # its consumer may reuse the blocks from now on
+        compute_end, consumer, expiry = time.time(), push.destination.engine_id, push.destination.expires_at
+        if compute_end >= expiry:  # its consumer may reuse the blocks from now on (nor is one posted after it)
             raise KVTransferTimeout("the push's destination expired before this layer", request_id, consumer)
         if self.faults:
             self.faults.hit("push_layer", request_id, consumer, layer)
@@ -434,7 +434,8 @@ class NixlTransport(BaseKVTransport):
         push.num_descriptors += len(local)
         with push.lock:
             if not push.aborted:
-                push.futures.append(self._post("WRITE", local, remote, push.peer, request_id, record.posted_at, event))
+                posted = self._post("WRITE", local, remote, push.peer, request_id, record.posted_at, event, expiry)
+                push.futures.append(posted)
 
     def _layer_source(
         self, push: _PushOut, layer: int, block_ids: Sequence[int], start_index: int
@@ -607,7 +608,9 @@ class NixlTransport(BaseKVTransport):
                     continue
                 if time.monotonic() >= deadline:
                     raise KVTransferTimeout("the push's destination expired before its WRITEs", rid, target.engine_id)
-                posted.append((self._post("WRITE", local, remote, peer, rid), target.engine_id))
+                posted.append(
+                    (self._post("WRITE", local, remote, peer, rid, deadline=destination.expires_at), target.engine_id)
+                )
                 num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
         finally:
             failures = _wait_all(posted, deadline, rid)
@@ -746,8 +749,10 @@ class NixlTransport(BaseKVTransport):
         request_id: str,
         posted_at: PostedAt | None = None,
         event: object | None = None,
+        deadline: float | None = None,
     ) -> concurrent.futures.Future:
-        """Queue a transfer for the progress thread; the future yields (state, done time)."""
+        """Queue a transfer for the progress thread; the future yields (state, done time). A
+        WRITE into a push's destination has its expiry as ``deadline``: not posted after it."""
         post = Post(
             op,
             local,
@@ -759,6 +764,7 @@ class NixlTransport(BaseKVTransport):
             concurrent.futures.Future(),
             posted_at,
             event,
+            deadline,
         )
         return self._worker.post(post)
 
@@ -836,8 +842,9 @@ class NixlTransport(BaseKVTransport):
         if isinstance(notice, notices.ReleaseNotice):
             self.release(notice.request_id)
             return
-        if isinstance(notice, notices.PushFailedNotice):  # sent once none of its WRITEs can land
-            self._quiet(notice.request_id)  # before its waiter hears, so its blocks are freed at once
+        # either notice goes once none of the push's WRITEs can land: blocks the consumer had
+        # handed over for a push it dropped are freed now (first: before a waiter hears)
+        self._quiet(notice.request_id)
         waiter = self._push_in.get(notice.request_id)
         if waiter is None or waiter.done():
             return

@@ -42,7 +42,7 @@ from typing import Protocol
 
 import torch
 
-from kv_transport.base import KVTransferError
+from kv_transport.base import KVTransferError, KVTransferTimeout
 from kv_transport.descriptors import Descs
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,11 @@ class Post:
     future: concurrent.futures.Future
     posted_at: PostedAt | None = None  # set when posted
     event: LayerEvent | None = None  # CUDA: post only once this event has completed
+    deadline: float | None = None  # unix s: a WRITE not posted by then fails (its consumer may reuse the blocks)
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return self.request_id, self.peer_engine
 
 
 class PostQueue:
@@ -409,6 +414,9 @@ class NixlWorker:
     def _start(self, post: Post) -> None:
         """Post one transfer (``self.lock`` held); one that UCX finished within the post
         completes its future here, any other joins the in-flight list."""
+        if post.deadline is not None and time.time() >= post.deadline:
+            post.future.set_exception(KVTransferTimeout("its destination expired before the post", *post.names))
+            return
         if post.posted_at is not None:
             post.posted_at.unix_s = time.time()
         try:

@@ -220,6 +220,20 @@ def test_a_push_given_up_by_its_consumer_keeps_the_blocks_until_no_write_can_lan
         assert torch.all(dst == -1)  # nothing landed
 
 
+def test_a_write_queued_before_the_destination_expired_is_not_posted_after_it(pair):
+    """The progress thread posts a layer's WRITE once its compute is done (on CUDA, later than
+    it was queued): past the destination's expiry it fails instead of landing."""
+    producer, _, _, dst, _, _ = pair
+    dest = pair[1].destination("late-post", [0], num_tokens=4)
+    producer.begin_push(dest)
+    peer = producer._push_out[dest.request_id].peer
+    local, remote = producer._geometry.descs([(2, 1)], [0]), peer.geometry.descs([(0, 1)], [0])
+    posted = producer._post("WRITE", local, remote, peer, dest.request_id, deadline=time.time() - 1.0)
+    with pytest.raises(KVTransferTimeout, match="destination expired before the post .request late-post"):
+        posted.result(15)
+    assert torch.all(dst == -1)
+
+
 def test_a_push_given_up_by_its_consumer_frees_the_blocks_on_the_producer_s_failure_notice():
     """The producer's failure notice comes once none of its WRITEs can land: the blocks the
     consumer had handed to its transport are freed then, not at the destination's expiry."""
