@@ -13,8 +13,9 @@ and the transport; the Serve deployments call these. Block ownership:
 * push: decode reserves blocks and returns a destination; prefill writes each layer into
   them during its forward pass, then notifies, then frees its own blocks. Decode waits for
   the notice, then decodes. A push that ends before its notice (a failure, a timeout, the
-  request gone) keeps the reservation until its destination expires: the producer posts no
-  WRITE after that, so none lands in blocks given to another request.
+  request gone) keeps the reservation until its producer's notice comes (sent once none of
+  its WRITEs can land) or its destination expires (none is posted after that), so no WRITE
+  lands in blocks given to another request.
 """
 
 from __future__ import annotations

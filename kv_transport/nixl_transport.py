@@ -816,7 +816,7 @@ class NixlTransport(BaseKVTransport):
 
     def _quiet(self, request_id: str) -> None:
         """Progress thread: nothing more lands in the request's blocks (its READ ended, or its
-        producer's failure notice came): freed now, not at the time bound."""
+        producer's done or failure notice came): freed now, not at the time bound."""
         self._landing.pop(request_id, None)
         if request_id in self._freeing:
             self._freeing[request_id] = 0.0

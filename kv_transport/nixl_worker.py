@@ -102,10 +102,6 @@ class Post:
     event: LayerEvent | None = None  # CUDA: post only once this event has completed
     deadline: float | None = None  # unix s: a WRITE not posted by then fails (its consumer may reuse the blocks)
 
-    @property
-    def names(self) -> tuple[str, str]:
-        return self.request_id, self.peer_engine
-
 
 class PostQueue:
     """Transfers waiting for the progress thread, in the order they were queued.
@@ -415,7 +411,8 @@ class NixlWorker:
         """Post one transfer (``self.lock`` held); one that UCX finished within the post
         completes its future here, any other joins the in-flight list."""
         if post.deadline is not None and time.time() >= post.deadline:
-            post.future.set_exception(KVTransferTimeout("its destination expired before the post", *post.names))
+            expired = KVTransferTimeout("its destination expired before the post", post.request_id, post.peer_engine)
+            post.future.set_exception(expired)
             return
         if post.posted_at is not None:
             post.posted_at.unix_s = time.time()
