@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -60,6 +61,8 @@ NOTICE_SEND_WAIT_S = 1.0  # bounds finish_push's wait for a notice another threa
 # a push's blocks are reused this long after its destination expires: a producer posts no WRITE
 # after the expiry, and one posted just before has landed by then
 LATE_WRITE_MARGIN_S = 1.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -310,7 +313,8 @@ class NixlTransport(BaseKVTransport):
         """A pull from a producer of another tensor-parallel degree (this engine has one rank)."""
         start = time.perf_counter()
         heads = range(self.layout.num_kv_heads)
-        num_bytes, num_rows = await asyncio.to_thread(self.fetch_heads, handle, local_block_ids, skip_blocks, heads)
+        read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads))
+        num_bytes, num_rows = await asyncio.to_thread(read)  # cancelled, the thread still READs
         self.give_back(handle)
         return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=num_rows)
 
@@ -339,6 +343,29 @@ class NixlTransport(BaseKVTransport):
             num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
         _check_lease(handle, "during the READ")
         return num_bytes, num_rows
+
+    def reading(self, handle: KVHandle, read: Callable[[], T]) -> Callable[[], T]:
+        """``read``, a blocking head-wise READ into the handle's local blocks that runs on
+        another thread, with those blocks held while it may still write into them: from now
+        (its caller may be cancelled while the thread goes on) until it ends, or, ended
+        unfinished (a READ whose wait timed out may still land), ``kv_transfer_timeout_s`` later.
+        A bound covers a thread that never ends: the lease, then one more timeout."""
+        rid = handle.request_id
+        self._landing[rid] = handle.expires_at + self.timeout_s + LATE_WRITE_MARGIN_S
+
+        def run() -> T:
+            ended = False
+            try:
+                result = read()
+                ended = True
+                return result
+            finally:
+                if ended:
+                    self._quiet(rid)
+                else:
+                    self._hold(rid, time.time() + self.timeout_s)
+
+        return run
 
     def _own_info(self) -> PoolInfo:
         return PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
@@ -557,12 +584,14 @@ class NixlTransport(BaseKVTransport):
     ) -> TransferStats:
         """Finish a push written head by head: ``write`` (the producer's blocks, one per
         destination block) writes every rank's heads and answers each rank's bytes (-1: failed);
-        then the consumer's rank 0 gets the completion notice (or the failure notice). The
-        failure notice never goes while a WRITE may still land: the consumer frees the blocks on
-        it, so a cancelled caller (the client went away) first waits for ``write`` to end."""
+        then the consumer's rank 0 gets the completion notice (or the failure notice). A
+        cancelled caller (the client went away) first waits for ``write`` to end; a failure
+        notice after a WRITE failed says a WRITE may still land (a rank's wait timed out), so
+        the consumer keeps the blocks until its destination's expiry and margin."""
         destination, start = push.destination, time.perf_counter()
         rid, peer_id = destination.request_id, destination.engine_id
         peer = self._peer(peer_id, destination.incarnation, rid)
+        writing: asyncio.Future | None = None
         try:
             if self.faults:
                 await self.faults.hit_async("finish_push", rid, peer_id)
@@ -576,7 +605,7 @@ class NixlTransport(BaseKVTransport):
             if failed:
                 raise KVTransferError(f"tensor-parallel ranks {failed} could not write their KV", rid, peer_id)
         except BaseException:
-            self._notify(peer, notices.PushFailedNotice(request_id=rid))
+            self._notify(peer, notices.PushFailedNotice(request_id=rid, settled=_wrote_all(writing)))
             raise
         self._notify(
             peer, notices.PushDoneNotice(request_id=rid, first_token=first_token, first_logprobs=first_logprobs)
@@ -814,6 +843,13 @@ class NixlTransport(BaseKVTransport):
         self._freeing[request_id] = until
         return True
 
+    def _hold(self, request_id: str, until: float) -> None:
+        """Nothing lands in the request's blocks after ``until`` (unix time)."""
+        if request_id in self._freeing:
+            self._freeing[request_id] = until
+        else:
+            self._landing[request_id] = until
+
     def _quiet(self, request_id: str) -> None:
         """Progress thread: nothing more lands in the request's blocks (its READ ended, or its
         producer's done or failure notice came): freed now, not at the time bound."""
@@ -842,9 +878,10 @@ class NixlTransport(BaseKVTransport):
         if isinstance(notice, notices.ReleaseNotice):
             self.release(notice.request_id)
             return
-        # either notice goes once none of the push's WRITEs can land: blocks the consumer had
-        # handed over for a push it dropped are freed now (first: before a waiter hears)
-        self._quiet(notice.request_id)
+        # a done or settled failure notice goes once none of the push's WRITEs can land: blocks
+        # the consumer had handed over for a push it dropped are freed now (first: before a waiter hears)
+        if not isinstance(notice, notices.PushFailedNotice) or notice.settled:
+            self._quiet(notice.request_id)
         waiter = self._push_in.get(notice.request_id)
         if waiter is None or waiter.done():
             return
@@ -854,6 +891,13 @@ class NixlTransport(BaseKVTransport):
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)
+
+
+def _wrote_all(writing: asyncio.Future | None) -> bool:
+    """A head-wise push's ``write`` was never started, or every rank's WRITEs ended DONE."""
+    if writing is None:
+        return True
+    return not writing.cancelled() and writing.exception() is None and min(writing.result(), default=0) >= 0
 
 
 def _wrote(future: concurrent.futures.Future) -> bool:

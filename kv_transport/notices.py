@@ -6,7 +6,10 @@ A notice is ``<tag>:<body>`` in bytes:
 * ``P:[<request id>, <first token>, <its log-probabilities or null>]`` (JSON): producer ->
   consumer, the push is complete; log-probabilities as ``[token id, logprob, [[id, logprob], ...]]``;
 * ``F:<request id>``: producer -> consumer, the push failed; sent once none of its WRITEs can
-  still land, so the consumer frees the blocks on it.
+  still land, so the consumer frees the blocks on it;
+* ``W:<request id>``: producer -> consumer, the push failed and a WRITE of it may still land (a
+  head-wise push whose WRITEs failed or timed out): the consumer stops waiting, and frees the
+  blocks only once no WRITE can land (its destination's expiry and a margin).
 
 Request ids may hold ``:``; only the first one separates the tag.
 """
@@ -34,6 +37,7 @@ class PushDoneNotice:
 @dataclass(frozen=True)
 class PushFailedNotice:
     request_id: str
+    settled: bool = True  # none of the push's WRITEs can still land
 
 
 Notice = ReleaseNotice | PushDoneNotice | PushFailedNotice
@@ -43,7 +47,7 @@ def encode(notice: Notice) -> bytes:
     if isinstance(notice, ReleaseNotice):
         return b"R:" + notice.request_id.encode()
     if isinstance(notice, PushFailedNotice):
-        return b"F:" + notice.request_id.encode()
+        return (b"F:" if notice.settled else b"W:") + notice.request_id.encode()
     lp = notice.first_logprobs
     logprobs = None if lp is None else [lp.token_id, lp.logprob, lp.top]
     return b"P:" + json.dumps([notice.request_id, notice.first_token, logprobs]).encode()
@@ -54,8 +58,8 @@ def decode(message: bytes) -> Notice:
     tag, _, body = message.decode().partition(":")
     if tag == "R":
         return ReleaseNotice(request_id=body)
-    if tag == "F":
-        return PushFailedNotice(request_id=body)
+    if tag in ("F", "W"):
+        return PushFailedNotice(request_id=body, settled=tag == "F")
     if tag == "P":
         request_id, token, logprobs = json.loads(body)
         first_logprobs = None

@@ -144,10 +144,15 @@ class ShardedTransport(BaseKVTransport):
         start = time.perf_counter()
         command = FetchHeads(handle, tuple(local_block_ids), skip_blocks)
         own: Callable[[], int] = lambda: self.inner.fetch_heads(handle, local_block_ids, skip_blocks, self.heads)[0]  # noqa: E731
-        counts = await self.engine.run(lambda: self.leader.command(command, own))
-        failed = [rank for rank, count in enumerate(counts) if count < 0]
-        if failed:
-            raise KVTransferError(f"tensor-parallel ranks {failed} could not read their KV", handle.request_id, "?")
+
+        def every_rank() -> list[int]:  # runs on the engine thread even if this call is cancelled
+            counts = self.leader.command(command, own)
+            failed = [rank for rank, count in enumerate(counts) if count < 0]
+            if failed:  # a rank's READ that timed out may still land: rank 0's transport holds the blocks
+                raise KVTransferError(f"tensor-parallel ranks {failed} could not read their KV", handle.request_id, "?")
+            return counts
+
+        counts = await self.engine.run(self.inner.reading(handle, every_rank))
         self.inner.give_back(handle)  # every rank has its heads: the producer may free the blocks
         return TransferStats(sum(counts), time.perf_counter() - start, 0, rank_bytes=tuple(counts))
 

@@ -339,3 +339,92 @@ def test_a_cancelled_head_wise_push_fails_the_consumer_only_once_its_writes_ende
 
     assert asyncio.run(run()) == [3 * 2 * 2 * 4 * 2 * 8 * 4]  # layers x K/V x blocks x tokens x heads x dim x 4 B
     assert torch.equal(dst[:, :, [4, 5]], src[:, :, [6, 7]])
+
+
+def _gated_head_wise_pull(consumer: NixlTransport, handle, blocks: list[int], fail: bool = False):
+    """Start a pull of ``handle`` split head by head (its producer named as its one rank): the
+    READ thread waits at ``gate`` before it reads (``fail``: raises there instead). Cancelled
+    once the thread is inside: ``(loop, gate)``; the test ends the loop."""
+    handle = handle.model_copy(update={"ranks": (RankPeer.whole(handle),)})
+    gate, inside, real = threading.Event(), threading.Event(), consumer.fetch_heads
+
+    def gated(*args):
+        inside.set()
+        if fail:
+            raise KVTransferTimeout("NIXL READ not complete", handle.request_id, handle.engine_id)
+        assert gate.wait(15)
+        return real(*args)
+
+    consumer.fetch_heads = gated
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(consumer.fetch(handle, blocks))
+        assert await asyncio.to_thread(inside.wait, 15)
+        if not fail:
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError if not fail else KVTransferTimeout):
+            await task
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(cancelled())
+    return loop, gate
+
+
+def test_a_cancelled_head_wise_pull_keeps_the_blocks_until_its_reads_end():
+    """A pull from a producer split over other KV heads READs on a thread that cancelling the
+    pull does not stop: its blocks are freed once that thread's READs have landed, not at the cancel."""
+    freed = CallRecorder()
+    with _pair(LEASE_S, freed) as (producer, consumer, src, dst, _, _):
+        handle = producer.export("split", [2, 3], num_tokens=8, first_token=1)
+        loop, gate = _gated_head_wise_pull(consumer, handle, [0, 1])
+        try:
+            assert consumer.frees_later("split")  # the thread still reads into blocks 0 and 1
+            assert freed.ids == []
+            gate.set()
+            assert freed.event.wait(15) and freed.ids == ["split"]
+            assert torch.equal(dst[:, :, [0, 1]], src[:, :, [2, 3]])  # landed before the free
+        finally:
+            gate.set()
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+
+def test_a_failed_head_wise_pull_keeps_the_blocks_for_a_timeout():
+    """A head-wise pull that ended unfinished (a READ whose wait timed out may still land):
+    its blocks are freed ``kv_transfer_timeout_s`` after it ended."""
+    freed = CallRecorder()
+    with _pair(SHORT_LEASE_S, freed) as (producer, consumer, *_):
+        handle = producer.export("stuck", [2], num_tokens=4, first_token=1)
+        ended = time.time()
+        loop, _ = _gated_head_wise_pull(consumer, handle, [0], fail=True)
+        loop.close()
+        assert consumer.frees_later("stuck")
+        assert freed.event.wait(15) and freed.ids == ["stuck"]
+        assert freed.times[0] >= ended + SHORT_LEASE_S
+
+
+def test_a_head_wise_push_whose_writes_failed_keeps_the_blocks_until_no_write_can_land():
+    """A rank's WRITE failed (its wait timed out: it may still land): the consumer stops waiting
+    at the producer's failure notice, but frees the blocks only after the destination's expiry
+    and margin, as when the producer says nothing."""
+    freed = CallRecorder()
+    with _pair(SHORT_LEASE_S, freed) as (producer, consumer, *_):
+        dest = consumer.destination("torn", [0, 1], num_tokens=8)
+        push = HeadPush(dest)
+        push.record([2, 3], 0)
+
+        async def write(block_ids: list[int]) -> list[int]:
+            return [-1]
+
+        async def run() -> None:
+            waiting = asyncio.ensure_future(consumer.wait_push(dest))
+            with pytest.raises(KVTransferError, match=r"ranks \[0\] could not write their KV"):
+                await producer.finish_heads(push, 9, None, write)
+            with pytest.raises(KVTransferError, match="the producer's push failed"):
+                await waiting
+
+        asyncio.run(run())
+        consumer.abort_push("torn")  # as the consumer's engine link drops it
+        assert consumer.frees_later("torn")
+        assert freed.event.wait(15) and freed.ids == ["torn"]
+        assert freed.times[0] >= dest.expires_at + LATE_WRITE_MARGIN_S

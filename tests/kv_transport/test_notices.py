@@ -17,6 +17,7 @@ def test_notices_have_the_exact_wire_format():
     wire = {
         notices.ReleaseNotice(request_id="chat:1"): b"R:chat:1",
         notices.PushFailedNotice(request_id="r2"): b"F:r2",
+        notices.PushFailedNotice(request_id="r:2", settled=False): b"W:r:2",
         notices.PushDoneNotice(request_id="r3", first_token=5): b'P:["r3", 5, null]',
         notices.PushDoneNotice(request_id="r:4", first_token=42, first_logprobs=lp): (
             b'P:["r:4", 42, [42, -0.25, [[42, -0.25], [7, -2.0]]]]'
