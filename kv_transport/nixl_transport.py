@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -156,6 +156,7 @@ class NixlTransport(BaseKVTransport):
         # (open pushes, and READs that ended unfinished still posted); then the handed over ones
         self._landing: dict[str, float] = {}
         self._freeing: dict[str, float] = {}  # freed (``release_blocks``) at that time
+        self._held_lock = threading.Lock()  # the two change together on several threads
         self._release_blocks: ReleaseBlocks | None = None
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
@@ -314,7 +315,11 @@ class NixlTransport(BaseKVTransport):
         start = time.perf_counter()
         heads = range(self.layout.num_kv_heads)
         read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads))
-        num_bytes, num_rows = await asyncio.to_thread(read)  # cancelled, the thread still READs
+        try:
+            num_bytes, num_rows = await asyncio.to_thread(read)
+        except asyncio.CancelledError:  # the thread READs on, unless it had not started
+            read.drop()
+            raise
         self.give_back(handle)
         return TransferStats(num_bytes=num_bytes, seconds=time.perf_counter() - start, num_descriptors=num_rows)
 
@@ -327,7 +332,6 @@ class NixlTransport(BaseKVTransport):
         rid = handle.request_id
         self._check_unstaged(handle)
         src_blocks, dst_blocks = handle.block_ids[skip_blocks:], local_block_ids[skip_blocks:]
-        _check_lease(handle, "before the READ")
         num_bytes = num_rows = 0
         for source, first, count in head_sources(handle, heads, self.layout, rank):
             peer = self._peer(source.engine_id, source.incarnation, rid)
@@ -337,6 +341,7 @@ class NixlTransport(BaseKVTransport):
             local = rows(self._own_info(), dst_blocks, None if whole else first - heads.start, count)
             if not len(local):
                 continue
+            _check_lease(handle, "before the READ")  # a handshake may have taken a while
             done = self._worker.read_inline(local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid)
             if not isinstance(done, tuple):
                 _wait_done(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
@@ -344,28 +349,14 @@ class NixlTransport(BaseKVTransport):
         _check_lease(handle, "during the READ")
         return num_bytes, num_rows
 
-    def reading(self, handle: KVHandle, read: Callable[[], T]) -> Callable[[], T]:
-        """``read``, a blocking head-wise READ into the handle's local blocks that runs on
-        another thread, with those blocks held while it may still write into them: from now
-        (its caller may be cancelled while the thread goes on) until it ends, or, ended
-        unfinished (a READ whose wait timed out may still land), ``kv_transfer_timeout_s`` later.
-        A bound covers a thread that never ends: the lease, then one more timeout."""
-        rid = handle.request_id
-        self._landing[rid] = handle.expires_at + self.timeout_s + LATE_WRITE_MARGIN_S
-
-        def run() -> T:
-            ended = False
-            try:
-                result = read()
-                ended = True
-                return result
-            finally:
-                if ended:
-                    self._quiet(rid)
-                else:
-                    self._hold(rid, time.time() + self.timeout_s)
-
-        return run
+    def reading(self, handle: KVHandle, read: Callable[[], T]) -> _Reading[T]:
+        """``read``, a blocking head-wise READ into the handle's local blocks to run on another
+        thread, with those blocks held while it may still write into them: from now (its caller
+        may be cancelled while the thread goes on) until it ends, or, ended unfinished (a READ
+        whose wait timed out may still land), ``kv_transfer_timeout_s`` later. A bound covers a
+        thread that never ends: the lease, then one more timeout."""
+        self._landing[handle.request_id] = handle.expires_at + self.timeout_s + LATE_WRITE_MARGIN_S
+        return _Reading(self, handle.request_id, read)
 
     def _own_info(self) -> PoolInfo:
         return PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
@@ -830,32 +821,39 @@ class NixlTransport(BaseKVTransport):
         for entry in [e for e in list(self._slots_later) if e[0] < now]:
             self._slots_later.remove(entry)
             self.staging.slots.free(entry[1])
-        for request_id in [r for r, at in list(self._landing.items()) if at < now]:
-            self._landing.pop(request_id, None)  # nobody asked (the transfer ended well, or was freed)
-        for request_id in [r for r, at in list(self._freeing.items()) if at < now]:
-            if self._freeing.pop(request_id, None) is not None and self._release_blocks is not None:
+        with self._held_lock:
+            for request_id in [r for r, at in self._landing.items() if at < now]:
+                del self._landing[request_id]  # nobody asked (the transfer ended well, or was freed)
+            due = [r for r, at in self._freeing.items() if at < now]
+            for request_id in due:
+                del self._freeing[request_id]
+        for request_id in due:
+            if self._release_blocks is not None:
                 self._release_blocks(request_id)
 
     def frees_later(self, request_id: str) -> bool:
-        until = self._landing.pop(request_id, 0.0)
-        if until <= time.time():
-            return False
-        self._freeing[request_id] = until
-        return True
+        with self._held_lock:
+            until = self._landing.pop(request_id, 0.0)
+            if until <= time.time():
+                return False
+            self._freeing[request_id] = until
+            return True
 
     def _hold(self, request_id: str, until: float) -> None:
         """Nothing lands in the request's blocks after ``until`` (unix time)."""
-        if request_id in self._freeing:
-            self._freeing[request_id] = until
-        else:
-            self._landing[request_id] = until
+        with self._held_lock:
+            if request_id in self._freeing:
+                self._freeing[request_id] = until
+            else:
+                self._landing[request_id] = until
 
     def _quiet(self, request_id: str) -> None:
-        """Progress thread: nothing more lands in the request's blocks (its READ ended, or its
-        producer's done or failure notice came): freed now, not at the time bound."""
-        self._landing.pop(request_id, None)
-        if request_id in self._freeing:
-            self._freeing[request_id] = 0.0
+        """Any thread: nothing more lands in the request's blocks (its READ ended, or its
+        producer's done or settled failure notice came): freed now, not at the time bound."""
+        with self._held_lock:
+            self._landing.pop(request_id, None)
+            if request_id in self._freeing:
+                self._freeing[request_id] = 0.0
 
     def _free_slots(self, slots: list[int]) -> None:
         if slots:
@@ -894,10 +892,47 @@ class NixlTransport(BaseKVTransport):
 
 
 def _wrote_all(writing: asyncio.Future | None) -> bool:
-    """A head-wise push's ``write`` was never started, or every rank's WRITEs ended DONE."""
+    """A head-wise push's ``write`` was never started, or every rank's WRITEs ended DONE (not
+    when it still runs: its caller was cancelled again while waiting for it)."""
     if writing is None:
         return True
-    return not writing.cancelled() and writing.exception() is None and min(writing.result(), default=0) >= 0
+    if not writing.done() or writing.cancelled() or writing.exception() is not None:
+        return False
+    return min(writing.result(), default=0) >= 0
+
+
+class _Reading(Generic[T]):
+    """A head-wise READ to run on another thread (``NixlTransport.reading``): when it ends it
+    says how long its blocks stay held; dropped (its caller cancelled) before it started, it
+    never runs and holds them no longer."""
+
+    def __init__(self, transport: NixlTransport, request_id: str, read: Callable[[], T]) -> None:
+        self.transport, self.request_id, self.read = transport, request_id, read
+        self.lock, self.state = threading.Lock(), "queued"
+
+    def __call__(self) -> T:
+        with self.lock:
+            if self.state == "dropped":
+                raise KVTransferError("the pull was cancelled before its READ started", self.request_id, "")
+            self.state = "running"
+        ended = False
+        try:
+            result = self.read()
+            ended = True
+            return result
+        finally:
+            if ended:
+                self.transport._quiet(self.request_id)
+            else:
+                self.transport._hold(self.request_id, time.time() + self.transport.timeout_s)
+
+    def drop(self) -> None:
+        """Its caller is gone: a READ not started yet never will."""
+        with self.lock:
+            if self.state != "queued":
+                return
+            self.state = "dropped"
+        self.transport._quiet(self.request_id)
 
 
 def _wrote(future: concurrent.futures.Future) -> bool:

@@ -26,6 +26,7 @@ cost: ``docs/benchmarks/tensor_parallel.md``); the descriptors: ``kv_transport.h
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,7 +153,12 @@ class ShardedTransport(BaseKVTransport):
                 raise KVTransferError(f"tensor-parallel ranks {failed} could not read their KV", handle.request_id, "?")
             return counts
 
-        counts = await self.engine.run(self.inner.reading(handle, every_rank))
+        read = self.inner.reading(handle, every_rank)
+        try:
+            counts = await self.engine.run(read)
+        except asyncio.CancelledError:  # the command still runs on the engine thread, unless dropped first
+            read.drop()
+            raise
         self.inner.give_back(handle)  # every rank has its heads: the producer may free the blocks
         return TransferStats(sum(counts), time.perf_counter() - start, 0, rank_bytes=tuple(counts))
 

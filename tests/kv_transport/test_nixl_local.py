@@ -379,7 +379,7 @@ def test_a_cancelled_head_wise_pull_keeps_the_blocks_until_its_reads_end():
         loop, gate = _gated_head_wise_pull(consumer, handle, [0, 1])
         try:
             assert consumer.frees_later("split")  # the thread still reads into blocks 0 and 1
-            assert freed.ids == []
+            assert not freed.event.wait(0.5)  # the progress thread's rounds free nothing meanwhile
             gate.set()
             assert freed.event.wait(15) and freed.ids == ["split"]
             assert torch.equal(dst[:, :, [0, 1]], src[:, :, [2, 3]])  # landed before the free
@@ -398,15 +398,31 @@ def test_a_failed_head_wise_pull_keeps_the_blocks_for_a_timeout():
         ended = time.time()
         loop, _ = _gated_head_wise_pull(consumer, handle, [0], fail=True)
         loop.close()
+        after = time.time()
         assert consumer.frees_later("stuck")
+        assert ended + SHORT_LEASE_S <= consumer._freeing["stuck"] <= after + SHORT_LEASE_S  # not the lease's bound
         assert freed.event.wait(15) and freed.ids == ["stuck"]
         assert freed.times[0] >= ended + SHORT_LEASE_S
 
 
-def test_a_head_wise_push_whose_writes_failed_keeps_the_blocks_until_no_write_can_land():
-    """A rank's WRITE failed (its wait timed out: it may still land): the consumer stops waiting
-    at the producer's failure notice, but frees the blocks only after the destination's expiry
-    and margin, as when the producer says nothing."""
+def test_a_head_wise_pull_dropped_before_its_thread_started_never_reads():
+    """Cancelled while its READ waited for a thread: the READ never runs, and the blocks are
+    not held for it."""
+    with _pair(LEASE_S) as (producer, consumer, *_):
+        handle = producer.export("early", [2], num_tokens=4, first_token=1)
+        read = consumer.reading(handle, lambda: pytest.fail("a dropped READ ran"))
+        read.drop()
+        assert not consumer.frees_later("early")  # freed at once by the engine link
+        with pytest.raises(KVTransferError, match="cancelled before its READ started .request early"):
+            read()
+
+
+@pytest.mark.parametrize("how", ["a rank answered -1", "raised"])
+def test_a_head_wise_push_whose_writes_failed_keeps_the_blocks_until_no_write_can_land(how):
+    """A rank's WRITE failed (its wait timed out: it may still land), as a tensor-parallel rank
+    answers it or as one rank's ``push_heads`` raises it: the consumer stops waiting at the
+    producer's failure notice, but frees the blocks only after the destination's expiry and
+    margin, as when the producer says nothing."""
     freed = CallRecorder()
     with _pair(SHORT_LEASE_S, freed) as (producer, consumer, *_):
         dest = consumer.destination("torn", [0, 1], num_tokens=8)
@@ -414,11 +430,13 @@ def test_a_head_wise_push_whose_writes_failed_keeps_the_blocks_until_no_write_ca
         push.record([2, 3], 0)
 
         async def write(block_ids: list[int]) -> list[int]:
+            if how == "raised":
+                raise KVTransferTimeout("NIXL WRITE not complete after 2.0 s", "torn", "cons")
             return [-1]
 
         async def run() -> None:
             waiting = asyncio.ensure_future(consumer.wait_push(dest))
-            with pytest.raises(KVTransferError, match=r"ranks \[0\] could not write their KV"):
+            with pytest.raises(KVTransferError, match=r"ranks \[0\] could not write|WRITE not complete"):
                 await producer.finish_heads(push, 9, None, write)
             with pytest.raises(KVTransferError, match="the producer's push failed"):
                 await waiting
@@ -428,3 +446,34 @@ def test_a_head_wise_push_whose_writes_failed_keeps_the_blocks_until_no_write_ca
         assert consumer.frees_later("torn")
         assert freed.event.wait(15) and freed.ids == ["torn"]
         assert freed.times[0] >= dest.expires_at + LATE_WRITE_MARGIN_S
+
+
+def test_a_head_wise_push_cancelled_twice_ends_cancelled_and_says_a_write_may_land(pair):
+    """Cancelled again while it waits for its WRITEs to end: the caller still gets its cancel,
+    and the consumer hears that a WRITE may still land (it keeps the blocks until its bound)."""
+    producer, consumer, *_ = pair
+
+    async def run() -> None:
+        dest = consumer.destination("twice", [4, 5], num_tokens=6)
+        push, gate = HeadPush(dest), asyncio.Event()
+        push.record([6, 7], 0)
+
+        async def write(block_ids: list[int]) -> list[int]:
+            await gate.wait()
+            return [1]
+
+        finishing = asyncio.ensure_future(producer.finish_heads(push, 9, None, write))
+        waiting = asyncio.ensure_future(consumer.wait_push(dest))
+        for _ in range(2):  # the first cancel: it waits for write; the second: it stops waiting
+            for _ in range(3):
+                await asyncio.sleep(0)
+            finishing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await finishing
+        with pytest.raises(KVTransferError, match="the producer's push failed"):
+            await waiting
+        consumer.abort_push("twice")
+        assert consumer.frees_later("twice")  # a W notice: no early free
+        gate.set()
+
+    asyncio.run(run())
