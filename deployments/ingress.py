@@ -56,7 +56,7 @@ from deployments.openapi import ServedAPI, error_responses
 from deployments.request_path import RequestPath
 from deployments.responses_format import ResponseEvents, ResponsesFormat
 from engine.loader import ModelSpec, load_tokenizer, model_name
-from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput
+from engine.params import ContextLimits, FieldError, GenerationRequest, RequestOutput, unique_request_id
 
 logger = logs.install()  # Serve's logger: lines land in the replica's log file, with the request id
 api = ServedAPI(title="tandem", docs_url=None, redoc_url=None)
@@ -80,11 +80,6 @@ async def _routing_error(raw: Request, exc: StarletteHTTPException) -> JSONRespo
     """Routing's own refusals (no such path: 404, wrong method: 405) as OpenAI-style bodies."""
     body = error_body(f"{exc.detail} ({raw.method} {raw.url.path})", None)
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-
-def _ids(request_id: str, choices: list[GenerationRequest]) -> frozenset[str]:
-    """A request's id and its choices' engine ids (``<id>-<i>``, a batch's ``<id>-<p>[-<i>]``)."""
-    return frozenset((request_id, *(choice.request_id for choice in choices)))
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -172,7 +167,6 @@ class OpenAIIngress:
             max_tokens=limits.max_tokens,
         )
         self.in_flight = 0
-        self._active_ids: set[str] = set()
         self.metrics = IngressMetrics()
         self.api_keys, self.key_slots = self._auth(), KeySlots(limits.max_concurrent_per_key)
         self._app_name = serve.get_replica_context().app_name
@@ -354,15 +348,17 @@ class OpenAIIngress:
     async def _respond(self, raw: Request, schema: type, fmt: ResponseFormat | ResponsesFormat, slot: Slot):
         try:
             body = self._check_body(schema, await self._read_json(raw))
-            request_id = raw.headers.get("x-request-id") or body.new_request_id()
-            requests = self._to_engine(body, request_id)
+            client_id = raw.headers.get("x-request-id") or None  # Serve's proxy makes one up if need be
+            # on the engines a client's id is made unique (a gateway may retry with it while the first
+            # try is still held on a replica); logs find it by its prefix
+            engine_id = body.new_request_id() if client_id is None else unique_request_id(client_id)
+            request_id = client_id or engine_id  # the answer's id
+            requests = self._to_engine(body, engine_id)
             choices = [choice for request in requests for choice in choice_requests(request, body.n)]
-            ids = _ids(request_id, choices)
-            self._admit(ids)
+            self._admit()
         except HTTPError as exc:  # refused before any replica saw it: counted too
             self.metrics.requests.inc(1, {"status": str(exc.status)})
             return exc.response()
-        headers = {"X-Request-Id": request_id}
         text_of = self._text_of if requests[0].sampling.logprobs is not None else None
         shape = body.answer_shape(self.chat)
         echo = self._echo(body, requests) if getattr(body, "echo", False) else None
@@ -370,11 +366,7 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writers = fmt.writers(body, request_id, self.model, choices, text_of, shape)
             stream = self._stream(writers, choices, body.n, include_usage, echo)
-            # the request ids are free again when the stream ends, even one that never started
-            done = lambda: self._active_ids.difference_update(ids)  # noqa: E731
-            return HeldStreamingResponse(
-                stream, media_type="text/event-stream", headers=headers, slot=slot, on_end=done
-            )
+            return HeldStreamingResponse(stream, media_type="text/event-stream", slot=slot)
         self.in_flight += 1
         outputs: list[list[RequestOutput]] = [[] for _ in choices]
         try:
@@ -385,9 +377,9 @@ class OpenAIIngress:
             return exc.response()
         finally:
             self.in_flight -= 1
-            self._active_ids -= ids
         scored = None if body.prompt_logprobs is None else PromptLogprobs(body.prompt_logprobs, self._text_of)
-        return JSONResponse(fmt.full(body, request_id, self.model, outputs, text_of, shape, scored), headers=headers)
+        # the X-Request-Id header: Serve's proxy echoes the client's (or the one it made up)
+        return JSONResponse(fmt.full(body, request_id, self.model, outputs, text_of, shape, scored))
 
     async def _read_json(self, raw: Request) -> dict:
         try:
@@ -445,15 +437,10 @@ class OpenAIIngress:
         firsts = [r.prompt_token_ids[0] for r in requests]
         return Echo(texts, firsts, body.n, prompt_only=body.max_tokens == 0, num_top=body.logprobs)
 
-    def _admit(self, ids: frozenset[str]) -> None:
-        """Refuse a request whose id, or an engine id of its choices, is already in flight here
-        (the engines would refuse the second), and any request beyond the queue bound."""
-        if taken := sorted(ids & self._active_ids):
-            message = f"X-Request-Id: request id {taken[0]!r} is already in flight"
-            raise HTTPError(400, error_body(message, "X-Request-Id"))
+    def _admit(self) -> None:
+        """Refuse any request beyond the queue bound."""
         if self.in_flight >= self.config.max_queued_requests:
             raise HTTPError.busy("server busy: too many requests in flight")
-        self._active_ids |= ids  # discarded when its answer ends (sent, or its stream closed)
 
     async def _stream(
         self,

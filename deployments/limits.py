@@ -14,7 +14,6 @@ has been sent or the client went away (``HeldStreamingResponse`` gives it back i
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -72,21 +71,18 @@ class KeySlots:
 
 
 class HeldStreamingResponse(StreamingResponse):
-    """A streamed answer that releases its key's slot, and calls ``on_end``, when sending
-    ends, however it ends (also when the client left before the stream's first chunk, so
-    its generator never started)."""
+    """A streamed answer that releases its key's slot when sending ends, however it ends
+    (also when the client left before the stream's first chunk, so its generator never started)."""
 
-    def __init__(self, *args, slot: Slot, on_end: Callable[[], None] | None = None, **kwargs) -> None:
+    def __init__(self, *args, slot: Slot, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.slot, self.on_end = slot, on_end
+        self.slot = slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, _disconnect_on_cancel(receive), send)
         finally:
             self.slot.release()
-            if self.on_end is not None:
-                self.on_end()
 
 
 def _disconnect_on_cancel(receive: Receive) -> Receive:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -278,6 +280,22 @@ def _is_json_object(text: object) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
+
+
+# the random part ``unique_request_id`` adds, before the choice (-<i>) and retry suffixes
+_UNIQUE_PART = re.compile(r"\.[0-9a-f]{8}(?=(?:-\d+)*(?:-retry)?$)")
+
+
+def unique_request_id(client_id: str) -> str:
+    """A client's request id (``X-Request-Id``) made unique, ``<id>.<8 hex>``: the engines key
+    requests by id, and a client may reuse one while its first request is still held on a replica."""
+    return f"{client_id}.{secrets.token_hex(4)}"
+
+
+def client_request_id(request_id: str) -> str:
+    """A request id without the random part ``unique_request_id`` added (choice and retry
+    suffixes kept): what a draw that must repeat from run to run hashes."""
+    return _UNIQUE_PART.sub("", request_id, count=1)
 
 
 @dataclass(frozen=True)

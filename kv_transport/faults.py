@@ -35,6 +35,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.params import client_request_id
 from kv_transport.base import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class FaultPoints:
     def _drawn(self, index: int, rule: FaultRule, request_id: str) -> bool:
         if rule.probability >= 1:
             return True
-        digest = hashlib.blake2b(f"{self.seed}/{index}/{request_id}".encode(), digest_size=8).digest()
+        drawn_for = client_request_id(request_id)  # the same draw for the same client id, run after run
+        digest = hashlib.blake2b(f"{self.seed}/{index}/{drawn_for}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") / 2**64 < rule.probability
 
     def hit(self, point: str, request_id: str, peer: str, layer: int | None = None) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
+from engine.params import client_request_id, unique_request_id
 from kv_transport.base import KVTransferError
 from kv_transport.faults import NO_FAULTS, FaultPoints, FaultRule
 
@@ -35,6 +36,12 @@ def test_a_probability_is_drawn_once_per_request_and_is_reproducible():
     assert all(points.selected("push_layer", rid, layer=layer) for rid in hit[:20] for layer in range(30))
     again = FaultPoints([FaultRule(point="push_layer", action="fail", probability=0.05)])
     assert [rid for rid in ids if again.selected("push_layer", rid, layer=0)] == hit
+    # a client's id made unique on the engines draws as the id it chose, with its choice and retry suffixes
+    for client_id, suffix in [("r7", ""), ("a.deadbeef", "-1"), ("r9", "-0-retry")]:
+        engine_id = unique_request_id(client_id) + suffix
+        assert engine_id != client_id + suffix and client_request_id(engine_id) == client_id + suffix
+    unique = [unique_request_id(rid) for rid in ids]
+    assert [rid for rid, uid in zip(ids, unique) if points.selected("push_layer", uid, layer=0)] == hit
 
 
 def test_prefix_layer_and_actions():
