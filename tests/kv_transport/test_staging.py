@@ -5,6 +5,7 @@ push is run with and without staging on either side, and must leave the same byt
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -164,11 +165,15 @@ def test_aborted_pushes_hold_their_slots_until_late_writes_cannot_land():
 
 def test_a_push_wait_that_times_out_sets_its_slots_aside_then_frees_them():
     with staged_pair("none", "host", timeout_s=2.0) as (_, consumer, *_):  # set aside for as long
+        slots, freed_at, free = consumer.staging.slots, [], consumer.staging.slots.free
+        slots.free = lambda ids: (freed_at.append(time.time()), free(ids))
+        started = time.time()
         dest = consumer.destination("late", [0, 1, 2], num_tokens=12)
         with pytest.raises(KVTransferTimeout, match="no push completion"):
             asyncio.run(consumer.wait_push(dest))
-        assert consumer.staging.slots.num_free == NUM_SLOTS - 3  # a late WRITE could still land
-        wait_until(lambda: consumer.staging.slots.num_free, 15, "the set-aside slots freed", until=lambda n: n == 12)
+        wait_until(lambda: slots.num_free, 15, "the set-aside slots freed", until=lambda n: n == NUM_SLOTS)
+        # the wait's 2 s, then 2 s more set aside: a late WRITE could land until then
+        assert len(freed_at) == 1 and freed_at[0] >= started + 2 * 2.0
 
 
 def test_bad_staging_values_are_refused_naming_the_setting():
