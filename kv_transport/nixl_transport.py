@@ -266,16 +266,14 @@ class NixlTransport(BaseKVTransport):
         targets = local_block_ids[skip_blocks:] if slots is None else slots
         try:
             runs, num_descriptors, start = await self._read(handle, peer, targets, skip_blocks)
-            if slots is not None:
-                await staging_mod.wait_copied(self.staging.to_pool(slots, local_block_ids[skip_blocks:]))
         except BaseException:
             if slots is not None:  # a READ that timed out may still land in them (not in the pool)
                 self._landing.pop(rid, None)
                 self._free_slots_later(slots)
             raise
-        seconds = time.perf_counter() - start
         if slots is not None:
-            self.staging.slots.free(slots)
+            await self._copy_in(rid, _StagedIn(slots, local_block_ids[skip_blocks:]))
+        seconds = time.perf_counter() - start
         # The release notice goes on its own, not attached to the READ: NIXL sends an attached
         # notice only once the READ is done, and between CPU memories the READ then stays in
         # flight until the producer's next progress call, a large share of a pull. The progress
@@ -668,15 +666,21 @@ class NixlTransport(BaseKVTransport):
         self._landing.pop(rid, None)  # every WRITE landed before the done notice went
         staged = self._staged_in.pop(rid, None)
         if staged is not None:
-            await self._copy_in(staged)
+            await self._copy_in(rid, staged)
         return completion
 
-    async def _copy_in(self, staged: _StagedIn) -> None:
-        """Staging consumer, push: copy the written slots into the pool, then free them."""
+    async def _copy_in(self, request_id: str, staged: _StagedIn) -> None:
+        """Staging consumer: copy the written slots into the pool, then free them. Failed or
+        cancelled meanwhile, the slots are set aside, and the pool blocks held while a copy on a
+        CUDA side stream may still write into them (``kv_transfer_timeout_s``)."""
+        copy = None
         try:
-            await staging_mod.wait_copied(self.staging.to_pool(staged.slots, staged.block_ids))
+            copy = self.staging.to_pool(staged.slots, staged.block_ids)
+            await staging_mod.wait_copied(copy)
         except BaseException:
             self._free_slots_later(staged.slots)
+            if copy is not None and not copy.query():
+                self._hold(request_id, time.time() + self.timeout_s)
             raise
         self.staging.slots.free(staged.slots)
 

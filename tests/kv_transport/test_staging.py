@@ -5,6 +5,7 @@ push is run with and without staging on either side, and must leave the same byt
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -218,3 +219,40 @@ def test_the_apps_transport_section_reaches_the_transport():
         assert tuple(transport.staging.buffer.shape) == (3, 2, NUM_SLOTS, BLOCK_BYTES)
     finally:
         transport.close()
+
+
+class FakeCopyEvent:
+    """A CUDA copy event (no GPU here): the copy on its side stream ends when the test says."""
+
+    def __init__(self) -> None:
+        self.done, self.asked = threading.Event(), threading.Event()
+
+    def query(self) -> bool:
+        self.asked.set()
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(15)
+
+
+def test_a_pull_cancelled_while_its_staged_copy_runs_holds_the_blocks_for_the_copy():
+    """Cancelled while the READ's slots are copied into the pool (on CUDA a side stream that a
+    cancel does not stop): the slots are set aside and the pool blocks held (``frees_later``),
+    so the copy cannot land in blocks given to another request."""
+    with staged_pair("none", "host") as (producer, consumer, src, dst, _):
+        copy, to_pool = FakeCopyEvent(), consumer.staging.to_pool
+        consumer.staging.to_pool = lambda slots, ids: (to_pool(slots, ids), copy)[1]
+        handle = producer.export("copying", [2, 3], num_tokens=8, first_token=1)
+
+        async def cancelled() -> None:
+            fetching = asyncio.ensure_future(consumer.fetch(handle, [0, 1]))
+            assert await asyncio.to_thread(copy.asked.wait, 15)  # the fetch waits for the copy
+            fetching.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await fetching
+
+        asyncio.run(cancelled())
+        assert consumer.frees_later("copying")
+        assert consumer.staging.slots.num_free == NUM_SLOTS - 2 and len(consumer._slots_later) == 1
+        assert torch.equal(dst[:, :, [0, 1]], src[:, :, [2, 3]])  # what the copy wrote (here at once)
+        copy.done.set()
