@@ -312,7 +312,7 @@ class NixlTransport(BaseKVTransport):
         """A pull from a producer of another tensor-parallel degree (this engine has one rank)."""
         start = time.perf_counter()
         heads = range(self.layout.num_kv_heads)
-        read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads))
+        read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads), True)
         try:
             num_bytes, num_rows = await asyncio.to_thread(read)
         except asyncio.CancelledError:  # the thread READs on, unless it had not started
@@ -342,19 +342,24 @@ class NixlTransport(BaseKVTransport):
             _check_lease(handle, "before the READ")  # a handshake may have taken a while
             done = self._worker.read_inline(local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid)
             if not isinstance(done, tuple):
-                _wait_done(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
+                try:
+                    _wait_done(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
+                except KVTransferTimeout as exc:
+                    raise _StillPosted(exc.message, rid, source.engine_id) from None
             num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
         _check_lease(handle, "during the READ")
         return num_bytes, num_rows
 
-    def reading(self, handle: KVHandle, read: Callable[[], T]) -> _Reading[T]:
+    def reading(self, handle: KVHandle, read: Callable[[], T], says_in_flight: bool = False) -> _Reading[T]:
         """``read``, a blocking head-wise READ into the handle's local blocks to run on another
         thread, with those blocks held while it may still write into them: from now (its caller
         may be cancelled while the thread goes on) until it ends, or, ended unfinished (a READ
         whose wait timed out may still land), ``kv_transfer_timeout_s`` later. A bound covers a
-        thread that never ends: the lease, then one more timeout."""
+        thread that never ends: the lease, then one more timeout. ``says_in_flight``: ``read``
+        leaves a READ in flight only when it raises ``_StillPosted`` (as ``fetch_heads``: it
+        waits for each READ before the next), so its other failures free the blocks at once."""
         self._landing[handle.request_id] = handle.expires_at + self.timeout_s + LATE_WRITE_MARGIN_S
-        return _Reading(self, handle.request_id, read)
+        return _Reading(self, handle.request_id, read, says_in_flight)
 
     def _own_info(self) -> PoolInfo:
         return PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
@@ -905,30 +910,35 @@ def _wrote_all(writing: asyncio.Future | None) -> bool:
     return min(writing.result(), default=0) >= 0
 
 
+class _StillPosted(KVTransferTimeout):
+    """A READ's wait timed out with the READ still posted: it may land yet."""
+
+
 class _Reading(Generic[T]):
     """A head-wise READ to run on another thread (``NixlTransport.reading``): when it ends it
     says how long its blocks stay held; dropped (its caller cancelled) before it started, it
     never runs and holds them no longer."""
 
-    def __init__(self, transport: NixlTransport, request_id: str, read: Callable[[], T]) -> None:
-        self.transport, self.request_id, self.read = transport, request_id, read
+    def __init__(self, transport: NixlTransport, request_id: str, read: Callable[[], T], says_in_flight: bool) -> None:
+        self.transport, self.request_id, self.read, self.says_in_flight = transport, request_id, read, says_in_flight
         self.lock, self.state = threading.Lock(), "queued"
 
     def __call__(self) -> T:
+        rid, transport = self.request_id, self.transport
         with self.lock:
             if self.state == "dropped":
-                raise KVTransferError("the pull was cancelled before its READ started", self.request_id, "")
+                raise KVTransferError("the pull was cancelled before its READ started", rid, "")
             self.state = "running"
-        ended = False
         try:
             result = self.read()
-            ended = True
-            return result
-        finally:
-            if ended:
-                self.transport._quiet(self.request_id)
+        except BaseException as exc:
+            if self.says_in_flight and not isinstance(exc, _StillPosted):
+                transport._quiet(rid)
             else:
-                self.transport._hold(self.request_id, time.time() + self.transport.timeout_s)
+                transport._hold(rid, time.time() + transport.timeout_s)
+            raise
+        transport._quiet(rid)
+        return result
 
     def drop(self) -> None:
         """Its caller is gone: a READ not started yet never will."""
