@@ -30,6 +30,7 @@ from bench.host import machine, tokenizer
 from bench.report import arguments, cells, command_line, read_json, secs, table, template, write_json, write_page
 from bench.serve import Target
 from bench.serve import client as http_client
+from engine.params import unique_request_id
 from kv_transport.faults import FaultPoints
 from workloads import BenchRequest, PromptBuilder
 
@@ -198,7 +199,8 @@ class Client:
 
     def drawn(self, request_id: str) -> tuple[str, ...]:
         """The probabilistic faults this request id meets (the server draws the same way)."""
-        met = {i for rule in self._points.rules for i, _ in self._points.selected(rule.point, request_id, rule.layer)}
+        served_as = unique_request_id(request_id)  # the id the engines see: the server's draw
+        met = {i for rule in self._points.rules for i, _ in self._points.selected(rule.point, served_as, rule.layer)}
         return tuple(name for i, name in enumerate(self._names) if name is not None and i in met)
 
     async def send(self, p: Planned) -> Outcome:

@@ -678,13 +678,14 @@ class NixlTransport(BaseKVTransport):
         """Staging consumer: copy the written slots into the pool, then free them. Failed or
         cancelled meanwhile, the slots are set aside, and the pool blocks held while a copy on a
         CUDA side stream may still write into them (``kv_transfer_timeout_s``)."""
-        copy = None
+        copy, queued = None, False
         try:
             copy = self.staging.to_pool(staged.slots, staged.block_ids)
+            queued = True
             await staging_mod.wait_copied(copy)
         except BaseException:
             self._free_slots_later(staged.slots)
-            if copy is not None and not copy.query():
+            if not queued or _may_still_copy(copy):  # failed while queueing: part may be queued
                 self._hold(request_id, time.time() + self.timeout_s)
             raise
         self.staging.slots.free(staged.slots)
@@ -898,6 +899,14 @@ class NixlTransport(BaseKVTransport):
         else:
             error = KVTransferError("the producer's push failed", notice.request_id, "producer of push")
             waiter.set_exception(error)
+
+
+def _may_still_copy(copy: staging_mod.CopyEvent | None) -> bool:
+    """A copy's event has not fired (or cannot say: a CUDA error)."""
+    try:
+        return copy is not None and not copy.query()
+    except Exception:
+        return True
 
 
 def _wrote_all(writing: asyncio.Future | None) -> bool:

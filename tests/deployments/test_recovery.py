@@ -29,6 +29,7 @@ import pytest
 from app.config import colocated_app, disagg_app
 from app.settings import AppConfig
 from engine.loader import DEFAULT_MODEL_NAME
+from engine.params import unique_request_id
 from kv_transport.faults import FaultPoints
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
@@ -219,7 +220,10 @@ def _drawn(faults: list[dict], point: str, count: int, prefix: str) -> list[str]
     """Request ids whose 5% draw hits ``point``'s failure (the rule is deterministic per id)."""
     points = FaultPoints(AppConfig.model_validate({"faults": faults}).faults)
     ids = (f"{prefix}{i}" for i in range(10_000))
-    return [rid for rid in ids if any(r.action == "fail" for _, r in points.selected(point, rid))][:count]
+    served = ((rid, unique_request_id(rid)) for rid in ids)  # the engines draw on the id the ingress gives
+    return [rid for rid, engine_id in served if any(r.action == "fail" for _, r in points.selected(point, engine_id))][
+        :count
+    ]
 
 
 def _engine_ids(view: dict | None, deployment: str) -> set[str]:

@@ -256,3 +256,19 @@ def test_a_pull_cancelled_while_its_staged_copy_runs_holds_the_blocks_for_the_co
         assert consumer.staging.slots.num_free == NUM_SLOTS - 2 and len(consumer._slots_later) == 1
         assert torch.equal(dst[:, :, [0, 1]], src[:, :, [2, 3]])  # what the copy wrote (here at once)
         copy.done.set()
+
+
+def test_a_copy_into_the_pool_that_failed_while_queued_holds_the_blocks():
+    """The copy failed part-way through being queued (a CUDA error): copies already queued may
+    still land, so the blocks are held as for a cancel."""
+    with staged_pair("none", "host") as (producer, consumer, *_):
+
+        def failing(slots, block_ids):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        consumer.staging.to_pool = failing
+        handle = producer.export("broken", [2], num_tokens=4, first_token=1)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            asyncio.run(consumer.fetch(handle, [0]))
+        assert consumer.frees_later("broken")
+        assert consumer.staging.slots.num_free == NUM_SLOTS - 1  # set aside too
