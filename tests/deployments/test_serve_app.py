@@ -565,6 +565,9 @@ def test_requests_given_one_client_request_id_each_run_under_it(base_url):
     # its client gone, the id serves again at once, while the first request may still be ending
     again = _post(base_url, "/v1/chat/completions", short, headers=headers)
     assert answer(again) == (200, ["same-0"], "same-0", expected), again.text
+    # an id with spaces, colons and slashes (the KV hand-off's notices carry it, split at their first colon)
+    odd = _post(base_url, "/v1/chat/completions", short, headers={"X-Request-Id": "job 7:a/-1"})
+    assert answer(odd) == (200, ["job 7:a/-1"], "job 7:a/-1", expected), odd.text
 
 
 def test_client_disconnect_frees_blocks_on_both_replicas(served):
