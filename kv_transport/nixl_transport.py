@@ -61,6 +61,7 @@ NOTICE_SEND_WAIT_S = 1.0  # bounds finish_push's wait for a notice another threa
 # a push's blocks are reused this long after its destination expires: a producer posts no WRITE
 # after the expiry, and one posted just before has landed by then
 LATE_WRITE_MARGIN_S = 1.0
+HEAD_THREADS = 16  # head-wise transfers of one transport at once (one thread each)
 
 T = TypeVar("T")
 
@@ -157,6 +158,9 @@ class NixlTransport(BaseKVTransport):
         self._landing: dict[str, float] = {}
         self._freeing: dict[str, float] = {}  # freed (``release_blocks``) at that time
         self._held_lock = threading.Lock()  # the two change together on several threads
+        # head-wise transfers block a thread each, up to a timeout when a peer hangs: their own
+        # threads, so they cannot starve the replica's other ones (asyncio's default pool)
+        self._head_threads = concurrent.futures.ThreadPoolExecutor(HEAD_THREADS, f"kv-heads-{engine_id}")
         self._release_blocks: ReleaseBlocks | None = None
         self._pool: torch.Tensor | None = None
         self._reg_descs = None
@@ -208,6 +212,7 @@ class NixlTransport(BaseKVTransport):
         if self._closed:
             return
         self._closed = True
+        self._head_threads.shutdown(wait=False, cancel_futures=True)
         self._worker.stop()
         self._registry.remove(self.engine_id, self.incarnation)
         with self._lock:
@@ -314,7 +319,7 @@ class NixlTransport(BaseKVTransport):
         heads = range(self.layout.num_kv_heads)
         read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads), True)
         try:
-            num_bytes, num_rows = await asyncio.to_thread(read)
+            num_bytes, num_rows = await self._on_head_thread(read)
         except asyncio.CancelledError:  # the thread READs on, unless it had not started
             read.drop()
             raise
@@ -360,6 +365,9 @@ class NixlTransport(BaseKVTransport):
         waits for each READ before the next), so its other failures free the blocks at once."""
         self._landing[handle.request_id] = handle.expires_at + self.timeout_s + LATE_WRITE_MARGIN_S
         return _Reading(self, handle.request_id, read, says_in_flight)
+
+    async def _on_head_thread(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._head_threads, fn)
 
     def _own_info(self) -> PoolInfo:
         return PoolInfo(self.layout, self._geometry.bases[0], self._num_blocks, self._device_id)
@@ -484,7 +492,10 @@ class NixlTransport(BaseKVTransport):
             heads = range(self.layout.num_kv_heads)
 
             async def write(block_ids: list[int]) -> list[int]:
-                return [(await asyncio.to_thread(self.push_heads, head_push.destination, block_ids, heads, 0, me))[0]]
+                num_bytes, _ = await self._on_head_thread(
+                    lambda: self.push_heads(head_push.destination, block_ids, heads, 0, me)
+                )
+                return [num_bytes]
 
             return await self.finish_heads(head_push, first_token, first_logprobs, write)
         push = self._push_out.pop(request_id)

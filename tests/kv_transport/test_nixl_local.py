@@ -353,6 +353,8 @@ def _gated_head_wise_pull(consumer: NixlTransport, handle, blocks: list[int]):
     gate, inside, real = threading.Event(), threading.Event(), consumer.fetch_heads
 
     def gated(*args):
+        # the transport's own threads: a hung peer cannot starve the replica's default pool
+        assert threading.current_thread().name.startswith(f"kv-heads-{consumer.engine_id}")
         inside.set()
         assert gate.wait(15)
         return real(*args)
