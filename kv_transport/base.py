@@ -59,6 +59,11 @@ class KVTransferTimeout(KVTransferError):
     """No completion within ``kv_transfer_timeout_s`` (peer dead, slow, or gone)."""
 
 
+class ReadStillPosted(KVTransferTimeout):
+    """A READ's wait timed out with the READ still posted: it may land yet, so the blocks it
+    reads into stay held (``NixlTransport.reading``)."""
+
+
 class StalePeerError(KVTransferError):
     """The handle names an engine incarnation the registry does not hold (restarted or stopped)."""
 

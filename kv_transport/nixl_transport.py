@@ -42,6 +42,7 @@ from kv_transport.base import (
     LayerTiming,
     LayoutMismatchError,
     PushCompletion,
+    ReadStillPosted,
     ReleaseBlocks,
     StalePeerError,
     TransferStats,
@@ -350,7 +351,7 @@ class NixlTransport(BaseKVTransport):
                 try:
                     _wait_done(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)
                 except KVTransferTimeout as exc:
-                    raise _StillPosted(exc.message, rid, source.engine_id) from None
+                    raise ReadStillPosted(exc.message, rid, source.engine_id) from None
             num_bytes, num_rows = num_bytes + int(local[:, 1].sum()), num_rows + len(local)
         _check_lease(handle, "during the READ")
         return num_bytes, num_rows
@@ -361,8 +362,8 @@ class NixlTransport(BaseKVTransport):
         may be cancelled while the thread goes on) until it ends, or, ended unfinished (a READ
         whose wait timed out may still land), ``kv_transfer_timeout_s`` later. A bound covers a
         thread that never ends: the lease, then one more timeout. ``says_in_flight``: ``read``
-        leaves a READ in flight only when it raises ``_StillPosted`` (as ``fetch_heads``: it
-        waits for each READ before the next), so its other failures free the blocks at once."""
+        leaves a READ in flight only when it raises ``ReadStillPosted`` (as ``fetch_heads``: it
+        waits for each READ before the next), so its other ``KVTransferError``s free the blocks at once."""
         self._landing[handle.request_id] = handle.expires_at + self.timeout_s + LATE_WRITE_MARGIN_S
         return _Reading(self, handle.request_id, read, says_in_flight)
 
@@ -930,10 +931,6 @@ def _wrote_all(writing: asyncio.Future | None) -> bool:
     return min(writing.result(), default=0) >= 0
 
 
-class _StillPosted(KVTransferTimeout):
-    """A READ's wait timed out with the READ still posted: it may land yet."""
-
-
 class _Reading(Generic[T]):
     """A head-wise READ to run on another thread (``NixlTransport.reading``): when it ends it
     says how long its blocks stay held; dropped (its caller cancelled) before it started, it
@@ -952,7 +949,8 @@ class _Reading(Generic[T]):
         try:
             result = self.read()
         except BaseException as exc:
-            if self.says_in_flight and not isinstance(exc, _StillPosted):
+            settled = isinstance(exc, KVTransferError) and not isinstance(exc, ReadStillPosted)
+            if self.says_in_flight and settled:
                 transport._quiet(rid)
             else:
                 transport._hold(rid, time.time() + transport.timeout_s)

@@ -27,6 +27,7 @@ cost: ``docs/benchmarks/tensor_parallel.md``); the descriptors: ``kv_transport.h
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,14 @@ import torch
 
 from engine.params import TokenLogprobs
 from engine.tensor_parallel import shard_for
-from kv_transport.base import BaseKVTransport, KVTransferError, PushCompletion, ReleaseBlocks, TransferStats
+from kv_transport.base import (
+    BaseKVTransport,
+    KVTransferError,
+    PushCompletion,
+    ReadStillPosted,
+    ReleaseBlocks,
+    TransferStats,
+)
 from kv_transport.config import TransportConfig
 from kv_transport.handle import KVDestination, KVHandle, RankPeer
 from kv_transport.heads import HeadPush
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
     from engine.tensor_parallel import RankGroup
     from engine.tp_worker import Leader
     from kv_transport.nixl_transport import NixlTransport
+
+logger = logging.getLogger(__name__)
 
 PEER_KEY = "kv-peer/{rank}"
 
@@ -84,11 +94,35 @@ class _RankTransport:
         if isinstance(command, PushHeads):
             args = (command.destination, list(command.block_ids), self.heads, self.rank, command.producers)
             return self.transport.push_heads(*args)[0]
-        args = (command.handle, list(command.block_ids), command.skip_blocks, self.heads, self.rank)
-        return self.transport.fetch_heads(*args)[0]
+        return read_heads(self.transport, command, self.heads, self.rank)
 
     def close(self) -> None:
         self.transport.close()
+
+
+STILL_POSTED = -2  # a rank's answer to FetchHeads: failed with a READ still posted (it may land)
+
+
+def read_heads(transport: NixlTransport, command: FetchHeads, heads: range, rank: int) -> int:
+    """One rank's share of a ``FetchHeads``: its bytes, or ``STILL_POSTED`` (other failures raise:
+    the rank answers -1, and nothing of its READs can land any more)."""
+    args = (command.handle, list(command.block_ids), command.skip_blocks, heads, rank)
+    try:
+        return transport.fetch_heads(*args)[0]
+    except ReadStillPosted as exc:
+        logger.warning("tensor-parallel rank %d: %s", rank, exc)
+        return STILL_POSTED
+
+
+def checked_reads(counts: list[int], request_id: str) -> list[int]:
+    """Every rank's answer to a ``FetchHeads``, or the error that says whether a READ may still land."""
+    failed = [rank for rank, count in enumerate(counts) if count < 0]
+    if not failed:
+        return counts
+    message = f"tensor-parallel ranks {failed} could not read their KV"
+    if STILL_POSTED in counts:  # rank 0's transport holds the blocks until it cannot land
+        raise ReadStillPosted(message + " (a READ may still land)", request_id, "?")
+    raise KVTransferError(message, request_id, "?")
 
 
 @dataclass(frozen=True)
@@ -144,16 +178,10 @@ class ShardedTransport(BaseKVTransport):
     async def fetch(self, handle: KVHandle, local_block_ids: list[int], skip_blocks: int = 0) -> TransferStats:
         start = time.perf_counter()
         command = FetchHeads(handle, tuple(local_block_ids), skip_blocks)
-        own: Callable[[], int] = lambda: self.inner.fetch_heads(handle, local_block_ids, skip_blocks, self.heads)[0]  # noqa: E731
-
-        def every_rank() -> list[int]:  # runs on the engine thread even if this call is cancelled
-            counts = self.leader.command(command, own)
-            failed = [rank for rank, count in enumerate(counts) if count < 0]
-            if failed:  # a rank's READ that timed out may still land: rank 0's transport holds the blocks
-                raise KVTransferError(f"tensor-parallel ranks {failed} could not read their KV", handle.request_id, "?")
-            return counts
-
-        read = self.inner.reading(handle, every_rank)
+        own: Callable[[], int] = lambda: read_heads(self.inner, command, self.heads, 0)  # noqa: E731
+        # on the engine thread, even if this call is cancelled
+        every_rank = lambda: checked_reads(self.leader.command(command, own), handle.request_id)  # noqa: E731
+        read = self.inner.reading(handle, every_rank, says_in_flight=True)
         try:
             counts = await self.engine.run(read)
         except asyncio.CancelledError:  # the command still runs on the engine thread, unless dropped first

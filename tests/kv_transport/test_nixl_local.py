@@ -15,13 +15,14 @@ import torch
 
 from engine.kv_pool import KVLayout
 from engine.params import TokenLogprobs
-from kv_transport.base import KVTransferError, KVTransferTimeout, LayoutMismatchError, StalePeerError
+from kv_transport.base import KVTransferError, KVTransferTimeout, LayoutMismatchError, ReadStillPosted, StalePeerError
 from kv_transport.faults import FaultPoints
 from kv_transport.handle import RankPeer
 from kv_transport.heads import HeadPush
 from kv_transport.nixl_transport import LATE_WRITE_MARGIN_S, NixlTransport, _PushOut
 from kv_transport.notices import PushDoneNotice, PushFailedNotice
 from kv_transport.registry import LocalPeerRegistry
+from kv_transport.sharded import STILL_POSTED, FetchHeads, checked_reads, read_heads
 from tests.kv_transport.pairs import transport_pair
 from tests.waiting import CallRecorder, wait_until
 
@@ -488,3 +489,21 @@ def test_a_head_wise_push_cancelled_twice_ends_cancelled_and_says_a_write_may_la
         gate.set()
 
     asyncio.run(run())
+
+
+def test_a_tensor_parallel_rank_says_when_its_read_may_still_land():
+    """A rank's answer to rank 0's read command tells a READ still posted (its wait timed out)
+    from a failure with nothing in flight, so rank 0's transport holds the blocks only then."""
+    with _pair(SHORT_LEASE_S) as (producer, consumer, *_):
+        handle = producer.export("ranked", [2], num_tokens=4, first_token=1)
+        stale = FetchHeads(handle.model_copy(update={"incarnation": "gone"}), (0,), 0)
+        with pytest.raises(StalePeerError):  # the rank's worker answers -1 for it
+            read_heads(consumer, stale, range(2), rank=1)
+        consumer._worker.read_inline = lambda *args: concurrent.futures.Future()  # posted, never completes
+        assert read_heads(consumer, FetchHeads(handle, (0,), 0), range(2), rank=1) == STILL_POSTED
+    assert checked_reads([64, 64], "r") == [64, 64]
+    with pytest.raises(ReadStillPosted, match=r"ranks \[1\] could not read their KV \(a READ may still land\)"):
+        checked_reads([64, STILL_POSTED], "r")
+    with pytest.raises(KVTransferError, match=r"ranks \[0\] could not read") as failed:
+        checked_reads([-1, 64], "r")
+    assert not isinstance(failed.value, ReadStillPosted)
