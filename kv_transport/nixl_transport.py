@@ -301,7 +301,8 @@ class NixlTransport(BaseKVTransport):
         local = self._geometry.descs([(d, n) for _, d, n in runs])
         start = time.perf_counter()
         if runs:  # none: every block was in this replica's prefix cache
-            done = self._worker.read_inline(local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid)
+            posted = (local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid, handle.expires_at)
+            done = self._worker.read_inline(*posted)
             if not isinstance(done, tuple):  # still in flight: the progress thread completes it
                 timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
                 try:
@@ -321,7 +322,7 @@ class NixlTransport(BaseKVTransport):
         read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads), True)
         try:
             num_bytes, num_rows = await self._on_head_thread(read)
-        except asyncio.CancelledError:  # the thread READs on, unless it had not started
+        except BaseException:  # cancelled (the thread READs on, unless it had not started), or closed
             read.drop()
             raise
         self.give_back(handle)
@@ -346,7 +347,9 @@ class NixlTransport(BaseKVTransport):
             if not len(local):
                 continue
             _check_lease(handle, "before the READ")  # a handshake may have taken a while
-            done = self._worker.read_inline(local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid)
+            done = self._worker.read_inline(
+                local, remote, peer.agent_name, source.engine_id, peer.info.mem_type, rid, handle.expires_at
+            )
             if not isinstance(done, tuple):
                 try:
                     _wait_done(done, max(0.0, min(self.timeout_s, handle.seconds_left())), rid, source.engine_id)

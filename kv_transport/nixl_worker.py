@@ -100,7 +100,7 @@ class Post:
     future: concurrent.futures.Future
     posted_at: PostedAt | None = None  # set when posted
     event: LayerEvent | None = None  # CUDA: post only once this event has completed
-    deadline: float | None = None  # unix s: a WRITE not posted by then fails (its consumer may reuse the blocks)
+    deadline: float | None = None  # unix s: not posted by then, it fails (the blocks may be reused)
 
 
 class PostQueue:
@@ -225,13 +225,15 @@ class NixlWorker:
         peer_engine: str,
         remote_mem_type: str,
         request_id: str,
+        deadline: float | None = None,
     ) -> tuple[str, float] | concurrent.futures.Future:
         """Post a READ from the calling thread (see the module docstring) and poll it a little.
 
         Returns ``(state, done time)`` when it ended here, else a future that the progress
         thread completes as ``post``'s (also when that thread is busy and the READ is queued
-        for it). Nothing is allocated for a READ that ends here, and its handle is released
-        by the progress thread: this is a pull's critical path.
+        for it: then it is not posted after ``deadline``, the lease's end, when the caller has
+        stopped holding the blocks it lands in). Nothing is allocated for a READ that ends here,
+        and its handle is released by the progress thread: this is a pull's critical path.
         """
         self.bind_cuda()
         # keep posting order; wait out a polling round, never a long post of the progress thread
@@ -245,6 +247,7 @@ class NixlWorker:
                 remote_mem_type,
                 request_id,
                 concurrent.futures.Future(),
+                deadline=deadline,
             )
             return self.post(post)
         try:
@@ -411,7 +414,8 @@ class NixlWorker:
         """Post one transfer (``self.lock`` held); one that UCX finished within the post
         completes its future here, any other joins the in-flight list."""
         if post.deadline is not None and time.time() >= post.deadline:
-            expired = KVTransferTimeout("its destination expired before the post", post.request_id, post.peer_engine)
+            what = "lease" if post.op == "READ" else "destination"
+            expired = KVTransferTimeout(f"its {what} expired before the post", post.request_id, post.peer_engine)
             post.future.set_exception(expired)
             return
         if post.posted_at is not None:

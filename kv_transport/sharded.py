@@ -26,7 +26,6 @@ cost: ``docs/benchmarks/tensor_parallel.md``); the descriptors: ``kv_transport.h
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -184,7 +183,7 @@ class ShardedTransport(BaseKVTransport):
         read = self.inner.reading(handle, every_rank, says_in_flight=True)
         try:
             counts = await self.engine.run(read)
-        except asyncio.CancelledError:  # the command still runs on the engine thread, unless dropped first
+        except BaseException:  # cancelled: the command still runs on the engine thread, unless dropped first
             read.drop()
             raise
         self.inner.give_back(handle)  # every rank has its heads: the producer may free the blocks

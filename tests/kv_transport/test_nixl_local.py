@@ -507,3 +507,35 @@ def test_a_tensor_parallel_rank_says_when_its_read_may_still_land():
     with pytest.raises(KVTransferError, match=r"ranks \[0\] could not read") as failed:
         checked_reads([-1, 64], "r")
     assert not isinstance(failed.value, ReadStillPosted)
+
+
+def test_a_read_queued_behind_the_progress_thread_is_not_posted_after_the_lease(pair):
+    """A READ the calling thread could not post (the progress thread held the agent) waits in
+    its queue: past the handle's lease it fails instead of landing in blocks that its caller,
+    whose wait timed out, no longer holds."""
+    producer, consumer, _, dst, _, _ = pair
+    handle = producer.export("queued", [2], num_tokens=4, first_token=1)
+    peer = consumer._peer(producer.engine_id, producer.incarnation, "queued")
+    local, remote = consumer._geometry.descs([(0, 1)]), peer.geometry.descs([(2, 1)])
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_agent() -> None:  # as the progress thread does while it posts
+        with consumer._worker.lock:
+            holding.set()
+            release.wait(15)
+
+    holder = threading.Thread(target=hold_the_agent)
+    holder.start()
+    assert holding.wait(15)
+    try:
+        done = consumer._worker.read_inline(
+            local, remote, peer.agent_name, producer.engine_id, peer.info.mem_type, "queued", time.time() - 1.0
+        )
+    finally:
+        release.set()
+        holder.join()
+    assert isinstance(done, concurrent.futures.Future)  # queued for the progress thread
+    with pytest.raises(KVTransferTimeout, match="its lease expired before the post .request queued"):
+        done.result(15)
+    assert torch.all(dst[:, :, 0] == -1)
+    assert handle.request_id == "queued"
