@@ -301,15 +301,16 @@ class NixlTransport(BaseKVTransport):
         local = self._geometry.descs([(d, n) for _, d, n in runs])
         start = time.perf_counter()
         if runs:  # none: every block was in this replica's prefix cache
-            posted = (local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid, handle.expires_at)
-            done = self._worker.read_inline(*posted)
+            done = self._worker.read_inline(
+                local, remote, peer.agent_name, peer_id, peer.info.mem_type, rid, handle.expires_at
+            )
             if not isinstance(done, tuple):  # still in flight: the progress thread completes it
                 timeout = max(0.0, min(self.timeout_s, handle.seconds_left()))
                 try:
                     await self._await_xfer(done, timeout, rid, peer_id, "READ")
                 except BaseException:
                     if not done.done():  # it may still land in ``targets``: until it ends, or the timeout
-                        self._landing[rid] = time.time() + self.timeout_s
+                        self._hold(rid)
                         done.add_done_callback(lambda _: self._quiet(rid))
                     raise
             _check_lease(handle, "during the READ")  # the producer may have reused the blocks
@@ -319,7 +320,9 @@ class NixlTransport(BaseKVTransport):
         """A pull from a producer of another tensor-parallel degree (this engine has one rank)."""
         start = time.perf_counter()
         heads = range(self.layout.num_kv_heads)
-        read = self.reading(handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads), True)
+        read = self.reading(
+            handle, lambda: self.fetch_heads(handle, local_block_ids, skip_blocks, heads), says_in_flight=True
+        )
         try:
             num_bytes, num_rows = await self._on_head_thread(read)
         except BaseException:  # cancelled (the thread READs on, unless it had not started), or closed
@@ -701,7 +704,7 @@ class NixlTransport(BaseKVTransport):
         except BaseException:
             self._free_slots_later(staged.slots)
             if not queued or _may_still_copy(copy):  # failed while queueing: part may be queued
-                self._hold(request_id, time.time() + self.timeout_s)
+                self._hold(request_id)
             raise
         self.staging.slots.free(staged.slots)
 
@@ -864,8 +867,10 @@ class NixlTransport(BaseKVTransport):
             self._freeing[request_id] = until
             return True
 
-    def _hold(self, request_id: str, until: float) -> None:
-        """Nothing lands in the request's blocks after ``until`` (unix time)."""
+    def _hold(self, request_id: str) -> None:
+        """A transfer that ended unfinished may still write into the request's blocks: held for
+        ``kv_transfer_timeout_s`` from now (or until ``_quiet``)."""
+        until = time.time() + self.timeout_s
         with self._held_lock:
             if request_id in self._freeing:
                 self._freeing[request_id] = until
@@ -956,7 +961,7 @@ class _Reading(Generic[T]):
             if self.says_in_flight and settled:
                 transport._quiet(rid)
             else:
-                transport._hold(rid, time.time() + transport.timeout_s)
+                transport._hold(rid)
             raise
         transport._quiet(rid)
         return result
