@@ -70,8 +70,10 @@ class EngineActor:
         await self.link.abort(request_id)
 
     def set_faults(self, delay_s=None, fail=(), drop_release=False):
+        """New rules; the delays in progress under the old ones end now (``FaultPoints.cut_delays``)."""
         from kv_transport.faults import FaultPoints
 
+        self.link.transport.faults.cut_delays()
         self.link.transport.faults = FaultPoints.of(delay_s, fail, drop_release)
 
     def set_timeout(self, timeout_s: float) -> None:

@@ -11,7 +11,7 @@ completed, its call's reply not sent yet: the crash comes 2 s later, time for th
 replica to start streaming; ``deployments.server.AFTER_PUSH_CRASH_S``),
 ``mid_decode`` (a decode stream has sent ``after_tokens`` tokens).
 
-Actions: ``delay`` (sleep ``seconds`` there), ``fail`` (raise ``KVTransferError``), ``drop``
+Actions: ``delay`` (wait ``seconds`` there, or until ``cut_delays``), ``fail`` (raise ``KVTransferError``), ``drop``
 (``release`` only: the notice is not sent, so the producer frees the blocks when
 ``kv_transfer_timeout_s`` runs out), ``crash`` (the replica's process ends at once, as a
 ``kill -9`` would). Selection: ``probability`` decides once per request (a seeded hash of
@@ -25,11 +25,12 @@ replica gives).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import signal
-import time
+import threading
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -98,6 +99,15 @@ class FaultPoints:
         self.rules = tuple(rules)
         self.seed = seed
         self.crash_gate = crash_gate
+        self._cut = threading.Event()  # set: delays end (on threads: ``hit``)
+        self._waking: set[asyncio.Future] = set()  # the delays in progress on event loops (``hit_async``)
+
+    def cut_delays(self) -> None:
+        """End the delays in progress and any later one: for an actor whose rules are replaced
+        (a test holds a transfer until it has set the scene). Safe from any thread."""
+        self._cut.set()
+        for waking in list(self._waking):
+            waking.get_loop().call_soon_threadsafe(_wake, waking)
 
     @classmethod
     def of(
@@ -135,14 +145,25 @@ class FaultPoints:
         """Apply the faults at ``point`` (a delay blocks: for the engine thread)."""
         for index, rule in self.selected(point, request_id, layer):
             if rule.action == "delay":
-                time.sleep(rule.seconds)
+                self._cut.wait(rule.seconds)
             self._act(index, rule, point, request_id, peer)
 
     async def hit_async(self, point: str, request_id: str, peer: str) -> None:
         for index, rule in self.selected(point, request_id):
             if rule.action == "delay":
-                await asyncio.sleep(rule.seconds)
+                await self._delay(rule.seconds)
             self._act(index, rule, point, request_id, peer)
+
+    async def _delay(self, seconds: float) -> None:
+        waking = asyncio.get_running_loop().create_future()
+        self._waking.add(waking)
+        if self._cut.is_set():  # cut before, or while it was being added
+            _wake(waking)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waking, seconds)
+        finally:
+            self._waking.discard(waking)
 
     def drops(self, point: str, request_id: str) -> bool:
         """Whether a notice at ``point`` is to be left out for this request (crashing first if asked)."""
@@ -166,6 +187,11 @@ class FaultPoints:
             raise KVTransferError(f"injected failure at {point}", request_id, peer)
         if rule.action == "crash" and self._granted(index, rule):
             crash_now(point, request_id)
+
+
+def _wake(waking: asyncio.Future) -> None:
+    if not waking.done():
+        waking.set_result(None)
 
 
 NO_FAULTS = FaultPoints()

@@ -34,8 +34,8 @@ LAYERS = 3
 BLOCK_BYTES = 16 * 2 * 16 * 4  # one layer's K (or V) of one block: 16 tokens x 2 heads x 16 x float32
 ENGINE = {"max_model_len": 1024, "kv_cache_bytes": 4 << 20}  # the tiny model's context; 341 blocks
 HOLD_S = 1.5  # how long a request must stay held on a full decode pool (its lease is TIMEOUT_S)
-# a fetch held before its READ: its producer is killed, and seen dead, within it (seconds on a loaded machine)
-FETCH_HELD_S = 10.0
+# a fetch held before its READ until its producer is seen dead (the delay is cut then; this bounds it)
+FETCH_HELD_S = TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -306,15 +306,19 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
     handshakes = ray.get(decode.num_handshakes.remote())
     request = _request("killed", 0, prompts[5])
     _, handle = ray.get(victim.prefill_pull.remote(request))
-    with _transport_timeout(SHORT_TIMEOUT_S, decode), _faults(decode, delay_s={"fetch": FETCH_HELD_S}):
-        fetching = decode.decode_pull.remote(request, handle)
-        # blocks reserved: the fetch has begun and is held in its fault delay, before the READ
-        _wait_for(
-            decode, "decode reserving blocks for the fetch", lambda s: s.num_reserved_blocks == len(handle.block_ids)
-        )
-        ray.kill(victim)  # asynchronous: a call made just after it may still be answered
-        wait_until(lambda: _gone(victim), TIMEOUT_S, "the killed producer to refuse calls")
-        assert not ray.wait([fetching], timeout=0)[0], "the fetch ended before its producer died"
+    with _transport_timeout(SHORT_TIMEOUT_S, decode):
+        with _faults(decode, delay_s={"fetch": FETCH_HELD_S}):
+            fetching = decode.decode_pull.remote(request, handle)
+            # blocks reserved: the fetch has begun and is held in its fault delay, before the READ
+            _wait_for(
+                decode,
+                "decode reserving blocks for the fetch",
+                lambda s: s.num_reserved_blocks == len(handle.block_ids),
+            )
+            ray.kill(victim)  # asynchronous: a call made just after it may still be answered
+            wait_until(lambda: _gone(victim), TIMEOUT_S, "the killed producer to refuse calls")
+            assert not ray.wait([fetching], timeout=0)[0], "the fetch ended before its producer died"
+        # the faults cleared: the held fetch goes on to its READ, from a dead producer
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(fetching, timeout=TIMEOUT_S)  # ends: a fetch from a dead peer does not hang
         assert isinstance(info.value.cause, KVTransferError), info.value

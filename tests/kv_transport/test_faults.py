@@ -63,6 +63,24 @@ def test_prefix_layer_and_actions():
     assert not NO_FAULTS and points
 
 
+def test_cut_delays_ends_the_delays_in_progress_and_later_ones():
+    """An hour's delay on the event loop and one on a thread both end when the rules are cut,
+    and a delay hit after the cut does not wait; each is bounded here only against a hang."""
+    points = FaultPoints([FaultRule(point="fetch", action="delay", seconds=3600)])
+
+    async def scenario() -> None:
+        on_loop = asyncio.ensure_future(points.hit_async("fetch", "r-1", "peer"))
+        on_thread = asyncio.ensure_future(asyncio.to_thread(points.hit, "fetch", "r-2", "peer"))
+        await asyncio.sleep(0)
+        assert points._waking and not on_loop.done()  # waiting
+        points.cut_delays()
+        await asyncio.wait_for(asyncio.gather(on_loop, on_thread), 60)
+        await asyncio.wait_for(points.hit_async("fetch", "r-3", "peer"), 60)
+        assert not points._waking
+
+    asyncio.run(scenario())
+
+
 def test_a_crash_asks_its_gate_first():
     asked = []
 
