@@ -47,7 +47,9 @@ def encode_prompt(
             items, tools=tools or None, chat_template=chat_template, tokenize=True, **options
         )
         return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
-    if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if (negative := next((t for t in items if t < 0), None)) is not None:
+            raise ValueError(f"prompt: token ids are non-negative integers, got {negative}")
         return items
     raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 

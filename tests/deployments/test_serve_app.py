@@ -380,6 +380,7 @@ def test_json_schema_and_penalties_across_paths(base_url):
         (CHAT, {"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
         (COMPLETIONS, {**TEXT, "prompt": [1, 2, 10**6]}, 400, "prompt", "token id 1000000 is out of vocabulary"),
         (COMPLETIONS, {**TEXT, "prompt": ["a", [1, 10**6]]}, 400, "prompt.1", "prompt.1: token id 1000000 is out of"),
+        (COMPLETIONS, {**TEXT, "prompt": ["a", [1, -1]]}, 400, "prompt.1", "prompt.1: token ids are non-negative"),
         (COMPLETIONS, {**TEXT, "prompt": ["a"] * 9, "n": 8}, 400, "prompt", "9 prompts x n=8 is over 64 choices"),
         (COMPLETIONS, {**TEXT, "prompt": []}, 400, "prompt", "empty"),
         (COMPLETIONS, json.dumps({**TEXT, "prompt": "a\ud800"}), 400, "prompt", "lone surrogate (\\ud800)"),

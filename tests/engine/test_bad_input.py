@@ -77,6 +77,8 @@ def test_empty_or_wrong_prompt(smol, make_engine):
         GenerationRequest("r", ())
     with pytest.raises(ValueError, match="prompt must be"):
         core.make_request([1.5, 2])
+    with pytest.raises(ValueError, match="^prompt: token ids are non-negative integers, got -3$"):
+        core.make_request([1, -3])
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         core.make_request([{"role": "user"}])
 
