@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from ray.serve.context import _RequestContext, _serve_request_context
 
+import deployments.controller
 from app.settings import AppConfig
 from autoscaling.messages import IngressReport, LatencySample, PoolTarget, ReplicaReport, ReportAnswer, RoutingPlan
 from deployments.build import build_disagg
@@ -78,10 +78,17 @@ def test_report_tick_sync_and_view():
     assert controller.state.lent == frozenset()
 
 
-def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_leaves_at_once():
+def test_wall_clock_reads_an_instant_of_the_monotonic_clock_on_the_wall_clock():
+    """The wall clock read just before and just after brackets it (only a wall-clock step between could break it)."""
+    before, now, after = time.time(), deployments.controller.wall_clock(time.monotonic()), time.time()
+    assert before - 1e-3 <= now <= after + 1e-3
+
+
+def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_leaves_at_once(monkeypatch):
     """Both pools' targets come from the tick's one decision and go back in each replica's
     report answer (the replica relays its own pool's to Serve), with the decision's time. The
     view counts a tensor-parallel pool's GPUs: replicas x ranks x GPUs per rank."""
+    monkeypatch.setattr(deployments.controller, "wall_clock", lambda monotonic_s: 1e9 + monotonic_s)  # exact
     tp_decode = {"decode.tensor_parallel_size": "2", "decode.num_gpus": "1"}
     controller = AutoscalerController(AppConfig.load(tp_decode, environ={}))
     delay = controller.policy.scaling.scale_up_delay_s
@@ -93,17 +100,16 @@ def test_replica_counts_are_relayed_in_report_answers_and_a_stopping_replica_lea
         await report("p0", Role.PREFILL)
         await report("d0", Role.DECODE, decoding=14)  # 14 decoding, target 6 per replica: needs 3
         start = time.monotonic()
-        before = time.time()
         controller.tick(start)
         first = (await report("d0", Role.DECODE, decoding=14)).target
         assert first is not None and first.num_replicas == 1
-        assert before - 0.5 <= first.seq <= time.time()  # the decision's wall-clock time
+        assert first.seq == 1e9 + start  # the decision's wall-clock time
         later = start + delay + 0.5
         controller._reports = {k: (later, load) for k, (_, load) in controller._reports.items()}  # reported since
         controller.tick(later)
         answer = await report("d0", Role.DECODE, decoding=14)
         assert answer.target == PoolTarget(num_replicas=3, seq=answer.target.seq)
-        assert answer.target.seq - first.seq == pytest.approx(delay + 0.5, abs=0.25)  # the instants of the decisions
+        assert answer.target.seq == 1e9 + later  # the instant of the second decision
         assert controller.scale_state.decided_at == later
         assert (await report("p0", Role.PREFILL)).target == PoolTarget(1, answer.target.seq)  # from the same decision
         view = (await controller.view())["scaling"]
