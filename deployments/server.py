@@ -230,7 +230,9 @@ class EngineServer:
         """Serve's graceful stop (scale-down, redeploy, shutdown) calls this once the replica's
         ongoing calls have ended (their decodes finished): return a lent replica home, then
         keep the KV this replica exported until its decode replica fetched it (or its lease
-        ran out), so a scale-down loses nothing; bounded by the transfer timeout."""
+        ran out), so a scale-down loses nothing; bounded by the transfer timeout. Then the
+        transport closes: its peer-registry entry goes, so a handle naming this engine is
+        refused as stale (``StalePeerError``) instead of failing its READ."""
         self._stopping = True
         for task in (self._reporter, self._kv_publisher):
             if task is not None:
@@ -240,6 +242,7 @@ class EngineServer:
                 await self._drain()
         finally:
             await self.engine.stop()
+            await self._close_link()
             await asyncio.to_thread(self.core.close)  # a tensor-parallel replica's other ranks
 
     async def _drain(self) -> None:
@@ -265,6 +268,14 @@ class EngineServer:
             await asyncio.to_thread(kv_state.remove, self.engine_id)
         except Exception as exc:  # the cluster going down
             logger.info("stopping: KV state entry not removed (%s)", type(exc).__name__)
+
+    async def _close_link(self) -> None:
+        if self._link is None:
+            return
+        try:
+            await asyncio.to_thread(self._link.close)
+        except Exception as exc:  # the cluster going down: the peer registry out of reach
+            logger.info("stopping: KV transport not closed cleanly (%s)", type(exc).__name__)
 
     async def _report_stopping(self) -> None:
         """Tell the controller at once, so its counts leave this replica out."""

@@ -215,11 +215,13 @@ class NixlTransport(BaseKVTransport):
         self._closed = True
         self._head_threads.shutdown(wait=False, cancel_futures=True)
         self._worker.stop()
-        self._registry.remove(self.engine_id, self.incarnation)
-        with self._lock:
-            if self._reg_descs is not None:
-                self._agent.deregister_memory(self._reg_descs)
-                self._reg_descs = None
+        try:
+            self._registry.remove(self.engine_id, self.incarnation)
+        finally:  # the registry may be gone with the cluster
+            with self._lock:
+                if self._reg_descs is not None:
+                    self._agent.deregister_memory(self._reg_descs)
+                    self._reg_descs = None
 
     def stay_awake(self) -> None:
         """Never poll at the slow idle pace: for a tensor-parallel rank's agent, which serves

@@ -7,8 +7,9 @@ its next one as soon as the last ends, until the pool has shrunk: the target fal
 1 and Serve stops one replica while long requests are in flight by construction. Every
 request completes with the same greedy output as the engine alone (tests/same_output.py's
 rule): Serve drains the stopped replica, then its ``__del__`` keeps exported KV until
-fetched. Where Serve's router places each request is not asserted (it depends on timing).
-Lending is off in this policy (``max_lent: 0``) so only the replica count moves.
+fetched, then closes its KV transport, whose peer-registry entry goes with it. Where Serve's
+router places each request is not asserted (it depends on timing). Lending is off in this
+policy (``max_lent: 0``) so only the replica count moves.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import httpx
 import pytest
 
 from app.config import disagg_app
+from kv_transport.registry import RayPeerRegistry
 from tests.same_output import MIN_COMPARED_TOKENS, GreedyTrace, assert_same_output, engine_text_traces
 from tests.serving import ServeApp
-from tests.waiting import ok_json, wait_until_async
+from tests.waiting import ok_json, wait_until, wait_until_async
 
 LONG_TOKENS = 64
 SHORT_TOKENS = 24
@@ -126,6 +128,13 @@ def _body(model: str, prompt_ids: list[int], max_tokens: int) -> dict:
     }
 
 
+async def _decode_engines(client: httpx.AsyncClient) -> set[str]:
+    """The live decode replicas' engine ids on the KV-state board (``GET /admin/kv``)."""
+    view = ok_json(await client.get("/admin/kv"))
+    replicas = [] if view is None else view["replicas"]
+    return {r["engine_id"] for r in replicas if r["live"] and r["deployment"] == "DecodeServer"}
+
+
 async def _until_set(event: asyncio.Event, send) -> list:
     """``send()`` one request after another until ``event`` is set; every answer, in order."""
     answers = []
@@ -134,7 +143,7 @@ async def _until_set(event: asyncio.Event, send) -> list:
     return answers
 
 
-async def _scenario(base_url: str, prompts) -> tuple[list[int], list[list[httpx.Response]], dict]:
+async def _scenario(base_url: str, prompts) -> tuple[list[int], list[list[httpx.Response]], dict, set[str]]:
     short_ids, long_ids = prompts
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -146,6 +155,12 @@ async def _scenario(base_url: str, prompts) -> tuple[list[int], list[list[httpx.
 
         shorts = [asyncio.create_task(_until_set(load_over, sender(short_ids, SHORT_TOKENS))) for _ in range(NUM_LOAD)]
         await _until(client, "a second decode replica", lambda v: len(_decode_replicas(v)) == 2)
+        engines = await wait_until_async(
+            lambda: _decode_engines(client),
+            VIEW_TIMEOUT_S,
+            "both decode engines on the board",
+            until=lambda e: len(e) == 2,
+        )
         longs = [asyncio.create_task(_until_set(shrunk, sender(ids, LONG_TOKENS))) for ids in long_ids]
         load_over.set()
         short_answers = [r for answers in await asyncio.gather(*shorts) for r in answers]
@@ -155,11 +170,11 @@ async def _scenario(base_url: str, prompts) -> tuple[list[int], list[list[httpx.
         long_answers = await asyncio.gather(*longs)
         # the pool as it stays: a report that comes late reads as a pending replica for a moment
         final = await _until(client, "the decode pool settled at one replica", lambda v: _pool(v) == SETTLED)
-        return [r.status_code for r in short_answers], long_answers, final
+        return [r.status_code for r in short_answers], long_answers, final, engines
 
 
 def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, prompts, base_url):
-    statuses, long_answers, final = asyncio.run(_scenario(base_url, prompts))
+    statuses, long_answers, final, engines = asyncio.run(_scenario(base_url, prompts))
     assert statuses and set(statuses) == {200}
     for prompt, answers in enumerate(long_answers):
         assert answers, f"long prompt {prompt}: no request completed"
@@ -174,3 +189,19 @@ def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, 
     decisions = [(d["action"], d.get("pool"), tuple(d.get("replicas") or ())) for d in final["decisions"]]
     assert ("scale_up", "decode", (1, 2)) in decisions and ("scale_down", "decode", (2, 1)) in decisions
     assert not [d for d in decisions if d[0] in ("lend", "give_up")]
+    # the stopped replica's peer-registry entry is gone (a handle naming it is refused as stale)
+    (left,) = wait_until(
+        lambda: asyncio.run(_decode_engines_now(base_url)),
+        VIEW_TIMEOUT_S,
+        "one decode engine on the board",
+        until=lambda e: len(e) == 1,
+    )
+    (stopped,) = engines - {left}
+    registry = RayPeerRegistry()
+    wait_until(lambda: registry.current(stopped) is None, VIEW_TIMEOUT_S, "the stopped engine's registry entry gone")
+    assert registry.current(left) is not None
+
+
+async def _decode_engines_now(base_url: str) -> set[str]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        return await _decode_engines(client)

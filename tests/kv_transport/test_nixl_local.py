@@ -126,6 +126,30 @@ def test_restarted_producer_is_rehandshaken_and_old_handles_refused(pair):
         restarted.close()
 
 
+def test_a_closed_producer_s_handles_are_refused_as_stale(pair):
+    """A replica's graceful stop closes its transport: the registry entry goes with it."""
+    producer, consumer, *_ = pair
+    handle = producer.export("gone", [0], 2, 1)
+    producer.close()
+    with pytest.raises(StalePeerError, match="engine prod is not in the peer registry"):
+        asyncio.run(consumer.fetch(handle, [0]))
+
+
+class _UnreachableRegistry(LocalPeerRegistry):
+    """The cluster's key-value store gone first (a shutdown): removing an entry fails."""
+
+    def remove(self, engine_id: str, incarnation: str) -> None:
+        raise ConnectionError("GCS unreachable")
+
+
+def test_close_deregisters_the_pool_even_when_the_registry_is_out_of_reach():
+    transport = NixlTransport("lonely", LAYOUT, _UnreachableRegistry())
+    transport.register_pool(_pool(2), lambda rid: None)
+    with pytest.raises(ConnectionError):
+        transport.close()
+    assert transport._reg_descs is None
+
+
 def test_push_writes_layers_and_notifies(pair):
     producer, consumer, src, dst, _, _ = pair
 
