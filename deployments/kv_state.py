@@ -4,7 +4,8 @@ Every replica publishes its ``KVReport`` (taken on its engine thread, invariants
 into Ray's internal key-value store about once a second, keyed by its engine id; the
 ingress reads them all. No call goes to a replica, so a dead or wedged one cannot hold the
 answer up: its entry just ages (``age_s``), is marked not ``live`` after ``LIVE_WITHIN_S``
-and dropped after ``FORGET_AFTER_S``.
+and dropped after ``FORGET_AFTER_S``, with its peer-registry entry (a crashed replica's: a
+graceful stop removes both itself). Replicas sweep for such entries every ``SWEEP_PERIOD_S``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ NAMESPACE = "tandem_kv_state"
 PUBLISH_PERIOD_S = 1.0
 LIVE_WITHIN_S = 5.0  # a replica whose report is older is taken for dead
 FORGET_AFTER_S = 120.0
+SWEEP_PERIOD_S = 60.0
 
 
 def entry(report: KVReport, replica: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +57,17 @@ def remove(engine_id: str) -> None:
     _internal_kv_del(engine_id, namespace=NAMESPACE)
 
 
+def forget(engine_id: str) -> None:
+    """A replica silent for ``FORGET_AFTER_S`` is gone: its entry goes, and its peer-registry
+    entry, so that a handle naming it is refused as stale instead of read from a dead peer."""
+    from kv_transport.registry import RayPeerRegistry
+
+    remove(engine_id)
+    registry = RayPeerRegistry()
+    if (info := registry.current(engine_id)) is not None:
+        registry.remove(engine_id, info.incarnation)
+
+
 def read_all(app: str | None = None) -> list[dict[str, Any]]:
     """Every replica's latest entry (of Serve application ``app``, or all) with ``age_s`` and
     ``live``; entries older than ``FORGET_AFTER_S`` are deleted on the way."""
@@ -70,7 +83,7 @@ def read_all(app: str | None = None) -> list[dict[str, Any]]:
             continue
         age = now - data["published_at"]
         if age > FORGET_AFTER_S:
-            remove(key.decode() if isinstance(key, bytes) else key)
+            forget(key.decode() if isinstance(key, bytes) else key)
             continue
         entries.append({**data, "age_s": round(age, 3), "live": age <= LIVE_WITHIN_S})
     return sorted(entries, key=lambda e: (e["deployment"], e["engine_id"]))

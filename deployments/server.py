@@ -167,6 +167,7 @@ class EngineServer:
         }
         link = await self._started()
         ranks = await asyncio.to_thread(self.core.ranks)  # fixed for the replica's life
+        swept = time.monotonic()
         while True:
             try:
                 report = await self.engine.kv_report()
@@ -176,6 +177,9 @@ class EngineServer:
                          "expired_exports": expired}  # fmt: skip
                 data = kv_state.entry(report, {**replica, **extra})
                 await asyncio.to_thread(kv_state.publish, self.engine_id, data)
+                if time.monotonic() - swept > kv_state.SWEEP_PERIOD_S:
+                    swept = time.monotonic()
+                    await asyncio.to_thread(kv_state.read_all)  # forgets the replicas silent too long
             except Exception as exc:  # the GCS briefly away: the entry ages meanwhile
                 logger.warning("KV state not published: %s", exc)
             await asyncio.sleep(kv_state.PUBLISH_PERIOD_S)
