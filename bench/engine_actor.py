@@ -85,6 +85,11 @@ class EngineActor:
     def last_fetch_bytes(self) -> int:
         return self.link.last_fetch.num_bytes
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def num_handshakes(self) -> int:
         return self.link.transport.num_handshakes
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psutil
 import pytest
 import ray
 import torch
@@ -85,6 +86,15 @@ def _gone(actor) -> bool:
     except ray.exceptions.RayActorError:
         return True
     return False
+
+
+def _exited(pid: int) -> bool:
+    """The process is gone, or a zombie: its memory freed, so nothing can READ from it any more
+    (an actor refuses calls before its process has ended)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _is_idle(stats) -> bool:
@@ -306,6 +316,7 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
     handshakes = ray.get(decode.num_handshakes.remote())
     request = _request("killed", 0, prompts[5])
     _, handle = ray.get(victim.prefill_pull.remote(request))
+    pid = ray.get(victim.pid.remote())
     with _transport_timeout(SHORT_TIMEOUT_S, decode):
         with _faults(decode, delay_s={"fetch": FETCH_HELD_S}):
             fetching = decode.decode_pull.remote(request, handle)
@@ -317,6 +328,7 @@ def test_killed_producer_fails_the_transfer_and_a_restart_is_rehandshaken(actors
             )
             ray.kill(victim)  # asynchronous: a call made just after it may still be answered
             wait_until(lambda: _gone(victim), TIMEOUT_S, "the killed producer to refuse calls")
+            wait_until(lambda: _exited(pid), TIMEOUT_S, "the killed producer's process to end")
             assert not ray.wait([fetching], timeout=0)[0], "the fetch ended before its producer died"
         # the faults cleared: the held fetch goes on to its READ, from a dead producer
         with pytest.raises(ray.exceptions.RayTaskError) as info:
