@@ -4,7 +4,7 @@ Every replica publishes its ``KVReport`` (taken on its engine thread, invariants
 into Ray's internal key-value store about once a second, keyed by its engine id; the
 ingress reads them all. No call goes to a replica, so a dead or wedged one cannot hold the
 answer up: its entry just ages (``age_s``), is marked not ``live`` after ``LIVE_WITHIN_S``
-and dropped after ``FORGET_AFTER_S``, with its peer-registry entry (a crashed replica's: a
+and dropped after ``FORGET_AFTER_S``, with its ranks' peer-registry entries (a crashed replica's: a
 graceful stop removes both itself). Replicas sweep for such entries every ``SWEEP_PERIOD_S``.
 """
 
@@ -57,15 +57,18 @@ def remove(engine_id: str) -> None:
     _internal_kv_del(engine_id, namespace=NAMESPACE)
 
 
-def forget(engine_id: str) -> None:
-    """A replica silent for ``FORGET_AFTER_S`` is gone: its entry goes, and its peer-registry
-    entry, so that a handle naming it is refused as stale instead of read from a dead peer."""
+def forget(engine_id: str, num_ranks: int = 1) -> None:
+    """A replica silent for ``FORGET_AFTER_S`` is gone: its entry goes, and the peer-registry
+    entries of its ranks, so that a handle naming it is refused as stale instead of read from a
+    dead peer."""
     from kv_transport.registry import RayPeerRegistry
+    from kv_transport.sharded import rank_engine_id
 
     remove(engine_id)
     registry = RayPeerRegistry()
-    if (info := registry.current(engine_id)) is not None:
-        registry.remove(engine_id, info.incarnation)
+    for peer_id in (engine_id, *(rank_engine_id(engine_id, rank) for rank in range(1, num_ranks))):
+        if (info := registry.current(peer_id)) is not None:
+            registry.remove(peer_id, info.incarnation)
 
 
 def read_all(app: str | None = None) -> list[dict[str, Any]]:
@@ -83,7 +86,7 @@ def read_all(app: str | None = None) -> list[dict[str, Any]]:
             continue
         age = now - data["published_at"]
         if age > FORGET_AFTER_S:
-            forget(key.decode() if isinstance(key, bytes) else key)
+            forget(key.decode() if isinstance(key, bytes) else key, len(data.get("ranks") or [None]))
             continue
         entries.append({**data, "age_s": round(age, 3), "live": age <= LIVE_WITHIN_S})
     return sorted(entries, key=lambda e: (e["deployment"], e["engine_id"]))
