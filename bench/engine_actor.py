@@ -3,6 +3,8 @@ transport tests and benchmarks (the Serve deployments wrap the same link)."""
 
 from __future__ import annotations
 
+import os
+
 import ray
 
 from bench.host import engine_core
@@ -86,8 +88,6 @@ class EngineActor:
         return self.link.last_fetch.num_bytes
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def num_handshakes(self) -> int:

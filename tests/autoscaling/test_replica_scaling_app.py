@@ -128,11 +128,15 @@ def _body(model: str, prompt_ids: list[int], max_tokens: int) -> dict:
     }
 
 
-async def _decode_engines(client: httpx.AsyncClient) -> set[str]:
-    """The live decode replicas' engine ids on the KV-state board (``GET /admin/kv``)."""
-    view = ok_json(await client.get("/admin/kv"))
+def _decode_engines(kv_answer: httpx.Response) -> set[str]:
+    """The live decode replicas' engine ids on the KV-state board (a ``GET /admin/kv`` answer)."""
+    view = ok_json(kv_answer)
     replicas = [] if view is None else view["replicas"]
     return {r["engine_id"] for r in replicas if r["live"] and r["deployment"] == "DecodeServer"}
+
+
+async def _decode_engines_async(client: httpx.AsyncClient) -> set[str]:
+    return _decode_engines(await client.get("/admin/kv"))
 
 
 async def _until_set(event: asyncio.Event, send) -> list:
@@ -156,7 +160,7 @@ async def _scenario(base_url: str, prompts) -> tuple[list[int], list[list[httpx.
         shorts = [asyncio.create_task(_until_set(load_over, sender(short_ids, SHORT_TOKENS))) for _ in range(NUM_LOAD)]
         await _until(client, "a second decode replica", lambda v: len(_decode_replicas(v)) == 2)
         engines = await wait_until_async(
-            lambda: _decode_engines(client),
+            lambda: _decode_engines_async(client),
             VIEW_TIMEOUT_S,
             "both decode engines on the board",
             until=lambda e: len(e) == 2,
@@ -191,7 +195,7 @@ def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, 
     assert not [d for d in decisions if d[0] in ("lend", "give_up")]
     # the stopped replica's peer-registry entry is gone (a handle naming it is refused as stale)
     (left,) = wait_until(
-        lambda: asyncio.run(_decode_engines_now(base_url)),
+        lambda: _decode_engines(httpx.get(f"{base_url}/admin/kv", timeout=30)),
         VIEW_TIMEOUT_S,
         "one decode engine on the board",
         until=lambda e: len(e) == 1,
@@ -200,8 +204,3 @@ def test_load_raises_the_decode_count_and_a_scale_down_loses_nothing(reference, 
     registry = RayPeerRegistry()
     wait_until(lambda: registry.current(stopped) is None, VIEW_TIMEOUT_S, "the stopped engine's registry entry gone")
     assert registry.current(left) is not None
-
-
-async def _decode_engines_now(base_url: str) -> set[str]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-        return await _decode_engines(client)
